@@ -1,0 +1,37 @@
+# Everything a fresh machine needs: `make run` (server on the bundled demo model), `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# llama-cpp-python compiles llama.cpp (~6 min); the wheel is cached per CPU (it is built with
+# -march=native), outside the repo, so repeated setups and CI on this machine reuse it.
+CPU_TAG := $(shell (uname -m; grep -m1 '^flags' /proc/cpuinfo) | sha256sum | cut -c1-12)
+WHEELS ?= $(HOME)/.cache/ultrafast/wheels/$(CPU_TAG)
+LLAMA_CPP_VERSION := 0.3.36
+
+.PHONY: setup run generate test test-fast clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip wheel
+	$(BIN)/pip install -q torch==2.13.0
+	@mkdir -p $(WHEELS)
+	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
+		$(BIN)/pip wheel --no-deps -w $(WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(BIN)/pip install -q --find-links $(WHEELS) -e '.[test]'
+	touch $@
+
+run: setup
+	$(BIN)/ultrafast generate "def fibonacci(n):" --max-tokens 96 --stats
+
+generate: run
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q tests/unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,22 @@
+"""Style rule 1: core/ and request.py never import torch (checked in a clean interpreter)."""
+
+import subprocess
+import sys
+
+CODE = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == 'torch' or name.startswith('torch.'):
+            raise ImportError('torch is blocked in this test')
+sys.meta_path.insert(0, Block())
+import ultrafast.request, ultrafast.core.types, ultrafast.core.kv_pool, ultrafast.core.scheduler
+assert 'torch' not in sys.modules
+print('ok')
+"""
+
+
+def test_core_imports_without_torch():
+    done = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

@@ -1,0 +1,240 @@
+"""Token-budget continuous batching with service tiers, chunked prefill and preemption.
+
+There are no prefill/decode phases: each request has `num_computed_tokens` and `num_tokens`, and
+every step hands out token counts under one budget. A tier is only the order in which the budget
+is handed out: priority decodes, default decodes, priority prefill chunks, default prefill
+chunks, then flex. A priority request that finds no slot preempts the newest lower-tier request,
+which later recomputes (usually from its own cached prefix) and resumes with no token lost.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from ultrafast.core.kv_pool import KVSlotPool
+from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
+from ultrafast.request import Request, RequestStatus, ServiceTier
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 8  # requests running at once (<= KV slots)
+    max_num_batched_tokens: int = 512  # token budget of one step
+    max_prefill_chunk_tokens: int = 256  # largest prefill chunk one request gets per step
+    max_model_len: int = 2048  # positions per KV slot
+    max_waiting: int = 256  # queued requests over all tiers
+
+    def __post_init__(self) -> None:
+        if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_prefill_chunk_tokens) < 1:
+            raise ValueError("scheduler limits must be >= 1")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (the engine forwards it to the caller)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: KVSlotPool):
+        self.config = config
+        self.pool = pool
+        self.waiting: dict[ServiceTier, collections.deque[Request]] = {
+            tier: collections.deque() for tier in ServiceTier}
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._step_id = 0
+        self._finished_outputs: list[RequestOutput] = []  # aborts, reported on the next update
+
+    # ---- admission -------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.num_waiting or self._finished_outputs)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; the context "
+                             f"limit is {self.config.max_model_len} including the reply")
+        if self.num_waiting >= self.config.max_waiting:
+            raise OverflowError("the waiting queue is full")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting[request.tier].append(request)
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._finished_outputs.append(self._output(request, [], []))
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        self._step_id += 1
+        plan = StepPlan(step_id=self._step_id)
+        self._make_room_for_waiting()
+        budget = self.config.max_num_batched_tokens
+        by_tier = sorted(self.running, key=lambda r: (r.tier, r.arrival_time_s))
+        order = [(ServiceTier.PRIORITY, True), (ServiceTier.DEFAULT, True),
+                 (ServiceTier.PRIORITY, False), (ServiceTier.DEFAULT, False),
+                 (ServiceTier.FLEX, True), (ServiceTier.FLEX, False)]
+        for tier, decoding in order:
+            for request in by_tier:
+                if budget <= 0:
+                    break
+                remaining = request.num_tokens - request.num_computed_tokens
+                if request.tier == tier and (remaining == 1) == decoding:
+                    budget -= self._schedule_chunk(plan, request, budget)
+            if not decoding:
+                budget = self._admit(plan, tier, budget)
+        return plan
+
+    def _make_room_for_waiting(self) -> None:
+        """Preempt lower tiers before anything is scheduled, so their slots are free to take."""
+        num_wanting = 0
+        for tier in (ServiceTier.PRIORITY, ServiceTier.DEFAULT):
+            num_wanting += len(self.waiting[tier])
+            while self._free_capacity() < num_wanting and self._preempt_for(tier):
+                pass
+
+    def _free_capacity(self) -> int:
+        return min(self.config.max_num_seqs - len(self.running), self.pool.num_available)
+
+    def _admit(self, plan: StepPlan, tier: ServiceTier, budget: int) -> int:
+        queue = self.waiting[tier]
+        while queue and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs and not self._preempt_for(tier):
+                break
+            request = queue[0]
+            allocation = self._allocate(request)
+            if allocation is None and self._preempt_for(tier):
+                allocation = self._allocate(request)
+            if allocation is None:
+                break
+            queue.popleft()
+            request.slot_id = allocation.slot_id
+            request.num_computed_tokens = allocation.num_cached_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = allocation.num_cached_tokens
+            if allocation.copy is not None:
+                plan.kv_copies.append(allocation.copy)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            budget -= self._schedule_chunk(plan, request, budget)
+        return budget
+
+    def _allocate(self, request: Request):
+        return self.pool.allocate(request.request_id, request.all_token_ids, request.tenant)
+
+    def _preempt_for(self, tier: ServiceTier) -> bool:
+        """Free a slot for `tier` by preempting the newest running request of a lower tier."""
+        victims = [r for r in self.running if r.tier > tier and not self._in_plan(r)]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda r: (r.tier, r.arrival_time_s))
+        self.running.remove(victim)
+        self.pool.release(victim.slot_id)  # its KV stays cached; it may get it straight back
+        victim.slot_id = None
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.PREEMPTED
+        self.waiting[victim.tier].appendleft(victim)
+        self.num_preemptions += 1
+        return True
+
+    def _in_plan(self, request: Request) -> bool:
+        return getattr(request, "_scheduled_step", -1) == self._step_id
+
+    def _schedule_chunk(self, plan: StepPlan, request: Request, budget: int) -> int:
+        start = request.num_computed_tokens
+        n = min(request.num_tokens - start, budget, self.config.max_prefill_chunk_tokens)
+        if n <= 0:
+            return 0
+        request._scheduled_step = self._step_id  # type: ignore[attr-defined]
+        plan.seqs.append(ScheduledSeq(
+            request_id=request.request_id, slot_id=request.slot_id,
+            token_ids=request.token_slice(start, start + n), start_position=start,
+            num_logits=1 if start + n == request.num_tokens else 0,
+            sampling_params=request.sampling_params, sampling_seed=request.sampling_seed,
+            num_output_tokens=request.num_output_tokens,
+            prompt_token_ids=request.prompt_token_ids, output_token_ids=request.output_token_ids))
+        return n
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        outputs, self._finished_outputs = self._finished_outputs, []
+        for seq in plan.seqs:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            if seq.request_id in result.errors:
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                out = self._output(request, [], [])
+                out.error = result.errors[seq.request_id]
+                outputs.append(out)
+                continue
+            request.num_computed_tokens += seq.num_tokens
+            self.pool.commit(request.slot_id, request.all_token_ids,
+                             request.num_computed_tokens, request.tenant)
+            if not seq.num_logits:
+                continue
+            new_ids = result.sampled_token_ids[seq.request_id][:1]
+            new_logprobs = result.logprobs.get(seq.request_id, [])[:1]
+            request.output_token_ids.extend(new_ids)
+            request.output_logprobs.extend(new_logprobs)
+            status = self._stop_status(request)
+            if status is not None:
+                self._finish(request, status)
+            outputs.append(self._output(request, new_ids, new_logprobs))
+        return outputs
+
+    def _stop_status(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if last in params.stop_token_ids or (not params.ignore_eos
+                                             and last in request.eos_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        if (request.num_output_tokens >= params.max_tokens
+                or request.num_tokens >= self.config.max_model_len):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            queue = self.waiting[request.tier]
+            if request in queue:
+                queue.remove(request)
+        if request.slot_id is not None:
+            self.pool.release(request.slot_id)
+            request.slot_id = None
+        self.requests.pop(request.request_id, None)
+
+    def _output(self, request: Request, new_ids: list[int], new_logprobs: list) -> RequestOutput:
+        finished = request.status.finished
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=list(new_ids),
+            new_logprobs=list(new_logprobs), finished=finished,
+            finish_reason=request.status.value if finished else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=request.num_output_tokens)

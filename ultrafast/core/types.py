@@ -1,0 +1,82 @@
+"""The scheduler/executor contract: StepPlan (what to run) and StepResult (what came out).
+
+Plain dataclasses of ints and lists, so the scheduler can be tested with a fake executor and the
+executor can later live in another process without touching the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ultrafast.request import SamplingParams
+
+
+@dataclass
+class KVCopy:
+    """Copy the first `num_tokens` positions of one slot's KV into another (a prefix-cache hit)."""
+
+    src_slot_id: int  # slot holding the cached prefix
+    dst_slot_id: int  # slot of the request that reuses it
+    num_tokens: int  # positions [0, num_tokens) are copied; dst beyond that is dropped
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step.
+
+    The executor first drops any KV of `slot_id` at positions >= `start_position` (stale tokens
+    of an earlier owner, rejected drafts), then writes the KV of `token_ids` at
+    `start_position ...`, and samples at the last `num_logits` of those positions.
+    """
+
+    request_id: str
+    slot_id: int  # KV slot (== llama.cpp sequence id) owned by this request
+    token_ids: list[int]  # tokens fed this step: a prefill chunk, the last sampled token, + drafts
+    start_position: int  # position of token_ids[0]; equals request.num_computed_tokens
+    num_logits: int  # 0 for a prefill chunk that does not reach the end of the known tokens
+    sampling_params: SamplingParams
+    sampling_seed: int  # per request; the token at output index i is drawn from (seed, i)
+    num_output_tokens: int  # output tokens generated before this step
+    prompt_token_ids: list[int] = field(default_factory=list)  # for repetition penalty (by ref)
+    output_token_ids: list[int] = field(default_factory=list)  # for presence/frequency (by ref)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class StepPlan:
+    """Everything the executor runs in one forward pass."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    kv_copies: list[KVCopy] = field(default_factory=list)  # applied before the forward pass
+    step_id: int = 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.kv_copies
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of a sampled token under the model's raw distribution, plus the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class StepResult:
+    """What came out of a step, keyed by request id."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # len == num_logits
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # only if asked
+    errors: dict[str, str] = field(default_factory=dict)  # a request that failed alone
+    execute_time_s: float = 0.0  # forward pass
+    sample_time_s: float = 0.0  # sampling on the logits

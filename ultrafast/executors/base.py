@@ -1,0 +1,26 @@
+"""The executor interface: the only place tensors meet requests.
+
+An executor owns the model weights and the KV of `num_slots` sequences of up to `max_model_len`
+tokens each. `execute(plan)` applies the plan's KV copies, runs one forward pass over every
+scheduled sequence, and samples at the requested positions with `runtime.sampler.sample_plan`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ultrafast.core.types import StepPlan, StepResult
+
+
+class Executor(Protocol):
+    num_slots: int  # KV slots (concurrent sequences, cached prefixes included)
+    max_model_len: int  # positions per slot
+    vocab_size: int
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step. Never called concurrently; called from the engine thread only."""
+        ...
+
+    def close(self) -> None:
+        """Free native resources (llama.cpp context, CUDA memory)."""
+        ...

@@ -1,0 +1,144 @@
+"""Request, SamplingParams and ServiceTier: what the engine is asked to do. Pure Python, no torch.
+
+The engine sees token ids only; text (stop strings, templates) stays in the HTTP layer.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from dataclasses import dataclass, field
+
+
+class ServiceTier(enum.IntEnum):
+    """OpenAI's `service_tier`; the int value is the order in which step budget is handed out."""
+
+    PRIORITY = 0  # the Ultrafast lane; `ultrafast` is an alias
+    DEFAULT = 1
+    FLEX = 2  # yields to everything
+
+    @classmethod
+    def parse(cls, name: str | None) -> "ServiceTier":
+        aliases = {None: cls.DEFAULT, "auto": cls.DEFAULT, "default": cls.DEFAULT,
+                   "flex": cls.FLEX, "priority": cls.PRIORITY, "ultrafast": cls.PRIORITY}
+        if name not in aliases:
+            raise ValueError(f"unknown service tier {name!r}")
+        return aliases[name]
+
+    @property
+    def api_name(self) -> str:
+        return self.name.lower()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # lost its slot; recomputes from its tokens when rescheduled
+    FINISHED_STOPPED = "stop"  # eos or stop token id
+    FINISHED_LENGTH = "length"  # max_tokens or context limit
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. Validated here so every entry point gets the same checks."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None  # None: a random seed is drawn once per request (so resume is exact)
+    repetition_penalty: float = 1.0  # HF-style, over prompt + output
+    presence_penalty: float = 0.0  # OpenAI-style, over output
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+@dataclass
+class Request:
+    """One generation. The scheduler moves `num_computed_tokens` towards `num_tokens`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    tier: ServiceTier = ServiceTier.DEFAULT
+    tenant: str = ""  # salts prefix-cache hashes so tenants never share KV
+    arrival_time_s: float = 0.0
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)  # runtime.sampler.TokenLogprobs per token
+    num_computed_tokens: int = 0  # tokens whose KV is in the slot
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.cached_tokens)
+    num_preemptions: int = 0
+    slot_id: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    sampling_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        seed = self.sampling_params.seed
+        self.sampling_seed = seed if seed is not None else random.getrandbits(63)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]

@@ -1,0 +1,178 @@
+"""The step loop: schedule -> execute -> update, synchronously (EngineCore) or on its own thread.
+
+The engine sees token ids only. `EngineThread` is the boundary to the server: requests and
+aborts go in through one queue, outputs come back through a per-request callback (the server
+wraps it with `loop.call_soon_threadsafe`). Moving the engine to its own process later changes
+only that boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ultrafast.core.kv_pool import KVSlotPool
+from ultrafast.core.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from ultrafast.core.types import StepResult
+from ultrafast.executors.base import Executor
+from ultrafast.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """One step's numbers, for metrics (only server/metrics.py turns them into Prometheus)."""
+
+    step_id: int
+    num_seqs: int
+    num_tokens: int
+    num_running: int
+    num_waiting: int
+    schedule_time_s: float
+    execute_time_s: float
+    sample_time_s: float
+    update_time_s: float
+
+
+class EngineCore:
+    """Synchronous engine: call `step()` until `has_work()` is False."""
+
+    def __init__(self, executor: Executor, config: SchedulerConfig):
+        if config.max_num_seqs > executor.num_slots:
+            raise ValueError("max_num_seqs cannot exceed the executor's KV slots")
+        if config.max_model_len > executor.max_model_len:
+            raise ValueError("max_model_len cannot exceed the executor's slot length")
+        self.executor = executor
+        self.pool = KVSlotPool(executor.num_slots)
+        self.scheduler = Scheduler(config, self.pool)
+        self.last_stats: StepStats | None = None
+
+    def add_request(self, request: Request) -> None:
+        for token in request.prompt_token_ids:
+            if not 0 <= token < self.executor.vocab_size:
+                raise ValueError(f"token id {token} is out of vocabulary "
+                                 f"(size {self.executor.vocab_size})")
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if plan.seqs:
+            try:
+                result = self.executor.execute(plan)
+            except Exception as exc:  # the whole step failed: fail its requests, keep serving
+                log.exception("step %d failed", plan.step_id)
+                result = StepResult(errors={s.request_id: f"engine step failed: {type(exc).__name__}"
+                                            for s in plan.seqs})
+        else:
+            result = StepResult()
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update(plan, result)
+        t3 = time.perf_counter()
+        self.last_stats = StepStats(
+            step_id=plan.step_id, num_seqs=len(plan.seqs), num_tokens=plan.num_scheduled_tokens,
+            num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
+            schedule_time_s=t1 - t0, execute_time_s=result.execute_time_s,
+            sample_time_s=result.sample_time_s, update_time_s=t3 - t2)
+        return outputs
+
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class EngineThread:
+    """Runs an EngineCore on a daemon thread. Thread-safe `submit` and `abort`."""
+
+    def __init__(self, core: EngineCore, on_stats: Callable[[StepStats], None] | None = None):
+        self.core = core
+        self.on_stats = on_stats
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._thread = threading.Thread(target=self._run, name="ultrafast-engine", daemon=True)
+        self._stopping = threading.Event()
+        self.dead_reason: str | None = None
+
+    def start(self) -> "EngineThread":
+        self._thread.start()
+        return self
+
+    def submit(self, request: Request, on_output: OutputCallback) -> None:
+        self._inbox.put(("add", request, on_output))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id, None))
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping.set()
+        self._inbox.put(("wake", None, None))
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.dead_reason is None
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, payload, on_output: OutputCallback | None) -> None:
+        if kind == "add":
+            try:
+                self.core.add_request(payload)
+            except (ValueError, OverflowError) as exc:
+                on_output(RequestOutput(payload.request_id, [], finished=True,
+                                        finish_reason="error", error=str(exc)))
+                return
+            self._callbacks[payload.request_id] = on_output
+        elif kind == "abort":
+            self.core.abort(payload)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain_inbox(block=not self.core.has_work())
+                if not self.core.has_work():
+                    continue
+                for output in self.core.step():
+                    callback = self._callbacks.get(output.request_id)
+                    if output.finished:
+                        self._callbacks.pop(output.request_id, None)
+                    if callback is not None:
+                        self._deliver(callback, output)
+                if self.on_stats is not None and self.core.last_stats is not None:
+                    self.on_stats(self.core.last_stats)
+        except BaseException as exc:  # fatal: tell every waiter, then die visibly
+            self.dead_reason = f"{type(exc).__name__}"
+            log.exception("engine thread died")
+            for request_id, callback in list(self._callbacks.items()):
+                self._deliver(callback, RequestOutput(request_id, [], finished=True,
+                                                      finish_reason="error",
+                                                      error="engine failed"))
+            self._callbacks.clear()
+
+    @staticmethod
+    def _deliver(callback: OutputCallback, output: RequestOutput) -> None:
+        try:
+            callback(output)
+        except Exception:  # a broken consumer must not stop the engine
+            log.exception("output callback failed for %s", output.request_id)

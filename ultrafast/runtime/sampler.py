@@ -1,0 +1,120 @@
+"""Turn logits into tokens: greedy, temperature, top-k, top-p, min-p, penalties, logit bias, logprobs.
+
+Randomness is explicit and stateless: the token at output index i of a request is drawn with a
+generator seeded from (request seed, i). So a seeded request gives the same text alone or in a
+batch, and a preempted request that recomputes resumes exactly where it was.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ultrafast.core.types import ScheduledSeq, StepResult, TokenLogprobs
+
+_MASK_64 = (1 << 64) - 1
+
+
+def _mix_seed(seed: int, index: int) -> int:
+    """splitmix64 of (seed, index): decorrelated generator seeds for consecutive tokens."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK_64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def apply_penalties(logits: torch.Tensor, seq: ScheduledSeq, history: list[int]) -> torch.Tensor:
+    """Logit bias, HF repetition penalty (prompt + output), OpenAI presence/frequency (output)."""
+    params = seq.sampling_params
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
+        logits[ids] += torch.tensor([b for _, b in params.logit_bias], dtype=logits.dtype)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.prompt_token_ids) | set(history)), dtype=torch.long)
+        if seen.numel():
+            vals = logits[seen]
+            logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty,
+                                       vals * params.repetition_penalty)
+    if history and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
+        counts = torch.bincount(torch.tensor(history, dtype=torch.long), minlength=logits.numel())
+        counts = counts[:logits.numel()].to(logits.dtype)
+        logits -= params.frequency_penalty * counts
+        logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask (to -inf) everything outside top-k, the top-p nucleus and the min-p floor."""
+    if top_k > 0 and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        remove = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the token crossing p
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
+    return logits
+
+
+def sample_one(logits: torch.Tensor, seq: ScheduledSeq, history: list[int], index: int) -> int:
+    """One token from one row of logits (float32, modified in place)."""
+    params = seq.sampling_params
+    if params.logit_bias or params.needs_penalties:
+        logits = apply_penalties(logits, seq, history)
+    if params.greedy:
+        return int(torch.argmax(logits))
+    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
+    probs = torch.softmax(logits, dim=-1)
+    generator = torch.Generator().manual_seed(_mix_seed(seq.sampling_seed, index))
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int(torch.argmax(probs / noise))  # exponential race == a categorical draw
+
+
+def _logprobs_of(raw: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
+    logprobs = torch.log_softmax(raw, dim=-1)
+    top: list[tuple[int, float]] = []
+    if top_n:
+        values, ids = torch.topk(logprobs, top_n)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprobs(token_id, float(logprobs[token_id]), top)
+
+
+def _is_plain_greedy(seq: ScheduledSeq) -> bool:
+    p = seq.sampling_params
+    return p.greedy and not p.logit_bias and not p.needs_penalties and not p.logprobs
+
+
+def sample_plan(seqs: list[ScheduledSeq], logits: torch.Tensor) -> StepResult:
+    """Sample every requested position. `logits` is [sum(num_logits), vocab] in plan order."""
+    result = StepResult()
+    wanted = [s for s in seqs if s.num_logits > 0]
+    if logits.shape[0] != sum(s.num_logits for s in wanted):
+        raise ValueError("logits rows do not match the plan")
+    if all(_is_plain_greedy(s) for s in wanted):  # one argmax for the whole batch
+        ids = torch.argmax(logits, dim=-1).tolist()
+        row = 0
+        for seq in wanted:
+            result.sampled_token_ids[seq.request_id] = ids[row:row + seq.num_logits]
+            row += seq.num_logits
+        return result
+    logits = logits.float()
+    row = 0
+    for seq in wanted:
+        drafts = seq.token_ids[len(seq.token_ids) - seq.num_logits + 1:]  # fed after the real token
+        tokens: list[int] = []
+        token_logprobs: list[TokenLogprobs] = []
+        for j in range(seq.num_logits):
+            raw = logits[row + j]
+            history = seq.output_token_ids + drafts[:j] if seq.sampling_params.needs_penalties else []
+            token = sample_one(raw.clone(), seq, history, seq.num_output_tokens + j)
+            tokens.append(token)
+            if seq.sampling_params.logprobs:
+                token_logprobs.append(_logprobs_of(raw, token, seq.sampling_params.top_logprobs))
+        result.sampled_token_ids[seq.request_id] = tokens
+        if seq.sampling_params.logprobs:
+            result.logprobs[seq.request_id] = token_logprobs
+        row += seq.num_logits
+    return result
