@@ -41,3 +41,27 @@ class EngineConfig:
             raise ValueError("executor must be auto, ggml or torch")
         if self.max_num_seqs > self.num_slots:
             raise ValueError("max_num_seqs cannot exceed num_slots")
+
+
+@dataclass(frozen=True)
+class TierTargets:
+    """Latency objectives of one service tier; admission refuses what cannot meet them."""
+
+    ttft_ms: float  # time to first token
+    itl_ms: float  # inter-token latency
+    max_in_flight: int  # admitted (running + queued) requests of this tier
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # loopback by default; 0.0.0.0 needs an explicit --host
+    port: int = 8000
+    served_model_name: str | None = None  # default: the model directory name
+    priority: TierTargets = TierTargets(ttft_ms=250.0, itl_ms=50.0, max_in_flight=8)
+    default: TierTargets = TierTargets(ttft_ms=5000.0, itl_ms=250.0, max_in_flight=64)
+    flex: TierTargets = TierTargets(ttft_ms=60000.0, itl_ms=2000.0, max_in_flight=64)
+    shaper_window_ms: float = 2.0  # default-tier arrivals coalesce this long; 0 = off
+    drain_timeout_s: float = 10.0  # SIGTERM: running streams get this long to finish
+    sse_ping_interval_s: float = 15.0  # keeps proxies from cutting idle streams
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_tokens_cap: int = 4096  # per-request ceiling on max_tokens

@@ -42,7 +42,8 @@ def build_executor(config: EngineConfig, files: ModelFiles):
                          dtype=config.dtype)
 
 
-def build_engine(config: EngineConfig) -> tuple[EngineCore, Tokenizer, ModelFiles]:
+def build_engine(config: EngineConfig, priority_itl_target_s: float | None = None
+                 ) -> tuple[EngineCore, Tokenizer, ModelFiles]:
     files = resolve_model(config.model)
     if files.max_position_embeddings:
         config = replace(config, max_model_len=min(config.max_model_len,
@@ -53,7 +54,7 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, Tokenizer, ModelFile
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_prefill_chunk_tokens=config.max_prefill_chunk_tokens,
         max_model_len=config.max_model_len, max_waiting=config.max_waiting)
-    return EngineCore(executor, scheduler_config), tokenizer, files
+    return EngineCore(executor, scheduler_config, priority_itl_target_s), tokenizer, files
 
 
 @dataclass

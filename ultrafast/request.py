@@ -98,7 +98,8 @@ class Request:
     sampling_params: SamplingParams
     tier: ServiceTier = ServiceTier.DEFAULT
     tenant: str = ""  # salts prefix-cache hashes so tenants never share KV
-    arrival_time_s: float = 0.0
+    arrival_time_s: float = 0.0  # time.monotonic() when the server accepted it
+    first_scheduled_time_s: float | None = None  # when it first got a slot (queue wait ends)
     eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)  # runtime.sampler.TokenLogprobs per token

@@ -10,6 +10,7 @@ which later recomputes (usually from its own cached prefix) and resumes with no 
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field
 
 from ultrafast.core.kv_pool import KVSlotPool
@@ -24,6 +25,7 @@ class SchedulerConfig:
     max_prefill_chunk_tokens: int = 256  # largest prefill chunk one request gets per step
     max_model_len: int = 2048  # positions per KV slot
     max_waiting: int = 256  # queued requests over all tiers
+    max_admissions_per_step: int = 0  # default/flex requests newly started per step; 0 = no cap
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_prefill_chunk_tokens) < 1:
@@ -43,6 +45,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    queue_time_s: float = 0.0  # arrival to first slot
 
 
 class Scheduler:
@@ -56,6 +59,10 @@ class Scheduler:
         self.num_preemptions = 0
         self._step_id = 0
         self._finished_outputs: list[RequestOutput] = []  # aborts, reported on the next update
+        # Set by the engine from measured step costs: while a priority request is decoding, a
+        # step holds at most this many tokens, so long prefills cannot stretch its token gaps.
+        self.priority_step_token_budget: int | None = None
+        self._admissions_left = 0
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -75,6 +82,8 @@ class Scheduler:
         if self.num_waiting >= self.config.max_waiting:
             raise OverflowError("the waiting queue is full")
         request.status = RequestStatus.WAITING
+        if not request.arrival_time_s:
+            request.arrival_time_s = time.monotonic()
         self.requests[request.request_id] = request
         self.waiting[request.tier].append(request)
 
@@ -92,6 +101,10 @@ class Scheduler:
         plan = StepPlan(step_id=self._step_id)
         self._make_room_for_waiting()
         budget = self.config.max_num_batched_tokens
+        if self.priority_step_token_budget is not None and any(
+                r.tier == ServiceTier.PRIORITY for r in self.running):
+            budget = min(budget, self.priority_step_token_budget)
+        self._admissions_left = self.config.max_admissions_per_step or 1 << 30
         by_tier = sorted(self.running, key=lambda r: (r.tier, r.arrival_time_s))
         order = [(ServiceTier.PRIORITY, True), (ServiceTier.DEFAULT, True),
                  (ServiceTier.PRIORITY, False), (ServiceTier.DEFAULT, False),
@@ -121,6 +134,8 @@ class Scheduler:
     def _admit(self, plan: StepPlan, tier: ServiceTier, budget: int) -> int:
         queue = self.waiting[tier]
         while queue and budget > 0:
+            if tier != ServiceTier.PRIORITY and self._admissions_left <= 0:
+                break  # the shaper releases default/flex arrivals at a steady rate
             if len(self.running) >= self.config.max_num_seqs and not self._preempt_for(tier):
                 break
             request = queue[0]
@@ -136,7 +151,11 @@ class Scheduler:
                 request.num_cached_tokens = allocation.num_cached_tokens
             if allocation.copy is not None:
                 plan.kv_copies.append(allocation.copy)
+            if tier != ServiceTier.PRIORITY:
+                self._admissions_left -= 1
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time_s is None:
+                request.first_scheduled_time_s = time.monotonic()
             self.running.append(request)
             budget -= self._schedule_chunk(plan, request, budget)
         return budget
@@ -237,4 +256,6 @@ class Scheduler:
             finish_reason=request.status.value if finished else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
-            num_output_tokens=request.num_output_tokens)
+            num_output_tokens=request.num_output_tokens,
+            queue_time_s=max(0.0, (request.first_scheduled_time_s or request.arrival_time_s)
+                             - request.arrival_time_s))

@@ -19,7 +19,7 @@ from ultrafast.core.kv_pool import KVSlotPool
 from ultrafast.core.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from ultrafast.core.types import StepResult
 from ultrafast.executors.base import Executor
-from ultrafast.request import Request
+from ultrafast.request import Request, ServiceTier
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,42 @@ class StepStats:
     update_time_s: float
 
 
+class StepCostModel:
+    """Step time ~ decode_step_s + tokens * per_token_s, learned online (EMA).
+
+    Used to size prefill chunks so that a step that carries priority decodes stays within the
+    priority inter-token target.
+    """
+
+    def __init__(self, alpha: float = 0.2):
+        self.alpha = alpha
+        self.decode_step_s: float | None = None
+        self.per_token_s: float | None = None
+
+    def observe(self, num_seqs: int, num_tokens: int, elapsed_s: float) -> None:
+        if num_tokens == 0 or elapsed_s <= 0:
+            return
+        if num_tokens == num_seqs:
+            self.decode_step_s = _ema(self.decode_step_s, elapsed_s, self.alpha)
+        elif num_tokens >= 16 and self.decode_step_s is not None:
+            extra = max(elapsed_s - self.decode_step_s, 0.0) / (num_tokens - num_seqs)
+            self.per_token_s = _ema(self.per_token_s, extra, self.alpha)
+
+    def token_budget(self, target_s: float, minimum: int = 16) -> int | None:
+        if self.decode_step_s is None or self.per_token_s is None or self.per_token_s <= 0:
+            return None
+        return max(minimum, int((target_s - self.decode_step_s) / self.per_token_s))
+
+
+def _ema(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else old + alpha * (new - old)
+
+
 class EngineCore:
     """Synchronous engine: call `step()` until `has_work()` is False."""
 
-    def __init__(self, executor: Executor, config: SchedulerConfig):
+    def __init__(self, executor: Executor, config: SchedulerConfig,
+                 priority_itl_target_s: float | None = None):
         if config.max_num_seqs > executor.num_slots:
             raise ValueError("max_num_seqs cannot exceed the executor's KV slots")
         if config.max_model_len > executor.max_model_len:
@@ -51,6 +83,8 @@ class EngineCore:
         self.pool = KVSlotPool(executor.num_slots)
         self.scheduler = Scheduler(config, self.pool)
         self.last_stats: StepStats | None = None
+        self.priority_itl_target_s = priority_itl_target_s
+        self.costs = StepCostModel()
 
     def add_request(self, request: Request) -> None:
         for token in request.prompt_token_ids:
@@ -81,6 +115,12 @@ class EngineCore:
         t2 = time.perf_counter()
         outputs = self.scheduler.update(plan, result)
         t3 = time.perf_counter()
+        if plan.seqs:
+            self.costs.observe(len(plan.seqs), plan.num_scheduled_tokens,
+                               result.execute_time_s + result.sample_time_s)
+            if self.priority_itl_target_s is not None:
+                self.scheduler.priority_step_token_budget = self.costs.token_budget(
+                    self.priority_itl_target_s * 0.8)  # headroom for scheduling and output
         self.last_stats = StepStats(
             step_id=plan.step_id, num_seqs=len(plan.seqs), num_tokens=plan.num_scheduled_tokens,
             num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
@@ -95,8 +135,14 @@ OutputCallback = Callable[[RequestOutput], None]
 class EngineThread:
     """Runs an EngineCore on a daemon thread. Thread-safe `submit` and `abort`."""
 
-    def __init__(self, core: EngineCore, on_stats: Callable[[StepStats], None] | None = None):
+    def __init__(self, core: EngineCore, on_stats: Callable[[StepStats], None] | None = None,
+                 shaper_window_s: float = 0.0):
         self.core = core
+        # Request shaper: default/flex arrivals wait up to this long so a burst joins one step;
+        # a priority arrival ends the wait at once.
+        self.shaper_window_s = shaper_window_s
+        self._first_shaped_arrival_s: float | None = None
+        self._priority_arrived = False
         self.on_stats = on_stats
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._callbacks: dict[str, OutputCallback] = {}
@@ -144,6 +190,10 @@ class EngineThread:
                                         finish_reason="error", error=str(exc)))
                 return
             self._callbacks[payload.request_id] = on_output
+            if payload.tier == ServiceTier.PRIORITY:
+                self._priority_arrived = True
+            elif self._first_shaped_arrival_s is None:
+                self._first_shaped_arrival_s = time.monotonic()
         elif kind == "abort":
             self.core.abort(payload)
 
@@ -153,6 +203,7 @@ class EngineThread:
                 self._drain_inbox(block=not self.core.has_work())
                 if not self.core.has_work():
                     continue
+                self._coalesce()
                 for output in self.core.step():
                     callback = self._callbacks.get(output.request_id)
                     if output.finished:
@@ -169,6 +220,23 @@ class EngineThread:
                                                       finish_reason="error",
                                                       error="engine failed"))
             self._callbacks.clear()
+
+    def _coalesce(self) -> None:
+        """Hold a step for the shaper window while only default/flex arrivals are new."""
+        first = self._first_shaped_arrival_s
+        priority_running = any(r.tier == ServiceTier.PRIORITY for r in self.core.scheduler.running)
+        if self.shaper_window_s > 0 and first is not None and not priority_running:
+            deadline = first + self.shaper_window_s
+            while not self._priority_arrived and not self._stopping.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    self._handle(*self._inbox.get(timeout=left))
+                except queue.Empty:
+                    break
+        self._first_shaped_arrival_s = None
+        self._priority_arrived = False
 
     @staticmethod
     def _deliver(callback: OutputCallback, output: RequestOutput) -> None:
