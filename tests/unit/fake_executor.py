@@ -7,6 +7,7 @@ position, a stale or missing KV entry, a bad prefix copy) changes the output.
 from __future__ import annotations
 
 import hashlib
+import time
 
 from ultrafast.core.types import StepPlan, StepResult
 
@@ -17,7 +18,9 @@ def next_token(context: list[int], vocab_size: int) -> int:
 
 
 class FakeExecutor:
-    def __init__(self, num_slots: int = 4, max_model_len: int = 256, vocab_size: int = 97):
+    def __init__(self, num_slots: int = 4, max_model_len: int = 256, vocab_size: int = 97,
+                 step_delay_s: float = 0.0):
+        self.step_delay_s = step_delay_s  # simulated forward time
         self.num_slots = num_slots
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -27,6 +30,8 @@ class FakeExecutor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         result = StepResult()
         for copy in plan.kv_copies:
             assert len(self.slots[copy.src_slot_id]) >= copy.num_tokens, "copy of uncomputed KV"

@@ -1,0 +1,91 @@
+"""EngineThread: outputs reach callbacks, aborts free slots, the shaper coalesces arrivals."""
+
+import threading
+import time
+
+from tests.unit.fake_executor import FakeExecutor, reference_tokens
+from ultrafast.core.scheduler import SchedulerConfig
+from ultrafast.request import Request, SamplingParams, ServiceTier
+from ultrafast.runtime.engine import EngineCore, EngineThread, StepCostModel
+
+
+def start_engine(shaper_window_s=0.0, num_slots=4):
+    executor = FakeExecutor(num_slots=num_slots, step_delay_s=0.002)
+    core = EngineCore(executor, SchedulerConfig(max_num_seqs=num_slots, max_model_len=256))
+    return EngineThread(core, shaper_window_s=shaper_window_s).start(), executor
+
+
+class Collector:
+    def __init__(self):
+        self.tokens, self.finish, self.done = [], None, threading.Event()
+
+    def __call__(self, out):
+        self.tokens.extend(out.new_token_ids)
+        if out.finished:
+            self.finish = out.finish_reason
+            self.done.set()
+
+
+def test_outputs_arrive_and_match_reference():
+    engine, _ = start_engine()
+    collectors = {}
+    for i in range(3):
+        c = collectors[i] = Collector()
+        engine.submit(Request(f"r{i}", [i + 1, 2, 3], SamplingParams(temperature=0, max_tokens=8)), c)
+    for i, c in collectors.items():
+        assert c.done.wait(5)
+        assert c.tokens == reference_tokens([i + 1, 2, 3], 8)
+    engine.stop()
+
+
+def test_abort_from_another_thread_frees_the_slot():
+    engine, _ = start_engine()
+    c = Collector()
+    engine.submit(Request("long", [1, 2], SamplingParams(temperature=0, max_tokens=100_000,
+                                                         ignore_eos=True)), c)
+    time.sleep(0.05)
+    engine.abort("long")
+    assert c.done.wait(5) and c.finish == "abort"
+    time.sleep(0.05)
+    assert engine.core.pool.num_running == 0
+    engine.stop()
+
+
+def test_bad_request_gets_an_error_output_not_a_dead_engine():
+    engine, _ = start_engine()
+    c = Collector()
+    engine.submit(Request("bad", [10_000], SamplingParams(max_tokens=2)), c)
+    assert c.done.wait(5) and c.finish == "error"
+    ok = Collector()
+    engine.submit(Request("ok", [1], SamplingParams(temperature=0, max_tokens=2)), ok)
+    assert ok.done.wait(5) and ok.finish == "length" and engine.alive
+    engine.stop()
+
+
+def test_shaper_puts_a_burst_of_default_arrivals_into_one_step():
+    engine, executor = start_engine(shaper_window_s=0.2)
+    collectors = [Collector() for _ in range(3)]
+    for i, c in enumerate(collectors):
+        engine.submit(Request(f"b{i}", [i + 1], SamplingParams(temperature=0, max_tokens=1)), c)
+        time.sleep(0.01)
+    assert all(c.done.wait(5) for c in collectors)
+    assert len(executor.plans[0].seqs) == 3
+    engine.stop()
+
+
+def test_priority_arrival_skips_the_shaper_wait():
+    engine, executor = start_engine(shaper_window_s=5.0)
+    c = Collector()
+    started = time.monotonic()
+    engine.submit(Request("p", [1], SamplingParams(temperature=0, max_tokens=1),
+                          tier=ServiceTier.PRIORITY), c)
+    assert c.done.wait(2)
+    assert time.monotonic() - started < 2.5  # far below the 5 s window
+    engine.stop()
+
+
+def test_step_cost_model_sizes_the_priority_budget():
+    costs = StepCostModel(alpha=1.0)
+    costs.observe(num_seqs=2, num_tokens=2, elapsed_s=0.010)
+    costs.observe(num_seqs=2, num_tokens=102, elapsed_s=0.060)  # 0.5 ms per extra token
+    assert costs.token_budget(0.050) == 80
