@@ -1,0 +1,123 @@
+"""SLO-aware admission: per-tier capacity, and a time-to-first-token prediction for each arrival.
+
+Runs on the event loop only (single-threaded, so counts are exact under races). Rates are
+learned from the engine's step stats: a priority request is refused at once with 429 when the
+prefill work ahead of it, at the measured prefill rate, would miss its target; `auto` requests
+fall back to the default tier instead. Capacity checks come before any tokenizing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ultrafast.config import ServerConfig, TierTargets
+from ultrafast.request import ServiceTier
+from ultrafast.runtime.engine import StepStats
+from ultrafast.server.errors import APIError
+
+
+@dataclass
+class RateModel:
+    """Exponential moving averages of what steps cost on this machine and model."""
+
+    prefill_s_per_token: float = 0.002  # refined after the first prefill steps
+    decode_step_s: float = 0.01
+    alpha: float = 0.2
+
+    def observe(self, stats: StepStats) -> None:
+        elapsed = stats.execute_time_s + stats.sample_time_s
+        if elapsed <= 0:
+            return
+        if stats.num_tokens >= 2 * max(1, stats.num_seqs) and stats.num_tokens >= 16:
+            per_token = elapsed / stats.num_tokens
+            self.prefill_s_per_token += self.alpha * (per_token - self.prefill_s_per_token)
+        elif stats.num_tokens == stats.num_seqs:
+            self.decode_step_s += self.alpha * (elapsed - self.decode_step_s)
+
+
+@dataclass
+class Ticket:
+    """One admitted API call, holding its tier's capacity until released."""
+
+    tier: ServiceTier
+    num_prompt_tokens: int = 0
+    prefill_pending: bool = False
+    predicted_ttft_s: float = 0.0
+    released: bool = False
+
+
+@dataclass
+class Admission:
+    config: ServerConfig
+    rates: RateModel = field(default_factory=RateModel)
+    in_flight: dict = field(default_factory=lambda: {t: 0 for t in ServiceTier})
+    pending_prefill_tokens: dict = field(default_factory=lambda: {t: 0 for t in ServiceTier})
+    refused: dict = field(default_factory=dict)  # reason -> count, for metrics
+
+    def targets(self, tier: ServiceTier) -> TierTargets:
+        return {ServiceTier.PRIORITY: self.config.priority, ServiceTier.DEFAULT: self.config.default,
+                ServiceTier.FLEX: self.config.flex}[tier]
+
+    def _refuse(self, reason: str, error: APIError) -> APIError:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+        return error
+
+    def reserve(self, tier: ServiceTier, auto: bool = False) -> Ticket:
+        """Take a seat in the tier's queue, or 503 queue_full. Called before tokenizing."""
+        if auto and self.in_flight[ServiceTier.PRIORITY] < self.config.priority.max_in_flight:
+            tier = ServiceTier.PRIORITY
+        elif auto:
+            tier = ServiceTier.DEFAULT
+        if self.in_flight[tier] >= self.targets(tier).max_in_flight:
+            raise self._refuse("queue_full", APIError(
+                503, f"the {tier.api_name} queue is full; retry shortly", "overloaded_error",
+                "queue_full", None, headers={"Retry-After": "1"}))
+        self.in_flight[tier] += 1
+        return Ticket(tier)
+
+    def predict_ttft_s(self, tier: ServiceTier, num_prompt_tokens: int) -> float:
+        """Prefill work at or above this tier's precedence, plus one step, at measured rates."""
+        ahead = sum(n for t, n in self.pending_prefill_tokens.items() if t <= tier)
+        return (ahead + num_prompt_tokens) * self.rates.prefill_s_per_token + \
+            self.rates.decode_step_s
+
+    def admit(self, ticket: Ticket, num_prompt_tokens: int, auto: bool) -> Ticket:
+        """After tokenizing: check the TTFT target; priority misses give 429 (auto: default)."""
+        predicted = self.predict_ttft_s(ticket.tier, num_prompt_tokens)
+        target_s = self.targets(ticket.tier).ttft_ms / 1000
+        if ticket.tier == ServiceTier.PRIORITY and predicted > target_s:
+            if auto and self.in_flight[ServiceTier.DEFAULT] < self.config.default.max_in_flight:
+                self._move(ticket, ServiceTier.DEFAULT)
+                predicted = self.predict_ttft_s(ticket.tier, num_prompt_tokens)
+            else:
+                self.release(ticket)
+                wait_s = max(1, int(predicted - target_s + 0.999))
+                raise self._refuse("slo_unattainable", APIError(
+                    429, f"the priority tier cannot start this request within its "
+                    f"{self.config.priority.ttft_ms:.0f} ms target (predicted "
+                    f"{predicted * 1000:.0f} ms); retry later or use the default tier",
+                    "rate_limit_error", "priority_slo_unattainable", "service_tier",
+                    headers={"Retry-After": str(wait_s)},
+                    extra={"predicted_ttft_ms": round(predicted * 1000, 1)}))
+        ticket.num_prompt_tokens = num_prompt_tokens
+        ticket.prefill_pending = True
+        ticket.predicted_ttft_s = predicted
+        self.pending_prefill_tokens[ticket.tier] += num_prompt_tokens
+        return ticket
+
+    def _move(self, ticket: Ticket, tier: ServiceTier) -> None:
+        self.in_flight[ticket.tier] -= 1
+        self.in_flight[tier] += 1
+        ticket.tier = tier
+
+    def first_token(self, ticket: Ticket) -> None:
+        if ticket.prefill_pending:
+            ticket.prefill_pending = False
+            self.pending_prefill_tokens[ticket.tier] -= ticket.num_prompt_tokens
+
+    def release(self, ticket: Ticket) -> None:
+        if ticket.released:
+            return
+        self.first_token(ticket)
+        ticket.released = True
+        self.in_flight[ticket.tier] -= 1

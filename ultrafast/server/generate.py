@@ -1,0 +1,224 @@
+"""One API call's generation: n engine requests, detokenizing, stop strings, SSE or one JSON body.
+
+The HTTP response starts only when the first token exists, so an error before that is a plain
+OpenAI error response, and the timing headers (queue wait, TTFT) are real. After the first
+byte, a failure becomes an SSE error event followed by [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, replace
+from typing import AsyncIterator
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ultrafast.core.scheduler import RequestOutput
+from ultrafast.request import Request, SamplingParams, ServiceTier
+from ultrafast.server import openai_format as fmt
+from ultrafast.server.admission import Ticket
+from ultrafast.server.bridge import Generation
+from ultrafast.server.errors import APIError
+from ultrafast.tokenizer import StopStringMatcher
+
+
+@dataclass
+class GenerationSpec:
+    """Everything the HTTP layer decided about a call, in engine terms plus output options."""
+
+    request_id: str
+    model_name: str
+    prompts: list[list[int]]  # completions may batch prompts; choice = prompt * n + i
+    params: SamplingParams
+    n: int
+    tier: ServiceTier
+    stops: list[str]
+    chat: bool
+    stream: bool
+    include_usage: bool
+    want_logprobs: bool
+    tenant: str = ""
+    echo_texts: list[str] | None = None  # completions `echo`: prompt text, one per prompt
+    arrival_s: float = 0.0
+
+
+class GenerationRun:
+    def __init__(self, state, spec: GenerationSpec, ticket: Ticket):
+        self.state = state
+        self.spec = spec
+        self.ticket = ticket
+        tok = state.tokenizer
+        requests, self.choice_prompts = [], []
+        for p, prompt in enumerate(spec.prompts):
+            for i in range(spec.n):
+                params = spec.params
+                if params.seed is not None and i:
+                    params = replace(params, seed=params.seed + i)  # n choices must differ
+                requests.append(Request(f"{spec.request_id}-{p}-{i}", list(prompt), params,
+                                        tier=spec.tier, tenant=spec.tenant,
+                                        arrival_time_s=spec.arrival_s,
+                                        eos_token_ids=tok.eos_token_ids))
+                self.choice_prompts.append(p)
+        num_choices = len(requests)
+        self.generation = Generation(state.bridge, requests)
+        echo = spec.echo_texts or [""] * len(spec.prompts)
+        self.choices = [fmt.ChoiceState(c, text=echo[self.choice_prompts[c]])
+                        for c in range(num_choices)]
+        self.detoks = [tok.detokenizer(spec.prompts[self.choice_prompts[c]])
+                       for c in range(num_choices)]
+        self.matchers = [StopStringMatcher(spec.stops) for _ in range(num_choices)]
+        self.num_output_tokens = [0] * num_choices
+        self.first_token_s: float | None = None
+        self.queue_time_s = 0.0
+
+    def _apply(self, index: int, out: RequestOutput) -> tuple[str, list, str | None]:
+        """Fold one engine output into choice `index`; returns (text delta, logprobs, finish)."""
+        choice = self.choices[index]
+        if out.error is not None:
+            choice.finish_reason, choice.error = "error", out.error
+            return "", [], "error"
+        self.num_output_tokens[index] = out.num_output_tokens
+        choice.num_cached_tokens = out.num_cached_tokens
+        choice.token_ids.extend(out.new_token_ids)
+        choice.logprobs.extend(out.new_logprobs)
+        delta = self.detoks[index].push(out.new_token_ids)
+        if out.finished:
+            delta += self.detoks[index].flush()
+        text, stopped = self.matchers[index].push(delta)
+        finish = None
+        if stopped:
+            finish = "stop"
+            self.generation.abort(index)
+        elif out.finished:
+            text += self.matchers[index].flush()
+            finish = out.finish_reason
+        choice.text += text
+        if finish:
+            choice.finish_reason = finish
+        return text, out.new_logprobs, finish
+
+    async def _outputs(self) -> AsyncIterator[tuple[int, str, list, str | None]]:
+        ping_s = self.state.config.sse_ping_interval_s
+        iterator = self.generation.outputs().__aiter__()
+        while True:
+            try:
+                index, out = await asyncio.wait_for(iterator.__anext__(), timeout=ping_s)
+            except asyncio.TimeoutError:
+                yield -1, "", [], None  # keep-alive tick
+                continue
+            except StopAsyncIteration:
+                return
+            if self.first_token_s is None and (out.new_token_ids or out.finished):
+                self.first_token_s = time.monotonic()
+                self.queue_time_s = out.queue_time_s
+                self.state.admission.first_token(self.ticket)
+            text, logprobs, finish = self._apply(index, out)
+            yield index, text, logprobs, finish
+
+    def usage(self) -> dict:
+        return fmt.usage(sum(len(p) for p in self.spec.prompts),
+                         sum(self.num_output_tokens),
+                         min((c.num_cached_tokens for c in self.choices), default=0))
+
+    def timing_headers(self) -> dict:
+        ttft_ms = ((self.first_token_s or time.monotonic()) - self.spec.arrival_s) * 1000
+        queue_ms = self.queue_time_s * 1000
+        return {"x-request-id": self.spec.request_id, "x-service-tier": self.spec.tier.api_name,
+                "x-queue-wait-ms": f"{queue_ms:.1f}", "x-ttft-ms": f"{ttft_ms:.1f}",
+                "server-timing": f"queue;dur={queue_ms:.1f}, ttft;dur={ttft_ms:.1f}"}
+
+    def finish(self) -> None:
+        self.state.runs.discard(self)
+        self.generation.abort_all()
+        self.state.admission.release(self.ticket)
+
+    # ---- non-streaming -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.state.runs.add(self)
+        self.generation.start()
+
+    async def respond_json(self, http: HTTPRequest) -> Response:
+        self.start()
+        try:
+            collect = asyncio.ensure_future(self._collect())
+            while not collect.done():
+                done, _ = await asyncio.wait({collect}, timeout=0.25)
+                if not done and await http.is_disconnected():
+                    collect.cancel()  # the client left: abort, free the slots
+                    self.finish()
+                    return Response(status_code=499)
+            collect.result()
+        finally:
+            self.finish()
+        errors = [c.error for c in self.choices if c.error]
+        if errors:
+            raise APIError(500, "the engine failed while generating", "server_error",
+                           "engine_error", None)
+        build = fmt.chat_response if self.spec.chat else fmt.completion_response
+        body = build(self.spec.request_id, self.spec.model_name, self.spec.tier.api_name,
+                     self.choices, self.usage(), self.state.tokenizer.decode,
+                     self.spec.want_logprobs)
+        return JSONResponse(body, headers=self.timing_headers())
+
+    async def _collect(self) -> None:
+        async for _ in self._outputs():
+            pass
+
+    # ---- streaming ---------------------------------------------------------------------------
+
+    async def respond_stream(self) -> Response:
+        """Wait for the first token (errors before it are plain HTTP errors), then stream."""
+        self.start()
+        events = self._outputs().__aiter__()
+        first: list = []
+        try:
+            while True:
+                item = await events.__anext__()
+                if item[0] >= 0:
+                    first.append(item)
+                    break
+        except StopAsyncIteration:
+            pass
+        except BaseException:
+            self.finish()
+            raise
+        if first and first[0][3] == "error" and len(self.choices) == 1:
+            self.finish()
+            raise APIError(500, "the engine failed before the first token", "server_error",
+                           "engine_error", None)
+        return StreamingResponse(self._sse(first, events), media_type="text/event-stream",
+                                 headers={**self.timing_headers(), "cache-control": "no-cache"})
+
+    async def _sse(self, first: list, events) -> AsyncIterator[bytes]:
+        spec = self.spec
+        writer = fmt.ChunkWriter(spec.request_id, spec.model_name, spec.tier.api_name, spec.chat,
+                                 self.state.tokenizer.decode, spec.want_logprobs)
+        try:
+            for choice in self.choices:
+                if spec.chat:
+                    yield writer.role(choice.index)
+                elif choice.text:  # echo
+                    yield writer.delta(choice.index, choice.text, [])
+            pending = list(first)
+            while True:
+                for index, text, logprobs, finish in pending:
+                    if index < 0:
+                        yield b": ping\n\n"
+                    elif finish == "error":
+                        yield fmt.error_event("the engine failed while generating")
+                        yield fmt.SSE_DONE
+                        return
+                    elif text or logprobs or finish:
+                        yield writer.delta(index, text, logprobs, finish)
+                try:
+                    pending = [await events.__anext__()]
+                except StopAsyncIteration:
+                    break
+            if spec.include_usage:
+                yield writer.usage(self.usage())
+            yield fmt.SSE_DONE
+        finally:
+            self.finish()

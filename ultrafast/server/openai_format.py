@@ -1,0 +1,148 @@
+"""OpenAI response shapes: chat completions, text completions, their stream chunks, usage, logprobs.
+
+Pure functions from plain values to dicts; app.py does the I/O. Field names follow the OpenAI
+API reference so official clients parse them unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import orjson
+
+from ultrafast.core.types import TokenLogprobs
+
+SYSTEM_FINGERPRINT = "ultrafast-0.1"
+
+
+@dataclass
+class ChoiceState:
+    """What one choice (of n) has produced so far."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+def sse(payload: dict | str) -> bytes:
+    body = payload.encode() if isinstance(payload, str) else orjson.dumps(payload)
+    return b"data: " + body + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def usage(num_prompt: int, num_completion: int, num_cached: int,
+          prediction: tuple[int, int] | None = None) -> dict:
+    details: dict = {"reasoning_tokens": 0}
+    if prediction is not None:
+        details["accepted_prediction_tokens"], details["rejected_prediction_tokens"] = prediction
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion,
+            "prompt_tokens_details": {"cached_tokens": num_cached},
+            "completion_tokens_details": details}
+
+
+def _token_entry(decode, token_id: int, logprob: float) -> dict:
+    text = decode([token_id])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(decode, logprobs: list[TokenLogprobs]) -> dict:
+    content = []
+    for lp in logprobs:
+        entry = _token_entry(decode, lp.token_id, lp.logprob)
+        entry["top_logprobs"] = [_token_entry(decode, t, v) for t, v in lp.top]
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(decode, logprobs: list[TokenLogprobs], text_offset: int = 0) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for lp in logprobs:
+        text = decode([lp.token_id])
+        tokens.append(text)
+        token_logprobs.append(lp.logprob)
+        top.append({decode([t]): v for t, v in lp.top} if lp.top else None)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def _envelope(request_id: str, obj: str, model: str, tier: str, created: int) -> dict:
+    return {"id": request_id, "object": obj, "created": created, "model": model,
+            "system_fingerprint": SYSTEM_FINGERPRINT, "service_tier": tier}
+
+
+def chat_response(request_id: str, model: str, tier: str, choices: list[ChoiceState],
+                  usage_dict: dict, decode, want_logprobs: bool) -> dict:
+    body = _envelope(request_id, "chat.completion", model, tier, int(time.time()))
+    body["choices"] = [{
+        "index": c.index,
+        "message": {"role": "assistant", "content": c.text, "refusal": None},
+        "logprobs": chat_logprobs(decode, c.logprobs) if want_logprobs else None,
+        "finish_reason": c.finish_reason} for c in choices]
+    body["usage"] = usage_dict
+    return body
+
+
+def completion_response(request_id: str, model: str, tier: str, choices: list[ChoiceState],
+                        usage_dict: dict, decode, want_logprobs: bool) -> dict:
+    body = _envelope(request_id, "text_completion", model, tier, int(time.time()))
+    body["choices"] = [{
+        "index": c.index, "text": c.text,
+        "logprobs": completion_logprobs(decode, c.logprobs) if want_logprobs else None,
+        "finish_reason": c.finish_reason} for c in choices]
+    body["usage"] = usage_dict
+    return body
+
+
+class ChunkWriter:
+    """Builds the SSE events of one streamed response (chat or text completion)."""
+
+    def __init__(self, request_id: str, model: str, tier: str, chat: bool, decode,
+                 want_logprobs: bool):
+        self.chat = chat
+        self.decode = decode
+        self.want_logprobs = want_logprobs
+        self.base = _envelope(request_id, "chat.completion.chunk" if chat else "text_completion",
+                              model, tier, int(time.time()))
+
+    def _event(self, choices: list[dict], usage_dict: dict | None = None) -> bytes:
+        body = dict(self.base)
+        body["choices"] = choices
+        if usage_dict is not None:
+            body["usage"] = usage_dict
+        return sse(body)
+
+    def role(self, index: int) -> bytes:
+        return self._event([{"index": index, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])
+
+    def delta(self, index: int, text: str, logprobs: list[TokenLogprobs],
+              finish_reason: str | None = None) -> bytes:
+        if self.chat:
+            choice = {"index": index, "delta": {"content": text} if text or not finish_reason
+                      else {},
+                      "logprobs": chat_logprobs(self.decode, logprobs)
+                      if self.want_logprobs and logprobs else None,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text,
+                      "logprobs": completion_logprobs(self.decode, logprobs)
+                      if self.want_logprobs and logprobs else None,
+                      "finish_reason": finish_reason}
+        return self._event([choice])
+
+    def usage(self, usage_dict: dict) -> bytes:
+        return self._event([], usage_dict)
+
+
+def error_event(message: str, err_type: str = "server_error", code: str | None = None) -> bytes:
+    return sse({"error": {"message": message, "type": err_type, "param": None, "code": code}})
