@@ -1,0 +1,169 @@
+"""GgmlExecutor driven the way the engine drives it: StepPlans of ScheduledSeqs and KVCopies.
+
+The reference is transformers' greedy `generate` on the same random weights (f32 GGUF, f32 KV
+cache, so llama.cpp and torch agree to ~1e-5 and greedy choices cannot flip). Batching,
+chunking, prefix copies, slot reuse and rollback must never change a token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp")
+
+from ultrafast.core.types import KVCopy, ScheduledSeq, StepPlan  # noqa: E402
+from ultrafast.executors.ggml_exec import GgmlExecutor  # noqa: E402
+from ultrafast.request import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = {  # request id -> prompt; lengths differ so a batch mixes prefill and decode
+    "a": [5, 17, 99, 200, 3],
+    "b": [44, 12, 310, 7, 7, 90, 123, 250, 18, 66, 301, 2, 9, 150, 77, 31, 200],
+    "c": [(i * 37 + 11) % 390 + 3 for i in range(40)],
+}
+
+
+@pytest.fixture(scope="module")
+def executor(tiny_llama_gguf_f32):
+    ex = GgmlExecutor(tiny_llama_gguf_f32, num_slots=4, max_model_len=128, kv_cache_dtype="f32")
+    yield ex
+    ex.close()
+
+
+def _seq(request_id, slot_id, token_ids, start, num_logits=1, params=GREEDY, num_output=0):
+    return ScheduledSeq(request_id=request_id, slot_id=slot_id, token_ids=list(token_ids),
+                        start_position=start, num_logits=num_logits, sampling_params=params,
+                        sampling_seed=1234, num_output_tokens=num_output)
+
+
+def generate(ex, prompts: dict[str, list[int]], num_new: int, slots: dict[str, int] | None = None,
+             chunk: int | None = None, params=GREEDY) -> dict[str, list[int]]:
+    """All requests step together: chunked prefill (`chunk` tokens a step), then 1 token a step."""
+    slots = slots or {rid: i for i, rid in enumerate(prompts)}
+    computed = {rid: 0 for rid in prompts}
+    outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while any(len(out) < num_new for out in outputs.values()):
+        seqs = []
+        for rid, prompt in prompts.items():
+            if len(outputs[rid]) >= num_new:
+                continue
+            tokens = prompt + outputs[rid]
+            start = computed[rid]
+            end = len(tokens) if chunk is None else min(len(tokens), start + chunk)
+            seqs.append(_seq(rid, slots[rid], tokens[start:end], start,
+                             num_logits=1 if end == len(tokens) else 0, params=params,
+                             num_output=len(outputs[rid])))
+            computed[rid] = end
+        result = ex.execute(StepPlan(seqs))
+        assert not result.errors
+        for rid, sampled in result.sampled_token_ids.items():
+            outputs[rid].extend(sampled)
+    return outputs
+
+
+def _hf_greedy(hf_model, prompt: list[int], num_new: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=num_new,
+                                eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_matches_transformers_generate(executor, tiny_hf_model_factory):
+    hf_model = tiny_hf_model_factory("llama")
+    for rid in ("a", "c"):
+        expected = _hf_greedy(hf_model, PROMPTS[rid], 32)
+        assert generate(executor, {rid: PROMPTS[rid]}, 32)[rid] == expected
+
+
+def test_batched_equals_alone(executor):
+    alone = {rid: generate(executor, {rid: p}, 12)[rid] for rid, p in PROMPTS.items()}
+    assert generate(executor, PROMPTS, 12) == alone
+    assert generate(executor, PROMPTS, 12, chunk=7) == alone  # chunked prefill mixed with decode
+
+
+def test_seeded_sampling_batched_equals_alone(executor):
+    params = SamplingParams(temperature=1.0, top_k=50, seed=7)
+    alone = {rid: generate(executor, {rid: p}, 8, params=params)[rid] for rid, p in PROMPTS.items()}
+    assert generate(executor, PROMPTS, 8, params=params) == alone
+
+
+def test_kv_copy_prefix_reuse(executor):
+    prefix, suffix = PROMPTS["c"][:30], [8, 9, 10, 11]
+    expected = generate(executor, {"full": prefix + suffix}, 10, slots={"full": 3})["full"]
+    generate(executor, {"owner": prefix + [1, 2, 3]}, 4, slots={"owner": 0})  # slot 0 caches it
+
+    plan = StepPlan([_seq("reuse", 1, suffix, len(prefix))],
+                    kv_copies=[KVCopy(src_slot_id=0, dst_slot_id=1, num_tokens=len(prefix))])
+    outputs = executor.execute(plan).sampled_token_ids["reuse"]
+    for i in range(9):
+        step = _seq("reuse", 1, outputs[-1:], len(prefix) + len(suffix) + i, num_output=i + 1)
+        outputs += executor.execute(StepPlan([step])).sampled_token_ids["reuse"]
+    assert outputs == expected
+
+
+def test_kv_copy_leaves_source_intact(executor):
+    prompt = PROMPTS["b"]
+    expected = generate(executor, {"x": prompt}, 6, slots={"x": 0})["x"]
+    first = executor.execute(StepPlan([_seq("x", 0, prompt, 0)])).sampled_token_ids["x"]
+    copy = KVCopy(src_slot_id=0, dst_slot_id=2, num_tokens=10)
+    other = _seq("y", 2, [300, 301], 10)  # diverges from slot 0 after the copied prefix
+    tokens = first + executor.execute(StepPlan([other, _seq("x", 0, first, len(prompt))],
+                                               kv_copies=[copy])).sampled_token_ids["x"]
+    for i in range(4):
+        step = _seq("x", 0, tokens[-1:], len(prompt) + len(tokens) - 1)
+        tokens += executor.execute(StepPlan([step])).sampled_token_ids["x"]
+    assert tokens == expected
+
+
+def test_slot_reused_at_lower_start_position(executor):
+    fresh = generate(executor, {"new": PROMPTS["a"]}, 10, slots={"new": 3})["new"]
+    generate(executor, {"old": PROMPTS["c"]}, 20, slots={"old": 0})  # slot 0 now holds 60 tokens
+    assert generate(executor, {"new": PROMPTS["a"]}, 10, slots={"new": 0})["new"] == fresh
+
+    # rejected drafts: feed the real token plus 3 wrong drafts, then resume one position later
+    prompt = PROMPTS["b"]
+    expected = generate(executor, {"r": prompt}, 6, slots={"r": 1})["r"]
+    first = executor.execute(StepPlan([_seq("r", 1, prompt, 0)])).sampled_token_ids["r"]
+    drafted = executor.execute(StepPlan([_seq("r", 1, first + [1, 1, 1], len(prompt),
+                                              num_logits=4)])).sampled_token_ids["r"]
+    tokens = first + drafted[:1]  # only the real token's prediction is kept
+    for i in range(4):
+        step = _seq("r", 1, tokens[-1:], len(prompt) + len(tokens) - 1)
+        tokens += executor.execute(StepPlan([step])).sampled_token_ids["r"]
+    assert tokens == expected
+
+
+def test_bad_requests_fail_alone(executor):
+    expected = generate(executor, {"good": PROMPTS["a"]}, 1, slots={"good": 0})["good"]
+    plan = StepPlan([_seq("bad_token", 1, [5, executor.vocab_size + 3], 0),
+                     _seq("good", 0, PROMPTS["a"], 0),
+                     _seq("gap", 2, [5, 6], 100),  # slot 2 never held 100 positions
+                     _seq("too_long", 3, [5] * 10, 125)])
+    result = executor.execute(plan)
+    assert result.sampled_token_ids == {"good": expected}
+    assert set(result.errors) == {"bad_token", "gap", "too_long"}
+    assert "token id" in result.errors["bad_token"]
+    assert result.execute_time_s > 0 and result.sample_time_s > 0
+
+
+def test_invalid_batch_raises_clear_error(executor):
+    """Two sequences on one slot break llama.cpp's batch rules: a RuntimeError, not a crash."""
+    plan = StepPlan([_seq("p", 0, [5, 6, 7], 0), _seq("q", 0, [8, 9], 0)])
+    with pytest.raises(RuntimeError, match="llama_decode failed"):
+        executor.execute(plan)
+    assert generate(executor, {"a": PROMPTS["a"]}, 2)["a"]  # still usable afterwards
+
+
+def test_properties_budget_and_close(tiny_llama_gguf_f32):
+    ex = GgmlExecutor(tiny_llama_gguf_f32, num_slots=2, max_model_len=64,  # default f16 KV
+                      max_num_batched_tokens=8)
+    assert (ex.num_slots, ex.max_model_len, ex.vocab_size) == (2, 64, 400)
+    assert len(generate(ex, {"a": PROMPTS["a"]}, 3)["a"]) == 3
+    result = ex.execute(StepPlan([_seq("x", 0, [5] * 5, 0), _seq("y", 1, [6] * 5, 0)]))
+    assert list(result.sampled_token_ids) == ["x"] and "max_num_batched_tokens" in result.errors["y"]
+    assert ex.execute(StepPlan()).sampled_token_ids == {}
+    ex.close()
+    ex.close()
+    with pytest.raises(FileNotFoundError):
+        GgmlExecutor("/nonexistent.gguf", 1, 16)

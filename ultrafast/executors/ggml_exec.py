@@ -1,0 +1,299 @@
+"""The fast CPU executor: llama.cpp's kernels on a GGUF file, driven through llama-cpp-python's
+low-level ctypes API (no `Llama` object, no llama.cpp sampler).
+
+Owns one llama.cpp model + context. Each KV slot is a llama.cpp sequence id in one unified KV
+cache of `num_slots * max_model_len` cells, so a prefix copy (KVCopy) only tags existing cells
+with another sequence id instead of copying data. A step is one `llama_decode` over every
+scheduled sequence; the logits rows it asked for come back contiguous and in batch order, which
+is exactly the layout `sample_plan` wants, so they are handed over as a zero-copy tensor view.
+
+The batch arrays are numpy buffers owned here (not `llama_batch_init`'s mallocs): one
+contiguous array per field, so filling a step is a few slice assignments instead of a Python
+loop per token, and each token's `seq_id` pointer points into one contiguous int32 array.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import llama_cpp
+
+from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
+from ultrafast.runtime.sampler import sample_plan
+
+_LOG_LEVEL_ERROR = 3  # ggml_log_level
+_LOG_LEVEL_CONT = 5
+_KV_CACHE_DTYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # ggml_type ids of the K/V cache tensors
+
+
+class _NativeLog:
+    """Process-wide llama.cpp/ggml log sink (llama.cpp has one global logger).
+
+    Silent by default, but always remembers the last error lines so a failure can say why.
+    The ctypes callback must stay referenced for as long as llama.cpp may call it.
+    """
+
+    def __init__(self) -> None:
+        self.to_stderr = False
+        self.errors: collections.deque[str] = collections.deque(maxlen=8)
+        self._last_level = 0
+        self.callback = llama_cpp.llama_log_callback(self._on_log)
+        llama_cpp.llama_log_set(self.callback, ctypes.c_void_p(0))
+
+    def _on_log(self, level: int, text: bytes, _user_data) -> None:
+        level = self._last_level if level == _LOG_LEVEL_CONT else level
+        self._last_level = level
+        message = text.decode("utf-8", errors="replace") if text else ""
+        if level == _LOG_LEVEL_ERROR:
+            self.errors.append(message.strip())
+        if self.to_stderr:
+            sys.stderr.write(message)
+
+    def take_errors(self) -> str:
+        text = " | ".join(line for line in self.errors if line)
+        self.errors.clear()
+        return text
+
+
+_native_log: _NativeLog | None = None
+
+# llama_get_logits with an integer restype: the binding's POINTER(c_float) result costs a cast
+_get_logits_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
+    ctypes.cast(llama_cpp.llama_get_logits, ctypes.c_void_p).value)
+
+
+def _init_native(verbose: bool) -> _NativeLog:
+    global _native_log
+    if _native_log is None:
+        _native_log = _NativeLog()
+        llama_cpp.llama_backend_init()
+    _native_log.to_stderr = verbose
+    return _native_log
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (hyperthreads slow ggml down)."""
+    cpus = os.sched_getaffinity(0)
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(),
+                       (topology / "core_id").read_text().strip()))
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
+
+
+class GgmlExecutor:
+    """Executor on llama.cpp. `max_num_batched_tokens` bounds the tokens of one step."""
+
+    def __init__(self, gguf_path: str | Path, num_slots: int, max_model_len: int,
+                 n_threads: int | None = None, *, max_num_batched_tokens: int = 512,
+                 kv_cache_dtype: str = "f16", flash_attn: bool = False,
+                 verbose: bool = False) -> None:
+        self._ctx = self._model = None  # close() / __del__ work however far __init__ gets
+        if kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(_KV_CACHE_DTYPES)}")
+        if num_slots < 1 or max_model_len < 1 or max_num_batched_tokens < 1:
+            raise ValueError("num_slots, max_model_len and max_num_batched_tokens must be >= 1")
+        if not Path(gguf_path).is_file():
+            raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+        self.num_slots = num_slots
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.n_threads = n_threads or physical_cores()
+        self._log = _init_native(verbose)
+
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = 0
+        self._model = llama_cpp.llama_model_load_from_file(str(gguf_path).encode(), model_params)
+        if not self._model:
+            raise RuntimeError(f"llama.cpp could not load {gguf_path}: {self._log.take_errors()}")
+        self.vocab_size = llama_cpp.llama_vocab_n_tokens(
+            llama_cpp.llama_model_get_vocab(self._model))
+
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = num_slots * max_model_len
+        params.n_batch = params.n_ubatch = max_num_batched_tokens
+        params.n_seq_max = num_slots
+        params.kv_unified = True  # one cell pool for all slots: seq_cp shares cells, no copy
+        params.n_threads = params.n_threads_batch = self.n_threads
+        params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                                  else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        params.type_k = params.type_v = _KV_CACHE_DTYPES[kv_cache_dtype]  # f32: exact vs torch
+        params.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(self._model, params)
+        if not self._ctx:
+            errors = self._log.take_errors()
+            self.close()
+            raise RuntimeError(f"llama.cpp could not create a context "
+                               f"(num_slots={num_slots}, max_model_len={max_model_len}): {errors}")
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        # llama.cpp may clamp n_batch (e.g. to n_ctx); plans are checked against what it kept
+        self.max_num_batched_tokens = min(max_num_batched_tokens,
+                                          llama_cpp.llama_n_batch(self._ctx))
+        self._slot_lens = [0] * num_slots  # positions [0, len) of each slot hold KV
+        self._logits_address, self._logits = 0, torch.empty((0, self.vocab_size))
+        self._alloc_batch(max_num_batched_tokens)
+
+    def _alloc_batch(self, capacity: int) -> None:
+        self._tokens = np.zeros(capacity, dtype=np.int32)
+        self._positions = np.zeros(capacity, dtype=np.int32)
+        self._num_seq_ids = np.ones(capacity, dtype=np.int32)  # each token in one sequence
+        self._seq_ids = np.zeros(capacity, dtype=np.int32)
+        self._seq_id_ptrs = (self._seq_ids.ctypes.data
+                             + self._seq_ids.itemsize * np.arange(capacity, dtype=np.uint64))
+        self._output_flags = np.zeros(capacity, dtype=np.int8)
+        self._arange = np.arange(self.max_model_len + capacity, dtype=np.int32)
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        self._batch = llama_cpp.llama_batch(
+            n_tokens=0,
+            token=self._tokens.ctypes.data_as(i32),
+            embd=None,
+            pos=self._positions.ctypes.data_as(i32),
+            n_seq_id=self._num_seq_ids.ctypes.data_as(i32),
+            seq_id=self._seq_id_ptrs.ctypes.data_as(ctypes.POINTER(i32)),
+            logits=self._output_flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+    def _check(self, seq: ScheduledSeq) -> str | None:
+        """Why this sequence cannot run (it alone fails), or None."""
+        ids, n = seq.token_ids, len(seq.token_ids)
+        if not 0 <= seq.slot_id < self.num_slots:
+            return f"slot_id {seq.slot_id} out of range [0, {self.num_slots})"
+        if n == 0 or not 0 <= seq.num_logits <= n:
+            return f"bad step: {n} tokens, num_logits={seq.num_logits}"
+        if seq.start_position < 0 or seq.start_position + n > self.max_model_len:
+            return (f"positions [{seq.start_position}, {seq.start_position + n}) exceed "
+                    f"max_model_len={self.max_model_len}")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            return f"token id {bad} out of range [0, {self.vocab_size})"
+        return None
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        start_s = time.perf_counter()
+        for copy in plan.kv_copies:
+            self._copy_prefix(copy.src_slot_id, copy.dst_slot_id, copy.num_tokens)
+        errors: dict[str, str] = {}
+        ran: list[ScheduledSeq] = []
+        num_tokens = num_rows = 0
+        tokens, positions, seq_ids, flags = (self._tokens, self._positions, self._seq_ids,
+                                             self._output_flags)
+        for seq in plan.seqs:
+            n, start = len(seq.token_ids), seq.start_position
+            error = self._check(seq)
+            if error is None and num_tokens + n > self.max_num_batched_tokens:
+                error = f"step exceeds max_num_batched_tokens={self.max_num_batched_tokens}"
+            if error is None:
+                error = self._trim_slot(seq.slot_id, start)
+            if error is not None:
+                errors[seq.request_id] = error
+                continue
+            if n == 1:  # the decode fast path: scalar stores beat slice assignment
+                tokens[num_tokens] = seq.token_ids[0]
+                positions[num_tokens] = start
+                seq_ids[num_tokens] = seq.slot_id
+                flags[num_tokens] = seq.num_logits
+            else:
+                end = num_tokens + n
+                tokens[num_tokens:end] = seq.token_ids
+                positions[num_tokens:end] = self._arange[start:start + n]
+                seq_ids[num_tokens:end] = seq.slot_id
+                flags[num_tokens:end - seq.num_logits] = 0
+                flags[end - seq.num_logits:end] = 1
+            num_tokens += n
+            num_rows += seq.num_logits
+            ran.append(seq)
+        if num_tokens:
+            self._decode(num_tokens, ran)
+        logits = self._logits_view(num_rows)
+        sampled_s = time.perf_counter()
+        result = sample_plan(ran, logits) if num_rows else StepResult()
+        result.errors.update(errors)
+        result.execute_time_s = sampled_s - start_s
+        result.sample_time_s = time.perf_counter() - sampled_s
+        return result
+
+    def _decode(self, num_tokens: int, ran: list[ScheduledSeq]) -> None:
+        self._batch.n_tokens = num_tokens
+        status = llama_cpp.llama_decode(self._ctx, self._batch)
+        if status != 0:
+            self._resync_slot_lens()  # a fatal failure may leave some ubatches in the cache
+            raise RuntimeError(f"llama_decode failed with status {status} on {num_tokens} "
+                               f"tokens of {len(ran)} sequences: {self._log.take_errors()}")
+        for seq in ran:
+            self._slot_lens[seq.slot_id] = seq.start_position + len(seq.token_ids)
+
+    def _copy_prefix(self, src_slot_id: int, dst_slot_id: int, num_tokens: int) -> None:
+        """dst := src's KV at [0, num_tokens); in the unified cache this only retags cells."""
+        memory = self._memory
+        if src_slot_id != dst_slot_id:
+            llama_cpp.llama_memory_seq_rm(memory, dst_slot_id, -1, -1)
+            llama_cpp.llama_memory_seq_cp(memory, src_slot_id, dst_slot_id, 0, num_tokens)
+        llama_cpp.llama_memory_seq_rm(memory, dst_slot_id, num_tokens, -1)
+        self._slot_lens[dst_slot_id] = min(num_tokens, self._slot_lens[src_slot_id])
+
+    def _trim_slot(self, slot_id: int, start_position: int) -> str | None:
+        """Drop the slot's KV at >= start_position; the rest must be exactly [0, start_position).
+
+        Slot lengths are mirrored in Python, so a plain decode step makes no native call here.
+        """
+        known = self._slot_lens[slot_id]
+        if start_position > known:  # llama.cpp accepts a gap on an empty slot: refuse it here
+            return f"slot {slot_id} holds {known} positions, cannot start at {start_position}"
+        if start_position < known:
+            llama_cpp.llama_memory_seq_rm(self._memory, slot_id, start_position, -1)
+            self._slot_lens[slot_id] = start_position
+        return None
+
+    def _resync_slot_lens(self) -> None:
+        self._slot_lens = [llama_cpp.llama_memory_seq_pos_max(self._memory, slot) + 1
+                           for slot in range(self.num_slots)]
+
+    def _logits_view(self, num_rows: int) -> torch.Tensor:
+        """The [num_rows, vocab] float32 logits of the last decode, without copying.
+
+        Valid until the next decode; sample_plan is done with it before that. The view is cached
+        while llama.cpp keeps the same output buffer (it only reallocates to grow).
+        """
+        if num_rows == 0:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32)
+        address = _get_logits_address(self._ctx)
+        if not address:
+            raise RuntimeError(f"llama.cpp returned no logits: {self._log.take_errors()}")
+        if address != self._logits_address or num_rows > self._logits.shape[0]:
+            buffer = (ctypes.c_float * (num_rows * self.vocab_size)).from_address(address)
+            self._logits = torch.from_numpy(
+                np.frombuffer(buffer, dtype=np.float32).reshape(num_rows, self.vocab_size))
+            self._logits_address = address
+        return self._logits if num_rows == self._logits.shape[0] else self._logits[:num_rows]
+
+    def close(self) -> None:
+        """Free the context, then the model. Safe to call more than once."""
+        if self._ctx:
+            llama_cpp.llama_free(self._ctx)
+        if self._model:
+            llama_cpp.llama_model_free(self._model)
+        self._ctx = self._model = None
+
+    def __enter__(self) -> "GgmlExecutor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: llama_cpp may already be gone
+            pass
