@@ -23,9 +23,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 run: setup
-	$(BIN)/ultrafast generate "def fibonacci(n):" --max-tokens 96 --stats
+	$(BIN)/ultrafast serve
 
-generate: run
+generate: setup
+	$(BIN)/ultrafast generate "def fibonacci(n):" --max-tokens 96 --stats
 
 test: setup
 	$(BIN)/python -m pytest -q

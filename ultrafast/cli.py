@@ -13,7 +13,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--executor", choices=["auto", "ggml", "torch"], default="auto",
                    help="auto = ggml (llama.cpp kernels) on CPU, torch on CUDA")
     p.add_argument("--max-model-len", type=int, default=2048, help="positions per KV slot")
-    p.add_argument("--num-slots", type=int, default=4, help="KV slots (concurrent sequences)")
+    p.add_argument("--num-slots", type=int, default=8, help="KV slots (concurrent sequences)")
     p.add_argument("--threads", type=int, default=None, help="ggml threads (default: all cores)")
 
 
@@ -50,6 +50,27 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from ultrafast.config import EngineConfig, ServerConfig, TierTargets, default_model
+    from ultrafast.server.serve import serve
+
+    engine = EngineConfig(model=args.model_path or args.model or default_model(),
+                          **_engine_options(args))
+    server = ServerConfig(
+        host=args.host, port=args.port, served_model_name=args.served_model_name,
+        priority=TierTargets(args.priority_ttft_ms, args.priority_itl_ms, args.priority_queue),
+        default=TierTargets(args.default_ttft_ms, args.default_itl_ms, args.default_queue),
+        shaper_window_ms=args.shaper_window_ms, drain_timeout_s=args.drain_timeout_s)
+    return serve(engine, server)
+
+
+def cmd_bench(args) -> int:
+    from ultrafast.bench.decode import main as decode_main
+
+    args.model = args.model or __import__("ultrafast.config", fromlist=["x"]).default_model()
+    return decode_main(args)
+
+
 def cmd_convert(args) -> int:
     from ultrafast.convert import convert_hf_to_gguf
 
@@ -72,6 +93,35 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print TTFT and speed to stderr")
     _add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="start the OpenAI-compatible server")
+    srv.add_argument("model_path", nargs="?", default=None,
+                     help="HF model directory or .gguf (default: the bundled demo model)")
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="model id clients send")
+    srv.add_argument("--priority-ttft-ms", type=float, default=250.0,
+                     help="priority tier time-to-first-token target; later is refused (429)")
+    srv.add_argument("--priority-itl-ms", type=float, default=50.0,
+                     help="priority tier inter-token target; sizes prefill chunks")
+    srv.add_argument("--priority-queue", type=int, default=8, help="priority calls in flight")
+    srv.add_argument("--default-ttft-ms", type=float, default=5000.0)
+    srv.add_argument("--default-itl-ms", type=float, default=250.0)
+    srv.add_argument("--default-queue", type=int, default=64, help="default calls in flight")
+    srv.add_argument("--shaper-window-ms", type=float, default=2.0,
+                     help="coalesce default-tier arrivals this long (0 = off)")
+    srv.add_argument("--drain-timeout-s", type=float, default=10.0)
+    _add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="batch-1 decode speed vs llama.cpp and transformers")
+    bench.add_argument("--model", default=None, help="HF model directory (default: demo model)")
+    bench.add_argument("--new-tokens", type=int, default=128)
+    bench.add_argument("--rounds", type=int, default=3)
+    bench.add_argument("--threads", type=int, default=None)
+    bench.add_argument("--gguf-type", default="f16", help="GGUF type for both ggml runners")
+    bench.add_argument("--out", default="runs/bench_decode.json")
+    bench.set_defaults(func=cmd_bench)
 
     conv = sub.add_parser("convert", help="convert an HF model directory to GGUF")
     conv.add_argument("model_dir", help="HF directory (config.json, safetensors, tokenizer.json)")

@@ -180,7 +180,13 @@ def build_app(state: ServerState) -> Starlette:
         if state.draining or not state.engine.alive:
             reason = "draining" if state.draining else "engine_dead"
             return JSONResponse({"status": reason}, status_code=503)
-        return JSONResponse({"status": "ready"})
+        core = state.engine.core
+        return JSONResponse({"status": "ready", "running": len(core.scheduler.running),
+                             "waiting": core.scheduler.num_waiting,
+                             "kv_slots_busy": core.pool.num_running,
+                             "kv_slots_total": core.pool.num_slots,
+                             "in_flight": {t.api_name: n for t, n in
+                                           state.admission.in_flight.items()}})
 
     async def tokenize(http: HTTPRequest) -> Response:
         body = await read_json(http, state)

@@ -200,8 +200,9 @@ class GenerationRun:
             for choice in self.choices:
                 if spec.chat:
                     yield writer.role(choice.index)
-                elif choice.text:  # echo
-                    yield writer.delta(choice.index, choice.text, [])
+                elif spec.echo_texts:
+                    yield writer.delta(choice.index, spec.echo_texts[self.choice_prompts[
+                        choice.index]], [])
             pending = list(first)
             while True:
                 for index, text, logprobs, finish in pending:
