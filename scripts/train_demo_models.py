@@ -166,6 +166,11 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=200_000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", choices=["demo-code", "demo-draft"], default=None,
+                    help="train just one of the two models")
+    ap.add_argument("--continue", dest="resume", action="store_true",
+                    help="start from the weights already in --out (a second, warm-restarted "
+                    "cosine run) instead of from scratch; the tokenizer there is reused")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
@@ -177,16 +182,31 @@ def main() -> None:
               "train_bytes": sum(len(t.encode()) for t in train_texts),
               "heldout_bytes": sum(len(t.encode()) for t in held_texts)}
     log(f"corpus {corpus}")
-    tok = train_tokenizer(train_texts, args.vocab_size)
+    if args.resume:
+        tok = Tokenizer.from_file(str(out / (args.only or "demo-code") / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(train_texts, args.vocab_size)
     log(f"tokenizer trained ({tok.get_vocab_size()} tokens) in {time.time() - t0:.0f} s")
     train_ids, held_ids = encode_all(tok, train_texts), encode_all(tok, held_texts)
     corpus.update(train_tokens=int(train_ids.numel()), heldout_tokens=int(held_ids.numel()))
     log(f"encoded: {train_ids.numel() / 1e6:.1f}M train tokens, {held_ids.numel() / 1e6:.2f}M "
         f"held-out tokens ({time.time() - t0:.0f} s)")
-    report = {"corpus": corpus, "seed": args.seed, "seq_len": args.seq_len, "batch": args.batch}
+    report_path = out / "demo_eval.json"
+    report = json.loads(report_path.read_text()) if args.resume and report_path.is_file() else {}
+    report.update({"corpus": corpus, "seed": args.seed, "seq_len": args.seq_len,
+                   "batch": args.batch})
     for name, shape, minutes, lr in (("demo-code", MAIN_SHAPE, args.main_minutes, 2e-3),
                                      ("demo-draft", DRAFT_SHAPE, args.draft_minutes, 3e-3)):
-        model = make_model(shape, tok.get_vocab_size(), args.seed)
+        if args.only and name != args.only:
+            continue
+        previous = report.get(name, {}) if args.resume else {}
+        if args.resume:
+            from transformers import LlamaForCausalLM
+
+            model = LlamaForCausalLM.from_pretrained(out / name, dtype=torch.float32)
+            lr /= 2  # a warm restart from trained weights
+        else:
+            model = make_model(shape, tok.get_vocab_size(), args.seed)
         params = sum(p.numel() for p in model.parameters())
         log(f"{name}: {params / 1e6:.2f}M parameters, training {minutes} min")
         stats = train(model, train_ids, minutes, args.seq_len, args.batch, lr, args.seed)
@@ -196,9 +216,12 @@ def main() -> None:
         shipped = LlamaForCausalLM.from_pretrained(out / name, dtype=torch.float32)
         ppl, n = perplexity(shipped, held_ids, args.seq_len, args.eval_tokens)
         log(f"{name}: held-out perplexity {ppl:.2f} over {n} tokens (fp16 weights)")
+        if previous:  # add this run's time and tokens to the earlier runs'
+            stats = {k: stats[k] + previous.get(k, 0) for k in ("steps", "tokens_seen", "minutes")}
+            stats["runs"] = previous.get("runs", 1) + 1
         report[name] = {"parameters": params, "shape": shape, **stats,
                         "heldout_perplexity": ppl, "heldout_tokens_evaluated": n}
-        (out / "demo_eval.json").write_text(json.dumps(report, indent=2))
+        report_path.write_text(json.dumps(report, indent=2))
     log(f"done in {(time.time() - t0) / 60:.1f} min")
 
 

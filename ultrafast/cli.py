@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="model id clients send")
     srv.add_argument("--priority-ttft-ms", type=float, default=250.0,
                      help="priority tier time-to-first-token target; later is refused (429)")
-    srv.add_argument("--priority-itl-ms", type=float, default=50.0,
-                     help="priority tier inter-token target; sizes prefill chunks")
+    srv.add_argument("--priority-itl-ms", type=float, default=0.0,
+                     help="priority inter-token target; steps carrying priority work are sized "
+                     "to it (0 = auto: 1.2x the measured idle inter-token time)")
     srv.add_argument("--priority-queue", type=int, default=8, help="priority calls in flight")
     srv.add_argument("--default-ttft-ms", type=float, default=5000.0)
     srv.add_argument("--default-itl-ms", type=float, default=250.0)

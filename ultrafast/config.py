@@ -57,7 +57,8 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback by default; 0.0.0.0 needs an explicit --host
     port: int = 8000
     served_model_name: str | None = None  # default: the model directory name
-    priority: TierTargets = TierTargets(ttft_ms=250.0, itl_ms=50.0, max_in_flight=8)
+    # itl_ms 0 = auto: 1.2x the measured idle inter-token time
+    priority: TierTargets = TierTargets(ttft_ms=250.0, itl_ms=0.0, max_in_flight=8)
     default: TierTargets = TierTargets(ttft_ms=5000.0, itl_ms=250.0, max_in_flight=64)
     flex: TierTargets = TierTargets(ttft_ms=60000.0, itl_ms=2000.0, max_in_flight=64)
     shaper_window_ms: float = 2.0  # default-tier arrivals coalesce this long; 0 = off

@@ -84,8 +84,10 @@ def test_priority_arrival_skips_the_shaper_wait():
     engine.stop()
 
 
-def test_step_cost_model_sizes_the_priority_budget():
-    costs = StepCostModel(alpha=1.0)
-    costs.observe(num_seqs=2, num_tokens=2, elapsed_s=0.010)
-    costs.observe(num_seqs=2, num_tokens=102, elapsed_s=0.060)  # 0.5 ms per extra token
+def test_step_cost_model_fits_base_and_per_token_cost():
+    costs = StepCostModel()
+    for n in (1, 4, 16, 64, 2, 32):
+        costs.observe(num_seqs=1, num_tokens=n, elapsed_s=0.010 + 0.0005 * n)
+    assert abs(costs.base_s - 0.010) < 1e-6 and abs(costs.per_token_s - 0.0005) < 1e-8
     assert costs.token_budget(0.050) == 80
+    assert abs(costs.auto_itl_target_s() - 1.2 * 0.0105) < 1e-9

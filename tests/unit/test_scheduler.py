@@ -192,3 +192,18 @@ def test_waiting_queue_is_bounded():
     engine.add_request(Request("b", [1], GREEDY))
     with pytest.raises(OverflowError):
         engine.add_request(Request("c", [1], GREEDY))
+
+
+def test_priority_step_budget_caps_steps_but_keeps_priority_decodes():
+    engine, executor = make_engine(max_num_batched_tokens=64, max_prefill_chunk_tokens=64)
+    engine.add_request(Request("p", prompt(20, 4), SamplingParams(temperature=0.0, max_tokens=20),
+                               tier=ServiceTier.PRIORITY))
+    engine.step()
+    engine.scheduler.priority_step_token_budget = 5
+    engine.add_request(Request("long", prompt(21, 60), GREEDY))
+    for _ in range(4):
+        engine.step()
+        seqs = executor.plans[-1].seqs
+        assert seqs[0].request_id == "p" and seqs[0].num_tokens == 1
+        assert executor.plans[-1].num_scheduled_tokens <= 5
+    out, _ = run_all(engine, [])

@@ -101,9 +101,9 @@ class Scheduler:
         plan = StepPlan(step_id=self._step_id)
         self._make_room_for_waiting()
         budget = self.config.max_num_batched_tokens
-        if self.priority_step_token_budget is not None and any(
-                r.tier == ServiceTier.PRIORITY for r in self.running):
-            budget = min(budget, self.priority_step_token_budget)
+        num_priority = sum(r.tier == ServiceTier.PRIORITY for r in self.running)
+        if self.priority_step_token_budget is not None and num_priority:
+            budget = max(min(budget, self.priority_step_token_budget), num_priority)
         self._admissions_left = self.config.max_admissions_per_step or 1 << 30
         by_tier = sorted(self.running, key=lambda r: (r.tier, r.arrival_time_s))
         order = [(ServiceTier.PRIORITY, True), (ServiceTier.DEFAULT, True),

@@ -40,30 +40,45 @@ class StepStats:
 
 
 class StepCostModel:
-    """Step time ~ decode_step_s + tokens * per_token_s, learned online (EMA).
+    """Step time ~ base_s + per_token_s * num_tokens, fitted online (exponentially weighted
+    least squares), plus the time of a lone single-token step.
 
-    Used to size prefill chunks so that a step that carries priority decodes stays within the
-    priority inter-token target.
+    Sizes each step while a priority request decodes, so its inter-token gap stays within
+    target however much other work is waiting.
     """
 
-    def __init__(self, alpha: float = 0.2):
-        self.alpha = alpha
-        self.decode_step_s: float | None = None
+    def __init__(self, forget: float = 0.05):
+        self.forget = forget
+        self._sums = [0.0] * 5  # weight, x, y, xx, xy
+        self.base_s: float | None = None
         self.per_token_s: float | None = None
+        self.single_decode_s: float | None = None  # one sequence, one token: the idle ITL
 
     def observe(self, num_seqs: int, num_tokens: int, elapsed_s: float) -> None:
         if num_tokens == 0 or elapsed_s <= 0:
             return
-        if num_tokens == num_seqs:
-            self.decode_step_s = _ema(self.decode_step_s, elapsed_s, self.alpha)
-        elif num_tokens >= 16 and self.decode_step_s is not None:
-            extra = max(elapsed_s - self.decode_step_s, 0.0) / (num_tokens - num_seqs)
-            self.per_token_s = _ema(self.per_token_s, extra, self.alpha)
+        if num_seqs == 1 and num_tokens == 1:
+            self.single_decode_s = _ema(self.single_decode_s, elapsed_s, 0.1)
+        keep = 1.0 - self.forget
+        w, sx, sy, sxx, sxy = (v * keep for v in self._sums)
+        x = float(num_tokens)
+        self._sums = [w + 1, sx + x, sy + elapsed_s, sxx + x * x, sxy + x * elapsed_s]
+        w, sx, sy, sxx, sxy = self._sums
+        var = sxx / w - (sx / w) ** 2
+        if var > 0.5:  # enough spread in step sizes to trust a slope
+            slope = (sxy / w - sx * sy / w / w) / var
+            if slope > 0:
+                self.per_token_s = slope
+                self.base_s = max(sy / w - slope * sx / w, 0.0)
 
-    def token_budget(self, target_s: float, minimum: int = 16) -> int | None:
-        if self.decode_step_s is None or self.per_token_s is None or self.per_token_s <= 0:
+    def token_budget(self, target_s: float, minimum: int = 1) -> int | None:
+        if self.base_s is None or self.per_token_s is None:
             return None
-        return max(minimum, int((target_s - self.decode_step_s) / self.per_token_s))
+        return max(minimum, int((target_s - self.base_s) / self.per_token_s))
+
+    def auto_itl_target_s(self, factor: float = 1.2) -> float | None:
+        """`factor` times the idle inter-token time, once it has been measured."""
+        return None if self.single_decode_s is None else factor * self.single_decode_s
 
 
 def _ema(old: float | None, new: float, alpha: float) -> float:
@@ -75,6 +90,7 @@ class EngineCore:
 
     def __init__(self, executor: Executor, config: SchedulerConfig,
                  priority_itl_target_s: float | None = None):
+        """priority_itl_target_s: None = no cap on steps carrying priority work, 0 = auto."""
         if config.max_num_seqs > executor.num_slots:
             raise ValueError("max_num_seqs cannot exceed the executor's KV slots")
         if config.max_model_len > executor.max_model_len:
@@ -118,9 +134,11 @@ class EngineCore:
         if plan.seqs:
             self.costs.observe(len(plan.seqs), plan.num_scheduled_tokens,
                                result.execute_time_s + result.sample_time_s)
-            if self.priority_itl_target_s is not None:
-                self.scheduler.priority_step_token_budget = self.costs.token_budget(
-                    self.priority_itl_target_s * 0.8)  # headroom for scheduling and output
+            target_s = self.priority_itl_target_s
+            if target_s == 0:  # auto: stay within 1.2x of the idle inter-token time
+                target_s = self.costs.auto_itl_target_s()
+            if target_s:
+                self.scheduler.priority_step_token_budget = self.costs.token_budget(target_s)
         self.last_stats = StepStats(
             step_id=plan.step_id, num_seqs=len(plan.seqs), num_tokens=plan.num_scheduled_tokens,
             num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,

@@ -35,9 +35,10 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = True
             self.should_exit = True
             return
-        self.state.draining = True
-        loop = asyncio.get_event_loop()
-        self._drain_task = loop.create_task(self._drain())
+        self.state.draining = True  # /ready and new calls answer 503 from now on
+        loop = self._loop
+        loop.call_soon_threadsafe(lambda: setattr(self, "_drain_task",
+                                                  loop.create_task(self._drain())))
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.state.config.drain_timeout_s
@@ -50,6 +51,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         host, port = self.config.host, self.config.port
         print(f"ultrafast ready: model {self.state.model_name!r} on http://{host}:{port}\n"

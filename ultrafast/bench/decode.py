@@ -1,0 +1,164 @@
+"""Batch-1 decode speed, side by side in one process: our engine vs llama.cpp vs transformers.
+
+Every runner gets the same prompt ids, generates the same number of tokens greedily with EOS
+ignored, on the same threads. Runners are interleaved over several rounds and the median is
+reported, so drift on a shared machine hits all of them alike. Decode speed excludes the
+prefill (time from first to last token).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ultrafast.model_files import gguf_for, resolve_model
+
+
+@dataclass
+class RunResult:
+    name: str
+    decode_tok_s: float  # (new_tokens - 1) / (t_last - t_first)
+    ttft_ms: float  # prompt to first token
+
+
+def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind):
+    from ultrafast.config import EngineConfig
+    from ultrafast.llm import build_engine
+    from ultrafast.request import Request, SamplingParams
+
+    config = EngineConfig(model=str(gguf if executor_kind == "ggml" else files.hf_dir),
+                          executor=executor_kind, num_slots=1, max_num_seqs=1,
+                          max_model_len=len(prompt_ids) + num_new + 8, n_threads=threads)
+    engine, tokenizer, _ = build_engine(config)
+    params = SamplingParams(temperature=0.0, max_tokens=num_new, ignore_eos=True)
+    counter = [0]
+
+    def run() -> tuple[float, float]:
+        counter[0] += 1
+        engine.pool.reset_cache()  # each round prefills from scratch, like the peers
+        start = time.perf_counter()
+        engine.add_request(Request(f"bench-{counter[0]}", list(prompt_ids), params))
+        first = last = None
+        while engine.has_work():
+            for out in engine.step():
+                if out.new_token_ids:
+                    last = time.perf_counter()
+                    first = first or last
+        return first - start, last - first
+
+    return run, engine.executor.close
+
+
+def _llama_cpp(gguf, prompt_ids, num_new, threads):
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(prompt_ids) + num_new + 8,
+                          n_threads=threads, n_threads_batch=threads, n_batch=512,
+                          verbose=False, logits_all=False)
+
+    def run() -> tuple[float, float]:
+        llm.reset()
+        start = time.perf_counter()
+        first = last = None
+        n = 0
+        for _ in llm.generate(list(prompt_ids), top_k=1, temp=0.0, repeat_penalty=1.0,
+                              reset=True):
+            last = time.perf_counter()
+            first = first or last
+            n += 1
+            if n >= num_new:
+                break
+        return first - start, last - first
+
+    return run, llm.close
+
+
+def _transformers(hf_dir, prompt_ids, num_new, threads):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids])
+
+    def generate(n: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)
+        return time.perf_counter() - start
+
+    def run() -> tuple[float, float]:
+        ttft = generate(1)
+        return ttft, generate(num_new) - ttft
+
+    return run, lambda: None
+
+
+def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, rounds: int = 3,
+                     threads: int | None = None, peers: tuple[str, ...] = (
+                         "ultrafast-ggml", "llama.cpp", "ultrafast-torch", "transformers"),
+                     gguf_type: str = "f16") -> dict:
+    import os
+
+    from ultrafast.tokenizer import Tokenizer
+
+    threads = threads or len(os.sched_getaffinity(0))
+    files = resolve_model(model)
+    gguf = gguf_for(files, gguf_type)
+    tokenizer = Tokenizer.from_dir(files.tokenizer_dir)
+    text = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
+    prompt_ids = (tokenizer.encode(text) * 8)[:prompt_tokens]
+    makers = {
+        "ultrafast-ggml": lambda: _ours(files, gguf, prompt_ids, num_new, threads, "ggml"),
+        "ultrafast-torch": lambda: _ours(files, gguf, prompt_ids, num_new, threads, "torch"),
+        "llama.cpp": lambda: _llama_cpp(gguf, prompt_ids, num_new, threads),
+        "transformers": lambda: _transformers(files.hf_dir, prompt_ids, num_new, threads),
+    }
+    runners = {name: makers[name]() for name in peers}
+    for run, _ in runners.values():
+        run()  # warm-up
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in peers}
+    for _ in range(rounds):
+        for name, (run, _) in runners.items():
+            samples[name].append(run())
+    for _, close in runners.values():
+        close()
+    results = {}
+    for name, runs in samples.items():
+        decode_s = statistics.median(d for _, d in runs)
+        results[name] = asdict(RunResult(name, (num_new - 1) / decode_s,
+                                         1000 * statistics.median(t for t, _ in runs)))
+    return {"model": files.name, "gguf": gguf.name, "threads": threads, "new_tokens": num_new,
+            "prompt_tokens": len(prompt_ids), "rounds": rounds, "results": results}
+
+
+def markdown(report: dict) -> str:
+    res = report["results"]
+    lines = [f"model `{report['model']}` ({report['gguf']}), batch 1, {report['prompt_tokens']} "
+             f"prompt tokens, {report['new_tokens']} new tokens, {report['threads']} threads, "
+             f"median of {report['rounds']} interleaved rounds", "",
+             "| runner | decode tok/s | TTFT ms | vs llama.cpp | vs transformers |",
+             "|---|---|---|---|---|"]
+    for name, r in res.items():
+        vs_llama = r["decode_tok_s"] / res["llama.cpp"]["decode_tok_s"] if "llama.cpp" in res \
+            else float("nan")
+        vs_hf = r["decode_tok_s"] / res["transformers"]["decode_tok_s"] \
+            if "transformers" in res else float("nan")
+        lines.append(f"| {name} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.1f} | "
+                     f"{vs_llama:.2f}x | {vs_hf:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    report = run_decode_bench(args.model, num_new=args.new_tokens, rounds=args.rounds,
+                              threads=args.threads, gguf_type=args.gguf_type)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(markdown(report))
+    print(f"\nwrote {out}")
+    return 0
