@@ -65,9 +65,17 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    from ultrafast.config import default_model
+
+    args.model = args.model or default_model()
+    if args.suite == "tiers":
+        from ultrafast.bench.tiers import main as tiers_main
+
+        args.out = args.out or "runs/bench_tiers.json"
+        return tiers_main(args)
     from ultrafast.bench.decode import main as decode_main
 
-    args.model = args.model or __import__("ultrafast.config", fromlist=["x"]).default_model()
+    args.out = args.out or "runs/bench_decode.json"
     return decode_main(args)
 
 
@@ -115,13 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="batch-1 decode speed vs llama.cpp and transformers")
+    bench = sub.add_parser("bench", help="side-by-side benchmarks (JSON + Markdown table)")
+    bench.add_argument("suite", nargs="?", choices=["decode", "tiers"], default="decode",
+                       help="decode: batch-1 decode vs llama.cpp and transformers; tiers: "
+                       "priority latency idle vs loaded, and HTTP streaming overhead")
     bench.add_argument("--model", default=None, help="HF model directory (default: demo model)")
+    bench.add_argument("--num-slots", type=int, default=4, help="tiers: KV slots of the server")
+    bench.add_argument("--probes", type=int, default=8, help="tiers: priority requests per phase")
     bench.add_argument("--new-tokens", type=int, default=128)
     bench.add_argument("--rounds", type=int, default=3)
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--gguf-type", default="f16", help="GGUF type for both ggml runners")
-    bench.add_argument("--out", default="runs/bench_decode.json")
+    bench.add_argument("--out", default=None, help="JSON report (default under runs/)")
     bench.set_defaults(func=cmd_bench)
 
     conv = sub.add_parser("convert", help="convert an HF model directory to GGUF")

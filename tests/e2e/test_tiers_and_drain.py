@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from tests.e2e.conftest import ServerProcess
+from ultrafast.bench.server_process import ServerProcess
 
 BODY = {"messages": [{"role": "user", "content": "def fibonacci(n):"}], "max_tokens": 4}
 

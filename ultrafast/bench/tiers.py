@@ -1,0 +1,161 @@
+"""Does the Ultrafast lane hold under load? And what does the HTTP path cost per token?
+
+1. Priority streams on an idle server, then the same priority streams while default-tier
+   streams keep every other slot busy: p50 TTFT and p99 inter-token latency, loaded / idle.
+2. Batch-1 tokens/s streamed over HTTP vs the in-process engine, same model and executor.
+Everything runs on this machine against 127.0.0.1 only, bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+from ultrafast.bench.server_process import ServerProcess
+
+PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+async def stream_once(client: httpx.AsyncClient, body: dict) -> tuple[float, list[float]]:
+    """Time to first token and the gaps between token events of one streamed completion."""
+    start = time.perf_counter()
+    stamps = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and '"text":' in line:
+                stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return stamps[0] - start, gaps
+
+
+async def probe(client, tier: str, count: int, max_tokens: int) -> dict:
+    ttfts, gaps = [], []
+    for i in range(count):
+        ttft, g = await stream_once(client, {
+            "prompt": PROMPT + f"# probe {i}\n", "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "service_tier": tier})
+        ttfts.append(ttft)
+        gaps.extend(g)
+    return {"ttft_p50_ms": 1000 * statistics.median(ttfts),
+            "ttft_p99_ms": 1000 * percentile(ttfts, 99),
+            "itl_p50_ms": 1000 * statistics.median(gaps), "itl_p99_ms": 1000 * percentile(gaps, 99),
+            "requests": count, "tokens": count * max_tokens}
+
+
+async def load(client, num_streams: int, stop: asyncio.Event, done: list[int]) -> None:
+    async def one(k: int) -> None:
+        while not stop.is_set():
+            _, gaps = await stream_once(client, {
+                "prompt": PROMPT + f"# load {k}\n", "max_tokens": 200, "temperature": 0,
+                "stream": True, "ignore_eos": True, "service_tier": "default"})
+            done.append(len(gaps) + 1)
+
+    await asyncio.gather(*(one(k) for k in range(num_streams)))
+
+
+async def wait_running(client, n: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (await client.get("/ready")).json()["running"] >= n:
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"load never reached {n} running streams")
+
+
+async def tier_scenario(url: str, num_slots: int, probes: int, max_tokens: int) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        await probe(client, "priority", 2, 8)  # warm-up: the cost model learns the idle step
+        idle = await probe(client, "priority", probes, max_tokens)
+        stop, done = asyncio.Event(), []
+        load_task = asyncio.create_task(load(client, num_slots - 1, stop, done))
+        await wait_running(client, num_slots - 1)
+        loaded = await probe(client, "priority", probes, max_tokens)
+        stop.set()
+        await load_task
+    return {"idle": idle, "loaded": loaded, "background_streams": num_slots - 1,
+            "ttft_p50_ratio": loaded["ttft_p50_ms"] / idle["ttft_p50_ms"],
+            "itl_p99_ratio": loaded["itl_p99_ms"] / idle["itl_p99_ms"]}
+
+
+async def http_tokens_per_s(url: str, max_tokens: int, rounds: int) -> float:
+    rates = []
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        for _ in range(rounds + 1):
+            _, gaps = await stream_once(client, {
+                "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True, "service_tier": "priority"})
+            rates.append(len(gaps) / sum(gaps))
+    return statistics.median(rates[1:])
+
+
+def engine_tokens_per_s(model: str, max_tokens: int, rounds: int) -> float:
+    from ultrafast.config import EngineConfig
+    from ultrafast.llm import build_engine
+    from ultrafast.request import Request, SamplingParams
+
+    engine, tokenizer, _ = build_engine(EngineConfig(model=model, num_slots=1, max_num_seqs=1,
+                                                     max_model_len=512))
+    ids = tokenizer.encode(PROMPT)
+    rates = []
+    for i in range(rounds + 1):
+        engine.pool.reset_cache()
+        engine.add_request(Request(f"r{i}", ids, SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
+        stamps = []
+        while engine.has_work():
+            if any(o.new_token_ids for o in engine.step()):
+                stamps.append(time.perf_counter())
+        rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+    engine.executor.close()
+    return statistics.median(rates[1:])
+
+
+def run_tier_bench(model: str, num_slots: int = 4, probes: int = 8, max_tokens: int = 64,
+                   rounds: int = 3) -> dict:
+    in_process = engine_tokens_per_s(model, 128, rounds)
+    server = ServerProcess(model=model, num_slots=num_slots)
+    try:
+        over_http = asyncio.run(http_tokens_per_s(server.url, 128, rounds))
+        tiers = asyncio.run(tier_scenario(server.url, num_slots, probes, max_tokens))
+    finally:
+        server.stop()
+    return {"model": str(model), "num_slots": num_slots, "tiers": tiers,
+            "streaming": {"in_process_tok_s": in_process, "http_tok_s": over_http,
+                          "http_overhead": 1 - over_http / in_process}}
+
+
+def markdown(report: dict) -> str:
+    t, s = report["tiers"], report["streaming"]
+    i, lo = t["idle"], t["loaded"]
+    return "\n".join([
+        f"priority streams ({i['requests']} x {i['tokens'] // i['requests']} tokens), idle vs "
+        f"with {t['background_streams']} default-tier streams saturating the other slots", "",
+        "| | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |", "|---|---|---|---|---|",
+        f"| idle | {i['ttft_p50_ms']:.1f} | {i['ttft_p99_ms']:.1f} | {i['itl_p50_ms']:.2f} | "
+        f"{i['itl_p99_ms']:.2f} |",
+        f"| loaded | {lo['ttft_p50_ms']:.1f} | {lo['ttft_p99_ms']:.1f} | {lo['itl_p50_ms']:.2f} "
+        f"| {lo['itl_p99_ms']:.2f} |",
+        f"| loaded / idle | {t['ttft_p50_ratio']:.2f}x | | | {t['itl_p99_ratio']:.2f}x |", "",
+        f"batch-1 streaming: in-process engine {s['in_process_tok_s']:.1f} tok/s, over HTTP "
+        f"{s['http_tok_s']:.1f} tok/s (overhead {100 * s['http_overhead']:.1f}%)"])
+
+
+def main(args) -> int:
+    report = run_tier_bench(args.model, num_slots=args.num_slots, probes=args.probes)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(markdown(report))
+    print(f"\nwrote {out}")
+    return 0
