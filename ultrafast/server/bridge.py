@@ -2,15 +2,13 @@
 
 The engine thread calls back with RequestOutputs; each is put on the caller's asyncio queue with
 `loop.call_soon_threadsafe`, so the event loop never blocks on the engine and the engine never
-waits for a slow client. `Generation` groups the n requests of one API call and aborts whatever
-is unfinished when its consumer leaves (client gone), which frees their KV slots within a step.
+waits for a slow client. `Generation` groups the n requests of one API call on one queue; the
+HTTP layer aborts whatever is unfinished when the client leaves, freeing the KV slots in a step.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
-
 from ultrafast.core.scheduler import RequestOutput
 from ultrafast.request import Request
 from ultrafast.runtime.engine import EngineThread
@@ -47,19 +45,6 @@ class Generation:
         for request in self.requests:
             self.bridge.submit(request, self.queue)
         return self
-
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(choice index, output) until every choice has finished."""
-        try:
-            while self.unfinished:
-                output = await self.queue.get()
-                if output.request_id not in self.unfinished:
-                    continue
-                if output.finished:
-                    self.unfinished.discard(output.request_id)
-                yield self.index_of[output.request_id], output
-        finally:
-            self.abort_all()  # consumer left early: free every slot still in use
 
     def abort(self, index: int) -> None:
         request_id = self.requests[index].request_id

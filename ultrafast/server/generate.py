@@ -100,22 +100,29 @@ class GenerationRun:
         return text, out.new_logprobs, finish
 
     async def _outputs(self) -> AsyncIterator[tuple[int, str, list, str | None]]:
+        """(choice, text delta, logprobs, finish) per engine output; (-1, ...) = keep-alive.
+
+        Waits on the queue itself: cancelling a `queue.get()` on timeout is harmless, while
+        cancelling a generator would run its cleanup and abort the requests.
+        """
+        gen = self.generation
         ping_s = self.state.config.sse_ping_interval_s
-        iterator = self.generation.outputs().__aiter__()
-        while True:
+        while gen.unfinished:
             try:
-                index, out = await asyncio.wait_for(iterator.__anext__(), timeout=ping_s)
+                out = await asyncio.wait_for(gen.queue.get(), timeout=ping_s)
             except asyncio.TimeoutError:
-                yield -1, "", [], None  # keep-alive tick
+                yield -1, "", [], None
                 continue
-            except StopAsyncIteration:
-                return
+            if out.request_id not in gen.unfinished:
+                continue  # a choice we already ended (stop string), still draining
+            if out.finished:
+                gen.unfinished.discard(out.request_id)
             if self.first_token_s is None and (out.new_token_ids or out.finished):
                 self.first_token_s = time.monotonic()
                 self.queue_time_s = out.queue_time_s
                 self.state.admission.first_token(self.ticket)
-            text, logprobs, finish = self._apply(index, out)
-            yield index, text, logprobs, finish
+            text, logprobs, finish = self._apply(gen.index_of[out.request_id], out)
+            yield gen.index_of[out.request_id], text, logprobs, finish
 
     def usage(self) -> dict:
         return fmt.usage(sum(len(p) for p in self.spec.prompts),
@@ -175,17 +182,15 @@ class GenerationRun:
         events = self._outputs().__aiter__()
         first: list = []
         try:
-            while True:
-                item = await events.__anext__()
-                if item[0] >= 0:
-                    first.append(item)
-                    break
+            # Headers wait for the first token (so they carry real timings), unless it takes
+            # longer than a ping interval: then the stream starts with a keep-alive comment.
+            first.append(await events.__anext__())
         except StopAsyncIteration:
             pass
         except BaseException:
             self.finish()
             raise
-        if first and first[0][3] == "error" and len(self.choices) == 1:
+        if first and first[0][0] >= 0 and first[0][3] == "error" and len(self.choices) == 1:
             self.finish()
             raise APIError(500, "the engine failed before the first token", "server_error",
                            "engine_error", None)
