@@ -91,7 +91,7 @@ async def tier_scenario(url: str, num_slots: int, probes: int, max_tokens: int) 
 
 
 async def long_prompt_stall(client, idle_itl_p99_ms: float) -> dict:
-    """A ~450-token default-tier prompt lands while a priority stream decodes: how long is
+    """A ~380-token default-tier prompt lands while a priority stream decodes: how long is
     the priority stream's worst gap? (Prefill is chunked to the priority step budget.)"""
     long_prompt = "value = compute(alpha, beta)\n" * 64
 
@@ -168,7 +168,7 @@ def markdown(report: dict) -> str:
         f"| loaded | {lo['ttft_p50_ms']:.1f} | {lo['ttft_p99_ms']:.1f} | {lo['itl_p50_ms']:.2f} "
         f"| {lo['itl_p99_ms']:.2f} |",
         f"| loaded / idle | {t['ttft_p50_ratio']:.2f}x | | | {t['itl_p99_ratio']:.2f}x |", "",
-        f"a 450-token default prompt arriving mid-stream: priority worst gap "
+        f"a ~380-token default prompt arriving mid-stream: priority worst gap "
         f"{t['long_prompt']['max_gap_ms']:.1f} ms, p99 {t['long_prompt']['itl_p99_ms']:.2f} ms "
         f"(idle p99 {t['long_prompt']['idle_itl_p99_ms']:.2f} ms)", "",
         f"batch-1 streaming: in-process engine {s['in_process_tok_s']:.1f} tok/s, over HTTP "
