@@ -93,7 +93,7 @@ async def tier_scenario(url: str, num_slots: int, probes: int, max_tokens: int) 
 async def long_prompt_stall(client, idle_itl_p99_ms: float) -> dict:
     """A ~380-token default-tier prompt lands while a priority stream decodes: how long is
     the priority stream's worst gap? (Prefill is chunked to the priority step budget.)"""
-    long_prompt = "value = compute(alpha, beta)\n" * 64
+    long_prompt = "value = compute(alpha, beta)\n" * 32  # ~380 tokens
 
     async def intruder() -> None:
         await asyncio.sleep(0.05)
