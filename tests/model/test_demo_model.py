@@ -85,3 +85,22 @@ def test_generate_cli_writes_python_looking_code():
     assert text.startswith("def fibonacci(n):") and len(body.strip()) > 20
     assert "\n    " in body  # an indented block follows the def
     assert any(word in body for word in ("return", "if ", "for ", "=", "self", "(")), body
+
+
+def test_offline_llm_generate_batch_stop_and_order():
+    from ultrafast.llm import LLM
+
+    llm = LLM(executor="ggml", num_slots=4, max_num_seqs=4, max_model_len=256)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=16)
+        outs = llm.generate(PROMPTS[:3], params)
+        assert [o.prompt_token_ids for o in outs] == [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
+        assert all(o.finish_reason in ("length", "stop") and o.text for o in outs)
+        alone = llm.generate(PROMPTS[1], params)[0]
+        assert alone.text == outs[1].text  # batched == alone, and in prompt order
+        stop = outs[0].text[2:4]
+        cut = llm.generate(PROMPTS[0], params, stop=[stop])[0]
+        assert cut.text == outs[0].text[:outs[0].text.index(stop)] and cut.finish_reason == "stop"
+        assert "".join(llm.stream(PROMPTS[0], params)) == outs[0].text
+    finally:
+        llm.close()
