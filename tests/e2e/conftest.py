@@ -7,6 +7,7 @@ from ultrafast.bench.server_process import ServerProcess
 
 @pytest.fixture(scope="session")
 def server():
-    srv = ServerProcess()
+    # a loose priority TTFT target: these tests check behaviour, not admission (tested apart)
+    srv = ServerProcess("--priority-ttft-ms", "10000")
     yield srv
     srv.stop()

@@ -35,7 +35,7 @@ def test_sigterm_drains_running_streams_then_exits_zero():
 
     def stream():
         with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
-                "prompt": "import os", "max_tokens": 60, "stream": True, "ignore_eos": True,
+                "prompt": "import os", "max_tokens": 400, "stream": True, "ignore_eos": True,
                 "temperature": 0}) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):

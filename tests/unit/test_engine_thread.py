@@ -91,3 +91,11 @@ def test_step_cost_model_fits_base_and_per_token_cost():
     assert abs(costs.base_s - 0.010) < 1e-6 and abs(costs.per_token_s - 0.0005) < 1e-8
     assert costs.token_budget(0.050) == 80
     assert abs(costs.auto_itl_target_s() - 1.2 * 0.0105) < 1e-9
+
+
+def test_warmup_leaves_the_engine_clean():
+    executor = FakeExecutor(num_slots=2)
+    core = EngineCore(executor, SchedulerConfig(max_num_seqs=2, max_model_len=64))
+    core.warmup()
+    assert executor.plans and not core.has_work() and core.pool.num_running == 0
+    assert all(not s.hashes for s in core.pool.slots)  # no fake prefix left to match

@@ -19,7 +19,7 @@ from ultrafast.core.kv_pool import KVSlotPool
 from ultrafast.core.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from ultrafast.core.types import StepResult
 from ultrafast.executors.base import Executor
-from ultrafast.request import Request, ServiceTier
+from ultrafast.request import Request, SamplingParams, ServiceTier
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,17 @@ class EngineCore:
         self.last_stats: StepStats | None = None
         self.priority_itl_target_s = priority_itl_target_s
         self.costs = StepCostModel()
+
+    def warmup(self, num_prompt_tokens: int = 16) -> None:
+        """Run a short prefill and decode before serving: the first pass of a fresh executor
+        allocates its compute graph and would otherwise land on the first client's TTFT."""
+        prompt = [i % self.executor.vocab_size for i in range(1, num_prompt_tokens + 1)]
+        self.add_request(Request("warmup", prompt, SamplingParams(
+            temperature=0.0, max_tokens=4, ignore_eos=True)))
+        while self.has_work():
+            self.step()
+        self.pool.reset_cache()
+        self.costs = StepCostModel()  # learn from real traffic, not from the cold first pass
 
     def add_request(self, request: Request) -> None:
         for token in request.prompt_token_ids:

@@ -63,6 +63,7 @@ class DrainingServer(uvicorn.Server):
 def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerState:
     core, tokenizer, files = build_engine(engine_config,
                                           priority_itl_target_s=config.priority.itl_ms / 1000)
+    core.warmup()
     admission = Admission(config)
     engine = EngineThread(core, on_stats=admission.rates.observe,
                           shaper_window_s=config.shaper_window_ms / 1000).start()
