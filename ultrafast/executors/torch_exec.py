@@ -1,7 +1,9 @@
 """The reference executor (and the GPU path): our PyTorch Llama over static per-slot KV.
 
 One forward pass per step over every scheduled token, flattened; logits are computed only for
-the rows the plan samples from, then `sample_plan` picks the tokens.
+the rows the plan samples from, then `sample_plan` picks the tokens. A request whose share of
+the plan is invalid (a token id outside the vocabulary, a slot that does not exist, a sequence
+longer than its slot) is reported in `StepResult.errors` and left out; the rest still runs.
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
+from ultrafast.core.types import KVCopy, ScheduledSeq, StepPlan, StepResult
 from ultrafast.model.attention import SeqSpan, SlotKVCache
 from ultrafast.model.llama import LlamaForCausalLM
-from ultrafast.model.loader import load_model
+from ultrafast.model.loader import load_model, resolve_dtype
 from ultrafast.runtime.sampler import sample_plan
 
 
@@ -24,65 +26,111 @@ def _default_device() -> str:
 
 class TorchExecutor:
     def __init__(self, model: str | Path | LlamaForCausalLM, num_slots: int, max_model_len: int,
-                 device: str | None = None, dtype: str | None = None):
+                 device: str | torch.device | None = None,
+                 dtype: str | torch.dtype | None = None):
+        """`model`: an HF directory or a built LlamaForCausalLM (cast only if dtype is given).
+
+        device None: cuda if available, else cpu. dtype None: float32 on CPU, bfloat16 on CUDA.
+        """
         self.device = torch.device(device or _default_device())
-        dtype = dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         if isinstance(model, LlamaForCausalLM):
+            if dtype is not None:
+                model = model.to(resolve_dtype(dtype, self.device))
             self.model = model.to(self.device).eval()
         else:
             self.model, _ = load_model(model, dtype=dtype, device=self.device)
         config = self.model.config
+        self.config = config
         self.num_slots = num_slots
         self.max_model_len = max_model_len
         self.vocab_size = config.vocab_size
-        cache_dtype = next(self.model.parameters()).dtype
-        self.last_logits: torch.Tensor | None = None
+        self.model.set_max_positions(max_model_len)  # RoPE tables for exactly our positions
+        self.last_logits: torch.Tensor | None = None  # the last step's logits, for parity tests
         self.kv = SlotKVCache(config.num_hidden_layers, num_slots, max_model_len,
-                              config.num_key_value_heads, config.head_dim, cache_dtype,
-                              self.device)
+                              config.num_key_value_heads, config.head_dim,
+                              self.model.model.embed_tokens.weight.dtype, self.device,
+                              config.layer_sliding_windows)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, num_slots: int = 4, max_model_len: int = 2048,
-                 **kwargs) -> "TorchExecutor":
-        return cls(model_dir, num_slots, max_model_len, **kwargs)
+                 device: str | torch.device | None = None,
+                 dtype: str | torch.dtype | None = None) -> "TorchExecutor":
+        return cls(model_dir, num_slots, max_model_len, device=device, dtype=dtype)
 
-    def _invalid(self, seq: ScheduledSeq) -> str | None:
+    def _seq_problem(self, seq: ScheduledSeq) -> str | None:
         if not 0 <= seq.slot_id < self.num_slots:
-            return f"slot {seq.slot_id} does not exist"
-        if seq.start_position + seq.num_tokens > self.max_model_len:
-            return "sequence is longer than the KV slot"
-        if any(not 0 <= t < self.vocab_size for t in seq.token_ids):
-            return f"token id out of vocabulary (size {self.vocab_size})"
+            return f"slot {seq.slot_id} does not exist (num_slots={self.num_slots})"
+        if not seq.token_ids:
+            return "no tokens scheduled"
+        if seq.start_position < 0 or seq.start_position + seq.num_tokens > self.max_model_len:
+            return (f"positions {seq.start_position}..{seq.start_position + seq.num_tokens} do "
+                    f"not fit a KV slot of {self.max_model_len}")
+        if not 0 <= seq.num_logits <= seq.num_tokens:
+            return f"num_logits {seq.num_logits} outside [0, {seq.num_tokens}]"
+        if min(seq.token_ids) < 0 or max(seq.token_ids) >= self.vocab_size:  # C-speed check
+            bad = next(t for t in seq.token_ids if not 0 <= t < self.vocab_size)
+            return f"token id {bad} out of vocabulary (size {self.vocab_size})"
         return None
 
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        t0 = time.perf_counter()
+    def _copy_problem(self, copy: KVCopy) -> str | None:
+        slots_ok = all(0 <= s < self.num_slots for s in (copy.src_slot_id, copy.dst_slot_id))
+        if not slots_ok or not 0 <= copy.num_tokens <= self.max_model_len:
+            return f"invalid prefix copy {copy}"
+        return None
+
+    def _validate(self, plan: StepPlan) -> tuple[list[ScheduledSeq], list[KVCopy], dict]:
+        errors: dict[str, str] = {}
+        copies = []
         for copy in plan.kv_copies:
-            self.kv.copy_prefix(copy.src_slot_id, copy.dst_slot_id, copy.num_tokens)
-        errors = {}
-        seqs = []
+            problem = self._copy_problem(copy)
+            if problem is None:
+                copies.append(copy)
+                continue
+            owners = [s.request_id for s in plan.seqs if s.slot_id == copy.dst_slot_id]
+            if not owners:  # nobody to blame: a scheduler bug, not a request's fault
+                raise ValueError(problem)
+            errors.update((rid, problem) for rid in owners)
+        seqs, used_slots = [], set()
         for seq in plan.seqs:
-            problem = self._invalid(seq)
-            if problem:
+            problem = errors.get(seq.request_id) or self._seq_problem(seq)
+            if problem is None and seq.slot_id in used_slots:
+                problem = f"slot {seq.slot_id} is scheduled twice in one step"
+            if problem is not None:
                 errors[seq.request_id] = problem
             else:
                 seqs.append(seq)
-        if not seqs:
-            return StepResult(errors=errors, execute_time_s=time.perf_counter() - t0)
+                used_slots.add(seq.slot_id)
+        return seqs, copies, errors
+
+    def _inputs(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flattened ids and positions, and the rows to sample, in one host->device copy."""
         ids, positions, rows, offset = [], [], [], 0
         for seq in seqs:
             ids += seq.token_ids
             positions += range(seq.start_position, seq.start_position + seq.num_tokens)
             offset += seq.num_tokens
             rows += range(offset - seq.num_logits, offset)
-        attn = self.kv.step([SeqSpan(s.slot_id, s.start_position, s.num_tokens) for s in seqs])
-        hidden = self.model(torch.tensor(ids, device=self.device),
-                            torch.tensor(positions, device=self.device), attn)
-        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[rows_t])
-        logits = logits.cpu() if self.device.type != "cpu" else logits
-        self.last_logits = logits  # for parity tests against other implementations
+        packed = torch.tensor(ids + positions + rows, dtype=torch.long)
+        packed = packed.to(self.device, non_blocking=True)
+        num_tokens = len(ids)
+        return (packed[:num_tokens], packed[num_tokens:2 * num_tokens],
+                packed[2 * num_tokens:])
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        seqs, copies, errors = self._validate(plan)
+        for copy in copies:
+            self.kv.copy_prefix(copy.src_slot_id, copy.dst_slot_id, copy.num_tokens)
+        if not seqs:
+            return StepResult(errors=errors, execute_time_s=time.perf_counter() - t0)
+        input_ids, positions, rows = self._inputs(seqs)
+        attn = self.kv.begin_step([SeqSpan(s.slot_id, s.start_position, s.num_tokens)
+                                   for s in seqs])
+        hidden = self.model(input_ids, positions, attn)
+        logits = self.model.compute_logits(hidden[rows])
+        logits = logits.cpu()  # the sampler works on the host; this also waits for the GPU
+        self.last_logits = logits
         t1 = time.perf_counter()
         result = sample_plan(seqs, logits)
         result.errors.update(errors)
@@ -91,4 +139,8 @@ class TorchExecutor:
         return result
 
     def close(self) -> None:
+        """Drop the KV and the weights; on CUDA hand the memory back to the driver."""
         self.kv = None  # type: ignore[assignment]
+        self.model = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,5 +1,8 @@
-"""Build a LlamaForCausalLM from an HF directory (config.json + safetensors), or with dummy
-weights from a config alone (benchmarks at real sizes). safetensors only, never torch.load.
+"""Build a LlamaForCausalLM from an HF directory (config.json + safetensors, single file or
+sharded with an index), or with random weights from a config alone (benchmarks at real sizes).
+
+Owns every way a model directory can be wrong, each reported as a ModelLoadError that names the
+file or tensor and what was expected. safetensors only: torch.load unpickles arbitrary code.
 """
 
 from __future__ import annotations
@@ -15,19 +18,31 @@ from ultrafast.model.llama import LlamaForCausalLM
 
 # buffers some older checkpoints carry that we compute ourselves
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16}
 
 
 class ModelLoadError(ValueError):
     """A model directory that cannot be loaded, with a message that says what to fix."""
 
 
-def _dtype(name: str | None, fallback: torch.dtype) -> torch.dtype:
-    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    if name is None:
-        return fallback
-    if name not in table:
-        raise ModelLoadError(f"unsupported dtype {name!r}; use one of {', '.join(table)}")
-    return table[name]
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """float32 on the CPU (bf16 matmuls there are slow and lossy), bfloat16 on accelerators."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str,
+                  checkpoint_dtype: str = "float32") -> torch.dtype:
+    """None -> default_dtype(device); "auto" -> the checkpoint's; else a name or torch.dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        return default_dtype(device)
+    name = checkpoint_dtype if dtype == "auto" else dtype
+    if name not in _DTYPES:
+        raise ModelLoadError(f"unsupported dtype {name!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
 
 
 def read_config(model_dir: str | Path) -> ModelConfig:
@@ -38,80 +53,124 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     if not path.is_file():
         raise ModelLoadError(f"{model_dir} has no config.json")
     try:
-        return ModelConfig.from_hf(json.loads(path.read_text()))
-    except (KeyError, ValueError) as exc:
+        hf = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
+    try:
+        return ModelConfig.from_hf(hf)
+    except KeyError as exc:
+        raise ModelLoadError(f"{path} lacks the required key {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{path}: {exc}") from None
 
 
 def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the index's shards, or model.safetensors."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as exc:
+            raise ModelLoadError(f"{index} is not a valid safetensors index: {exc!r}") from None
         files = [model_dir / n for n in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ModelLoadError(f"{model_dir} is missing weight shards: {', '.join(missing)}")
         return files
-    files = sorted(model_dir.glob("*.safetensors"))
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    # never glob *.safetensors: Mistral repos also ship consolidated.safetensors (other names)
+    files = sorted(model_dir.glob("model-*-of-*.safetensors"))
     if not files:
-        raise ModelLoadError(f"{model_dir} has no .safetensors weights")
+        raise ModelLoadError(f"{model_dir} has no model.safetensors (nor sharded "
+                             "model-*-of-*.safetensors with model.safetensors.index.json)")
     return files
 
 
-def load_model(model_dir: str | Path, dtype: str | None = None,
-               device: str | torch.device = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
-    model_dir = Path(model_dir)
-    config = read_config(model_dir)
-    torch_dtype = _dtype(dtype, torch.float32)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    expected = {name: p for name, p in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
+def _skip(name: str, config: ModelConfig) -> bool:
+    # tied checkpoints sometimes store lm_head.weight anyway; it must equal embed_tokens
+    return name.endswith(_IGNORED_SUFFIXES) or (
+        name == "lm_head.weight" and config.tie_word_embeddings)
+
+
+def _read_tensors(files: list[Path], expected: dict[str, torch.Size], config: ModelConfig,
+                  dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every expected tensor, cast and placed one at a time (host memory stays at one tensor)."""
     loaded: dict[str, torch.Tensor] = {}
-    for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+    read_device = "cpu" if device.type == "meta" else str(device)
+    for path in files:
+        try:
+            handle = safe_open(str(path), framework="pt", device=read_device)
+        except Exception as exc:  # safetensors raises its own error types for a bad header
+            raise ModelLoadError(f"{path} is not a readable safetensors file: {exc}") from None
+        with handle as f:
             for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (
-                        name == "lm_head.weight" and config.tie_word_embeddings):
+                if _skip(name, config):
                     continue
                 if name not in expected:
-                    raise ModelLoadError(f"unexpected tensor {name!r} in {path.name} for "
-                                         f"{config.architecture}")
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(expected[name].shape):
+                    raise ModelLoadError(f"unexpected tensor {name!r} in {path.name}: "
+                                         f"{config.architecture} with this config.json has "
+                                         "no such parameter")
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(expected[name]):
                     raise ModelLoadError(
-                        f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                        f"{tuple(expected[name].shape)} from config.json")
-                loaded[name] = tensor.to(torch_dtype)
+                        f"tensor {name!r} in {path.name} has shape {shape}, expected "
+                        f"{tuple(expected[name])} from config.json")
+                loaded[name] = f.get_tensor(name).to(dtype=dtype)
     missing = sorted(set(expected) - set(loaded))
     if missing:
-        raise ModelLoadError(f"{model_dir} is missing {len(missing)} tensors, e.g. {missing[0]!r}")
-    model.load_state_dict(loaded, strict=False, assign=True)
+        shown = ", ".join(repr(n) for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ModelLoadError(f"the checkpoint is missing {len(missing)} tensors: {shown}{more}")
+    return loaded
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = None,
+               device: str | torch.device = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model in eval mode on `device`; dtype None = float32 on CPU, bfloat16 elsewhere."""
+    model_dir = Path(model_dir)
+    config = read_config(model_dir)
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, device, config.torch_dtype)
+    files = weight_files(model_dir)
+    with torch.device("meta"):  # no memory and no random init for weights we overwrite
+        model = LlamaForCausalLM(config)
+    expected = {name: p.shape for name, p in model.state_dict().items()}
     if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return _finish(model, config, device), config
+        expected.pop("lm_head.weight", None)
+    loaded = _read_tensors(files, expected, config, torch_dtype, device)
+    model.load_state_dict(loaded, strict=False, assign=True)
+    model.tie_weights()
+    model.requires_grad_(False)
+    model.set_max_positions(model.max_positions)  # the meta-built tables, now real
+    return model.eval(), config
 
 
-def _finish(model: LlamaForCausalLM, config: ModelConfig, device) -> LlamaForCausalLM:
-    from ultrafast.model.llama import rope_inv_freq
+def build_dummy_model(config: ModelConfig | dict, dtype: str | torch.dtype | None = None,
+                      device: str | torch.device = "cpu", seed: int = 0,
+                      std: float = 0.02) -> LlamaForCausalLM:
+    """Random weights (normal with `std`; norms 1, biases 0) for any config; no files read.
 
-    model.inv_freq = rope_inv_freq(config)
-    return model.to(device).eval()
-
-
-def build_dummy_model(config: ModelConfig | dict, dtype: str = "float32",
-                      device: str | torch.device = "cpu", seed: int = 0) -> LlamaForCausalLM:
-    """Random weights (std 0.02) for any supported config; nothing is read from disk."""
+    Allocated empty on `device` and filled there with an explicit generator, so an 8B-shaped
+    model on a GPU takes seconds and touches no global RNG.
+    """
     if isinstance(config, dict):
         config = ModelConfig.from_hf(config)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(_dtype(dtype, torch.float32))
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, device, config.torch_dtype)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(torch_dtype).to_empty(device=device)  # allocate once, in the final dtype
+    model.tie_weights()  # to_empty gives each module its own tensor
+    generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
             else:
-                p.normal_(0.0, 0.02)
+                p.normal_(0.0, std, generator=generator)
+    model.requires_grad_(False)
+    model.set_max_positions(model.max_positions)
     return model.eval()
