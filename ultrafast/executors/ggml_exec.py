@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 import llama_cpp
 
@@ -142,7 +141,8 @@ class GgmlExecutor:
         self.max_num_batched_tokens = min(max_num_batched_tokens,
                                           llama_cpp.llama_n_batch(self._ctx))
         self._slot_lens = [0] * num_slots  # positions [0, len) of each slot hold KV
-        self._logits_address, self._logits = 0, torch.empty((0, self.vocab_size))
+        self._logits_address = 0
+        self._logits = np.empty((0, self.vocab_size), dtype=np.float32)
         self._alloc_batch(max_num_batched_tokens)
 
     def _alloc_batch(self, capacity: int) -> None:
@@ -260,21 +260,21 @@ class GgmlExecutor:
         self._slot_lens = [llama_cpp.llama_memory_seq_pos_max(self._memory, slot) + 1
                            for slot in range(self.num_slots)]
 
-    def _logits_view(self, num_rows: int) -> torch.Tensor:
+    def _logits_view(self, num_rows: int) -> np.ndarray:
         """The [num_rows, vocab] float32 logits of the last decode, without copying.
 
-        Valid until the next decode; sample_plan is done with it before that. The view is cached
-        while llama.cpp keeps the same output buffer (it only reallocates to grow).
+        Valid until the next decode; sample_plan is done with it before that. The numpy view is
+        cached while llama.cpp keeps the same output buffer (it only reallocates to grow).
         """
         if num_rows == 0:
-            return torch.empty((0, self.vocab_size), dtype=torch.float32)
+            return np.empty((0, self.vocab_size), dtype=np.float32)
         address = _get_logits_address(self._ctx)
         if not address:
             raise RuntimeError(f"llama.cpp returned no logits: {self._log.take_errors()}")
         if address != self._logits_address or num_rows > self._logits.shape[0]:
             buffer = (ctypes.c_float * (num_rows * self.vocab_size)).from_address(address)
-            self._logits = torch.from_numpy(
-                np.frombuffer(buffer, dtype=np.float32).reshape(num_rows, self.vocab_size))
+            self._logits = np.frombuffer(buffer, dtype=np.float32).reshape(num_rows,
+                                                                         self.vocab_size)
             self._logits_address = address
         return self._logits if num_rows == self._logits.shape[0] else self._logits[:num_rows]
 

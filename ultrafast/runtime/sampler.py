@@ -7,6 +7,7 @@ batch, and a preempted request that recomputes resumes exactly where it was.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ultrafast.core.types import ScheduledSeq, StepResult, TokenLogprobs
@@ -87,15 +88,18 @@ def _is_plain_greedy(seq: ScheduledSeq) -> bool:
     return p.greedy and not p.logit_bias and not p.needs_penalties and not p.logprobs
 
 
-def sample_plan(seqs: list[ScheduledSeq], logits: torch.Tensor) -> StepResult:
-    """Sample every requested position. `logits` is [sum(num_logits), vocab] in plan order."""
+def sample_plan(seqs: list[ScheduledSeq], logits) -> StepResult:
+    """Sample every requested position. `logits` is [sum(num_logits), vocab] in plan order:
+    a torch tensor, or a float32 numpy array (the ggml executor's zero-copy view)."""
     result = StepResult()
     wanted = [s for s in seqs if s.num_logits > 0]
     if logits.shape[0] != sum(s.num_logits for s in wanted):
         raise ValueError("logits rows do not match the plan")
     if all(_is_plain_greedy(s) for s in wanted):  # one argmax for the whole batch
         # numpy's argmax on the zero-copy view costs ~100 us less per step than torch's
-        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        if isinstance(logits, np.ndarray):
+            ids = logits.argmax(-1).tolist()
+        elif logits.device.type == "cpu" and logits.dtype == torch.float32:
             ids = logits.numpy().argmax(-1).tolist()
         else:
             ids = logits.argmax(-1).tolist()
@@ -104,7 +108,7 @@ def sample_plan(seqs: list[ScheduledSeq], logits: torch.Tensor) -> StepResult:
             result.sampled_token_ids[seq.request_id] = ids[row:row + seq.num_logits]
             row += seq.num_logits
         return result
-    logits = logits.float()
+    logits = torch.from_numpy(logits) if isinstance(logits, np.ndarray) else logits.float()
     row = 0
     for seq in wanted:
         drafts = seq.token_ids[len(seq.token_ids) - seq.num_logits + 1:]  # fed after the real token
