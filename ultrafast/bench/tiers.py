@@ -120,13 +120,14 @@ async def http_tokens_per_s(url: str, max_tokens: int, rounds: int) -> float:
     return statistics.median(rates[1:])
 
 
-def engine_tokens_per_s(model: str, max_tokens: int, rounds: int) -> float:
+def engine_tokens_per_s(model: str, max_tokens: int, rounds: int,
+                        threads: int | None = None) -> float:
     from ultrafast.config import EngineConfig
     from ultrafast.llm import build_engine
     from ultrafast.request import Request, SamplingParams
 
     engine, tokenizer, _ = build_engine(EngineConfig(model=model, num_slots=1, max_num_seqs=1,
-                                                     max_model_len=512))
+                                                     max_model_len=512, n_threads=threads))
     ids = tokenizer.encode(PROMPT)
     rates = []
     for i in range(rounds + 1):
@@ -143,15 +144,16 @@ def engine_tokens_per_s(model: str, max_tokens: int, rounds: int) -> float:
 
 
 def run_tier_bench(model: str, num_slots: int = 4, probes: int = 8, max_tokens: int = 64,
-                   rounds: int = 3) -> dict:
-    in_process = engine_tokens_per_s(model, 128, rounds)
-    server = ServerProcess(model=model, num_slots=num_slots)
+                   rounds: int = 3, threads: int | None = None) -> dict:
+    in_process = engine_tokens_per_s(model, 128, rounds, threads)
+    extra = ("--threads", str(threads)) if threads else ()
+    server = ServerProcess(*extra, model=model, num_slots=num_slots)
     try:
         over_http = asyncio.run(http_tokens_per_s(server.url, 128, rounds))
         tiers = asyncio.run(tier_scenario(server.url, num_slots, probes, max_tokens))
     finally:
         server.stop()
-    return {"model": str(model), "num_slots": num_slots, "tiers": tiers,
+    return {"model": str(model), "num_slots": num_slots, "threads": threads, "tiers": tiers,
             "streaming": {"in_process_tok_s": in_process, "http_tok_s": over_http,
                           "http_overhead": 1 - over_http / in_process}}
 
@@ -176,7 +178,8 @@ def markdown(report: dict) -> str:
 
 
 def main(args) -> int:
-    report = run_tier_bench(args.model, num_slots=args.num_slots, probes=args.probes)
+    report = run_tier_bench(args.model, num_slots=args.num_slots, probes=args.probes,
+                            threads=args.threads)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
