@@ -1,0 +1,268 @@
+"""Shape and type of the OpenAI request fields we support (pydantic v2, strict, no extras).
+
+Ranges and limits are checked in `protocol.py`, which is the module callers import.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from ultrafast.request import SamplingParams, ServiceTier
+
+NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # always fullmatch: `$` would accept a final \n
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # canonical, so "1" and "01" cannot both appear
+OPTIONAL_FEATURES = frozenset({"tools", "response_format", "session_id"})
+# Media parts are refused by name (B39): this server never fetches a URL or reads a file.
+MEDIA_PART_TYPES = frozenset({"image_url", "input_image", "image", "input_audio", "audio_url",
+                              "video_url", "file", "input_file"})
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
+MAX_MODEL_NAME_CHARS = 256  # the name is echoed in a 404; keep that small
+
+
+@dataclass(frozen=True)
+class Limits:
+    """S7 of RELIABILITY.md; `vocab_size` comes from the tokenizer, the rest are defaults."""
+
+    vocab_size: int
+    max_tokens_cap: int = 4096  # per-key cap on max_tokens / max_completion_tokens
+    max_n: int = 8
+    max_prompt_chars: int = 1_000_000  # before tokenizing (also caps token-id prompts)
+    max_messages: int = 2048
+    max_stops: int = 4
+    max_stop_bytes: int = 256
+    max_top_logprobs: int = 20
+    max_logit_bias: int = 300
+    max_tools: int = 128
+    max_schema_bytes: int = 64 * 1024
+    max_choices: int = 32  # completions: number of prompts x n
+    features: frozenset = frozenset()  # which of OPTIONAL_FEATURES the server has wired
+
+
+# ---- models ---------------------------------------------------------------------------------
+
+def _json_type(value: Any) -> str:
+    """Union members are picked by JSON type, so a failure is reported once, for the member
+    the client meant, instead of once per member."""
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object" if isinstance(value, dict) else "?"
+
+
+_UNION_TAGS = frozenset({"string", "array", "object"})
+_MESSAGE_SHAPE = re.compile(r"messages\[\d+\]\.(role|content)(\[\d+\].*)?")
+
+
+def _by_json_type(**members: Any) -> Any:
+    return Annotated[Union[tuple(Annotated[t, Tag(k)] for k, t in members.items())],
+                     Discriminator(_json_type)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ContentPart(BaseModel):
+    # Extra keys pass pydantic only so media parts reach the check that names them (B39).
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: Optional[str] = None
+
+
+Content = _by_json_type(string=str, array=list[ContentPart])
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Content] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+    refusal: Optional[str] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part.text or "" for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class Prediction(_Strict):
+    type: Literal["content"]
+    content: Content
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Any = None  # a JSON Schema, checked by jsonschema (B35)
+    strict: Optional[bool] = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceName(_Strict):
+    name: str
+
+
+class ToolChoiceFunction(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceName
+
+
+class JsonSchemaFormat(_Strict):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Any = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class _Common(_Strict):
+    """Fields both endpoints share, and what they turn into for the engine."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    n: int = 1
+    stop: Optional[_by_json_type(string=str, array=list[str])] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, Any]] = None  # values checked by hand: one param for all
+    user: Optional[str] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    service_tier: Any = None  # checked by hand: 1e9 is invalid_value, not invalid_type (B42)
+    priority: Any = None  # accepted alias of service_tier
+    ignore_eos: bool = False
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+
+    def requested_tier_name(self) -> str | None:
+        return self.service_tier if self.service_tier is not None else self.priority
+
+    def tier(self) -> ServiceTier:
+        return ServiceTier.parse(self.requested_tier_name())
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _logprobs(self) -> tuple[bool, int]:
+        return False, 0
+
+    def sampling_params(self, vocab_size: int, default_max_tokens: int) -> SamplingParams:
+        """`default_max_tokens` is used when the client sent no limit; the server picks it
+        (min of the per-key cap and the context left after the prompt)."""
+        requested = self.requested_max_tokens()
+        top_k = self.top_k if self.top_k is not None and 0 < self.top_k < vocab_size else 0
+        logprobs, top_logprobs = self._logprobs()
+        bias = sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+        return SamplingParams(
+            max_tokens=default_max_tokens if requested is None else requested,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k,
+            min_p=self.min_p or 0.0, seed=self.seed,
+            repetition_penalty=1.0 if self.repetition_penalty is None
+            else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=tuple((k, v) for k, v in bias if k < vocab_size),
+            logprobs=logprobs, top_logprobs=top_logprobs, ignore_eos=self.ignore_eos)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[Message]
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    prediction: Optional[Prediction] = None
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[_by_json_type(string=Literal["none", "auto", "required"],
+                                        object=ToolChoiceFunction)] = None
+    parallel_tool_calls: Optional[bool] = None
+    session_id: Any = None  # checked by hand against NAME_RE (B43)
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def _logprobs(self) -> tuple[bool, int]:
+        return self.logprobs, self.top_logprobs or 0
+
+    def messages_for_template(self) -> list[dict]:
+        """Plain dicts for the chat template: content parts joined to one string."""
+        out = []
+        for m in self.messages:
+            item: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                item["name"] = m.name
+            if m.tool_calls:
+                item["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                item["tool_call_id"] = m.tool_call_id
+            out.append(item)
+        return out
+
+    def tools_for_template(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def prediction_text(self) -> str | None:
+        if self.prediction is None:
+            return None
+        content = self.prediction.content
+        return content if isinstance(content, str) else "".join(p.text or "" for p in content)
+
+
+class CompletionRequest(_Common):
+    prompt: Any  # str | list[str] | list[int] | list[list[int]], checked by hand (B24)
+    logprobs: Optional[int] = None  # number of top alternatives, 0..20
+    echo: bool = False
+    suffix: Optional[str] = None
+
+    def _logprobs(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0
+
+    def prompt_list(self) -> list:
+        """One entry per prompt: a string, or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
