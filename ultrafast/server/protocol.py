@@ -3,9 +3,9 @@
 HTTP-independent: the input is the dict from `json_body.parse_json_body`, the output a request
 model or an `APIError` whose `param` is an OpenAI-style path (`messages[0].role`). Two layers:
 1. pydantic v2 models (protocol_models.py) decide shape and type: strict (`"100"`, `1.5` and
-   `true` are not an int; an int is a float), `extra="forbid"` (any field we do not know is refused by name, never
-   imported, evaluated or unpickled; client chat templates included, B37/B38). A top-level
-   `null` means "not sent", as in OpenAI's API.
+   `true` are not an int; an int is a float), `extra="forbid"` (any field we do not know is
+   refused by name, never imported, evaluated or unpickled; client chat templates included,
+   B37/B38). A top-level `null` means "not sent", as in OpenAI's API.
 2. `_check_*` functions apply ranges and the S7 limits of RELIABILITY.md, one refusal each.
 
 Choices where the spec left room (also asserted in tests/unit/test_protocol.py):
