@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]  # ids 0, 1, 2
 BOS_ID, EOS_ID = 0, 2
@@ -146,3 +147,12 @@ def tiny_hf_model_factory(make_tiny_hf_dir):
         return cache[kind]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """Tiny matmuls run fastest on one thread, and a busy shared core stalls a second one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -14,6 +14,8 @@ from ultrafast.core.types import ScheduledSeq, StepPlan
 from ultrafast.executors.torch_exec import TorchExecutor
 from ultrafast.request import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
 NUM_NEW_TOKENS = 32
 TOLERANCE = 1e-4
 # eos None: HF generates all 32 tokens, as our greedy loop does; a wide init keeps argmax clear
@@ -42,14 +44,6 @@ PROMPTS = {"a": [5, 17, 33, 2, 99, 100, 7, 8, 250, 31, 64, 65, 66, 3, 200, 201, 
            "b": [9, 8, 7, 6, 5, 4, 3, 120, 121, 122, 123, 90, 91]}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """Tiny matmuls run fastest on one thread, and a busy shared core stalls a second one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def build_hf(case: str, path):

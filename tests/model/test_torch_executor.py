@@ -14,20 +14,14 @@ from ultrafast.executors.torch_exec import TorchExecutor
 from ultrafast.model.loader import build_dummy_model
 from ultrafast.request import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 ATOL = 1e-5
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "max_position_embeddings": 256}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """Tiny matmuls run fastest on one thread, and a busy shared core stalls a second one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,11 @@ prefill (time from first to last token).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
+from ultrafast.bench.report import write_report
 from ultrafast.model_files import gguf_for, resolve_model
 
 
@@ -156,9 +155,4 @@ def markdown(report: dict) -> str:
 def main(args) -> int:
     report = run_decode_bench(args.model, num_new=args.new_tokens, rounds=args.rounds,
                               threads=args.threads, gguf_type=args.gguf_type)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(markdown(report))
-    print(f"\nwrote {out}")
-    return 0
+    return write_report(report, args.out, markdown(report))

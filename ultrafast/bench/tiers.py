@@ -9,13 +9,12 @@ Everything runs on this machine against 127.0.0.1 only, bounded in count and tim
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
-from pathlib import Path
 
 import httpx
 
+from ultrafast.bench.report import write_report
 from ultrafast.bench.server_process import ServerProcess
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
@@ -180,9 +179,4 @@ def markdown(report: dict) -> str:
 def main(args) -> int:
     report = run_tier_bench(args.model, num_slots=args.num_slots, probes=args.probes,
                             threads=args.threads)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(markdown(report))
-    print(f"\nwrote {out}")
-    return 0
+    return write_report(report, args.out, markdown(report))

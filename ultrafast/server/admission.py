@@ -1,9 +1,9 @@
 """SLO-aware admission: per-tier capacity, and a time-to-first-token prediction for each arrival.
 
-Runs on the event loop only (single-threaded, so counts are exact under races). Rates are
-learned from the engine's step stats: a priority request is refused at once with 429 when the
-prefill work ahead of it, at the measured prefill rate, would miss its target; `auto` requests
-fall back to the default tier instead. Capacity checks come before any tokenizing.
+Runs on the event loop only (single-threaded, so counts are exact under races). Step costs
+come from the engine's own online fit (`StepCostModel`, written by the engine thread): a
+priority request is refused at once with 429 when the prefill work ahead of it, at that
+measured cost, would miss its target; `auto` requests fall back to the default tier instead. Capacity checks come before any tokenizing.
 """
 
 from __future__ import annotations
@@ -12,27 +12,8 @@ from dataclasses import dataclass, field
 
 from ultrafast.config import ServerConfig, TierTargets
 from ultrafast.request import ServiceTier
-from ultrafast.runtime.engine import StepStats
+from ultrafast.runtime.engine import StepCostModel
 from ultrafast.server.errors import APIError
-
-
-@dataclass
-class RateModel:
-    """Exponential moving averages of what steps cost on this machine and model."""
-
-    prefill_s_per_token: float = 0.002  # refined after the first prefill steps
-    decode_step_s: float = 0.01
-    alpha: float = 0.2
-
-    def observe(self, stats: StepStats) -> None:
-        elapsed = stats.execute_time_s + stats.sample_time_s
-        if elapsed <= 0:
-            return
-        if stats.num_tokens >= 2 * max(1, stats.num_seqs) and stats.num_tokens >= 16:
-            per_token = elapsed / stats.num_tokens
-            self.prefill_s_per_token += self.alpha * (per_token - self.prefill_s_per_token)
-        elif stats.num_tokens == stats.num_seqs:
-            self.decode_step_s += self.alpha * (elapsed - self.decode_step_s)
 
 
 @dataclass
@@ -49,7 +30,7 @@ class Ticket:
 @dataclass
 class Admission:
     config: ServerConfig
-    rates: RateModel = field(default_factory=RateModel)
+    costs: StepCostModel = field(default_factory=StepCostModel)  # the engine's own fit
     in_flight: dict = field(default_factory=lambda: {t: 0 for t in ServiceTier})
     pending_prefill_tokens: dict = field(default_factory=lambda: {t: 0 for t in ServiceTier})
     refused: dict = field(default_factory=dict)  # reason -> count, for metrics
@@ -78,8 +59,10 @@ class Admission:
     def predict_ttft_s(self, tier: ServiceTier, num_prompt_tokens: int) -> float:
         """Prefill work at or above this tier's precedence, plus one step, at measured rates."""
         ahead = sum(n for t, n in self.pending_prefill_tokens.items() if t <= tier)
-        return (ahead + num_prompt_tokens) * self.rates.prefill_s_per_token + \
-            self.rates.decode_step_s
+        base_s, per_token_s = self.costs.base_s, self.costs.per_token_s
+        if base_s is None or per_token_s is None:  # before the engine has measured anything
+            base_s, per_token_s = 0.01, 0.002
+        return base_s + (ahead + num_prompt_tokens) * per_token_s
 
     def admit(self, ticket: Ticket, num_prompt_tokens: int, auto: bool) -> Ticket:
         """After tokenizing: check the TTFT target; priority misses give 429 (auto: default)."""

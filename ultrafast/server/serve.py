@@ -64,9 +64,8 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
     core, tokenizer, files = build_engine(engine_config,
                                           priority_itl_target_s=config.priority.itl_ms / 1000)
     core.warmup()
-    admission = Admission(config)
-    engine = EngineThread(core, on_stats=admission.rates.observe,
-                          shaper_window_s=config.shaper_window_ms / 1000).start()
+    admission = Admission(config, costs=core.costs)  # after warmup(), which resets the fit
+    engine = EngineThread(core, shaper_window_s=config.shaper_window_ms / 1000).start()
     limits = Limits(vocab_size=tokenizer.vocab_size, max_tokens_cap=config.max_tokens_cap)
     return ServerState(config=config, engine=engine, tokenizer=tokenizer,
                        model_name=config.served_model_name or files.name,
