@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-slots", type=int, default=4, help="tiers: KV slots of the server")
     bench.add_argument("--probes", type=int, default=8, help="tiers: priority requests per phase")
     bench.add_argument("--new-tokens", type=int, default=128)
-    bench.add_argument("--rounds", type=int, default=3)
+    bench.add_argument("--rounds", type=int, default=None,
+                       help="timed rounds (default: decode 3, tiers 10)")
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--gguf-type", default="f16", help="GGUF type for both ggml runners")
     bench.add_argument("--out", default=None, help="JSON report (default under runs/)")

@@ -153,6 +153,6 @@ def markdown(report: dict) -> str:
 
 
 def main(args) -> int:
-    report = run_decode_bench(args.model, num_new=args.new_tokens, rounds=args.rounds,
+    report = run_decode_bench(args.model, num_new=args.new_tokens, rounds=args.rounds or 3,
                               threads=args.threads, gguf_type=args.gguf_type)
     return write_report(report, args.out, markdown(report))

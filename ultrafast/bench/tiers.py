@@ -2,7 +2,7 @@
 
 1. Priority streams on an idle server, then the same priority streams while default-tier
    streams keep every other slot busy: p50 TTFT and p99 inter-token latency, loaded / idle.
-2. Batch-1 tokens/s streamed over HTTP vs the in-process engine, same model and executor.
+2. Batch-1 tokens/s streamed over HTTP vs the in-process engine (bench/overhead.py).
 Everything runs on this machine against 127.0.0.1 only, bounded in count and time.
 """
 
@@ -14,6 +14,7 @@ import time
 
 import httpx
 
+from ultrafast.bench.overhead import markdown as overhead_markdown, run_overhead_bench
 from ultrafast.bench.report import write_report
 from ultrafast.bench.server_process import ServerProcess
 
@@ -108,53 +109,23 @@ async def long_prompt_stall(client, idle_itl_p99_ms: float) -> dict:
             "idle_itl_p99_ms": idle_itl_p99_ms}
 
 
-async def http_tokens_per_s(url: str, max_tokens: int, rounds: int) -> float:
-    rates = []
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        for _ in range(rounds + 1):
-            _, gaps = await stream_once(client, {
-                "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "ignore_eos": True, "service_tier": "priority"})
-            rates.append(len(gaps) / sum(gaps))
-    return statistics.median(rates[1:])
-
-
-def engine_tokens_per_s(model: str, max_tokens: int, rounds: int,
-                        threads: int | None = None) -> float:
-    from ultrafast.config import EngineConfig
-    from ultrafast.llm import build_engine
-    from ultrafast.request import Request, SamplingParams
-
-    engine, tokenizer, _ = build_engine(EngineConfig(model=model, num_slots=1, max_num_seqs=1,
-                                                     max_model_len=512, n_threads=threads))
-    ids = tokenizer.encode(PROMPT)
-    rates = []
-    for i in range(rounds + 1):
-        engine.pool.reset_cache()
-        engine.add_request(Request(f"r{i}", ids, SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
-        stamps = []
-        while engine.has_work():
-            if any(o.new_token_ids for o in engine.step()):
-                stamps.append(time.perf_counter())
-        rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-    engine.executor.close()
-    return statistics.median(rates[1:])
-
-
 def run_tier_bench(model: str, num_slots: int = 4, probes: int = 8, max_tokens: int = 64,
-                   rounds: int = 3, threads: int | None = None) -> dict:
-    in_process = engine_tokens_per_s(model, 128, rounds, threads)
-    extra = ("--threads", str(threads)) if threads else ()
-    server = ServerProcess(*extra, model=model, num_slots=num_slots)
+                   rounds: int = 10, threads: int | None = None) -> dict:
+    threads = threads or serve_default_threads()
+    streaming = run_overhead_bench(model, threads, num_slots=num_slots, rounds=rounds)
+    server = ServerProcess("--threads", str(threads), model=model, num_slots=num_slots)
     try:
-        over_http = asyncio.run(http_tokens_per_s(server.url, 128, rounds))
         tiers = asyncio.run(tier_scenario(server.url, num_slots, probes, max_tokens))
     finally:
         server.stop()
     return {"model": str(model), "num_slots": num_slots, "threads": threads, "tiers": tiers,
-            "streaming": {"in_process_tok_s": in_process, "http_tok_s": over_http,
-                          "http_overhead": 1 - over_http / in_process}}
+            "streaming": streaming}
+
+
+def serve_default_threads() -> int:
+    from ultrafast.executors.ggml_exec import physical_cores
+
+    return max(1, physical_cores() - 1)  # what `ultrafast serve` uses without --threads
 
 
 def markdown(report: dict) -> str:
@@ -172,11 +143,10 @@ def markdown(report: dict) -> str:
         f"a ~380-token default prompt arriving mid-stream: priority worst gap "
         f"{t['long_prompt']['max_gap_ms']:.1f} ms, p99 {t['long_prompt']['itl_p99_ms']:.2f} ms "
         f"(idle p99 {t['long_prompt']['idle_itl_p99_ms']:.2f} ms)", "",
-        f"batch-1 streaming: in-process engine {s['in_process_tok_s']:.1f} tok/s, over HTTP "
-        f"{s['http_tok_s']:.1f} tok/s (overhead {100 * s['http_overhead']:.1f}%)"])
+        overhead_markdown(s)])
 
 
 def main(args) -> int:
-    report = run_tier_bench(args.model, num_slots=args.num_slots, probes=args.probes,
-                            threads=args.threads)
+    report = run_tier_bench(args.model, num_slots=args.num_slots,
+                            probes=args.probes, rounds=args.rounds or 10, threads=args.threads)
     return write_report(report, args.out, markdown(report))

@@ -1,0 +1,123 @@
+"""What does the HTTP streaming path cost per token? Batch-1 tokens/s, in-process vs over HTTP.
+
+The in-process engine and the server run the same model with the same engine settings (slots,
+context, kernel threads); rounds alternate between them so drift on a shared machine hits both
+alike, and the overhead is the median of the per-round ratios. Two clients read the stream:
+a lean SSE reader (the server's own cost) and httpx (what a Python client library adds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import time
+
+import httpx
+
+from ultrafast.bench.server_process import ServerProcess
+from ultrafast.bench.sse_client import completion_token_stamps
+
+PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
+
+
+def _rate(stamps: list[float]) -> float:
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def _body(max_tokens: int) -> dict:
+    return {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "service_tier": "priority"}
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far, all threads (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def in_process_round(engine, prompt_ids: list[int], max_tokens: int, tag: str) -> float:
+    from ultrafast.request import Request, SamplingParams
+
+    engine.pool.reset_cache()  # every round prefills, like a new HTTP request with no cache hit
+    engine.add_request(Request(tag, prompt_ids, SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
+    stamps = []
+    while engine.has_work():
+        if any(o.new_token_ids for o in engine.step()):
+            stamps.append(time.perf_counter())
+    return _rate(stamps)
+
+
+async def lean_round(port: int, max_tokens: int) -> float:
+    _, stamps = await completion_token_stamps("127.0.0.1", port, _body(max_tokens))
+    return _rate(stamps)
+
+
+async def httpx_round(url: str, max_tokens: int) -> float:
+    stamps = []
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        async with client.stream("POST", "/v1/completions", json=_body(max_tokens)) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and '"text":' in line:
+                    stamps.append(time.perf_counter())
+    return _rate(stamps)
+
+
+def _summary(in_process: list[float], over_http: list[float]) -> dict:
+    ratios = [h / p for h, p in zip(over_http, in_process)]
+    return {"http_tok_s": statistics.median(over_http),
+            "overhead": 1 - statistics.median(ratios),
+            "overhead_per_round": [1 - r for r in ratios]}
+
+
+def run_overhead_bench(model: str, threads: int, num_slots: int = 4, max_model_len: int = 512,
+                       max_tokens: int = 128, rounds: int = 10) -> dict:
+    from ultrafast.config import EngineConfig
+    from ultrafast.llm import build_engine
+
+    engine, tokenizer, _ = build_engine(EngineConfig(
+        model=model, num_slots=num_slots, max_num_seqs=num_slots, max_model_len=max_model_len,
+        n_threads=threads))
+    engine.warmup()
+    ids = tokenizer.encode(PROMPT)
+    server = ServerProcess("--threads", str(threads), model=model, num_slots=num_slots,
+                           max_model_len=max_model_len)
+    in_process, lean, lib = [], [], []
+    cpu_in_process_s = cpu_server_s = 0.0  # CPU per token does not depend on machine load
+    try:
+        in_process_round(engine, ids, max_tokens, "warm")
+        asyncio.run(lean_round(server.port, max_tokens))
+        for i in range(rounds):
+            t0 = time.process_time()
+            in_process.append(in_process_round(engine, ids, max_tokens, f"r{i}"))
+            cpu_in_process_s += time.process_time() - t0
+            t0 = process_cpu_s(server.proc.pid)
+            lean.append(asyncio.run(lean_round(server.port, max_tokens)))
+            cpu_server_s += process_cpu_s(server.proc.pid) - t0
+            lib.append(asyncio.run(httpx_round(server.url, max_tokens)))
+    finally:
+        server.stop()
+        engine.executor.close()
+    return {"threads": threads, "num_slots": num_slots, "max_tokens": max_tokens,
+            "rounds": rounds, "in_process_tok_s": statistics.median(in_process),
+            "cpu_us_per_token": {"in_process": 1e6 * cpu_in_process_s / (rounds * max_tokens),
+                                 "server": 1e6 * cpu_server_s / (rounds * max_tokens)},
+            "in_process_per_round": in_process,
+            "lean_client": {**_summary(in_process, lean), "per_round": lean},
+            "httpx_client": {**_summary(in_process, lib), "per_round": lib}}
+
+
+def markdown(s: dict) -> str:
+    lean, lib = s["lean_client"], s["httpx_client"]
+    return "\n".join([
+        f"batch-1 streaming, {s['rounds']} alternating rounds of {s['max_tokens']} tokens, "
+        f"{s['threads']} kernel thread(s) on both sides", "",
+        "| path | tok/s (median) | overhead vs in-process (median of per-round ratios) |",
+        "|---|---|---|",
+        f"| in-process engine | {s['in_process_tok_s']:.1f} | |",
+        f"| HTTP SSE, lean client | {lean['http_tok_s']:.1f} | {100 * lean['overhead']:.1f}% |",
+        f"| HTTP SSE, httpx client | {lib['http_tok_s']:.1f} | {100 * lib['overhead']:.1f}% |",
+        "", f"CPU per token (all threads): in-process {s['cpu_us_per_token']['in_process']:.0f} us,"
+        f" server with the lean client {s['cpu_us_per_token']['server']:.0f} us"])
