@@ -10,8 +10,10 @@ import time
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF model directory or .gguf file (default: the bundled demo model)")
-    p.add_argument("--executor", choices=["auto", "ggml", "torch"], default="auto",
-                   help="auto = ggml (llama.cpp kernels) on CPU, torch on CUDA")
+    p.add_argument("--executor", choices=["auto", "ggml", "torch", "fake"], default="auto",
+                   help="auto = ggml (llama.cpp kernels) on CPU, torch on CUDA; fake = no model, "
+                   "deterministic word tokens (load and fault tests only)")
+    p.add_argument("--fake-step-ms", type=float, default=20.0, help=argparse.SUPPRESS)
     p.add_argument("--max-model-len", type=int, default=2048, help="positions per KV slot")
     p.add_argument("--num-slots", type=int, default=8, help="KV slots (concurrent sequences)")
     p.add_argument("--threads", type=int, default=None,
@@ -20,7 +22,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_options(args) -> dict:
     return dict(executor=args.executor, max_model_len=args.max_model_len,
-                num_slots=args.num_slots, max_num_seqs=args.num_slots, n_threads=args.threads)
+                num_slots=args.num_slots, max_num_seqs=args.num_slots, n_threads=args.threads,
+                fake_step_s=args.fake_step_ms / 1000)
 
 
 def cmd_generate(args) -> int:
