@@ -8,9 +8,11 @@ streaming mistake (a lost, repeated or reordered token, a stale KV slot) changes
 
 Each step sleeps `step_s` (a configurable engine speed, e.g. 20 ms = 50 tok/s per stream).
 
-Fault hook (the spec's "evil forward"): a prompt that starts with FAULT_MARKER followed by a
-token k fails that request alone in the step that would produce its output token k (k = 0:
-during prefill, before the first token). Other requests in the same step are unaffected.
+Fault hook (the spec's "evil forward"): a prompt that starts with FAULT_MARKER, then a mode
+and an output index k, fails in the step that would produce its output token k (k = 0: the
+prefill, before the first token). Modes: FAULT_REQUEST fails that request alone (the other
+requests of the step are unaffected); FAULT_STEP raises from execute(), failing the whole step;
+FAULT_FATAL raises a BaseException, which kills the engine thread (a dead engine).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from ultrafast.core.types import StepPlan, StepResult
 
 # Ids that no real prompt text tokenizes to in this order; only token-id prompts carry them.
 FAULT_MARKER = (3, 1, 4, 1, 5)
+FAULT_REQUEST, FAULT_STEP, FAULT_FATAL = 1, 2, 3
+
+
+class FatalFault(BaseException):
+    """Not an Exception: the engine's per-step handler does not catch it, so the thread dies."""
 
 _PLAIN_WORD = re.compile(r"^\u0120[a-z]{2,8}$")  # "Ġword": decodes to " word", no byte pieces
 
@@ -54,12 +61,16 @@ def reference_tokens(prompt: list[int], max_tokens: int, word_ids: list[int]) ->
     return out
 
 
-def fault_step(prompt_prefix: list[int]) -> int | None:
-    """The output index at which a marked prompt fails, or None for a normal prompt."""
+def fault_of(prompt: list[int]) -> tuple[int, int] | None:
+    """(mode, output index) of a marked prompt, or None for a normal prompt."""
     n = len(FAULT_MARKER)
-    if len(prompt_prefix) > n and tuple(prompt_prefix[:n]) == FAULT_MARKER:
-        return prompt_prefix[n]
+    if len(prompt) > n + 1 and tuple(prompt[:n]) == FAULT_MARKER:
+        return prompt[n], prompt[n + 1]
     return None
+
+
+def fault_prompt(mode: int, at_output: int, tail: list[int]) -> list[int]:
+    return [*FAULT_MARKER, mode, at_output, *tail]
 
 
 class FakeExecutor:
@@ -73,7 +84,6 @@ class FakeExecutor:
         self.max_model_len = max_model_len
         self.step_s = step_s
         self.slots: list[list[int]] = [[] for _ in range(num_slots)]
-        self.prompt_len: dict[str, int] = {}  # request id -> prompt length, for the fault hook
 
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
@@ -90,20 +100,19 @@ class FakeExecutor:
             kv.extend(seq.token_ids)
             if len(kv) > self.max_model_len:
                 raise RuntimeError("KV slot overflow")
-            fail_at = fault_step(kv[:len(FAULT_MARKER) + 1])
-            if fail_at is not None and seq.num_logits:
-                # the first step that samples ends the prefill: kv is then exactly the prompt
-                prompt_len = self.prompt_len.setdefault(seq.request_id, len(kv))
-                if len(kv) - prompt_len >= fail_at:
-                    result.errors[seq.request_id] = "injected fault"
-                    continue
+            fault = fault_of(seq.prompt_token_ids)
+            if fault is not None and seq.num_logits and seq.num_output_tokens >= fault[1]:
+                if fault[0] == FAULT_FATAL:
+                    raise FatalFault("injected fatal engine fault")
+                if fault[0] == FAULT_STEP:
+                    raise RuntimeError("injected step fault")
+                result.errors[seq.request_id] = "injected fault"
+                continue
             if seq.num_logits:
                 n = len(kv)
                 result.sampled_token_ids[seq.request_id] = [
                     next_token(kv[:n - seq.num_logits + 1 + j], self.word_ids)
                     for j in range(seq.num_logits)]
-        while len(self.prompt_len) > 1024:  # bounded: forget the oldest (long finished)
-            self.prompt_len.pop(next(iter(self.prompt_len)))
         if self.step_s:
             time.sleep(max(0.0, self.step_s - (time.perf_counter() - started)))
         result.execute_time_s = time.perf_counter() - started

@@ -1,0 +1,170 @@
+"""The scenario registry, the run loop and the JSON + Markdown report of `ultrafast loadtest`.
+
+`--scenario` takes names (L1,F3,...), `ci` (the short subset the test suite runs) or `all`.
+A scenario whose server feature is missing is reported "skipped" with what it needs, so the
+scenarios of other branches (sessions, tenants, idempotency) plug in here by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ultrafast.loadtest import scenarios_fault as f
+from ultrafast.loadtest import scenarios_load as s
+from ultrafast.loadtest.harness import Context, Result
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    run: object  # async (ctx, result) -> None
+    in_ci: bool = False
+    needs: str | None = None  # a server feature another branch brings
+
+
+SCENARIOS = [
+    Scenario("L1", "steady streams, back to back", s.l1_steady, in_ci=True),
+    Scenario("L2", "overload burst: exactly the capacity admitted", s.l2_overload, in_ci=True),
+    Scenario("L3", "churn: 30% of streams cancelled at a random token", s.l3_churn, in_ci=True),
+    Scenario("L4", "priority lane under saturation (preempting)", s.l4_priority_lane,
+             in_ci=True),
+    Scenario("L5", "sessions x turns on redis-server with a restart", s.needs_feature,
+             needs="sessions (branch sessions: session routes + Redis store)"),
+    Scenario("L6", "tenant flood vs tenant under quota", s.needs_feature,
+             needs="api keys and tenant quotas (branch ops)"),
+    Scenario("L7", "real demo model: stream == non-stream", s.l7_demo_model, in_ci=True),
+    Scenario("IRR", "irregular burst: 1-token calls + every 16th 64 tokens, shaper on/off",
+             s.irregular_burst, in_ci=True),
+    Scenario("B0", "malformed and oversized bodies mid-load", f.b0_bad_inputs, in_ci=True),
+    Scenario("F1", "client disconnect mid-stream (FIN, RST) and before the first token",
+             f.f1_disconnect, in_ci=True),
+    Scenario("F2", "client disconnect of a non-streaming call", f.f2_disconnect_plain,
+             in_ci=True),
+    Scenario("F3", "engine exception in one request", f.f3_request_fault, in_ci=True),
+    Scenario("F3b", "engine exception failing a whole step", f.f3b_step_fault, in_ci=True),
+    Scenario("F4", "fatal engine failure (the engine thread dies)", f.f4_fatal, in_ci=True),
+    Scenario("F5", "SIGTERM under load (drain)", f.f5_sigterm, in_ci=True),
+    Scenario("F6", "Redis down before a session request", s.needs_feature,
+             needs="sessions on Redis (branch sessions)"),
+    Scenario("F7", "Redis restart mid-stream", s.needs_feature,
+             needs="sessions on Redis (branch sessions) + a TCP proxy to cut it"),
+    Scenario("F8", "kill -9 redis after an acknowledged turn", s.needs_feature,
+             needs="sessions on Redis with AOF (branch sessions)"),
+    Scenario("F9", "Redis slow (2 s added)", s.needs_feature,
+             needs="sessions and quotas on Redis (branches sessions, ops)"),
+    Scenario("F10", "KV cache full: waiting, preemption, unservable prompt", f.f10_kv_full,
+             in_ci=True),
+    Scenario("F11", "queue full: burst of 4x capacity", f.f11_queue_full, in_ci=True),
+    Scenario("F12", "slow / stalled reader", f.f12_slow_reader, in_ci=True),
+    Scenario("F13", "slowloris headers", f.f13_slowloris),
+    Scenario("F14", "SSE ping while waiting > 15 s", f.f14_ping),
+    Scenario("F15", "near-cap and over-cap prompts in parallel", f.f15_huge_prompts,
+             in_ci=True),
+    Scenario("F16", "retry with the same Idempotency-Key", s.needs_feature,
+             needs="Idempotency-Key handling (branch sessions or ops)"),
+]
+BY_NAME = {sc.name: sc for sc in SCENARIOS}
+
+
+def select(spec: str) -> list[Scenario]:
+    if spec == "all":
+        return list(SCENARIOS)
+    if spec == "ci":
+        return [sc for sc in SCENARIOS if sc.in_ci]
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(BY_NAME)}, ci, all")
+    return [BY_NAME[n] for n in names]
+
+
+async def run_one(ctx: Context, sc: Scenario) -> Result:
+    result = Result(sc.name, sc.title)
+    if sc.needs:  # plugs in once its feature lands: give it a `run` and drop `needs`
+        result.status = "skipped"
+        result.gaps.append(f"needs {sc.needs}")
+        return result
+    started = time.monotonic()
+    try:
+        await sc.run(ctx, result)
+    except Exception as exc:  # a broken scenario is reported, the others still run
+        result.status = "error"
+        result.violations.append(f"{type(exc).__name__}: {exc}")
+        result.metrics["traceback"] = traceback.format_exc()[-2000:]
+    result.duration_s = round(time.monotonic() - started, 2)
+    if result.status == "pass" and result.violations:
+        result.status = "fail"
+    return result
+
+
+async def run_all(ctx: Context, scenarios: list[Scenario]) -> list[Result]:
+    results = []
+    try:
+        for sc in scenarios:
+            results.append(await run_one(ctx, sc))
+    finally:
+        ctx.close()
+    return results
+
+
+def markdown(results: list[Result], header: dict) -> str:
+    lines = [f"loadtest ({header['tier']} tier, duration cap {header['duration_s']} s, request "
+             f"cap {header['max_requests']}), loopback only", "",
+             "| scenario | status | calls | time s | key figures | violations |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.name} {r.title} | {r.status} | {r.num_requests} | {r.duration_s} "
+                     f"| {_figures(r)} | {'; '.join(r.violations[:3]) or '-'} |")
+    gaps = [g for r in results for g in r.gaps]
+    if gaps:
+        lines += ["", "Not covered / not met yet:", *[f"- {g}" for g in gaps]]
+    irr = next((r for r in results if r.name == "IRR" and r.metrics), None)
+    if irr:
+        lines += ["", "Irregular burst (latency per call, ms):", "",
+                  "| shaper | group | n | p50 | p99 |", "|---|---|---|---|---|"]
+        for label in ("shaper_on", "shaper_off"):
+            for tag, m in irr.metrics.get(label, {}).items():
+                lat = m["latency"]
+                lines.append(f"| {label} | {tag} | {lat.get('n')} | {lat.get('p50_ms')} | "
+                             f"{lat.get('p99_ms')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _figures(r: Result) -> str:
+    parts = []
+    for key in ("ttft", "itl", "priority_ttft", "rejection_latency", "canary_itl"):
+        m = r.metrics.get(key)
+        if m and m.get("n"):
+            parts.append(f"{key} p50/p99 {m['p50_ms']}/{m['p99_ms']} ms")
+    for key in ("mem_growth_mib", "server_cpu_cores", "admitted", "cancelled"):
+        if key in r.metrics:
+            parts.append(f"{key} {r.metrics[key]}")
+    return ", ".join(parts) or "-"
+
+
+def write(results: list[Result], header: dict, out: str) -> str:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**header, "results": [asdict(r) for r in results]}, indent=2,
+                               default=str))
+    md = markdown(results, header)
+    path.with_suffix(".md").write_text(md)
+    return md
+
+
+def main(args) -> int:
+    scenarios = select(args.scenario)
+    ctx = Context(args.duration_s, args.max_requests, ci=args.tier == "ci", url=args.url)
+    results = asyncio.run(run_all(ctx, scenarios))
+    header = {"tier": args.tier, "duration_s": args.duration_s,
+              "max_requests": args.max_requests, "scenarios": [sc.name for sc in scenarios]}
+    print(write(results, header, args.out))
+    print(f"wrote {args.out} and {Path(args.out).with_suffix('.md')}")
+    return 0 if all(r.status in ("pass", "skipped") for r in results) else 1
