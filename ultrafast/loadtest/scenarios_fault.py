@@ -287,7 +287,9 @@ async def f15_huge_prompts(ctx: Context, result: Result) -> None:
     srv = ctx.server(ServerSpec(num_slots=4, max_model_len=2048, fake_step_ms=20.0))
     async with client_for(srv.url) as client:
         async def fault():
-            near = " alpha" * 2000  # ~2000 tokens, under the 2048 context with max_tokens 4
+            unit = " alpha beta"
+            per_unit = len(ctx.tokenizer.encode(unit * 10)) / 10
+            near = unit * int((2048 - 64) / per_unit)  # just under the 2048-token context
             over = "x = 1\n" * ctx.size(150_000, 30_000)  # tokenized, then refused 400
             calls = [plain_call(client, {"prompt": near, "max_tokens": 4}, "near-cap")
                      for _ in range(ctx.size(8, 3))]
