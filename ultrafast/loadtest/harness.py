@@ -172,7 +172,7 @@ class Context:
         return Progress(label, total=total, stream=self.progress_stream)
 
     def server(self, spec: ServerSpec, fresh: bool = False):
-        if self.url:
+        if self.url:  # the runner only sends external_ok scenarios here
             return ExternalServer(self.url)
         if fresh:
             return ServerHandle(spec)  # the scenario owns (and ends) it

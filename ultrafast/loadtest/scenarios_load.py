@@ -138,6 +138,7 @@ async def l3_churn(ctx: Context, result: Result) -> None:
     budget = ctx.budget(max_requests=ctx.size(10_000, 3 * streams), duration_s=180)
     rng = random.Random(1234)
     cancelled = []
+    mem = MemoryWatch(srv.pid, 20.0)
     async with client_for(srv.url) as client:
         progress = ctx.progress("L3 churn", budget.max_requests)
 
@@ -147,12 +148,14 @@ async def l3_churn(ctx: Context, result: Result) -> None:
                 rec = await checked_stream(ctx, client, result, tokens, "default", "churn", cut)
                 cancelled.append(rec.cancelled)
                 progress.update(cancelled=sum(cancelled))
+                if len(cancelled) == streams:
+                    mem.warm()
 
         await asyncio.gather(*(worker() for _ in range(streams)))
         progress.close()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        await finish_checks(ctx, client, result)
+        await finish_checks(ctx, client, result, mem)
         result.metrics["settle_after_last_call_ms"] = round(1000 * (loop.time() - t0), 1)
     result.metrics["cancelled"] = sum(cancelled)
 
@@ -165,11 +168,14 @@ async def l4_priority_lane(ctx: Context, result: Result) -> None:
     probes, normals = [], []
     budget = ctx.budget(max_requests=ctx.size(10_000, 3 * streams + num_probes), duration_s=120)
     stop = asyncio.Event()
+    mem = MemoryWatch(srv.pid, 20.0)
     async with client_for(srv.url) as client:
         async def normal() -> None:
             while not stop.is_set() and budget.more():
                 normals.append(await checked_stream(ctx, client, result, tokens, "default",
                                                     "normal"))
+                if len(normals) == streams:
+                    mem.warm()
 
         tasks = [asyncio.create_task(normal()) for _ in range(streams)]
         await asyncio.sleep(interval_s)
@@ -180,7 +186,7 @@ async def l4_priority_lane(ctx: Context, result: Result) -> None:
             await asyncio.sleep(interval_s)
         stop.set()
         await asyncio.gather(*tasks)
-        await finish_checks(ctx, client, result)
+        await finish_checks(ctx, client, result, mem)
     result.metrics["priority_ttft"] = percentiles_ms([p.ttft_s for p in probes if p.ttft_s])
     result.metrics["normal_itl"] = percentiles_ms([g for r in normals for g in r.itl_s])
     result.metrics["normal_streams"] = streams
@@ -195,7 +201,7 @@ async def l7_demo_model(ctx: Context, result: Result) -> None:
     streams, tokens = 4, ctx.size(64, 16)
     srv = ctx.server(ServerSpec(executor="demo", num_slots=8))
     budget = ctx.budget(max_requests=ctx.size(10_000, 8), duration_s=120)
-    mem = MemoryWatch(srv.pid, 50.0)
+    mem = MemoryWatch(srv.pid, 20.0)  # the bar for every run (the spec says 50)
     records = []
     async with client_for(srv.url) as client:
         baselines = {p: await ctx.demo_baseline(client, p, tokens) for p in DEMO_PROMPTS}
@@ -228,9 +234,11 @@ async def irregular_burst(ctx: Context, result: Result) -> None:
         srv = ctx.server(ServerSpec(executor="demo", num_slots=8, extra=(
             "--shaper-window-ms", window_ms, "--default-queue", "512")))
         groups: dict[str, list] = {"short": [], "long": []}
+        mem = MemoryWatch(srv.pid, 20.0)
         async with client_for(srv.url) as client:
             baselines = {(p, n): await ctx.demo_baseline(client, p, n)
                          for p in DEMO_PROMPTS for n in (1, 64)}
+            mem.warm()  # after the baselines: the model has run every prompt once
             for _ in range(rounds):
                 budget = ctx.budget(max_requests=num_calls)
                 calls = []
@@ -248,7 +256,8 @@ async def irregular_burst(ctx: Context, result: Result) -> None:
                     n = rec.body["max_tokens"]
                     result.fail(check_terminal(rec) + check_content(
                         rec, baselines[(rec.body["prompt"], n)], n))
-            await finish_checks(ctx, client, result)
+            await finish_checks(ctx, client, result, mem)
+        result.metrics[label + "_memory"] = mem.summary()
         result.metrics[label] = {
             tag: {"latency": percentiles_ms([r.latency_s for r in recs]),
                   "ttft": percentiles_ms([r.ttft_s for r in recs if r.ttft_s])}
