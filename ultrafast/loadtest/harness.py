@@ -40,7 +40,7 @@ class ServerSpec:
 
     executor: str = "fake"  # fake | demo
     num_slots: int = 8
-    max_model_len: int = 512
+    max_model_len: int = 2048  # the fake executor's KV costs nothing; F15 needs the room
     fake_step_ms: float = 20.0
     extra: tuple[str, ...] = ()  # further `serve` flags
 

@@ -73,19 +73,27 @@ SCENARIOS = [
              needs="Idempotency-Key handling (branch sessions or ops)"),
 ]
 BY_NAME = {sc.name: sc for sc in SCENARIOS}
+# Run order: scenarios that share a server spec run back to back (one server start each group;
+# starts cost seconds on a busy 2-core box); the two that kill their server run last.
+RUN_ORDER = ["L1", "L3", "L4", "B0", "F1", "F2", "F3", "F3b", "F12", "F13", "F15", "L2", "F11",
+             "F10", "F14", "L7", "IRR", "F4", "F5"]
 
 
 def select(spec: str) -> list[Scenario]:
+    """The scenarios named by `spec`, in run order."""
     if spec == "all":
-        return list(SCENARIOS)
-    if spec == "ci":
-        return [sc for sc in SCENARIOS if sc.in_ci]
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = [n for n in names if n not in BY_NAME]
-    if unknown:
-        raise ValueError(f"unknown scenario(s) {', '.join(unknown)}; known: "
-                         f"{', '.join(BY_NAME)}, ci, all")
-    return [BY_NAME[n] for n in names]
+        chosen = list(SCENARIOS)
+    elif spec == "ci":
+        chosen = [sc for sc in SCENARIOS if sc.in_ci]
+    else:
+        names = [n.strip() for n in spec.split(",") if n.strip()]
+        unknown = [n for n in names if n not in BY_NAME]
+        if unknown:
+            raise ValueError(f"unknown scenario(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(BY_NAME)}, ci, all")
+        chosen = [BY_NAME[n] for n in dict.fromkeys(names)]
+    rank = {name: i for i, name in enumerate(RUN_ORDER)}
+    return sorted(chosen, key=lambda sc: rank.get(sc.name, len(rank)))
 
 
 async def run_one(ctx: Context, sc: Scenario) -> Result:

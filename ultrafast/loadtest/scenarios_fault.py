@@ -15,7 +15,7 @@ from ultrafast.loadtest.client import (http_request_bytes, open_raw, parse_raw_s
                                        raw_call_then_leave, stream_call)
 from ultrafast.loadtest.harness import Context, Result, ServerSpec
 from ultrafast.loadtest.invariants import (check_content, check_rejection, check_terminal,
-                                           percentiles_ms, wait_at_rest)
+                                           percentiles_ms)
 from ultrafast.loadtest.scenarios_load import (checked_stream, client_for, fake_body,
                                                finish_checks, overload_burst)
 
@@ -202,7 +202,8 @@ async def f10_kv_full(ctx: Context, result: Result) -> None:
 
 async def f11_queue_full(ctx: Context, result: Result) -> None:
     """A burst of 4x the capacity: exactly the capacity admitted, the rest 503 queue_full."""
-    await overload_burst(ctx, result, 2, 4, 24, 1, 40, "F11")
+    running, queue = ctx.size(32, 4), ctx.size(64, 8)  # the L2 server
+    await overload_burst(ctx, result, running, queue, 4 * (running + queue), 1, 40, "F11")
 
 
 async def f12_slow_reader(ctx: Context, result: Result) -> None:
@@ -284,7 +285,7 @@ async def f14_ping(ctx: Context, result: Result) -> None:
 
 async def f15_huge_prompts(ctx: Context, result: Result) -> None:
     """Near-cap prompts (and over-cap ones) in parallel while canaries stream: all exact."""
-    srv = ctx.server(ServerSpec(num_slots=4, max_model_len=2048, fake_step_ms=20.0))
+    srv = ctx.server(FAULT_SERVER)
     async with client_for(srv.url) as client:
         async def fault():
             unit = " alpha beta"

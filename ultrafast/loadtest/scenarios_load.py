@@ -192,6 +192,12 @@ async def l4_priority_lane(ctx: Context, result: Result) -> None:
     result.metrics["normal_streams"] = streams
 
 
+def demo_spec(shaper_window_ms: str) -> ServerSpec:
+    """The demo model server of L7 and the burst (same spec, so one server serves both)."""
+    return ServerSpec(executor="demo", num_slots=8, max_model_len=512, extra=(
+        "--shaper-window-ms", shaper_window_ms, "--default-queue", "512"))
+
+
 DEMO_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(argv):\n",
                 "class Stack:\n    def __init__(self):\n", "def parse_args():\n    parser = "]
 
@@ -199,7 +205,7 @@ DEMO_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(argv
 async def l7_demo_model(ctx: Context, result: Result) -> None:
     """The real demo model: concurrent temperature-0 streams equal the non-streamed text."""
     streams, tokens = 4, ctx.size(64, 16)
-    srv = ctx.server(ServerSpec(executor="demo", num_slots=8))
+    srv = ctx.server(demo_spec(shaper_window_ms="2"))
     budget = ctx.budget(max_requests=ctx.size(10_000, 8), duration_s=120)
     mem = MemoryWatch(srv.pid, 20.0)  # the issue's bar for every run (the spec says 50)
     records = []
@@ -231,8 +237,7 @@ async def irregular_burst(ctx: Context, result: Result) -> None:
     on the demo model, with the shaper on (its default window) and off. p50/p99 per group."""
     num_calls, rounds = ctx.size(192, 24), ctx.size(3, 1)
     for label, window_ms in (("shaper_on", "2"), ("shaper_off", "0")):
-        srv = ctx.server(ServerSpec(executor="demo", num_slots=8, extra=(
-            "--shaper-window-ms", window_ms, "--default-queue", "512")))
+        srv = ctx.server(demo_spec(window_ms))
         groups: dict[str, list] = {"short": [], "long": []}
         mem = MemoryWatch(srv.pid, 20.0)
         async with client_for(srv.url) as client:
