@@ -68,3 +68,17 @@ def test_playground_streams_with_live_stats(server, browser, tier):
     assert tps is not None and tps > 0
     assert _number(browser, "ntokens") == 24  # usage count shown at the end
     assert browser.find_element("id", "served_tier").text == tier
+
+
+def test_playground_shows_an_api_error(server, browser):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(server.url + "/")
+    max_tokens = browser.find_element("id", "max_tokens")
+    max_tokens.clear()
+    max_tokens.send_keys("0")  # refused by the server with a 400 envelope
+    browser.find_element("id", "send").click()
+    WebDriverWait(browser, 60).until(lambda d: d.find_element("id", "status").text == "error")
+    assert "400" in browser.find_element("id", "output").text
+    assert browser.find_element("id", "ttft").text == "-"
+    assert browser.find_element("id", "send").is_enabled()  # ready for the next try
