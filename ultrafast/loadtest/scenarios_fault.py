@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 import time
 
 from ultrafast.executors.fake_exec import FAULT_FATAL, FAULT_REQUEST, FAULT_STEP, fault_prompt
@@ -177,9 +178,44 @@ async def f5_sigterm(ctx: Context, result: Result) -> None:
                 result.fail(check_terminal(rec, allowed_finish=("abort",)))
                 if not expected.startswith(rec.text):
                     result.fail(["long call: the text before the abort is not exact"])
-        code = await asyncio.get_running_loop().run_in_executor(None, srv.proc.wait, drain_s + 20)
+        code = await asyncio.get_running_loop().run_in_executor(None, _wait_quietly, srv.proc,
+                                                                drain_s + 20)
         if code != 0:
             result.fail([f"exit status {code} after the drain, want 0"])
+    finally:
+        srv.stop()
+
+
+def _wait_quietly(proc, timeout_s: float) -> int | None:
+    """The exit status, or None if the process still runs after `timeout_s`."""
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+async def f5b_second_signal(ctx: Context, result: Result) -> None:
+    """A second SIGTERM during the drain stops the server at once; every stream still ends."""
+    srv = ctx.server(ServerSpec(num_slots=4, fake_step_ms=20.0,
+                                extra=("--drain-timeout-s", "60")), fresh=True)
+    try:
+        async with client_for(srv.url) as client:
+            tasks = [asyncio.create_task(stream_call(client, fake_body(ctx, 1000)[0], "long"))
+                     for _ in range(3)]
+            await asyncio.sleep(0.5)
+            srv.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            t0 = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, _wait_quietly, srv.proc, 30.0)
+            result.metrics["exit_after_second_signal_ms"] = round(
+                1000 * (time.monotonic() - t0), 1)
+            recs = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)  # none hangs
+            result.num_requests += 3
+            result.metrics["streams_cut"] = sum(r.transport_error is not None for r in recs)
+            if srv.proc.returncode is None:  # the target (at once) is reported by the runner
+                result.fail(["the server still runs 30 s after the second signal"])
     finally:
         srv.stop()
 
