@@ -21,6 +21,7 @@ from ultrafast.bench.server_process import free_port
 from ultrafast.config import DEMO_MODEL_DIR
 from ultrafast.executors.fake_exec import plain_word_tokens, reference_tokens
 from ultrafast.loadtest.client import plain_call
+from ultrafast.loadtest.invariants import num_fds
 from ultrafast.progress import Progress
 from ultrafast.tokenizer import Tokenizer
 
@@ -68,6 +69,8 @@ class ServerHandle:
                 raise RuntimeError(f"server exited at startup: {self.log_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    time.sleep(0.2)  # let the probe's connection close before the count
+                    self.num_fds_at_start = num_fds(self.pid)
                     return
             except httpx.HTTPError:
                 time.sleep(0.2)
@@ -158,6 +161,7 @@ class Context:
         self.tokenizer = Tokenizer.from_dir(DEMO_MODEL_DIR)
         self.word_ids = plain_word_tokens(DEMO_MODEL_DIR / "tokenizer.json")
         self._servers: dict[ServerSpec, ServerHandle] = {}
+        self.current: ServerHandle | None = None  # the shared server last handed out
         self._baselines: dict[tuple, str] = {}
         self._prompt_seq = 0
 
@@ -172,6 +176,7 @@ class Context:
         return Progress(label, total=total, stream=self.progress_stream)
 
     def server(self, spec: ServerSpec, fresh: bool = False):
+        self.current = None
         if self.url:  # the runner only sends external_ok scenarios here
             return ExternalServer(self.url)
         if fresh:
@@ -182,6 +187,7 @@ class Context:
                 other.stop()
             self._servers.clear()
             handle = self._servers[spec] = ServerHandle(spec)
+        self.current = handle
         return handle
 
     def close(self) -> None:

@@ -108,6 +108,27 @@ def mem_kib(pid: int) -> int:
     return fields.get("RssAnon", fields.get("VmRSS", 0)) + fields.get("VmSwap", 0)
 
 
+def num_fds(pid: int) -> int:
+    import os
+
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def check_fds_back(pid: int, baseline: int, tolerance: int = 5, wait_s: float = 3.0
+                         ) -> tuple[list[str], int]:
+    """(iii) open file descriptors back to the baseline (+-tolerance) once clients are gone."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        now = num_fds(pid)
+        if now <= baseline + tolerance or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    if now > baseline + tolerance:
+        return [f"server holds {now} file descriptors at rest, baseline {baseline} "
+                f"(tolerance {tolerance}): leaked sockets or files"], now
+    return [], now
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process so far."""
     import os

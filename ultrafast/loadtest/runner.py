@@ -18,6 +18,7 @@ from pathlib import Path
 from ultrafast.loadtest import scenarios_fault as f
 from ultrafast.loadtest import scenarios_load as s
 from ultrafast.loadtest.harness import Context, Result
+from ultrafast.loadtest.invariants import check_fds_back
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,11 @@ async def run_one(ctx: Context, sc: Scenario) -> Result:
     started = time.monotonic()
     try:
         await sc.run(ctx, result)
+        srv = ctx.current
+        if srv is not None and srv.alive:  # clients closed: sockets must be closed too
+            problems, result.metrics["server_fds"] = await check_fds_back(
+                srv.pid, srv.num_fds_at_start)
+            result.fail(problems)
     except Exception as exc:  # a broken scenario is reported, the others still run
         result.status = "error"
         result.violations.append(f"{type(exc).__name__}: {exc}")
