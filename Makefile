@@ -13,6 +13,10 @@ LLAMA_CPP_VERSION := 0.3.36
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
+	# headless Chromium + its WebDriver for the playground test (Debian packages), if missing
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		(apt-get update && apt-get install -y chromium chromium-driver) || \
+		echo "warning: chromium not installed; the playground browser test will be skipped"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip wheel
 	$(BIN)/pip install -q torch==2.13.0

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ultrafast.progress import Progress
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -98,6 +100,8 @@ def train(model, data: torch.Tensor, minutes: float, seq_len: int, batch: int, l
     start = time.time()
     step = tokens = 0
     model.train()
+    # the budget is wall-clock time, so the bar counts seconds (its ETA is exact)
+    progress = Progress("train", total=int(budget_s), unit="s")
     while True:
         elapsed = time.time() - start
         if elapsed >= budget_s:
@@ -116,9 +120,11 @@ def train(model, data: torch.Tensor, minutes: float, seq_len: int, batch: int, l
         opt.step()
         step += 1
         tokens += batch * seq_len
-        if step % 25 == 0:
+        progress.set(int(elapsed), step=step, loss=f"{loss.item():.3f}")
+        if step % 25 == 0 and not progress.tty:  # on a terminal the progress line says it
             log(f"step {step} loss {loss.item():.3f} lr {lr * scale:.2e} "
                 f"tokens {tokens / 1e6:.2f}M elapsed {elapsed / 60:.1f} min")
+    progress.close()
     return {"steps": step, "tokens_seen": tokens, "minutes": (time.time() - start) / 60}
 
 

@@ -10,8 +10,10 @@ import time
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF model directory or .gguf file (default: the bundled demo model)")
-    p.add_argument("--executor", choices=["auto", "ggml", "torch"], default="auto",
-                   help="auto = ggml (llama.cpp kernels) on CPU, torch on CUDA")
+    p.add_argument("--executor", choices=["auto", "ggml", "torch", "fake"], default="auto",
+                   help="auto = ggml (llama.cpp kernels) on CPU, torch on CUDA; fake = no model, "
+                   "deterministic word tokens (load and fault tests only)")
+    p.add_argument("--fake-step-ms", type=float, default=20.0, help=argparse.SUPPRESS)
     p.add_argument("--max-model-len", type=int, default=2048, help="positions per KV slot")
     p.add_argument("--num-slots", type=int, default=8, help="KV slots (concurrent sequences)")
     p.add_argument("--threads", type=int, default=None,
@@ -20,7 +22,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_options(args) -> dict:
     return dict(executor=args.executor, max_model_len=args.max_model_len,
-                num_slots=args.num_slots, max_num_seqs=args.num_slots, n_threads=args.threads)
+                num_slots=args.num_slots, max_num_seqs=args.num_slots, n_threads=args.threads,
+                fake_step_s=args.fake_step_ms / 1000)
 
 
 def cmd_generate(args) -> int:
@@ -86,6 +89,12 @@ def cmd_bench(args) -> int:
     return decode_main(args)
 
 
+def cmd_loadtest(args) -> int:
+    from ultrafast.loadtest.runner import main as loadtest_main
+
+    return loadtest_main(args)
+
+
 def cmd_convert(args) -> int:
     from ultrafast.convert import convert_hf_to_gguf
 
@@ -144,6 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gguf-type", default="f16", help="GGUF type for both ggml runners")
     bench.add_argument("--out", default=None, help="JSON report (default under runs/)")
     bench.set_defaults(func=cmd_bench)
+
+    lt = sub.add_parser("loadtest", help="load scenarios and fault injections against real "
+                        "servers on loopback, with the nothing-lost checks (JSON + Markdown)")
+    lt.add_argument("--scenario", default="all", help="L1,F3,... or ci or all")
+    lt.add_argument("--tier", choices=["full", "ci"], default="full",
+                    help="full: the spec's sizes; ci: short runs")
+    lt.add_argument("--duration-s", type=float, default=180.0, help="cap per scenario")
+    lt.add_argument("--max-requests", type=int, default=10_000, help="cap per scenario")
+    lt.add_argument("--url", default=None, help="an already running loopback server "
+                    "(default: start one per scenario)")
+    lt.add_argument("--out", default="runs/loadtest.json", help="JSON report (+ .md beside)")
+    lt.set_defaults(func=cmd_loadtest)
 
     conv = sub.add_parser("convert", help="convert an HF model directory to GGUF")
     conv.add_argument("model_dir", help="HF directory (config.json, safetensors, tokenizer.json)")

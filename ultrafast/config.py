@@ -35,9 +35,10 @@ class EngineConfig:
     device: str | None = None  # torch executor: cpu / cuda
     dtype: str | None = None  # torch executor: float32 / float16 / bfloat16
     gguf_type: str = "f16"  # type used when an HF directory is converted for the ggml executor
+    fake_step_s: float = 0.02  # executor "fake" (load/fault tests only): time per engine step
 
     def __post_init__(self) -> None:
-        if self.executor not in ("auto", "ggml", "torch"):
+        if self.executor not in ("auto", "ggml", "torch", "fake"):
             raise ValueError("executor must be auto, ggml or torch")
         if self.max_num_seqs > self.num_slots:
             raise ValueError("max_num_seqs cannot exceed num_slots")

@@ -28,6 +28,11 @@ def build_executor(config: EngineConfig, files: ModelFiles):
     kind = config.executor
     if kind == "auto":
         kind = "torch" if _cuda_available() else "ggml"
+    if kind == "fake":  # load and fault tests: deterministic tokens, no weights
+        from ultrafast.executors.fake_exec import FakeExecutor
+
+        return FakeExecutor(files.tokenizer_dir / "tokenizer.json", num_slots=config.num_slots,
+                            max_model_len=config.max_model_len, step_s=config.fake_step_s)
     if kind == "ggml":
         from ultrafast.executors.ggml_exec import GgmlExecutor
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 from ultrafast.bench.report import write_report
 from ultrafast.model_files import gguf_for, resolve_model
+from ultrafast.progress import Progress
 
 
 @dataclass
@@ -118,12 +119,16 @@ def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, ro
         "transformers": lambda: _transformers(files.hf_dir, prompt_ids, num_new, threads),
     }
     runners = {name: makers[name]() for name in peers}
-    for run, _ in runners.values():
+    progress = Progress("bench decode", total=(rounds + 1) * len(runners), unit="runs")
+    for name, (run, _) in runners.items():
         run()  # warm-up
+        progress.update(runner=name)
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in peers}
     for _ in range(rounds):
         for name, (run, _) in runners.items():
             samples[name].append(run())
+            progress.update(runner=name)
+    progress.close()
     for _, close in runners.values():
         close()
     results = {}

@@ -17,6 +17,7 @@ import httpx
 from ultrafast.bench.overhead import markdown as overhead_markdown, run_overhead_bench
 from ultrafast.bench.report import write_report
 from ultrafast.bench.server_process import ServerProcess
+from ultrafast.progress import Progress
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
 
@@ -74,16 +75,22 @@ async def wait_running(client, n: int, timeout_s: float = 30) -> None:
 
 
 async def tier_scenario(url: str, num_slots: int, probes: int, max_tokens: int) -> dict:
+    progress = Progress("bench tiers", total=4, unit="phases")
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         await probe(client, "priority", 2, 8)  # warm-up: the cost model learns the idle step
+        progress.update(phase="warm-up")
         idle = await probe(client, "priority", probes, max_tokens)
+        progress.update(phase="idle")
         stop, done = asyncio.Event(), []
         load_task = asyncio.create_task(load(client, num_slots - 1, stop, done))
         await wait_running(client, num_slots - 1)
         loaded = await probe(client, "priority", probes, max_tokens)
+        progress.update(phase="loaded")
         stop.set()
         await load_task
         stall = await long_prompt_stall(client, idle["itl_p99_ms"])
+        progress.update(phase="long prompt")
+    progress.close()
     return {"idle": idle, "loaded": loaded, "background_streams": num_slots - 1,
             "long_prompt": stall,
             "ttft_p50_ratio": loaded["ttft_p50_ms"] / idle["ttft_p50_ms"],

@@ -29,6 +29,7 @@ from ultrafast.server.bridge import EngineBridge
 from ultrafast.server.errors import APIError
 from ultrafast.server.generate import GenerationRun, GenerationSpec
 from ultrafast.server.json_body import check_content_type, parse_json_body
+from ultrafast.server.playground import playground_routes
 from ultrafast.server.protocol import Limits, parse_chat_request, parse_completion_request
 from ultrafast.tokenizer import Tokenizer
 
@@ -213,6 +214,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/ready", ready, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        *playground_routes(),
     ]
 
     async def on_api_error(http: HTTPRequest, exc: APIError) -> Response:
