@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("out", help="output .gguf path")
     conv.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0"], default="f16")
     conv.set_defaults(func=cmd_convert)
+
+    from ultrafast.quant.command import add_parsers as add_quant_parsers
+
+    add_quant_parsers(sub)  # quantize, eval-ppl
     return parser
 
 
