@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=3)
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--gguf-type", default="f16", help="GGUF type for both ggml runners")
+    bench.add_argument("--gguf", action="append", default=None, metavar="PATH",
+                       help="decode: compare these GGUF files instead (repeatable), ours vs "
+                       "llama.cpp on each, e.g. f16 vs q8_0 vs hybrid")
     bench.add_argument("--out", default=None, help="JSON report (default under runs/)")
     bench.set_defaults(func=cmd_bench)
 

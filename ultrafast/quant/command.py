@@ -33,7 +33,7 @@ def add_parsers(sub) -> None:
                    help="int4 with a per-group minimum (GGUF q4_1) instead of symmetric (q4_0)")
     q.add_argument("--calibration", default=None,
                    help="hybrid: calibration text file (default: training-split stdlib files)")
-    q.add_argument("--calibration-tokens", type=int, default=2048)
+    q.add_argument("--calibration-tokens", type=int, default=1024)
     q.add_argument("--recover", type=float, default=0.5,
                    help="hybrid: keep tensors in 16-bit until this fraction of int4's "
                    "perplexity excess is recovered on calibration text")
@@ -153,6 +153,10 @@ def cmd_quantize(args) -> int:
     meta.update(scheme=args.scheme, group_size=args.group_size, zero_point=args.zero_point,
                 source=str(model_dir))
     if gguf_path is not None:
+        if torch_dir is None:  # tokenizer and config beside the GGUF: a servable directory
+            from ultrafast.quant.saved import copy_model_files
+
+            copy_model_files(model_dir, gguf_path.parent)
         meta["gguf"] = {"file": gguf_path.name,
                         "types": export_gguf(model_dir, gguf_path, plan, args.zero_point)}
         print(f"wrote {gguf_path}")

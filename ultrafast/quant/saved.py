@@ -62,12 +62,18 @@ def save_quantized(model: LlamaForCausalLM, plan: dict[str, str],
         if qw.mins is not None:
             tensors[f"{stem}.mins"] = qw.mins.contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"))
-    for file in _COPIED:
-        if (source_dir / file).is_file() and source_dir != out_dir:
-            shutil.copyfile(source_dir / file, out_dir / file)
+    copy_model_files(source_dir, out_dir)
     config = {"format": FORMAT, "version": 1, **meta, "tensors": plan}
     (out_dir / QUANT_CONFIG).write_text(json.dumps(config, indent=1))
     return out_dir
+
+
+def copy_model_files(source_dir: Path, out_dir: Path) -> None:
+    """config, tokenizer and generation settings: everything but the weights."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for file in _COPIED:
+        if (source_dir / file).is_file() and source_dir.resolve() != out_dir.resolve():
+            shutil.copyfile(source_dir / file, out_dir / file)
 
 
 def read_quant_config(model_dir: Path) -> dict:
