@@ -41,6 +41,8 @@ def add_parsers(sub) -> None:
                    help="hybrid: and at least until calibration perplexity <= this x fp")
     q.add_argument("--max-keep-fraction", type=float, default=0.15,
                    help="hybrid: at most this fraction of weight parameters in 16-bit")
+    q.add_argument("--keep-type", choices=("f16", "int8"), default="f16",
+                   help="hybrid: the type of the sensitive tensors (int8 = GGUF q8_0)")
     q.add_argument("--eval", action="store_true",
                    help="report held-out perplexity of fp and the quantized model(s)")
     _add_eval_args(q)
@@ -132,7 +134,7 @@ def make_plan(args, model_dir: Path) -> tuple[dict[str, str], dict]:
     ids = calibration_ids(model_dir, args.calibration_tokens, args.calibration)
     plan, report = hybrid_plan(model, windows(ids, args.seq_len), args.group_size,
                                args.zero_point, args.recover, args.max_ppl_ratio,
-                               args.max_keep_fraction)
+                               args.max_keep_fraction, args.keep_type)
     return plan, {"hybrid": report.to_json(), "calibration_tokens": len(ids) - 1}
 
 
@@ -165,9 +167,12 @@ def cmd_quantize(args) -> int:
         quantized = quantize_model(model, plan, args.group_size, args.zero_point)
         save_quantized(model, plan, quantized, model_dir, torch_dir, meta)
         print(f"wrote {torch_dir} (load it like any model directory)")
-    kept = [n for n, t in plan.items() if t == "f16"]
-    print(f"plan: {len(plan) - len(kept)} tensors {args.scheme if args.scheme != 'hybrid' else 'int4'}"
-          f", kept in 16-bit: {', '.join(kept) or 'none'}")
+    if torch_dir is None:  # the plan and its measurements, beside the GGUF
+        plan_path = gguf_path.with_suffix(".plan.json")
+        plan_path.write_text(json.dumps({**meta, "tensors": plan}, indent=1))
+    counts = {t: list(plan.values()).count(t) for t in sorted(set(plan.values()))}
+    kept = [n for n, t in plan.items() if t != "int4"] if args.scheme == "hybrid" else []
+    print(f"plan: {counts}" + (f"; kept out of int4: {', '.join(kept)}" if kept else ""))
     if args.eval:
         from ultrafast.model_files import gguf_for, resolve_model
 

@@ -11,7 +11,8 @@ precision, or the 16-bit budget (a fraction of all weight parameters) would be e
 
 i.e. recover at least `recover` of plain int4's perplexity excess (the model-relative goal; a
 model that int4 barely hurts keeps little in 16-bit), and never exceed `max_ppl_ratio`. Each
-step is recorded, so the output says why every tensor got its type.
+step is recorded, so the output says why every tensor got its type. `keep_type` "int8" keeps
+the sensitive tensors in 8-bit instead (GGUF q8_0: cheaper to read than f16 on a CPU).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from ultrafast.quant.evaluate import torch_nll
-from ultrafast.quant.plan import INT4, KEEP, fake_quantized, num_params, weight_names
+from ultrafast.quant.plan import INT4, INT8, KEEP, fake_quantized, num_params, weight_names
 from ultrafast.quant.tensors import dequantize, quantize
 
 
@@ -92,6 +93,7 @@ def hybrid_plan(model: nn.Module, token_windows: list[list[int]], group_size: in
     report = HybridReport(fp_loss, int4_loss, int4_loss, target, budget, sensitivity)
     plan = {name: INT4 for name in names}
     used = 0
+    fake8: dict[str, torch.Tensor] = {}
     for name in sorted(names, key=lambda n: sensitivity[n], reverse=True):
         if report.hybrid_ppl_ratio <= target:
             break
@@ -100,7 +102,11 @@ def hybrid_plan(model: nn.Module, token_windows: list[list[int]], group_size: in
             continue  # too big for what is left of the budget; a smaller one may still fit
         plan[name] = keep_type
         used += size
-        with fake_quantized(model, {n: fake[n] for n, t in plan.items() if t == INT4}):
+        if keep_type == INT8:  # evaluate what will run: the int8 dequantization
+            weight = model.get_submodule(name.rsplit(".", 1)[0]).weight
+            fake8[name] = dequantize(quantize(weight, INT8), weight.dtype)
+        with fake_quantized(model, {**fake8, **{n: fake[n] for n, t in plan.items()
+                                                if t == INT4}}):
             report.hybrid_loss = _mean_loss(model, token_windows)
         report.kept.append(name)
         report.steps.append({"kept": name, "params": size, "sensitivity": sensitivity[name],
