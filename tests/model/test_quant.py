@@ -215,3 +215,22 @@ def test_hybrid_plan_keeps_the_measured_most_sensitive_tensors(tiny_llama_dir):
     assert used <= report.keep_budget_params
     assert report.hybrid_loss <= report.int4_loss + 1e-6
     assert all(t in (KEEP, INT4) for t in plan.values())
+
+
+def test_llama_cpp_k_quants_apply_the_plan_overrides(tiny_llama_dir, tmp_path):
+    pytest.importorskip("llama_cpp")
+    from ultrafast.executors.ggml_exec import GgmlExecutor
+    from ultrafast.quant.llama_quantize import quantize_gguf, tensor_types
+
+    staging = tmp_path / "tiny-f16.gguf"
+    export_gguf(tiny_llama_dir, staging, {}, untie=True)
+    out = quantize_gguf(staging, tmp_path / "tiny-q4k.gguf", "q4_K_M",
+                        {"output.weight": "f16", "blk.1.attn_q.weight": "q8_0"})
+    types = tensor_types(out)
+    assert types["output.weight"] == "F16" and types["blk.1.attn_q.weight"] == "Q8_0"
+    assert any(t not in ("F16", "F32") for t in types.values())  # the rest is quantized
+    ex = GgmlExecutor(out, num_slots=1, max_model_len=64)
+    try:
+        assert len(_greedy(ex, 4)) == 4
+    finally:
+        ex.close()

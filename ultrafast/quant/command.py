@@ -43,6 +43,10 @@ def add_parsers(sub) -> None:
                    help="hybrid: at most this fraction of weight parameters in 16-bit")
     q.add_argument("--keep-type", choices=("f16", "int8"), default="f16",
                    help="hybrid: the type of the sensitive tensors (int8 = GGUF q8_0)")
+    q.add_argument("--gguf-int4", choices=("q4_0", "q4_K_M", "q4_K_S"), default="q4_0",
+                   help="GGUF type of the int4 tensors: q4_0/q4_1 written from our codes, or "
+                   "llama.cpp's k-quants (its own quantizer and fallbacks; the plan's 16-bit "
+                   "and int8 tensors become per-tensor overrides)")
     q.add_argument("--eval", action="store_true",
                    help="report held-out perplexity of fp and the quantized model(s)")
     _add_eval_args(q)
@@ -138,11 +142,29 @@ def make_plan(args, model_dir: Path) -> tuple[dict[str, str], dict]:
     return plan, {"hybrid": report.to_json(), "calibration_tokens": len(ids) - 1}
 
 
+def _write_gguf(args, model_dir: Path, gguf_path: Path, plan: dict[str, str]) -> dict:
+    from ultrafast.quant.gguf_export import export_gguf, gguf_tensor_name
+    from ultrafast.quant.llama_quantize import quantize_gguf, tensor_types
+
+    if args.gguf_int4 == "q4_0" or "int4" not in plan.values():
+        return export_gguf(model_dir, gguf_path, plan, args.zero_point)
+    # llama.cpp's quantizer starts from a 16-bit file; the tied output is written explicitly
+    # so that an lm_head override has a tensor to apply to
+    staging = gguf_path.with_suffix(".f16-staging.gguf")
+    export_gguf(model_dir, staging, {n: "f16" for n in plan}, untie=True)
+    overrides = {gguf_tensor_name(n): {"f16": "f16", "int8": "q8_0"}[t]
+                 for n, t in plan.items() if t != "int4"}
+    try:
+        quantize_gguf(staging, gguf_path, args.gguf_int4, overrides, args.threads or 0)
+    finally:
+        staging.unlink(missing_ok=True)
+    return tensor_types(gguf_path)
+
+
 def cmd_quantize(args) -> int:
     import torch
 
     from ultrafast.model.loader import load_model
-    from ultrafast.quant.gguf_export import export_gguf
     from ultrafast.quant.plan import quantize_model
     from ultrafast.quant.saved import QUANT_CONFIG, save_quantized
 
@@ -160,7 +182,7 @@ def cmd_quantize(args) -> int:
 
             copy_model_files(model_dir, gguf_path.parent)
         meta["gguf"] = {"file": gguf_path.name,
-                        "types": export_gguf(model_dir, gguf_path, plan, args.zero_point)}
+                        "types": _write_gguf(args, model_dir, gguf_path, plan)}
         print(f"wrote {gguf_path}")
     if torch_dir is not None:
         model, _ = load_model(model_dir, dtype="float32")

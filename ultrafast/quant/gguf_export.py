@@ -70,11 +70,16 @@ def _file_type(plan: dict[str, str], zero_point: bool) -> gguf.LlamaFileType:
     return gguf.LlamaFileType.MOSTLY_Q8_0 if INT8 in types else gguf.LlamaFileType.MOSTLY_F16
 
 
+def gguf_tensor_name(hf_name: str) -> str:
+    return "output.weight" if hf_name == LM_HEAD else convert._gguf_name(hf_name)
+
+
 def export_gguf(model_dir: str | Path, out_path: str | Path, plan: dict[str, str],
-                zero_point: bool = False) -> dict[str, str]:
+                zero_point: bool = False, untie: bool = False) -> dict[str, str]:
     """Write the full-precision HF checkpoint at `model_dir` as a GGUF typed by `plan`.
 
-    Returns {gguf tensor name: ggml type name} of the 2-D weights as written.
+    Returns {gguf tensor name: ggml type name} of the 2-D weights as written. `untie` writes
+    an explicit output.weight for a tied checkpoint even when both types agree.
     """
     model_dir, out_path = Path(model_dir), Path(out_path)
     config = json.loads((model_dir / "config.json").read_text())
@@ -82,7 +87,7 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, plan: dict[str, str
     num_heads = config["num_attention_heads"]
     num_kv_heads = config.get("num_key_value_heads") or num_heads
     tied = config.get("tie_word_embeddings", False)
-    untie = tied and plan.get(LM_HEAD, KEEP) != plan.get(EMBED, KEEP)
+    untie = tied and (untie or plan.get(LM_HEAD, KEEP) != plan.get(EMBED, KEEP))
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(out_path, arch, use_temp_file=True)
