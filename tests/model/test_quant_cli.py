@@ -63,3 +63,15 @@ def test_quantizing_a_quantized_dir_is_refused(tiny_llama_dir, tmp_path, capsys)
     assert "already quantized" in capsys.readouterr().err
     assert main(["convert", str(out), str(tmp_path / "x.gguf")]) == 2
     assert "torch-quantized" in capsys.readouterr().err
+
+
+def test_bench_markdown_compares_each_gguf_with_llama_cpp_on_the_same_file():
+    from ultrafast.bench.decode import markdown
+
+    results = {name: {"decode_tok_s": tok_s, "ttft_ms": 1.0} for name, tok_s in (
+        ("ultrafast-ggml[a]", 90.0), ("llama.cpp[a]", 100.0),
+        ("ultrafast-ggml[b]", 300.0), ("llama.cpp[b]", 200.0))}
+    table = markdown({"model": "m", "gguf": "a.gguf", "prompt_tokens": 4, "new_tokens": 8,
+                      "threads": 1, "rounds": 1, "results": results})
+    assert "| ultrafast-ggml[a] | 90.0 | 1.0 | 0.90x |" in table
+    assert "| ultrafast-ggml[b] | 300.0 | 1.0 | 1.50x |" in table
