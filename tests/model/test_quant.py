@@ -234,3 +234,42 @@ def test_llama_cpp_k_quants_apply_the_plan_overrides(tiny_llama_dir, tmp_path):
         assert len(_greedy(ex, 4)) == 4
     finally:
         ex.close()
+
+
+def test_broken_quantized_dirs_are_clear_load_errors(int4_torch_dir, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ultrafast.model.loader import ModelLoadError
+
+    out, _, _ = int4_torch_dir
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    config = json.loads((bad / "quantization.json").read_text())
+    (bad / "quantization.json").write_text(json.dumps({**config, "version": 9}))
+    with pytest.raises(ModelLoadError, match="quantization format"):
+        load_model(bad)
+    (bad / "quantization.json").write_text(json.dumps(config))
+    tensors = load_file(str(bad / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.qweight"]
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="quantized tensors"):
+        load_model(bad)
+
+
+def test_hybrid_with_int8_kept_tensors_round_trips(tiny_llama_dir, tmp_path):
+    model, _ = load_model(tiny_llama_dir)
+    calib = [list(range(3, 36))]
+    plan, report = hybrid_plan(model, calib, recover=1.0, max_ppl_ratio=1.0,
+                               max_keep_fraction=0.2, keep_type=INT8)
+    assert set(report.kept) == {n for n, t in plan.items() if t == INT8} and report.kept
+    quantized = quantize_model(model, plan, 32)
+    save_quantized(model, plan, quantized, tiny_llama_dir, tmp_path / "h8", {"group_size": 32})
+    loaded, _ = load_model(tmp_path / "h8")
+    kinds = {type(m).__name__ for m in quantized_modules(loaded).values()}
+    assert kinds <= {"Int8Linear", "Int4Linear"} and "Int4Linear" in kinds
+    ex_a = TorchExecutor(loaded, num_slots=1, max_model_len=64)
+    ex_b = TorchExecutor(model, num_slots=1, max_model_len=64)
+    torch.testing.assert_close(_prompt_logits(ex_a), _prompt_logits(ex_b))
