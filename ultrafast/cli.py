@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="timed rounds (default: decode 3, tiers 10)")
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--gguf-type", default="f16", help="GGUF type for both ggml runners")
+    bench.add_argument("--gguf", action="append", default=None, metavar="PATH",
+                       help="decode: compare these GGUF files instead (repeatable), ours vs "
+                       "llama.cpp on each, e.g. f16 vs q8_0 vs hybrid")
     bench.add_argument("--out", default=None, help="JSON report (default under runs/)")
     bench.set_defaults(func=cmd_bench)
 
@@ -171,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("out", help="output .gguf path")
     conv.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0"], default="f16")
     conv.set_defaults(func=cmd_convert)
+
+    from ultrafast.quant.command import add_parsers as add_quant_parsers
+
+    add_quant_parsers(sub)  # quantize, eval-ppl
     return parser
 
 

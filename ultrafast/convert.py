@@ -216,6 +216,9 @@ def convert_hf_to_gguf(model_dir: str | Path, out_path: str | Path, outtype: str
     model_dir, out_path = Path(model_dir), Path(out_path)
     if outtype not in _OUT_TYPES:
         raise ValueError(f"unsupported outtype {outtype!r}; choose from {sorted(_OUT_TYPES)}")
+    if (model_dir / "quantization.json").is_file():
+        raise ValueError(f"{model_dir} holds torch-quantized weights; make its GGUF from the "
+                         "full-precision model with `ultrafast quantize --format gguf`")
     config = _read_json(model_dir / "config.json")
     arch, permute = ARCHITECTURES[_architecture(config)]
     qtype, file_type = _OUT_TYPES[outtype]

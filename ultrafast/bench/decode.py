@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from ultrafast.bench.report import write_report
 from ultrafast.model_files import gguf_for, resolve_model
@@ -101,7 +102,9 @@ def _transformers(hf_dir, prompt_ids, num_new, threads):
 def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, rounds: int = 3,
                      threads: int | None = None, peers: tuple[str, ...] = (
                          "ultrafast-ggml", "llama.cpp", "ultrafast-torch", "transformers"),
-                     gguf_type: str = "f16") -> dict:
+                     gguf_type: str = "f16", gguf_paths: list[str] | None = None) -> dict:
+    """gguf_paths: compare these GGUF files instead (our ggml executor and llama.cpp on each,
+    runners named `ultrafast-ggml[file stem]` / `llama.cpp[file stem]`)."""
     import os
 
     from ultrafast.tokenizer import Tokenizer
@@ -118,6 +121,16 @@ def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, ro
         "llama.cpp": lambda: _llama_cpp(gguf, prompt_ids, num_new, threads),
         "transformers": lambda: _transformers(files.hf_dir, prompt_ids, num_new, threads),
     }
+    if gguf_paths:
+        makers, peers = {}, []
+        for path in gguf_paths:
+            stem = Path(path).stem
+            makers[f"ultrafast-ggml[{stem}]"] = (
+                lambda p=path: _ours(files, p, prompt_ids, num_new, threads, "ggml"))
+            makers[f"llama.cpp[{stem}]"] = lambda p=path: _llama_cpp(p, prompt_ids, num_new,
+                                                                     threads)
+            peers += [f"ultrafast-ggml[{stem}]", f"llama.cpp[{stem}]"]
+        gguf = Path(gguf_paths[0])
     runners = {name: makers[name]() for name in peers}
     progress = Progress("bench decode", total=(rounds + 1) * len(runners), unit="runs")
     for name, (run, _) in runners.items():
@@ -148,7 +161,8 @@ def markdown(report: dict) -> str:
              "| runner | decode tok/s | TTFT ms | vs llama.cpp | vs transformers |",
              "|---|---|---|---|---|"]
     for name, r in res.items():
-        vs_llama = r["decode_tok_s"] / res["llama.cpp"]["decode_tok_s"] if "llama.cpp" in res \
+        peer = "llama.cpp" + name[name.index("["):] if "[" in name else "llama.cpp"
+        vs_llama = r["decode_tok_s"] / res[peer]["decode_tok_s"] if peer in res \
             else float("nan")
         vs_hf = r["decode_tok_s"] / res["transformers"]["decode_tok_s"] \
             if "transformers" in res else float("nan")
@@ -159,5 +173,6 @@ def markdown(report: dict) -> str:
 
 def main(args) -> int:
     report = run_decode_bench(args.model, num_new=args.new_tokens, rounds=args.rounds or 3,
-                              threads=args.threads, gguf_type=args.gguf_type)
+                              threads=args.threads, gguf_type=args.gguf_type,
+                              gguf_paths=getattr(args, "gguf", None))
     return write_report(report, args.out, markdown(report))

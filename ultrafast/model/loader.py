@@ -132,6 +132,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = None,
     config = read_config(model_dir)
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device, config.torch_dtype)
+    if (model_dir / "quantization.json").is_file():  # written by `ultrafast quantize`
+        from ultrafast.quant.saved import load_quantized_model
+
+        return load_quantized_model(model_dir, config, torch_dtype, device), config
     files = weight_files(model_dir)
     with torch.device("meta"):  # no memory and no random init for weights we overwrite
         model = LlamaForCausalLM(config)
