@@ -1,0 +1,452 @@
+"""Speculative decoding: `propose()` drafts tokens for decoding requests, `verify()` checks them.
+
+The scheduler only sees "k draft tokens scheduled": a decode step feeds the last sampled token
+plus the drafts, the target's logits at those k+1 positions go to `verify()` (through the
+sampler), and the scheduler keeps the longest prefix of drafts the target agreed with plus the
+target's own next token. Rejected drafts' KV is dropped by the executor on the next step.
+
+Draft sources, in the order `auto` tries them per request:
+- the client's `prediction` (OpenAI predicted outputs), aligned to the output so far;
+- n-gram prompt lookup: the tokens that followed the latest earlier occurrence of the context's
+  last n tokens (code repeats itself, so this is nearly free speed);
+- a draft model (a second, small executor with the same tokenizer and its own KV per slot).
+
+Exactness. Greedy: a draft is accepted iff it is the target's argmax, so the output is the plain
+greedy output token for token. Sampling with a deterministic draft (n-gram, prediction, a
+greedy draft model): the target token at each position is drawn exactly as plain decoding draws
+it (same processed distribution, same per-index generator) and the draft is accepted iff they
+agree; that is rejection sampling with a one-hot q (accept with probability p(x), else a draw
+from p without x), and a seeded request gives the very same text as without speculation.
+A sampled draft-model draft (q = the draft model's processed distribution) uses standard
+rejection sampling: accept x with probability min(1, p(x)/q(x)), else draw from
+norm(max(p - q, 0)). Either way the output distribution is the target's.
+
+The number of drafts per request adapts to its measured acceptance (an EWMA): it grows while
+most drafts are accepted and shrinks when they are not, down to 0 (no drafting), from where
+a single draft is retried after a while.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import torch
+
+from ultrafast.core.types import Draft, ScheduledSeq, StepPlan, TokenLogprobs
+from ultrafast.request import Request, SamplingParams, ServiceTier
+from ultrafast.runtime.sampler import (_mix_seed, draw, logprobs_of, sample_one, target_probs,
+                                       token_generator)
+
+SPEC_METHODS = ("off", "ngram", "draft", "auto")
+_DRAFT_SEED_SALT = 0x5DEECE66D  # the draft model's draws use other generators than the target's
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str = "auto"  # off, ngram, draft (model), auto (ngram, then the draft model)
+    tiers: tuple[ServiceTier, ...] = (ServiceTier.PRIORITY,)  # where n-gram/model drafts run
+    max_draft_tokens: int = 5  # upper bound of the adaptive k
+    initial_draft_tokens: int = 3
+    ngram_min: int = 2  # n-gram lookup: the longest suffix of n in [min, max] tokens that
+    ngram_max: int = 4  # occurred before decides the draft
+    grow_above: float = 0.7  # acceptance EWMA above which k grows by one
+    shrink_below: float = 0.35  # ... below which k shrinks by one
+    ewma_alpha: float = 0.3
+    retry_after_steps: int = 16  # k == 0: steps without drafts before one draft is retried
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"spec method must be one of {', '.join(SPEC_METHODS)}")
+        if not 0 <= self.initial_draft_tokens <= self.max_draft_tokens:
+            raise ValueError("need 0 <= initial_draft_tokens <= max_draft_tokens")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+
+
+@dataclass
+class SpecStats:
+    """Counters since start, per draft source ("ngram", "prediction", "draft")."""
+
+    num_draft_steps: dict[str, int] = field(default_factory=dict)  # decode steps with drafts
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+
+    def add(self, source: str, num_drafts: int, num_accepted: int) -> None:
+        for counter, value in ((self.num_draft_steps, 1), (self.num_draft_tokens, num_drafts),
+                               (self.num_accepted_tokens, num_accepted)):
+            counter[source] = counter.get(source, 0) + value
+
+    def acceptance_rate(self, source: str | None = None) -> float:
+        keys = [source] if source else list(self.num_draft_tokens)
+        drafted = sum(self.num_draft_tokens.get(k, 0) for k in keys)
+        return sum(self.num_accepted_tokens.get(k, 0) for k in keys) / drafted if drafted else 0.0
+
+
+# ---- verify ---------------------------------------------------------------------------------
+
+
+def verify(seq: ScheduledSeq, logits: torch.Tensor) -> tuple[list[int], list[TokenLogprobs]]:
+    """Target tokens at the k+1 positions of a decode with k drafts, up to the first rejection.
+
+    `logits` [k+1, vocab] (raw, float32). Returns (tokens, logprobs): the accepted drafts, then
+    the correction (at the first rejected position) or the bonus token (all accepted). Position
+    j is processed with the penalties of the tokens accepted before it, and its randomness
+    comes from (seed, output index), as in plain decoding.
+    """
+    params = seq.sampling_params
+    drafts = seq.token_ids[seq.num_tokens - seq.num_logits + 1:]
+    tokens: list[int] = []
+    token_logprobs: list[TokenLogprobs] = []
+    for j in range(seq.num_logits):
+        raw = logits[j]
+        history = seq.output_token_ids + drafts[:j] if params.needs_penalties else []
+        index = seq.num_output_tokens + j
+        if j < len(drafts) and seq.draft_probs is not None and not params.greedy:
+            token = _rejection_sample(raw.clone(), seq, history, index, drafts[j],
+                                      seq.draft_probs[j])
+        else:
+            token = sample_one(raw.clone(), seq, history, index)
+        tokens.append(token)
+        if params.logprobs:
+            token_logprobs.append(logprobs_of(raw, token, params.top_logprobs))
+        if j < len(drafts) and token != drafts[j]:
+            break
+    return tokens, token_logprobs
+
+
+def _rejection_sample(logits: torch.Tensor, seq: ScheduledSeq, history: list[int], index: int,
+                      draft_token: int, q: torch.Tensor) -> int:
+    """Accept `draft_token` with probability min(1, p/q), else draw from norm(max(p - q, 0))."""
+    p = target_probs(logits, seq, history)
+    q = q.to(p.dtype)
+    generator = token_generator(seq.sampling_seed, index)
+    u = float(torch.rand((), generator=generator))
+    if u * float(q[draft_token]) < float(p[draft_token]):
+        return draft_token
+    residual = torch.clamp(p - q, min=0.0)
+    if float(residual.sum()) <= 0.0:  # p == q up to rounding: any draw from p is exact
+        residual = p
+    return draw(residual, generator)
+
+
+# ---- draft sources --------------------------------------------------------------------------
+
+
+class NgramIndex:
+    """Prompt lookup over a growing token list: n-gram -> end of its latest earlier occurrence.
+
+    Indexing is incremental (a few dict stores per new token), so a lookup costs O(n_max).
+    """
+
+    def __init__(self, tokens: list[int], ngram_min: int, ngram_max: int):
+        self.tokens = list(tokens)
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self._ends: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending (exclusive) at <= this position are in _ends
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def lookup(self, k: int) -> list[int]:
+        toks, length = self.tokens, len(self.tokens)
+        ends = self._ends
+        # index every n-gram that ends before the last token (the suffix itself is not a match)
+        for end in range(max(self._indexed + 1, self.ngram_min), length):
+            for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
+                ends[tuple(toks[end - n:end])] = end
+        self._indexed = max(self._indexed, length - 1)
+        for n in range(min(self.ngram_max, length), self.ngram_min - 1, -1):
+            end = ends.get(tuple(toks[length - n:]))
+            if end is not None:
+                return toks[end:end + k]
+        return []
+
+
+class PredictionAligner:
+    """Where the output so far stands in the client's predicted output.
+
+    The pointer advances while the output follows the prediction; after a divergence it
+    re-aligns on the first later occurrence of the output's last n tokens (n from 3 down to 2),
+    or else assumes the output replaced as many prediction tokens as it produced.
+    """
+
+    def __init__(self, prediction: list[int]):
+        self.prediction = prediction
+        self.pos: int | None = 0  # index in the prediction of the next expected token
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+        for n in (2, 3):
+            for end in range(n, len(prediction) + 1):
+                self._ends.setdefault(tuple(prediction[end - n:end]), []).append(end)
+
+    def advance(self, new_tokens: list[int], output: list[int]) -> None:
+        pos = self.pos
+        if pos is not None and self.prediction[pos:pos + len(new_tokens)] == new_tokens:
+            self.pos = pos + len(new_tokens)
+            return
+        floor = pos or 0
+        for n in (3, 2):
+            ends = self._ends.get(tuple(output[-n:])) if len(output) >= n else None
+            if ends:
+                i = bisect.bisect_left(ends, floor)
+                if i < len(ends):
+                    self.pos = ends[i]
+                    return
+        # no anchor: guess a same-length substitution (a renamed identifier), verify tells
+        self.pos = None if pos is None else min(pos + len(new_tokens), len(self.prediction))
+
+    def lookup(self, k: int) -> list[int]:
+        return [] if self.pos is None else self.prediction[self.pos:self.pos + k]
+
+
+_GREEDY_ONE = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+@dataclass
+class _DraftKV:
+    """What the draft model's KV of one request holds."""
+
+    slot_id: int
+    token_ids: list[int]  # tokens whose KV is in the draft slot, in order
+    num_valid: int  # token_ids[:num_valid] is known to equal the request's context
+
+
+class DraftModelProposer:
+    """Drafts with a small model on its own executor (same kind as the target's), one KV slot
+    per target slot id. Before drafting, each request's draft KV catches up on the tokens it
+    has not seen (the prompt, the target's accepted tokens); rejected drafts are dropped by
+    starting the next feed at the first wrong position. All requests draft in one batch.
+    Draws greedily (q one-hot) for greedy requests; otherwise from the draft model's own
+    processed distribution with the request's sampling params, and hands q to `verify`.
+    """
+
+    def __init__(self, executor):
+        self.executor = executor
+        self.max_batch_tokens = getattr(executor, "max_num_batched_tokens", 512)
+        self._kv: dict[str, _DraftKV] = {}
+        self._slot_owner: dict[int, str] = {}
+
+    def release(self, request_id: str) -> None:
+        self._kv.pop(request_id, None)
+
+    def close(self) -> None:
+        self.executor.close()
+
+    def _catch_up_feed(self, request: Request) -> tuple[int, list[int]]:
+        """(start position, tokens to feed) so the draft KV holds the whole context."""
+        rid, context = request.request_id, request.all_token_ids
+        kv = self._kv.get(rid)
+        if kv is None or kv.slot_id != request.slot_id or self._slot_owner.get(kv.slot_id) != rid:
+            kv = self._kv[rid] = _DraftKV(request.slot_id, [], 0)
+            self._slot_owner[request.slot_id] = rid
+        valid = min(kv.num_valid, len(context))
+        limit = min(len(kv.token_ids), len(context) - 1)  # the last token is always fed
+        while valid < limit and kv.token_ids[valid] == context[valid]:
+            valid += 1
+        valid = min(valid, len(context) - 1)
+        del kv.token_ids[valid:]
+        kv.num_valid = valid
+        return valid, context[valid:]
+
+    def propose(self, wants: list[tuple[Request, int]]) -> dict[str, Draft]:
+        wants = [(r, min(k, self.executor.max_model_len - r.num_tokens)) for r, k in wants]
+        wants = [(r, k) for r, k in wants if k > 0]
+        drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in wants}
+        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in wants}
+        feeds = {r.request_id: self._catch_up_feed(r) for r, _ in wants}
+        by_id = {r.request_id: r for r, _ in wants}
+        while feeds:  # catch up (chunked to the draft batch); the last chunk yields draft 1
+            seqs, budget = [], self.max_batch_tokens
+            for rid, (start, feed) in feeds.items():
+                n = min(len(feed), budget)
+                if n <= 0:
+                    break
+                seqs.append(self._seq(by_id[rid], feed[:n], start, 1 if n == len(feed) else 0))
+                budget -= n
+            self._run(seqs, drafts, probs, by_id)
+            for seq in seqs:
+                start, feed = feeds.pop(seq.request_id)
+                if seq.num_tokens < len(feed) and seq.request_id in self._kv:
+                    feeds[seq.request_id] = (start + seq.num_tokens, feed[seq.num_tokens:])
+        for j in range(1, max((k for _, k in wants), default=0)):  # drafts 2..k, batched
+            seqs = [self._seq(r, drafts[r.request_id][-1:], r.num_tokens + j - 1, 1)
+                    for r, k in wants if k > j and len(drafts[r.request_id]) == j]
+            if not seqs:
+                break
+            self._run(seqs, drafts, probs, by_id)
+        out = {}
+        for r, _ in wants:
+            tokens, rows = drafts[r.request_id], probs[r.request_id]
+            if tokens:
+                out[r.request_id] = Draft(tokens, torch.stack(rows) if rows else None, "draft")
+        return out
+
+    @staticmethod
+    def _seq(request: Request, token_ids: list[int], start: int, num_logits: int) -> ScheduledSeq:
+        return ScheduledSeq(request.request_id, request.slot_id, token_ids, start, num_logits,
+                            _GREEDY_ONE, 0, 0)
+
+    def _run(self, seqs: list[ScheduledSeq], drafts: dict, probs: dict, by_id: dict) -> None:
+        result = self.executor.execute(StepPlan(seqs))
+        logits = getattr(self.executor, "last_logits", None)
+        row = 0
+        for seq in seqs:
+            rid = seq.request_id
+            if rid in result.errors:  # this request drafts nothing this step
+                self._kv.pop(rid, None)
+                drafts[rid] = []
+                continue
+            kv = self._kv[rid]
+            kv.token_ids.extend(seq.token_ids)
+            if not seq.num_logits:
+                continue
+            token = result.sampled_token_ids[rid][0]
+            request = by_id[rid]
+            if not request.sampling_params.greedy and logits is not None:
+                token, q = self._sample_draft(request, logits[row], drafts[rid])
+                probs[rid].append(q)
+            drafts[rid].append(token)
+            row += 1
+
+    @staticmethod
+    def _sample_draft(request: Request, raw, drafts_so_far: list[int]) -> tuple[int, torch.Tensor]:
+        """A draw from the draft model's processed distribution q (returned for verify)."""
+        raw = torch.from_numpy(raw.copy()) if not isinstance(raw, torch.Tensor) else raw.float()
+        output = request.output_token_ids
+        index = request.num_output_tokens + len(drafts_so_far)
+        view = ScheduledSeq(request.request_id, request.slot_id or 0, [], 0, 1,
+                            request.sampling_params, request.sampling_seed, index,
+                            request.prompt_token_ids, output)
+        history = output + drafts_so_far if request.sampling_params.needs_penalties else []
+        q = target_probs(raw.clone(), view, history)
+        generator = torch.Generator().manual_seed(
+            _mix_seed(request.sampling_seed ^ _DRAFT_SEED_SALT, index))
+        return draw(q, generator), q
+
+
+# ---- propose ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _RequestState:
+    """Per-request speculation state: the adaptive k and the lookup indexes."""
+
+    request: Request
+    num_draft_tokens: int  # k for the next step (0 = not drafting)
+    acceptance: float  # EWMA of the accepted fraction of drafts
+    num_seen_output: int = 0  # output tokens already folded into the indexes
+    idle_steps: int = 0  # decode steps at k == 0
+    ngram: NgramIndex | None = None
+    aligner: PredictionAligner | None = None
+
+
+class Speculator:
+    """propose() before each schedule, observe() after each update. Owned by the engine."""
+
+    def __init__(self, config: SpecConfig, draft_model: DraftModelProposer | None = None):
+        if config.method == "draft" and draft_model is None:
+            raise ValueError("spec method 'draft' needs a draft model")
+        self.config = config
+        self.draft_model = draft_model if config.method in ("draft", "auto") else None
+        self.stats = SpecStats()
+        self._states: dict[str, _RequestState] = {}
+
+    def admit(self, request: Request) -> None:
+        """Decide once, when a request is added, whether it drafts from n-grams / the model."""
+        request.spec_enabled = self.config.method != "off" and request.tier in self.config.tiers
+
+    def _state(self, request: Request) -> _RequestState:
+        state = self._states.get(request.request_id)
+        if state is None:
+            cfg = self.config
+            state = _RequestState(request, cfg.initial_draft_tokens,
+                                  (cfg.grow_above + cfg.shrink_below) / 2)
+            if request.prediction_token_ids:
+                state.aligner = PredictionAligner(request.prediction_token_ids)
+            if request.spec_enabled and cfg.method in ("ngram", "auto"):
+                state.ngram = NgramIndex(request.prompt_token_ids, cfg.ngram_min, cfg.ngram_max)
+            self._states[request.request_id] = state
+        return state
+
+    def propose(self, running: list[Request]) -> dict[str, Draft]:
+        """Drafts for the running requests that will decode next step (at most k each)."""
+        out: dict[str, Draft] = {}
+        model_wants: list[tuple[Request, int]] = []
+        for request in running:
+            if not (request.spec_enabled or request.prediction_token_ids):
+                continue
+            if request.num_tokens - request.num_computed_tokens != 1:
+                continue  # still prefilling
+            state = self._state(request)
+            self._fold_new_output(state)
+            k = min(state.num_draft_tokens,
+                    request.sampling_params.max_tokens - request.num_output_tokens - 1)
+            if state.num_draft_tokens == 0:
+                state.idle_steps += 1
+                if state.idle_steps >= self.config.retry_after_steps:
+                    state.num_draft_tokens, state.idle_steps = 1, 0
+                continue
+            if k <= 0:
+                continue
+            draft = self._lookup(state, k)
+            if draft is not None:
+                out[request.request_id] = draft
+            elif request.spec_enabled and self.draft_model is not None:
+                model_wants.append((request, k))
+        if model_wants:
+            out.update(self.draft_model.propose(model_wants))
+        return out
+
+    def _fold_new_output(self, state: _RequestState) -> None:
+        output = state.request.output_token_ids
+        new = output[state.num_seen_output:]
+        if not new:
+            return
+        state.num_seen_output = len(output)
+        if state.ngram is not None:
+            state.ngram.extend(new)
+        if state.aligner is not None:
+            state.aligner.advance(new, output)
+
+    def _lookup(self, state: _RequestState, k: int) -> Draft | None:
+        if state.aligner is not None:
+            tokens = state.aligner.lookup(k)
+            if tokens:
+                return Draft(tokens, None, "prediction")
+        if state.ngram is not None:
+            tokens = state.ngram.lookup(k)
+            if tokens:
+                return Draft(tokens, None, "ngram")
+        return None
+
+    def observe(self, plan: StepPlan, finished_ids: list[str]) -> None:
+        """Adapt k from the drafts verified in `plan`; forget finished requests."""
+        cfg = self.config
+        for seq in plan.seqs:
+            if seq.num_logits <= 1:
+                continue
+            state = self._states.get(seq.request_id)
+            if state is None:
+                continue
+            request = state.request
+            num_drafts, num_accepted = request.last_num_drafts, request.last_num_accepted
+            if not num_drafts:
+                continue
+            self.stats.add(request.last_draft_source, num_drafts, num_accepted)
+            state.acceptance += cfg.ewma_alpha * (num_accepted / num_drafts - state.acceptance)
+            if state.acceptance > cfg.grow_above:
+                state.num_draft_tokens = min(state.num_draft_tokens + 1, cfg.max_draft_tokens)
+            elif state.acceptance < cfg.shrink_below:
+                state.num_draft_tokens = max(state.num_draft_tokens - 1, 0)
+            request.last_num_drafts = 0
+        for request_id in finished_ids:
+            self.release(request_id)
+
+    def release(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+        if self.draft_model is not None:
+            self.draft_model.release(request_id)
+
+    def close(self) -> None:
+        if self.draft_model is not None:
+            self.draft_model.close()
