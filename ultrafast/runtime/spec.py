@@ -167,8 +167,8 @@ class PredictionAligner:
     """Where the output so far stands in the client's predicted output.
 
     The pointer advances while the output follows the prediction; after a divergence it
-    re-aligns on the first later occurrence of the output's last n tokens (n from 3 down to 2),
-    or else assumes the output replaced as many prediction tokens as it produced.
+    re-aligns on the occurrence of the output's last n tokens (n from 3 down to 2) nearest to
+    where a same-length substitution would be, or else assumes that substitution.
     """
 
     def __init__(self, prediction: list[int]):
@@ -184,16 +184,16 @@ class PredictionAligner:
         if pos is not None and self.prediction[pos:pos + len(new_tokens)] == new_tokens:
             self.pos = pos + len(new_tokens)
             return
-        floor = pos or 0
+        # where a same-length substitution (a renamed identifier) would have left us
+        guess = None if pos is None else min(pos + len(new_tokens), len(self.prediction))
         for n in (3, 2):
             ends = self._ends.get(tuple(output[-n:])) if len(output) >= n else None
-            if ends:
-                i = bisect.bisect_left(ends, floor)
-                if i < len(ends):
-                    self.pos = ends[i]
-                    return
-        # no anchor: guess a same-length substitution (a renamed identifier), verify tells
-        self.pos = None if pos is None else min(pos + len(new_tokens), len(self.prediction))
+            if ends:  # anchor on the occurrence nearest the guess (repeated n-grams are common)
+                i = bisect.bisect_left(ends, guess or 0)
+                near = ends[max(i - 1, 0):i + 1]
+                self.pos = min(near, key=lambda end: abs(end - (guess or 0)))
+                return
+        self.pos = guess  # no anchor: assume the substitution, verification will tell
 
     def lookup(self, k: int) -> list[int]:
         return [] if self.pos is None else self.prediction[self.pos:self.pos + k]
