@@ -202,6 +202,12 @@ def test_priority_step_budget_still_bounds_steps_with_drafts():
         engine.step()
         assert executor.plans[-1].num_scheduled_tokens <= 3
     out, _ = run_all(engine, [])
+    assert out["long"] == reference_tokens(prompt(21, 60), 12)
+    # a priority stream alone is not capped: the cap protects it from other work only
+    engine.add_request(Request("p2", prompt(22, 4), greedy(40), tier=PRIORITY))
+    engine.step()
+    engine.step()
+    assert executor.plans[-1].num_scheduled_tokens > 3
 
 
 class CopyingTarget(FakeExecutor):

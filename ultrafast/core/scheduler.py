@@ -104,7 +104,8 @@ class Scheduler:
         self._make_room_for_waiting()
         budget = self.config.max_num_batched_tokens
         num_priority = sum(r.tier == ServiceTier.PRIORITY for r in self.running)
-        if self.priority_step_token_budget is not None and num_priority:
+        if (self.priority_step_token_budget is not None and num_priority
+                and self._priority_has_company()):  # draft tokens count against it too
             budget = max(min(budget, self.priority_step_token_budget), num_priority)
         self._admissions_left = self.config.max_admissions_per_step or 1 << 30
         by_tier = sorted(self.running, key=lambda r: (r.tier, r.arrival_time_s))
@@ -121,6 +122,13 @@ class Scheduler:
             if not decoding:
                 budget = self._admit(plan, tier, budget)
         return plan
+
+    def _priority_has_company(self) -> bool:
+        """Is there work besides priority decodes? Only then does the priority step cap
+        protect anything; priority streams alone may use the whole budget for their drafts."""
+        return bool(self.num_waiting) or any(
+            r.tier != ServiceTier.PRIORITY or r.num_tokens - r.num_computed_tokens != 1
+            for r in self.running)
 
     def _make_room_for_waiting(self) -> None:
         """Preempt lower tiers before anything is scheduled, so their slots are free to take."""

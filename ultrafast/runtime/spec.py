@@ -329,13 +329,14 @@ class DraftModelProposer:
 
 @dataclass
 class _RequestState:
-    """Per-request speculation state: the adaptive k and the lookup indexes."""
+    """Per-request speculation state: an adaptive k per draft source, the lookup indexes."""
 
     request: Request
-    num_draft_tokens: int  # k for the next step (0 = not drafting)
-    acceptance: float  # EWMA of the accepted fraction of drafts
+    sources: tuple[str, ...]  # tried in order each step; the first with a draft wins
+    num_draft_tokens: dict[str, int]  # k per source for the next step (0 = not drafting)
+    acceptance: dict[str, float]  # EWMA of the accepted fraction of drafts, per source
+    idle_steps: dict[str, int]  # decode steps spent at k == 0, per source
     num_seen_output: int = 0  # output tokens already folded into the indexes
-    idle_steps: int = 0  # decode steps at k == 0
     ngram: NgramIndex | None = None
     aligner: PredictionAligner | None = None
 
@@ -359,11 +360,18 @@ class Speculator:
         state = self._states.get(request.request_id)
         if state is None:
             cfg = self.config
-            state = _RequestState(request, cfg.initial_draft_tokens,
-                                  (cfg.grow_above + cfg.shrink_below) / 2)
-            if request.prediction_token_ids:
-                state.aligner = PredictionAligner(request.prediction_token_ids)
+            sources = ["prediction"] if request.prediction_token_ids else []
             if request.spec_enabled and cfg.method in ("ngram", "auto"):
+                sources.append("ngram")
+            if request.spec_enabled and self.draft_model is not None:
+                sources.append("draft")
+            middle = (cfg.grow_above + cfg.shrink_below) / 2
+            state = _RequestState(request, tuple(sources),
+                                  {s: cfg.initial_draft_tokens for s in sources},
+                                  {s: middle for s in sources}, {s: 0 for s in sources})
+            if "prediction" in sources:
+                state.aligner = PredictionAligner(request.prediction_token_ids)
+            if "ngram" in sources:
                 state.ngram = NgramIndex(request.prompt_token_ids, cfg.ngram_min, cfg.ngram_max)
             self._states[request.request_id] = state
         return state
@@ -379,23 +387,31 @@ class Speculator:
                 continue  # still prefilling
             state = self._state(request)
             self._fold_new_output(state)
-            k = min(state.num_draft_tokens,
-                    request.sampling_params.max_tokens - request.num_output_tokens - 1)
-            if state.num_draft_tokens == 0:
-                state.idle_steps += 1
-                if state.idle_steps >= self.config.retry_after_steps:
-                    state.num_draft_tokens, state.idle_steps = 1, 0
-                continue
-            if k <= 0:
-                continue
-            draft = self._lookup(state, k)
-            if draft is not None:
-                out[request.request_id] = draft
-            elif request.spec_enabled and self.draft_model is not None:
-                model_wants.append((request, k))
+            room = request.sampling_params.max_tokens - request.num_output_tokens - 1
+            for source in state.sources:
+                k = min(self._draft_length(state, source), room)
+                if k <= 0:
+                    continue
+                if source == "draft":
+                    model_wants.append((request, k))
+                    break
+                index = state.aligner if source == "prediction" else state.ngram
+                tokens = index.lookup(k)
+                if tokens:
+                    out[request.request_id] = Draft(tokens, None, source)
+                    break
         if model_wants:
             out.update(self.draft_model.propose(model_wants))
         return out
+
+    def _draft_length(self, state: _RequestState, source: str) -> int:
+        """k of this source; at 0, one draft is retried after `retry_after_steps` steps."""
+        k = state.num_draft_tokens[source]
+        if k == 0:
+            state.idle_steps[source] += 1
+            if state.idle_steps[source] >= self.config.retry_after_steps:
+                state.num_draft_tokens[source], state.idle_steps[source] = 1, 0
+        return k
 
     def _fold_new_output(self, state: _RequestState) -> None:
         output = state.request.output_token_ids
@@ -407,17 +423,6 @@ class Speculator:
             state.ngram.extend(new)
         if state.aligner is not None:
             state.aligner.advance(new, output)
-
-    def _lookup(self, state: _RequestState, k: int) -> Draft | None:
-        if state.aligner is not None:
-            tokens = state.aligner.lookup(k)
-            if tokens:
-                return Draft(tokens, None, "prediction")
-        if state.ngram is not None:
-            tokens = state.ngram.lookup(k)
-            if tokens:
-                return Draft(tokens, None, "ngram")
-        return None
 
     def observe(self, plan: StepPlan, finished_ids: list[str]) -> None:
         """Adapt k from the drafts verified in `plan`; forget finished requests."""
@@ -432,12 +437,17 @@ class Speculator:
             num_drafts, num_accepted = request.last_num_drafts, request.last_num_accepted
             if not num_drafts:
                 continue
-            self.stats.add(request.last_draft_source, num_drafts, num_accepted)
-            state.acceptance += cfg.ewma_alpha * (num_accepted / num_drafts - state.acceptance)
-            if state.acceptance > cfg.grow_above:
-                state.num_draft_tokens = min(state.num_draft_tokens + 1, cfg.max_draft_tokens)
-            elif state.acceptance < cfg.shrink_below:
-                state.num_draft_tokens = max(state.num_draft_tokens - 1, 0)
+            source = request.last_draft_source
+            self.stats.add(source, num_drafts, num_accepted)
+            if source in state.acceptance:
+                rate = state.acceptance[source]
+                rate += cfg.ewma_alpha * (num_accepted / num_drafts - rate)
+                state.acceptance[source] = rate
+                k = state.num_draft_tokens[source]
+                if rate > cfg.grow_above:
+                    state.num_draft_tokens[source] = min(k + 1, cfg.max_draft_tokens)
+                elif rate < cfg.shrink_below:
+                    state.num_draft_tokens[source] = max(k - 1, 0)
             request.last_num_drafts = 0
         for request_id in finished_ids:
             self.release(request_id)
