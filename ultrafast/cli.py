@@ -24,7 +24,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None,
                    help="draft model (HF dir or .gguf, same tokenizer; default: the bundled "
                    "demo draft when it fits the model)")
-    p.add_argument("--max-draft-tokens", type=int, default=5,
+    p.add_argument("--max-draft-tokens", type=int, default=8,
                    help="upper bound of the adaptive number of draft tokens per step")
 
 

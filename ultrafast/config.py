@@ -40,7 +40,7 @@ class EngineConfig:
     spec: str = "auto"
     spec_tiers: tuple[str, ...] = ("priority",)  # tiers that draft (flex never by default)
     draft_model: str | None = None  # HF dir or .gguf; None = the bundled demo draft if it fits
-    max_draft_tokens: int = 5  # bound of the adaptive draft length
+    max_draft_tokens: int = 8  # bound of the adaptive draft length
 
     def __post_init__(self) -> None:
         if self.executor not in ("auto", "ggml", "torch"):

@@ -99,8 +99,7 @@ def build_speculator(config: EngineConfig, files: ModelFiles) -> Speculator:
             draft_model = DraftModelProposer(build_executor(config, draft_files))
     spec = SpecConfig(method=config.spec, tiers=tuple(ServiceTier.parse(t)
                                                       for t in config.spec_tiers),
-                      max_draft_tokens=config.max_draft_tokens,
-                      initial_draft_tokens=min(3, config.max_draft_tokens))
+                      max_draft_tokens=config.max_draft_tokens)
     return Speculator(spec, draft_model)
 
 

@@ -140,6 +140,7 @@ class EngineCore:
 
     def _propose(self) -> None:
         running = self.scheduler.running
+        self.speculator.step_costs = self.costs  # k is sized by the measured step cost
         drafts = self.speculator.propose(running)
         for request in running:
             request.draft = drafts.get(request.request_id)
