@@ -15,7 +15,8 @@ from ultrafast.core.types import TokenLogprobs
 from ultrafast.model_files import ModelFiles, gguf_for, resolve_model
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.runtime.engine import EngineCore
-from ultrafast.runtime.spec import DraftModelProposer, SpecConfig, Speculator
+from ultrafast.runtime.draft_model import DraftModelProposer
+from ultrafast.runtime.spec import SpecConfig, Speculator
 from ultrafast.tokenizer import StopStringMatcher, Tokenizer
 
 

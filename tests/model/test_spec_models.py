@@ -16,7 +16,8 @@ from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.llm import build_engine
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.runtime.engine import EngineCore
-from ultrafast.runtime.spec import DraftModelProposer, SpecConfig, Speculator
+from ultrafast.runtime.draft_model import DraftModelProposer
+from ultrafast.runtime.spec import SpecConfig, Speculator
 from ultrafast.tokenizer import Tokenizer
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(argv):\n",

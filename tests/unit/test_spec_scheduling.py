@@ -11,7 +11,8 @@ from tests.unit.fake_executor import FakeExecutor, next_token, reference_tokens
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.runtime.engine import EngineCore
-from ultrafast.runtime.spec import DraftModelProposer, SpecConfig, Speculator
+from ultrafast.runtime.draft_model import DraftModelProposer
+from ultrafast.runtime.spec import SpecConfig, Speculator
 
 PRIORITY = ServiceTier.PRIORITY
 

@@ -31,18 +31,15 @@ plain decoding is faster; one draft is then retried after a while.
 from __future__ import annotations
 
 import bisect
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ultrafast.core.types import Draft, ScheduledSeq, StepPlan, TokenLogprobs
-from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.sampler import (_mix_seed, draw, logprobs_of, sample_one, target_probs,
-                                       token_generator)
+from ultrafast.request import Request, ServiceTier
+from ultrafast.runtime.sampler import draw, logprobs_of, sample_one, target_probs, token_generator
 
 SPEC_METHODS = ("off", "ngram", "draft", "auto")
-_DRAFT_SEED_SALT = 0x5DEECE66D  # the draft model's draws use other generators than the target's
 
 
 @dataclass(frozen=True)
@@ -212,141 +209,6 @@ class PredictionAligner:
         return [] if self.pos is None else self.prediction[self.pos:self.pos + k]
 
 
-_GREEDY_ONE = SamplingParams(temperature=0.0, max_tokens=1)
-
-
-@dataclass
-class _DraftKV:
-    """What the draft model's KV of one request holds."""
-
-    slot_id: int
-    token_ids: list[int]  # tokens whose KV is in the draft slot, in order
-    num_valid: int  # token_ids[:num_valid] is known to equal the request's context
-
-
-class DraftModelProposer:
-    """Drafts with a small model on its own executor (same kind as the target's), one KV slot
-    per target slot id. Before drafting, each request's draft KV catches up on the tokens it
-    has not seen (the prompt, the target's accepted tokens); rejected drafts are dropped by
-    starting the next feed at the first wrong position. All requests draft in one batch.
-    Draws greedily (q one-hot) for greedy requests; otherwise from the draft model's own
-    processed distribution with the request's sampling params, and hands q to `verify`.
-    """
-
-    def __init__(self, executor):
-        self.executor = executor
-        self.max_batch_tokens = getattr(executor, "max_num_batched_tokens", 512)
-        self.per_draft_s = 0.3e-3  # measured: draft-model time per drafted token (EWMA)
-        self._kv: dict[str, _DraftKV] = {}
-        self._slot_owner: dict[int, str] = {}
-
-    def release(self, request_id: str) -> None:
-        self._kv.pop(request_id, None)
-
-    def close(self) -> None:
-        self.executor.close()
-
-    def _catch_up_feed(self, request: Request) -> tuple[int, list[int]]:
-        """(start position, tokens to feed) so the draft KV holds the whole context."""
-        rid, context = request.request_id, request.all_token_ids
-        kv = self._kv.get(rid)
-        if kv is None or kv.slot_id != request.slot_id or self._slot_owner.get(kv.slot_id) != rid:
-            kv = self._kv[rid] = _DraftKV(request.slot_id, [], 0)
-            self._slot_owner[request.slot_id] = rid
-        valid = min(kv.num_valid, len(context))
-        limit = min(len(kv.token_ids), len(context) - 1)  # the last token is always fed
-        while valid < limit and kv.token_ids[valid] == context[valid]:
-            valid += 1
-        valid = min(valid, len(context) - 1)
-        del kv.token_ids[valid:]
-        kv.num_valid = valid
-        return valid, context[valid:]
-
-    def propose(self, wants: list[tuple[Request, int]]) -> dict[str, Draft]:
-        start_s = time.perf_counter()
-        drafts = self._propose(wants)
-        num_tokens = sum(len(d.token_ids) for d in drafts.values())
-        if num_tokens:  # a batch shares the passes: the time per token the step pays
-            per_token_s = (time.perf_counter() - start_s) / num_tokens
-            self.per_draft_s += 0.2 * (per_token_s - self.per_draft_s)
-        return drafts
-
-    def _propose(self, wants: list[tuple[Request, int]]) -> dict[str, Draft]:
-        wants = [(r, min(k, self.executor.max_model_len - r.num_tokens)) for r, k in wants]
-        wants = [(r, k) for r, k in wants if k > 0]
-        drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in wants}
-        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in wants}
-        feeds = {r.request_id: self._catch_up_feed(r) for r, _ in wants}
-        by_id = {r.request_id: r for r, _ in wants}
-        while feeds:  # catch up (chunked to the draft batch); the last chunk yields draft 1
-            seqs, budget = [], self.max_batch_tokens
-            for rid, (start, feed) in feeds.items():
-                n = min(len(feed), budget)
-                if n <= 0:
-                    break
-                seqs.append(self._seq(by_id[rid], feed[:n], start, 1 if n == len(feed) else 0))
-                budget -= n
-            self._run(seqs, drafts, probs, by_id)
-            for seq in seqs:
-                start, feed = feeds.pop(seq.request_id)
-                if seq.num_tokens < len(feed) and seq.request_id in self._kv:
-                    feeds[seq.request_id] = (start + seq.num_tokens, feed[seq.num_tokens:])
-        for j in range(1, max((k for _, k in wants), default=0)):  # drafts 2..k, batched
-            seqs = [self._seq(r, drafts[r.request_id][-1:], r.num_tokens + j - 1, 1)
-                    for r, k in wants if k > j and len(drafts[r.request_id]) == j]
-            if not seqs:
-                break
-            self._run(seqs, drafts, probs, by_id)
-        out = {}
-        for r, _ in wants:
-            tokens, rows = drafts[r.request_id], probs[r.request_id]
-            if tokens:
-                out[r.request_id] = Draft(tokens, torch.stack(rows) if rows else None, "draft")
-        return out
-
-    @staticmethod
-    def _seq(request: Request, token_ids: list[int], start: int, num_logits: int) -> ScheduledSeq:
-        return ScheduledSeq(request.request_id, request.slot_id, token_ids, start, num_logits,
-                            _GREEDY_ONE, 0, 0)
-
-    def _run(self, seqs: list[ScheduledSeq], drafts: dict, probs: dict, by_id: dict) -> None:
-        result = self.executor.execute(StepPlan(seqs))
-        logits = getattr(self.executor, "last_logits", None)
-        row = 0
-        for seq in seqs:
-            rid = seq.request_id
-            if rid in result.errors:  # this request drafts nothing this step
-                self._kv.pop(rid, None)
-                drafts[rid] = []
-                continue
-            kv = self._kv[rid]
-            kv.token_ids.extend(seq.token_ids)
-            if not seq.num_logits:
-                continue
-            token = result.sampled_token_ids[rid][0]
-            request = by_id[rid]
-            if not request.sampling_params.greedy and logits is not None:
-                token, q = self._sample_draft(request, logits[row], drafts[rid])
-                probs[rid].append(q)
-            drafts[rid].append(token)
-            row += 1
-
-    @staticmethod
-    def _sample_draft(request: Request, raw, drafts_so_far: list[int]) -> tuple[int, torch.Tensor]:
-        """A draw from the draft model's processed distribution q (returned for verify)."""
-        raw = torch.from_numpy(raw.copy()) if not isinstance(raw, torch.Tensor) else raw.float()
-        output = request.output_token_ids
-        index = request.num_output_tokens + len(drafts_so_far)
-        view = ScheduledSeq(request.request_id, request.slot_id or 0, [], 0, 1,
-                            request.sampling_params, request.sampling_seed, index,
-                            request.prompt_token_ids, output)
-        history = output + drafts_so_far if request.sampling_params.needs_penalties else []
-        q = target_probs(raw.clone(), view, history)
-        generator = torch.Generator().manual_seed(
-            _mix_seed(request.sampling_seed ^ _DRAFT_SEED_SALT, index))
-        return draw(q, generator), q
-
-
 # ---- propose ----------------------------------------------------------------------------------
 
 
@@ -382,7 +244,8 @@ class _RequestState:
 class Speculator:
     """propose() before each schedule, observe() after each update. Owned by the engine."""
 
-    def __init__(self, config: SpecConfig, draft_model: DraftModelProposer | None = None):
+    def __init__(self, config: SpecConfig, draft_model=None):
+        """draft_model: a runtime.draft_model.DraftModelProposer (needed by method draft)."""
         if config.method == "draft" and draft_model is None:
             raise ValueError("spec method 'draft' needs a draft model")
         self.config = config
@@ -449,7 +312,9 @@ class Speculator:
         cfg = self.config
         base_s, per_token_s = cfg.default_step_base_s, cfg.default_step_per_token_s
         extra_s = 0.0
-        if cfg.use_measured_costs:
+        # a seeded request sizes k from its own history only: with sampled draft-model drafts
+        # the text depends on k, and timings must not change a seeded text
+        if cfg.use_measured_costs and state.request.sampling_params.seed is None:
             costs = self.step_costs
             if costs is not None and costs.base_s and costs.per_token_s:
                 base_s, per_token_s = costs.base_s, costs.per_token_s
