@@ -313,3 +313,15 @@ def test_ngram_index_finds_the_latest_earlier_occurrence():
     assert index.lookup(3) == []  # "8 8": the only "8" pair is the suffix itself
     index.extend([8])
     assert index.lookup(3) == [8, 8, 8]  # "8 8" occurred before: a loop, repeated
+
+
+def test_a_failing_draft_model_costs_no_request():
+    engine, executor, draft = make_engine()
+
+    def broken(plan):
+        raise RuntimeError("draft model crashed")
+
+    draft.execute = broken
+    out, finish = run_all(engine, [Request("a", prompt(3, 9), greedy(15), tier=PRIORITY)])
+    assert out["a"] == reference_tokens(prompt(3, 9), 15) and finish["a"] == "length"
+    assert not drafted_seqs(executor)

@@ -141,7 +141,11 @@ class EngineCore:
     def _propose(self) -> None:
         running = self.scheduler.running
         self.speculator.step_costs = self.costs  # k is sized by the measured step cost
-        drafts = self.speculator.propose(running)
+        try:
+            drafts = self.speculator.propose(running)
+        except Exception:  # drafts are only a speed-up: a failing draft model costs no request
+            log.exception("speculative drafting failed; this step decodes without drafts")
+            drafts = {}
         for request in running:
             request.draft = drafts.get(request.request_id)
 
