@@ -169,7 +169,11 @@ def test_tiny_models_with_a_bad_draft_model(kind, tiny_llama_dir, tiny_llama_ggu
             spec = Speculator(SpecConfig(method=method), DraftModelProposer(draft))
             engine = EngineCore(target, config, speculator=spec)
             assert generate(engine, prompts, params) == plain
-        assert sum(spec.stats.num_draft_tokens.values()) >= 0
+        edited = [p[:4] + [(p[4] + 1) % 300] + p[5:] for p in plain]  # client predictions
+        assert generate(engine, prompts, params, edited) == plain
+        assert spec.stats.num_accepted_tokens["prediction"] > 0
+        assert spec.stats.num_draft_tokens["prediction"] > spec.stats.num_accepted_tokens[
+            "prediction"]
     finally:
         target.close()
         draft.close()
