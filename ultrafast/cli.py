@@ -18,12 +18,25 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-slots", type=int, default=8, help="KV slots (concurrent sequences)")
     p.add_argument("--threads", type=int, default=None,
                    help="ggml threads (default: all cores; serve: all but one)")
+    p.add_argument("--spec", choices=["off", "ngram", "draft", "auto"], default="auto",
+                   help="speculative decoding: n-gram prompt lookup, a draft model, or auto "
+                   "(n-gram, else the draft model); a request's `prediction` is always used")
+    p.add_argument("--spec-tiers", default="priority",
+                   help="comma-separated tiers that draft (priority, default, flex)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model (HF dir or .gguf, same tokenizer; default: the bundled "
+                   "demo draft when it fits the model)")
+    p.add_argument("--max-draft-tokens", type=int, default=8,
+                   help="upper bound of the adaptive number of draft tokens per step")
 
 
 def _engine_options(args) -> dict:
+    tiers = tuple(t.strip() for t in args.spec_tiers.split(",") if t.strip())
     return dict(executor=args.executor, max_model_len=args.max_model_len,
                 num_slots=args.num_slots, max_num_seqs=args.num_slots, n_threads=args.threads,
-                fake_step_s=args.fake_step_ms / 1000)
+                fake_step_s=args.fake_step_ms / 1000,
+                spec=args.spec, spec_tiers=tiers, draft_model=args.draft_model,
+                max_draft_tokens=args.max_draft_tokens)
 
 
 def cmd_generate(args) -> int:
@@ -47,9 +60,13 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     num_tokens = len(llm.tokenizer.encode("".join(pieces), add_special_tokens=False))
     if args.stats:
+        spec = llm.engine.spec_stats
+        drafted = sum(spec.num_draft_tokens.values()) if spec else 0
+        accepted = sum(spec.num_accepted_tokens.values()) if spec else 0
         print(f"[{llm.files.name} on {type(llm.engine.executor).__name__}: "
               f"ttft {1000 * (first_s or total_s):.1f} ms, ~{num_tokens} tokens in "
-              f"{total_s:.2f} s]", file=sys.stderr)
+              f"{total_s:.2f} s; spec {args.spec}: {accepted}/{drafted} drafts accepted]",
+              file=sys.stderr)
     llm.close()
     return 0
 
@@ -154,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gguf", action="append", default=None, metavar="PATH",
                        help="decode: compare these GGUF files instead (repeatable), ours vs "
                        "llama.cpp on each, e.g. f16 vs q8_0 vs hybrid")
+    bench.add_argument("--spec", default="ngram,draft",
+                       help="decode: speculative variants of our ggml runner to add, "
+                       "comma-separated from ngram, draft, auto (empty: none)")
     bench.add_argument("--out", default=None, help="JSON report (default under runs/)")
     bench.set_defaults(func=cmd_bench)
 

@@ -36,10 +36,23 @@ class EngineConfig:
     dtype: str | None = None  # torch executor: float32 / float16 / bfloat16
     gguf_type: str = "f16"  # type used when an HF directory is converted for the ggml executor
     fake_step_s: float = 0.02  # executor "fake" (load/fault tests only): time per engine step
+    # speculative decoding: off, ngram (prompt lookup), draft (model), auto (ngram, else the
+    # draft model when one fits the tokenizer). A request's `prediction` is used in any tier.
+    spec: str = "auto"
+    spec_tiers: tuple[str, ...] = ("priority",)  # tiers that draft (flex never by default)
+    draft_model: str | None = None  # HF dir or .gguf; None = the bundled demo draft if it fits
+    max_draft_tokens: int = 8  # bound of the adaptive draft length
 
     def __post_init__(self) -> None:
         if self.executor not in ("auto", "ggml", "torch", "fake"):
             raise ValueError("executor must be auto, ggml or torch")
+        if self.spec not in ("off", "ngram", "draft", "auto"):
+            raise ValueError("spec must be off, ngram, draft or auto")
+        bad = set(self.spec_tiers) - {"priority", "default", "flex"}
+        if bad:
+            raise ValueError(f"unknown spec tier(s) {sorted(bad)}: use priority, default, flex")
+        if not 1 <= self.max_draft_tokens <= 32:
+            raise ValueError("max_draft_tokens must be in [1, 32]")
         if self.max_num_seqs > self.num_slots:
             raise ValueError("max_num_seqs cannot exceed num_slots")
 

@@ -9,12 +9,14 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
-from ultrafast.config import EngineConfig, default_model
+from ultrafast.config import DEMO_DRAFT_DIR, EngineConfig, default_model
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.core.types import TokenLogprobs
 from ultrafast.model_files import ModelFiles, gguf_for, resolve_model
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.runtime.engine import EngineCore
+from ultrafast.runtime.draft_model import DraftModelProposer
+from ultrafast.runtime.spec import SpecConfig, Speculator
 from ultrafast.tokenizer import StopStringMatcher, Tokenizer
 
 
@@ -24,10 +26,14 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _executor_kind(config: EngineConfig) -> str:
+    if config.executor == "auto":
+        return "torch" if _cuda_available() else "ggml"
+    return config.executor
+
+
 def build_executor(config: EngineConfig, files: ModelFiles):
-    kind = config.executor
-    if kind == "auto":
-        kind = "torch" if _cuda_available() else "ggml"
+    kind = _executor_kind(config)
     if kind == "fake":  # load and fault tests: deterministic tokens, no weights
         from ultrafast.executors.fake_exec import FakeExecutor
 
@@ -56,11 +62,51 @@ def build_engine(config: EngineConfig, priority_itl_target_s: float | None = Non
                                                    files.max_position_embeddings))
     tokenizer = Tokenizer.from_dir(files.tokenizer_dir)
     executor = build_executor(config, files)
+    try:
+        speculator = build_speculator(config, files)
+    except BaseException:
+        executor.close()
+        raise
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_prefill_chunk_tokens=config.max_prefill_chunk_tokens,
         max_model_len=config.max_model_len, max_waiting=config.max_waiting)
-    return EngineCore(executor, scheduler_config, priority_itl_target_s), tokenizer, files
+    core = EngineCore(executor, scheduler_config, priority_itl_target_s, speculator=speculator)
+    return core, tokenizer, files
+
+
+def _draft_files(config: EngineConfig, files: ModelFiles) -> ModelFiles | None:
+    """The draft model's files: --draft-model, else the bundled demo draft when the target
+    uses the same tokenizer (a draft with another vocabulary would only propose garbage)."""
+    path = config.draft_model or str(DEMO_DRAFT_DIR)
+    draft = resolve_model(path)
+    same = _tokenizer_bytes(draft) == _tokenizer_bytes(files)
+    if not same and config.draft_model is None:
+        return None
+    if not same:
+        raise ValueError(f"draft model {path} does not use the target's tokenizer")
+    return draft
+
+
+def _tokenizer_bytes(files: ModelFiles) -> bytes | None:
+    path = files.tokenizer_dir / "tokenizer.json"
+    return path.read_bytes() if path.is_file() else None
+
+
+def build_speculator(config: EngineConfig, files: ModelFiles) -> Speculator:
+    """Speculative decoding as configured; `off` still honours a request's `prediction`."""
+    draft_model = None
+    if config.spec in ("draft", "auto"):
+        draft_files = _draft_files(config, files)
+        if draft_files is None and config.spec == "draft":
+            raise ValueError("--spec draft needs --draft-model (the bundled draft model only "
+                             "fits the demo model's tokenizer)")
+        if draft_files is not None:  # same executor kind, slots and lengths as the target
+            draft_model = DraftModelProposer(build_executor(config, draft_files))
+    spec = SpecConfig(method=config.spec, tiers=tuple(ServiceTier.parse(t)
+                                                      for t in config.spec_tiers),
+                      max_draft_tokens=config.max_draft_tokens)
+    return Speculator(spec, draft_model)
 
 
 @dataclass
@@ -143,3 +189,5 @@ class LLM:
 
     def close(self) -> None:
         self.engine.executor.close()
+        if self.engine.speculator is not None:
+            self.engine.speculator.close()

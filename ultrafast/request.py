@@ -109,6 +109,17 @@ class Request:
     slot_id: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     sampling_seed: int = 0
+    # speculative decoding (runtime.spec proposes, the scheduler schedules and counts)
+    prediction_token_ids: list[int] = field(default_factory=list)  # client `prediction`
+    spec_enabled: bool = False  # n-gram / draft-model drafts (a prediction is always used)
+    draft: object = None  # core.types.Draft for the next decode step, consumed by schedule()
+    num_draft_tokens: int = 0  # drafts verified so far
+    num_accepted_draft_tokens: int = 0
+    num_accepted_prediction_tokens: int = 0  # usage.completion_tokens_details
+    num_rejected_prediction_tokens: int = 0
+    last_num_drafts: int = 0  # the last verify step: drafts scheduled / accepted (adaptive k)
+    last_num_accepted: int = 0
+    last_draft_source: str = ""  # Draft.source of the last scheduled drafts
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

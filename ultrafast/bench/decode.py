@@ -23,25 +23,29 @@ class RunResult:
     name: str
     decode_tok_s: float  # (new_tokens - 1) / (t_last - t_first)
     ttft_ms: float  # prompt to first token
+    acceptance: float | None = None  # speculative runners: accepted / drafted tokens
 
 
-def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind):
+def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind, spec="off"):
+    """Our engine; with `spec` other than off, a priority request with speculative decoding."""
     from ultrafast.config import EngineConfig
     from ultrafast.llm import build_engine
-    from ultrafast.request import Request, SamplingParams
+    from ultrafast.request import Request, SamplingParams, ServiceTier
 
     config = EngineConfig(model=str(gguf if executor_kind == "ggml" else files.hf_dir),
                           executor=executor_kind, num_slots=1, max_num_seqs=1,
-                          max_model_len=len(prompt_ids) + num_new + 8, n_threads=threads)
+                          max_model_len=len(prompt_ids) + num_new + 8, n_threads=threads,
+                          spec=spec)
     engine, tokenizer, _ = build_engine(config)
     params = SamplingParams(temperature=0.0, max_tokens=num_new, ignore_eos=True)
+    tier = ServiceTier.PRIORITY if spec != "off" else ServiceTier.DEFAULT
     counter = [0]
 
     def run() -> tuple[float, float]:
         counter[0] += 1
         engine.pool.reset_cache()  # each round prefills from scratch, like the peers
         start = time.perf_counter()
-        engine.add_request(Request(f"bench-{counter[0]}", list(prompt_ids), params))
+        engine.add_request(Request(f"bench-{counter[0]}", list(prompt_ids), params, tier=tier))
         first = last = None
         while engine.has_work():
             for out in engine.step():
@@ -50,7 +54,12 @@ def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind):
                     first = first or last
         return first - start, last - first
 
-    return run, engine.executor.close
+    def close() -> None:
+        engine.executor.close()
+        engine.speculator.close()
+
+    run.spec_stats = engine.spec_stats if spec != "off" else None  # type: ignore[attr-defined]
+    return run, close
 
 
 def _llama_cpp(gguf, prompt_ids, num_new, threads):
@@ -102,9 +111,11 @@ def _transformers(hf_dir, prompt_ids, num_new, threads):
 def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, rounds: int = 3,
                      threads: int | None = None, peers: tuple[str, ...] = (
                          "ultrafast-ggml", "llama.cpp", "ultrafast-torch", "transformers"),
-                     gguf_type: str = "f16", gguf_paths: list[str] | None = None) -> dict:
+                     gguf_type: str = "f16", gguf_paths: list[str] | None = None,
+                     spec: tuple[str, ...] = ()) -> dict:
     """gguf_paths: compare these GGUF files instead (our ggml executor and llama.cpp on each,
-    runners named `ultrafast-ggml[file stem]` / `llama.cpp[file stem]`)."""
+    runners named `ultrafast-ggml[file stem]` / `llama.cpp[file stem]`).
+    `spec`: speculative variants of the ggml runner (ngram, draft, auto) run alongside."""
     import os
 
     from ultrafast.tokenizer import Tokenizer
@@ -131,6 +142,10 @@ def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, ro
                                                                      threads)
             peers += [f"ultrafast-ggml[{stem}]", f"llama.cpp[{stem}]"]
         gguf = Path(gguf_paths[0])
+    for method in spec:
+        makers[f"ultrafast-ggml-spec-{method}"] = (
+            lambda m=method: _ours(files, gguf, prompt_ids, num_new, threads, "ggml", m))
+    peers = tuple(peers) + tuple(f"ultrafast-ggml-spec-{m}" for m in spec)
     runners = {name: makers[name]() for name in peers}
     progress = Progress("bench decode", total=(rounds + 1) * len(runners), unit="runs")
     for name, (run, _) in runners.items():
@@ -147,8 +162,10 @@ def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, ro
     results = {}
     for name, runs in samples.items():
         decode_s = statistics.median(d for _, d in runs)
+        stats = getattr(runners[name][0], "spec_stats", None)
         results[name] = asdict(RunResult(name, (num_new - 1) / decode_s,
-                                         1000 * statistics.median(t for t, _ in runs)))
+                                         1000 * statistics.median(t for t, _ in runs),
+                                         stats.acceptance_rate() if stats else None))
     return {"model": files.name, "gguf": gguf.name, "threads": threads, "new_tokens": num_new,
             "prompt_tokens": len(prompt_ids), "rounds": rounds, "results": results}
 
@@ -158,21 +175,23 @@ def markdown(report: dict) -> str:
     lines = [f"model `{report['model']}` ({report['gguf']}), batch 1, {report['prompt_tokens']} "
              f"prompt tokens, {report['new_tokens']} new tokens, {report['threads']} threads, "
              f"median of {report['rounds']} interleaved rounds", "",
-             "| runner | decode tok/s | TTFT ms | vs llama.cpp | vs transformers |",
-             "|---|---|---|---|---|"]
+             "| runner | decode tok/s | TTFT ms | vs llama.cpp | vs transformers | accepted |",
+             "|---|---|---|---|---|---|"]
     for name, r in res.items():
         peer = "llama.cpp" + name[name.index("["):] if "[" in name else "llama.cpp"
         vs_llama = r["decode_tok_s"] / res[peer]["decode_tok_s"] if peer in res \
             else float("nan")
         vs_hf = r["decode_tok_s"] / res["transformers"]["decode_tok_s"] \
             if "transformers" in res else float("nan")
+        accepted = "" if r.get("acceptance") is None else f"{r['acceptance']:.0%}"
         lines.append(f"| {name} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.1f} | "
-                     f"{vs_llama:.2f}x | {vs_hf:.2f}x |")
+                     f"{vs_llama:.2f}x | {vs_hf:.2f}x | {accepted} |")
     return "\n".join(lines)
 
 
 def main(args) -> int:
+    spec = tuple(m.strip() for m in (getattr(args, "spec", "") or "").split(",") if m.strip())
     report = run_decode_bench(args.model, num_new=args.new_tokens, rounds=args.rounds or 3,
                               threads=args.threads, gguf_type=args.gguf_type,
-                              gguf_paths=getattr(args, "gguf", None))
+                              gguf_paths=getattr(args, "gguf", None), spec=spec)
     return write_report(report, args.out, markdown(report))

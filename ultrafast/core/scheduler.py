@@ -46,6 +46,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     queue_time_s: float = 0.0  # arrival to first slot
+    num_accepted_prediction_tokens: int = 0  # so far, of drafts taken from the client prediction
+    num_rejected_prediction_tokens: int = 0
 
 
 class Scheduler:
@@ -102,7 +104,8 @@ class Scheduler:
         self._make_room_for_waiting()
         budget = self.config.max_num_batched_tokens
         num_priority = sum(r.tier == ServiceTier.PRIORITY for r in self.running)
-        if self.priority_step_token_budget is not None and num_priority:
+        if (self.priority_step_token_budget is not None and num_priority
+                and self._priority_has_company()):  # draft tokens count against it too
             budget = max(min(budget, self.priority_step_token_budget), num_priority)
         self._admissions_left = self.config.max_admissions_per_step or 1 << 30
         by_tier = sorted(self.running, key=lambda r: (r.tier, r.arrival_time_s))
@@ -119,6 +122,13 @@ class Scheduler:
             if not decoding:
                 budget = self._admit(plan, tier, budget)
         return plan
+
+    def _priority_has_company(self) -> bool:
+        """Is there work besides priority decodes? Only then does the priority step cap
+        protect anything; priority streams alone may use the whole budget for their drafts."""
+        return bool(self.num_waiting) or any(
+            r.tier != ServiceTier.PRIORITY or r.num_tokens - r.num_computed_tokens != 1
+            for r in self.running)
 
     def _make_room_for_waiting(self) -> None:
         """Preempt lower tiers before anything is scheduled, so their slots are free to take."""
@@ -185,17 +195,32 @@ class Scheduler:
     def _schedule_chunk(self, plan: StepPlan, request: Request, budget: int) -> int:
         start = request.num_computed_tokens
         n = min(request.num_tokens - start, budget, self.config.max_prefill_chunk_tokens)
+        draft, request.draft = request.draft, None  # a draft is for this step only
         if n <= 0:
             return 0
         request._scheduled_step = self._step_id  # type: ignore[attr-defined]
+        token_ids = request.token_slice(start, start + n)
+        num_drafts, draft_probs = 0, None
+        if draft is not None and start + n == request.num_tokens:  # a decode: drafts may ride
+            # the drafts share the budget, fit the slot, and never reach past max_tokens
+            num_drafts = max(0, min(len(draft.token_ids), budget - n,
+                                    self.config.max_model_len - request.num_tokens - 1,
+                                    request.sampling_params.max_tokens
+                                    - request.num_output_tokens - 1))
+            if num_drafts:
+                token_ids = token_ids + draft.token_ids[:num_drafts]
+                if draft.probs is not None:
+                    draft_probs = draft.probs[:num_drafts]
+            request.last_draft_source = draft.source
         plan.seqs.append(ScheduledSeq(
             request_id=request.request_id, slot_id=request.slot_id,
-            token_ids=request.token_slice(start, start + n), start_position=start,
-            num_logits=1 if start + n == request.num_tokens else 0,
+            token_ids=token_ids, start_position=start,
+            num_logits=1 + num_drafts if start + n == request.num_tokens else 0,
             sampling_params=request.sampling_params, sampling_seed=request.sampling_seed,
             num_output_tokens=request.num_output_tokens,
-            prompt_token_ids=request.prompt_token_ids, output_token_ids=request.output_token_ids))
-        return n
+            prompt_token_ids=request.prompt_token_ids, output_token_ids=request.output_token_ids,
+            draft_probs=draft_probs))
+        return n + num_drafts
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         outputs, self._finished_outputs = self._finished_outputs, []
@@ -209,20 +234,55 @@ class Scheduler:
                 out.error = result.errors[seq.request_id]
                 outputs.append(out)
                 continue
-            request.num_computed_tokens += seq.num_tokens
+            if not seq.num_logits:
+                request.num_computed_tokens += seq.num_tokens
+                self.pool.commit(request.slot_id, request.all_token_ids,
+                                 request.num_computed_tokens, request.tenant)
+                continue
+            sampled = result.sampled_token_ids[seq.request_id]
+            num_drafts = seq.num_logits - 1
+            num_accepted = 0
+            if num_drafts:  # keep the drafts the target agreed with, plus its own next token
+                drafts = seq.token_ids[seq.num_tokens - num_drafts:]
+                limit = min(num_drafts, len(sampled) - 1)
+                while num_accepted < limit and sampled[num_accepted] == drafts[num_accepted]:
+                    num_accepted += 1
+            # KV of the rejected drafts is dropped by the executor on the next step
+            request.num_computed_tokens += seq.num_tokens - num_drafts + num_accepted
+            new_ids, new_logprobs, status = self._append_outputs(
+                request, sampled[:num_accepted + 1],
+                result.logprobs.get(seq.request_id, [])[:num_accepted + 1])
+            if num_drafts:
+                self._count_drafts(request, num_drafts, min(num_accepted, len(new_ids)))
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
             self.pool.commit(request.slot_id, request.all_token_ids,
                              request.num_computed_tokens, request.tenant)
-            if not seq.num_logits:
-                continue
-            new_ids = result.sampled_token_ids[seq.request_id][:1]
-            new_logprobs = result.logprobs.get(seq.request_id, [])[:1]
-            request.output_token_ids.extend(new_ids)
-            request.output_logprobs.extend(new_logprobs)
-            status = self._stop_status(request)
             if status is not None:
                 self._finish(request, status)
             outputs.append(self._output(request, new_ids, new_logprobs))
         return outputs
+
+    def _append_outputs(self, request: Request, new_ids: list[int], new_logprobs: list
+                        ) -> tuple[list[int], list, RequestStatus | None]:
+        """Append tokens one at a time; a stop (eos, stop id, max_tokens, context) cuts the rest."""
+        status = None
+        for i, token in enumerate(new_ids):
+            request.output_token_ids.append(token)
+            status = self._stop_status(request)
+            if status is not None:
+                new_ids, new_logprobs = new_ids[:i + 1], new_logprobs[:i + 1]
+                break
+        request.output_logprobs.extend(new_logprobs)
+        return new_ids, new_logprobs, status
+
+    @staticmethod
+    def _count_drafts(request: Request, num_drafts: int, num_accepted: int) -> None:
+        request.last_num_drafts, request.last_num_accepted = num_drafts, num_accepted
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_draft_tokens += num_accepted
+        if request.last_draft_source == "prediction":
+            request.num_accepted_prediction_tokens += num_accepted
+            request.num_rejected_prediction_tokens += num_drafts - num_accepted
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
@@ -258,4 +318,6 @@ class Scheduler:
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=request.num_output_tokens,
             queue_time_s=max(0.0, (request.first_scheduled_time_s or request.arrival_time_s)
-                             - request.arrival_time_s))
+                             - request.arrival_time_s),
+            num_accepted_prediction_tokens=request.num_accepted_prediction_tokens,
+            num_rejected_prediction_tokens=request.num_rejected_prediction_tokens)

@@ -7,6 +7,7 @@ executor can later live in another process without touching the scheduler.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ultrafast.request import SamplingParams
 
@@ -27,6 +28,8 @@ class ScheduledSeq:
     The executor first drops any KV of `slot_id` at positions >= `start_position` (stale tokens
     of an earlier owner, rejected drafts), then writes the KV of `token_ids` at
     `start_position ...`, and samples at the last `num_logits` of those positions.
+    A decode with k draft tokens has token_ids = [last sampled token] + drafts and
+    num_logits = k + 1; the sampler verifies the drafts (runtime.spec.verify).
     """
 
     request_id: str
@@ -39,10 +42,22 @@ class ScheduledSeq:
     num_output_tokens: int  # output tokens generated before this step
     prompt_token_ids: list[int] = field(default_factory=list)  # for repetition penalty (by ref)
     output_token_ids: list[int] = field(default_factory=list)  # for presence/frequency (by ref)
+    # [k, vocab] probabilities the draft model drew the drafts from; None = deterministic drafts
+    # (n-gram, prediction, greedy draft model). Opaque here: core never touches tensors.
+    draft_probs: Any = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass
+class Draft:
+    """Draft tokens proposed for a request's next decode step (runtime.spec.propose)."""
+
+    token_ids: list[int]
+    probs: Any = None  # [k, vocab] draft-model probabilities, None for deterministic drafts
+    source: str = ""  # "ngram", "prediction" or "draft" (the model)
 
 
 @dataclass
@@ -75,7 +90,10 @@ class TokenLogprobs:
 class StepResult:
     """What came out of a step, keyed by request id."""
 
-    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # len == num_logits
+    # entry j = the target's token at the j-th sampled position given the drafts before it;
+    # with drafts, verification may stop after the first entry that differs from its draft
+    # (1 <= len <= num_logits), the scheduler keeps the matching prefix plus that one token
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # only if asked
     errors: dict[str, str] = field(default_factory=dict)  # a request that failed alone
     execute_time_s: float = 0.0  # forward pass

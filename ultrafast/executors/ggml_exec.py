@@ -143,6 +143,7 @@ class GgmlExecutor:
         self._slot_lens = [0] * num_slots  # positions [0, len) of each slot hold KV
         self._logits_address = 0
         self._logits = np.empty((0, self.vocab_size), dtype=np.float32)
+        self.last_logits = self._logits  # the last step's sampled rows (a view, valid until next)
         self._alloc_batch(max_num_batched_tokens)
 
     def _alloc_batch(self, capacity: int) -> None:
@@ -216,7 +217,7 @@ class GgmlExecutor:
             ran.append(seq)
         if num_tokens:
             self._decode(num_tokens, ran)
-        logits = self._logits_view(num_rows)
+        logits = self.last_logits = self._logits_view(num_rows)  # a draft model's q reads it
         sampled_s = time.perf_counter()
         result = sample_plan(ran, logits) if num_rows else StepResult()
         result.errors.update(errors)

@@ -37,6 +37,8 @@ class StepStats:
     execute_time_s: float
     sample_time_s: float
     update_time_s: float
+    propose_time_s: float = 0.0  # speculative drafting before the step (draft model, lookups)
+    num_draft_tokens: int = 0  # drafts scheduled in this step
 
 
 class StepCostModel:
@@ -89,8 +91,10 @@ class EngineCore:
     """Synchronous engine: call `step()` until `has_work()` is False."""
 
     def __init__(self, executor: Executor, config: SchedulerConfig,
-                 priority_itl_target_s: float | None = None):
-        """priority_itl_target_s: None = no cap on steps carrying priority work, 0 = auto."""
+                 priority_itl_target_s: float | None = None, speculator=None):
+        """priority_itl_target_s: None = no cap on steps carrying priority work, 0 = auto.
+        speculator: a runtime.spec.Speculator, or None for plain decoding (predictions ignored).
+        """
         if config.max_num_seqs > executor.num_slots:
             raise ValueError("max_num_seqs cannot exceed the executor's KV slots")
         if config.max_model_len > executor.max_model_len:
@@ -101,13 +105,19 @@ class EngineCore:
         self.last_stats: StepStats | None = None
         self.priority_itl_target_s = priority_itl_target_s
         self.costs = StepCostModel()
+        self.speculator = speculator
+
+    @property
+    def spec_stats(self):
+        """runtime.spec.SpecStats (drafted / accepted per source), or None without speculation."""
+        return None if self.speculator is None else self.speculator.stats
 
     def warmup(self, num_prompt_tokens: int = 16) -> None:
         """Run a short prefill and decode before serving: the first pass of a fresh executor
         allocates its compute graph and would otherwise land on the first client's TTFT."""
         prompt = [i % self.executor.vocab_size for i in range(1, num_prompt_tokens + 1)]
-        self.add_request(Request("warmup", prompt, SamplingParams(
-            temperature=0.0, max_tokens=4, ignore_eos=True)))
+        self.add_request(Request("warmup", prompt, SamplingParams(  # priority: drafting warms too
+            temperature=0.0, max_tokens=4, ignore_eos=True), tier=ServiceTier.PRIORITY))
         while self.has_work():
             self.step()
         self.pool.reset_cache()
@@ -118,6 +128,8 @@ class EngineCore:
             if not 0 <= token < self.executor.vocab_size:
                 raise ValueError(f"token id {token} is out of vocabulary "
                                  f"(size {self.executor.vocab_size})")
+        if self.speculator is not None:
+            self.speculator.admit(request)
         self.scheduler.add_request(request)
 
     def abort(self, request_id: str) -> None:
@@ -126,7 +138,21 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def _propose(self) -> None:
+        running = self.scheduler.running
+        self.speculator.step_costs = self.costs  # k is sized by the measured step cost
+        try:
+            drafts = self.speculator.propose(running)
+        except Exception:  # drafts are only a speed-up: a failing draft model costs no request
+            log.exception("speculative drafting failed; this step decodes without drafts")
+            drafts = {}
+        for request in running:
+            request.draft = drafts.get(request.request_id)
+
     def step(self) -> list[RequestOutput]:
+        tp = time.perf_counter()
+        if self.speculator is not None and self.scheduler.running:
+            self._propose()
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -141,10 +167,12 @@ class EngineCore:
             result = StepResult()
         t2 = time.perf_counter()
         outputs = self.scheduler.update(plan, result)
+        if self.speculator is not None:
+            self.speculator.observe(plan, [o.request_id for o in outputs if o.finished])
         t3 = time.perf_counter()
         if plan.seqs:
             self.costs.observe(len(plan.seqs), plan.num_scheduled_tokens,
-                               result.execute_time_s + result.sample_time_s)
+                               result.execute_time_s + result.sample_time_s + t0 - tp)
             target_s = self.priority_itl_target_s
             if target_s == 0:  # auto: stay within 1.2x of the idle inter-token time
                 target_s = self.costs.auto_itl_target_s()
@@ -154,7 +182,8 @@ class EngineCore:
             step_id=plan.step_id, num_seqs=len(plan.seqs), num_tokens=plan.num_scheduled_tokens,
             num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
             schedule_time_s=t1 - t0, execute_time_s=result.execute_time_s,
-            sample_time_s=result.sample_time_s, update_time_s=t3 - t2)
+            sample_time_s=result.sample_time_s, update_time_s=t3 - t2, propose_time_s=t0 - tp,
+            num_draft_tokens=sum(s.num_logits - 1 for s in plan.seqs if s.num_logits > 1))
         return outputs
 
 

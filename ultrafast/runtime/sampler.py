@@ -60,21 +60,39 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     return logits
 
 
-def sample_one(logits: torch.Tensor, seq: ScheduledSeq, history: list[int], index: int) -> int:
-    """One token from one row of logits (float32, modified in place)."""
+def target_probs(logits: torch.Tensor, seq: ScheduledSeq, history: list[int]) -> torch.Tensor:
+    """The distribution a sampled (temperature > 0) token is drawn from: penalties, temperature,
+    top-k/top-p/min-p applied (logits modified in place)."""
     params = seq.sampling_params
     if params.logit_bias or params.needs_penalties:
         logits = apply_penalties(logits, seq, history)
-    if params.greedy:
-        return int(torch.argmax(logits))
     logits = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
-    probs = torch.softmax(logits, dim=-1)
-    generator = torch.Generator().manual_seed(_mix_seed(seq.sampling_seed, index))
+    return torch.softmax(logits, dim=-1)
+
+
+def token_generator(seed: int, index: int) -> torch.Generator:
+    """The generator of output index `index`: the same draw alone, batched or resumed."""
+    return torch.Generator().manual_seed(_mix_seed(seed, index))
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One categorical draw; an exponential race, so zero-probability tokens never win."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int(torch.argmax(probs / noise))  # exponential race == a categorical draw
+    return int(torch.argmax(probs / noise))
 
 
-def _logprobs_of(raw: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
+def sample_one(logits: torch.Tensor, seq: ScheduledSeq, history: list[int], index: int) -> int:
+    """One token from one row of logits (float32, modified in place)."""
+    params = seq.sampling_params
+    if params.greedy:
+        if params.logit_bias or params.needs_penalties:
+            logits = apply_penalties(logits, seq, history)
+        return int(torch.argmax(logits))
+    probs = target_probs(logits, seq, history)
+    return draw(probs, token_generator(seq.sampling_seed, index))
+
+
+def logprobs_of(raw: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
     logprobs = torch.log_softmax(raw, dim=-1)
     top: list[tuple[int, float]] = []
     if top_n:
@@ -111,16 +129,16 @@ def sample_plan(seqs: list[ScheduledSeq], logits) -> StepResult:
     logits = torch.from_numpy(logits) if isinstance(logits, np.ndarray) else logits.float()
     row = 0
     for seq in wanted:
-        drafts = seq.token_ids[len(seq.token_ids) - seq.num_logits + 1:]  # fed after the real token
-        tokens: list[int] = []
-        token_logprobs: list[TokenLogprobs] = []
-        for j in range(seq.num_logits):
-            raw = logits[row + j]
-            history = seq.output_token_ids + drafts[:j] if seq.sampling_params.needs_penalties else []
-            token = sample_one(raw.clone(), seq, history, seq.num_output_tokens + j)
-            tokens.append(token)
-            if seq.sampling_params.logprobs:
-                token_logprobs.append(_logprobs_of(raw, token, seq.sampling_params.top_logprobs))
+        if seq.num_logits > 1:  # drafts to verify
+            from ultrafast.runtime.spec import verify  # spec builds on this module
+
+            tokens, token_logprobs = verify(seq, logits[row:row + seq.num_logits])
+        else:
+            raw = logits[row]
+            history = list(seq.output_token_ids) if seq.sampling_params.needs_penalties else []
+            tokens = [sample_one(raw.clone(), seq, history, seq.num_output_tokens)]
+            token_logprobs = ([logprobs_of(raw, tokens[0], seq.sampling_params.top_logprobs)]
+                              if seq.sampling_params.logprobs else [])
         result.sampled_token_ids[seq.request_id] = tokens
         if seq.sampling_params.logprobs:
             result.logprobs[seq.request_id] = token_logprobs

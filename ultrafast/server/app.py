@@ -118,6 +118,7 @@ async def _generate(http: HTTPRequest, state: ServerState, req, chat: bool) -> R
     _check_ready(state)
     auto = req.requested_tier_name() == "auto"
     ticket = state.admission.reserve(req.tier(), auto=auto)
+    prediction_ids: list[int] | None = None
     try:
         loop = asyncio.get_running_loop()
         if chat:
@@ -127,6 +128,9 @@ async def _generate(http: HTTPRequest, state: ServerState, req, chat: bool) -> R
             prompts = [await loop.run_in_executor(state.pool, state.tokenizer.encode, text,
                                                   False)]
             echo = None
+            if req.prediction_text():  # predicted outputs: the engine drafts from these ids
+                prediction_ids = await loop.run_in_executor(
+                    state.pool, state.tokenizer.encode, req.prediction_text(), False)
         else:
             prompts = await loop.run_in_executor(state.pool, _completion_prompts, state, req)
             echo = [state.tokenizer.decode(p) for p in prompts] if req.echo else None
@@ -142,7 +146,7 @@ async def _generate(http: HTTPRequest, state: ServerState, req, chat: bool) -> R
             request_id=request_id, model_name=state.model_name, prompts=prompts, params=params,
             n=req.n, tier=ticket.tier, stops=req.stop_list(), chat=chat, stream=bool(req.stream),
             include_usage=req.include_usage(), want_logprobs=params.logprobs, echo_texts=echo,
-            arrival_s=arrival_s)
+            arrival_s=arrival_s, prediction_token_ids=prediction_ids)
         run = GenerationRun(state, spec, ticket)
     except BaseException:
         state.admission.release(ticket)

@@ -42,6 +42,7 @@ class GenerationSpec:
     tenant: str = ""
     echo_texts: list[str] | None = None  # completions `echo`: prompt text, one per prompt
     arrival_s: float = 0.0
+    prediction_token_ids: list[int] | None = None  # chat `prediction`: drafts for every choice
 
 
 class GenerationRun:
@@ -59,7 +60,9 @@ class GenerationRun:
                 requests.append(Request(f"{spec.request_id}-{p}-{i}", list(prompt), params,
                                         tier=spec.tier, tenant=spec.tenant,
                                         arrival_time_s=spec.arrival_s,
-                                        eos_token_ids=tok.eos_token_ids))
+                                        eos_token_ids=tok.eos_token_ids,
+                                        prediction_token_ids=list(spec.prediction_token_ids
+                                                                  or [])))
                 self.choice_prompts.append(p)
         num_choices = len(requests)
         self.generation = Generation(state.bridge, requests)
@@ -70,6 +73,7 @@ class GenerationRun:
                        for c in range(num_choices)]
         self.matchers = [StopStringMatcher(spec.stops) for _ in range(num_choices)]
         self.num_output_tokens = [0] * num_choices
+        self.num_prediction_tokens = [(0, 0)] * num_choices  # (accepted, rejected) per choice
         self.first_token_s: float | None = None
         self.queue_time_s = 0.0
 
@@ -80,6 +84,8 @@ class GenerationRun:
             choice.finish_reason, choice.error = "error", out.error
             return "", [], "error"
         self.num_output_tokens[index] = out.num_output_tokens
+        self.num_prediction_tokens[index] = (out.num_accepted_prediction_tokens,
+                                             out.num_rejected_prediction_tokens)
         choice.num_cached_tokens = out.num_cached_tokens
         choice.token_ids.extend(out.new_token_ids)
         choice.logprobs.extend(out.new_logprobs)
@@ -125,9 +131,13 @@ class GenerationRun:
             yield gen.index_of[out.request_id], text, logprobs, finish
 
     def usage(self) -> dict:
+        prediction = None
+        if self.spec.prediction_token_ids is not None:
+            prediction = (sum(a for a, _ in self.num_prediction_tokens),
+                          sum(r for _, r in self.num_prediction_tokens))
         return fmt.usage(sum(len(p) for p in self.spec.prompts),
                          sum(self.num_output_tokens),
-                         min((c.num_cached_tokens for c in self.choices), default=0))
+                         min((c.num_cached_tokens for c in self.choices), default=0), prediction)
 
     def timing_headers(self) -> dict:
         ttft_ms = ((self.first_token_s or time.monotonic()) - self.spec.arrival_s) * 1000

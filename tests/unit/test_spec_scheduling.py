@@ -1,0 +1,327 @@
+"""Speculative decoding through the scheduler, against the hash-based fake executor.
+
+The target is the fake executor (any KV or position mistake changes its tokens); the "draft
+model" is a second fake executor that agrees with the target always, never, or on a
+hash-chosen part of the contexts. Whatever the drafts, the output must be the plain output.
+"""
+
+import collections
+
+from tests.unit.fake_executor import FakeExecutor, next_token, reference_tokens
+from ultrafast.core.scheduler import SchedulerConfig
+from ultrafast.request import Request, SamplingParams, ServiceTier
+from ultrafast.runtime.engine import EngineCore
+from ultrafast.runtime.draft_model import DraftModelProposer
+from ultrafast.runtime.spec import SpecConfig, Speculator
+
+PRIORITY = ServiceTier.PRIORITY
+
+
+class FakeDraft(FakeExecutor):
+    """A fake draft model: the target's next token when `agree(context)`, else a wrong one."""
+
+    def __init__(self, agree, **kwargs):
+        super().__init__(**kwargs)
+        self.agree = agree
+
+    def execute(self, plan):
+        result = super().execute(plan)
+        for seq in plan.seqs:
+            if seq.num_logits and seq.request_id in result.sampled_token_ids:
+                context = self.slots[seq.slot_id]
+                token = result.sampled_token_ids[seq.request_id][0]
+                if not self.agree(context):
+                    result.sampled_token_ids[seq.request_id] = [(token + 1) % self.vocab_size]
+        return result
+
+
+def sometimes(context):
+    return next_token(context, 5) != 0  # agrees on ~80% of contexts
+
+
+def make_engine(agree=lambda c: True, num_slots=4, spec=None, **overrides):
+    executor = FakeExecutor(num_slots=num_slots)
+    draft = FakeDraft(agree, num_slots=num_slots)
+    config = SchedulerConfig(**{"max_num_seqs": num_slots, "max_model_len": 256, **overrides})
+    spec = spec or SpecConfig(method="draft", tiers=(PRIORITY,), use_measured_costs=False)
+    engine = EngineCore(executor, config, speculator=Speculator(spec, DraftModelProposer(draft)))
+    return engine, executor, draft
+
+
+def run_all(engine, requests, arrivals=None, abort_at=None):
+    arrivals = arrivals or [0] * len(requests)
+    outputs, finish = collections.defaultdict(list), {}
+    pending = list(zip(arrivals, requests))
+    step = 0
+    while pending or engine.has_work():
+        for at, request in [p for p in pending if p[0] <= step]:
+            engine.add_request(request)
+            pending.remove((at, request))
+        if abort_at and step in abort_at:
+            engine.abort(abort_at[step])
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finish[out.request_id] = out.finish_reason
+        step += 1
+        assert step < 10_000
+    return outputs, finish
+
+
+def prompt(seed, n):
+    return [(seed * 31 + i * 7) % 97 for i in range(n)]
+
+
+def greedy(max_tokens=30, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def drafted_seqs(executor):
+    return [s for p in executor.plans for s in p.seqs if s.num_logits > 1]
+
+
+def test_accept_all_none_and_partial_give_the_plain_output():
+    for agree, expect_rate in ((lambda c: True, 1.0), (lambda c: False, 0.0), (sometimes, None)):
+        engine, executor, _ = make_engine(agree)
+        out, finish = run_all(engine, [Request("a", prompt(1, 10), greedy(), tier=PRIORITY)])
+        assert out["a"] == reference_tokens(prompt(1, 10), 30)
+        assert finish["a"] == "length"
+        assert drafted_seqs(executor)  # drafts really were verified
+        rate = engine.spec_stats.acceptance_rate("draft")
+        if expect_rate is not None:
+            assert rate == expect_rate
+        else:
+            assert 0.0 < rate < 1.0
+    # all accepted: fewer target steps than tokens
+    engine, executor, _ = make_engine()
+    run_all(engine, [Request("a", prompt(1, 10), greedy(), tier=PRIORITY)])
+    assert len(executor.plans) < 20
+
+
+def test_several_requests_draft_in_one_step():
+    lengths = [3, 40, 17, 5]
+    requests = [Request(f"r{i}", prompt(i, n), greedy(25), tier=PRIORITY)
+                for i, n in enumerate(lengths)]
+    engine, executor, draft = make_engine(sometimes, max_num_batched_tokens=64,
+                                          max_prefill_chunk_tokens=16)
+    out, _ = run_all(engine, requests, arrivals=[0, 0, 1, 3])
+    for i, n in enumerate(lengths):
+        assert out[f"r{i}"] == reference_tokens(prompt(i, n), 25)
+    assert max(sum(s.num_logits > 1 for s in p.seqs) for p in executor.plans) >= 2
+    assert max(len(p.seqs) for p in draft.plans) >= 2  # the draft model batched them too
+    assert all(p.num_scheduled_tokens <= 64 for p in executor.plans)
+
+
+def test_max_tokens_cuts_mid_draft_and_drafts_never_pass_it():
+    engine, executor, _ = make_engine()
+    for max_tokens in (1, 2, 3, 7):
+        out, finish = run_all(engine, [Request(f"m{max_tokens}", prompt(2, 8), greedy(max_tokens),
+                                               tier=PRIORITY)])
+        assert out[f"m{max_tokens}"] == reference_tokens(prompt(2, 8), max_tokens)
+        assert finish[f"m{max_tokens}"] == "length"
+    for seq in drafted_seqs(executor):
+        assert seq.num_output_tokens + seq.num_logits <= seq.sampling_params.max_tokens
+
+
+def test_eos_inside_accepted_drafts_stops_there():
+    ref = reference_tokens(prompt(3, 6), 30)
+    eos = ref[6]
+    engine, executor, _ = make_engine()
+    out, finish = run_all(engine, [Request("e", prompt(3, 6), greedy(), tier=PRIORITY,
+                                           eos_token_ids=(eos,))])
+    assert out["e"] == ref[:ref.index(eos) + 1] and finish["e"] == "stop"
+    # the step that produced the eos had drafts after it, which were dropped
+    last = drafted_seqs(executor)[-1]
+    assert last.num_output_tokens + last.num_logits > len(out["e"])
+    assert engine.pool.num_running == 0 and not engine.scheduler.requests
+
+
+def test_context_limit_with_drafts():
+    engine, _, _ = make_engine(max_model_len=20)
+    out, finish = run_all(engine, [Request("a", prompt(4, 12), greedy(50), tier=PRIORITY)])
+    assert out["a"] == reference_tokens(prompt(4, 12), 8) and finish["a"] == "length"
+
+
+def test_preemption_with_drafts_loses_nothing():
+    engine, executor, _ = make_engine(sometimes, num_slots=2, spec=SpecConfig(
+        method="draft", tiers=(PRIORITY, ServiceTier.DEFAULT), use_measured_costs=False))
+    long = greedy(30)
+    requests = [Request("d1", prompt(9, 20), long), Request("d2", prompt(10, 20), long),
+                Request("p", prompt(11, 20), greedy(12), tier=PRIORITY)]
+    out, finish = run_all(engine, requests, arrivals=[0, 0, 5])
+    assert engine.scheduler.num_preemptions >= 1
+    assert out["d1"] == reference_tokens(prompt(9, 20), 30)
+    assert out["d2"] == reference_tokens(prompt(10, 20), 30)
+    assert out["p"] == reference_tokens(prompt(11, 20), 12)
+    assert set(finish.values()) == {"length"}
+
+
+def test_abort_mid_draft_frees_the_slot():
+    engine, executor, _ = make_engine(num_slots=1)
+    out, finish = run_all(engine, [Request("a", prompt(5, 5), greedy(100), tier=PRIORITY)],
+                          abort_at={4: "a"})
+    assert finish["a"] == "abort"
+    assert out["a"] == reference_tokens(prompt(5, 5), 100)[:len(out["a"])]
+    assert engine.pool.num_running == 0 and not engine.has_work()
+    assert engine.speculator._states == {}  # its speculation state is gone too
+    out, _ = run_all(engine, [Request("b", prompt(6, 5), greedy(10), tier=PRIORITY)])
+    assert out["b"] == reference_tokens(prompt(6, 5), 10)
+
+
+def test_flex_and_default_get_no_drafts_by_default():
+    engine, executor, _ = make_engine(spec=SpecConfig(method="draft", use_measured_costs=False))
+    run_all(engine, [Request("f", prompt(7, 5), greedy(10), tier=ServiceTier.FLEX),
+                     Request("d", prompt(8, 5), greedy(10))])
+    assert not drafted_seqs(executor)
+    run_all(engine, [Request("p", prompt(7, 5), greedy(10), tier=PRIORITY)])
+    assert drafted_seqs(executor)
+
+
+def test_adaptive_k_grows_with_acceptance_and_shrinks_without():
+    spec = SpecConfig(method="draft", max_draft_tokens=6, retry_after_steps=1000,
+                      use_measured_costs=False)
+    engine, executor, _ = make_engine(spec=spec)
+    run_all(engine, [Request("a", prompt(1, 10), greedy(60), tier=PRIORITY)])
+    sizes = [s.num_logits - 1 for s in drafted_seqs(executor)]
+    assert sizes[0] < 6 and sizes[-2] == 6 and sizes == sorted(sizes[:-1]) + sizes[-1:]
+    engine, executor, _ = make_engine(lambda c: False, spec=spec)
+    run_all(engine, [Request("a", prompt(1, 10), greedy(60), tier=PRIORITY)])
+    sizes = [s.num_logits - 1 for s in drafted_seqs(executor)]
+    assert sizes[0] > sizes[-1] and len(sizes) < 10  # shrank to 0 and stopped drafting
+    decodes = [s for p in executor.plans for s in p.seqs if s.num_logits == 1][-5:]
+    assert all(s.num_tokens == 1 for s in decodes)
+    # and a request that turns unpredictable is retried after `retry_after_steps`
+    spec = SpecConfig(method="draft", retry_after_steps=5, use_measured_costs=False)
+    engine, executor, _ = make_engine(lambda c: False, spec=spec)
+    run_all(engine, [Request("a", prompt(1, 10), greedy(60), tier=PRIORITY)])
+    assert [s.num_logits - 1 for s in drafted_seqs(executor)][-3:] == [1, 1, 1]
+
+
+def test_best_draft_length_follows_acceptance_and_cost():
+    from ultrafast.runtime.spec import best_draft_length
+
+    ks = [best_draft_length(a, 16, 2e-3, 0.5e-3) for a in (0.1, 0.4, 0.6, 0.8, 0.95, 0.99)]
+    assert ks == sorted(ks) and ks[0] == 0 and ks[-1] >= 12
+    assert best_draft_length(0.8, 16, 2e-3, 0.5e-3, per_draft_s=1e-3) < ks[3]  # costly drafts
+    assert best_draft_length(0.8, 3, 2e-3, 0.5e-3) <= 3
+
+
+def test_priority_step_budget_still_bounds_steps_with_drafts():
+    engine, executor, _ = make_engine(max_num_batched_tokens=64, max_prefill_chunk_tokens=64)
+    engine.add_request(Request("p", prompt(20, 4), greedy(40), tier=PRIORITY))
+    engine.step()
+    engine.scheduler.priority_step_token_budget = 3
+    engine.priority_itl_target_s = None  # keep the budget fixed for the test
+    engine.add_request(Request("long", prompt(21, 60), greedy(12)))
+    for _ in range(6):
+        engine.step()
+        assert executor.plans[-1].num_scheduled_tokens <= 3
+    out, _ = run_all(engine, [])
+    assert out["long"] == reference_tokens(prompt(21, 60), 12)
+    # a priority stream alone is not capped: the cap protects it from other work only
+    engine.add_request(Request("p2", prompt(22, 4), greedy(40), tier=PRIORITY))
+    for _ in range(5):
+        engine.step()
+    assert max(p.num_scheduled_tokens for p in executor.plans[-4:]) > 3
+
+
+class CopyingTarget(FakeExecutor):
+    """A target that mostly repeats what it saw 12 tokens ago (as code does), so the n-gram
+    lookup finds drafts; every 7th context breaks the pattern, so some are rejected."""
+
+    def execute(self, plan):
+        result = super().execute(plan)
+        for seq in plan.seqs:
+            if seq.num_logits and seq.request_id in result.sampled_token_ids:
+                kv = self.slots[seq.slot_id]
+                first = len(kv) - seq.num_logits + 1
+                result.sampled_token_ids[seq.request_id] = [
+                    self._next(kv[:first + j]) for j in range(seq.num_logits)]
+        return result
+
+    def _next(self, context):
+        if len(context) < 12 or next_token(context, 7) == 0:
+            return next_token(context, self.vocab_size)
+        return context[-12]
+
+
+def test_ngram_drafts_are_verified_exactly():
+    text = prompt(1, 12) * 2
+    outs = []
+    for method in ("off", "ngram"):
+        executor = CopyingTarget(num_slots=2)
+        engine = EngineCore(executor, SchedulerConfig(max_num_seqs=2, max_model_len=256),
+                            speculator=Speculator(SpecConfig(method=method,
+                                                             use_measured_costs=False)))
+        out, _ = run_all(engine, [Request("a", text, greedy(60), tier=PRIORITY),
+                                  Request("b", text[3:], greedy(50), tier=PRIORITY)])
+        outs.append(dict(out))
+    assert outs[0] == outs[1]
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens["ngram"] > 0
+    assert 0.5 < stats.acceptance_rate("ngram") < 1.0
+    assert len(executor.plans) < 60  # fewer steps than tokens
+
+
+def test_prediction_drafts_and_usage_counts():
+    ref = reference_tokens(prompt(2, 7), 20)
+    prediction = ref[:3] + [1] + ref[4:11] + [2, 3] + ref[13:]  # two edits
+    engine, executor, _ = make_engine(spec=SpecConfig(method="off", use_measured_costs=False))
+    request = Request("a", prompt(2, 7), greedy(20), tier=ServiceTier.FLEX,
+                      prediction_token_ids=prediction)
+    engine.add_request(request)
+    last = None
+    while engine.has_work():
+        for out in engine.step():
+            last = out
+    assert request.output_token_ids == ref
+    assert last.finished and last.num_accepted_prediction_tokens >= 12
+    assert last.num_rejected_prediction_tokens >= 2
+    assert last.num_accepted_prediction_tokens == request.num_accepted_prediction_tokens
+
+
+def test_prediction_aligner_follows_insertions_and_substitutions():
+    from ultrafast.runtime.spec import PredictionAligner
+
+    prediction = list(range(100, 120))
+    aligner = PredictionAligner(prediction)
+    assert aligner.lookup(3) == [100, 101, 102]
+    output = [100, 101]
+    aligner.advance([100, 101], output)
+    assert aligner.lookup(2) == [102, 103]
+    output += [7]  # substitution of 102
+    aligner.advance([7], output)
+    assert aligner.lookup(2) == [103, 104]
+    output += [55, 56, 108, 109, 110]  # an insertion, then the prediction again
+    aligner.advance([55, 56, 108, 109, 110], output)
+    assert aligner.lookup(3) == [111, 112, 113]
+    aligner.advance(list(range(111, 120)), output + list(range(111, 120)))
+    assert aligner.lookup(3) == []
+
+
+def test_ngram_index_finds_the_latest_earlier_occurrence():
+    from ultrafast.runtime.spec import NgramIndex
+
+    index = NgramIndex([1, 2, 3, 4, 9, 1, 2, 3, 5, 6], ngram_min=2, ngram_max=3)
+    index.extend([1, 2, 3])
+    assert index.lookup(2) == [5, 6]  # the latest "1 2 3" before the suffix
+    index.extend([5])
+    assert index.lookup(3) == [6, 1, 2]
+    index.extend([8])
+    assert index.lookup(3) == []  # "5 8" / "3 5 8" never occurred
+    index.extend([8])
+    assert index.lookup(3) == []  # "8 8": the only "8" pair is the suffix itself
+    index.extend([8])
+    assert index.lookup(3) == [8, 8, 8]  # "8 8" occurred before: a loop, repeated
+
+
+def test_a_failing_draft_model_costs_no_request():
+    engine, executor, draft = make_engine()
+
+    def broken(plan):
+        raise RuntimeError("draft model crashed")
+
+    draft.execute = broken
+    out, finish = run_all(engine, [Request("a", prompt(3, 9), greedy(15), tier=PRIORITY)])
+    assert out["a"] == reference_tokens(prompt(3, 9), 15) and finish["a"] == "length"
+    assert not drafted_seqs(executor)
