@@ -34,6 +34,7 @@ class EngineConfig:
     n_threads: int | None = None  # ggml threads (default: the cores we may use)
     device: str | None = None  # torch executor: cpu / cuda
     dtype: str | None = None  # torch executor: float32 / float16 / bfloat16
+    compile: str = "auto"  # torch executor decode steps: auto (on with CUDA), inductor, graphs, off
     gguf_type: str = "f16"  # type used when an HF directory is converted for the ggml executor
 
     def __post_init__(self) -> None:

@@ -85,24 +85,33 @@ class _DecodeAttention:
         return out.reshape(b, hq, d)
 
 
+def _mark_dynamic(*tensors: torch.Tensor) -> None:
+    """Batch and key dims dynamic: one inductor compile serves every bucket (batch 1 apart)
+    instead of one per shape (which would also run into dynamo's recompile limit)."""
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
 class _Graph:
     """One CUDA graph of the decode step at a fixed (batch, keys) shape, with its own inputs."""
 
     def __init__(self, step, scratch_slot: int, batch_size: int, key_positions: torch.Tensor,
-                 pool):
+                 pool, dynamic: bool):
         device = key_positions.device
         self.inputs = torch.zeros((3, batch_size), dtype=torch.long, device=device)
         self.inputs[2].fill_(scratch_slot)  # warm-up and capture touch only the scratch slot
-        self.key_positions = key_positions
+        args = (self.inputs[0], self.inputs[1], self.inputs[2], key_positions)
+        if dynamic:
+            _mark_dynamic(*args)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # compile + autotune outside the capture
             for _ in range(2):
-                step(self.inputs[0], self.inputs[1], self.inputs[2], key_positions)
+                step(*args)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = step(self.inputs[0], self.inputs[1], self.inputs[2], key_positions)
+            self.logits = step(*args)
 
     def run(self, packed: torch.Tensor) -> torch.Tensor:
         self.inputs.copy_(packed, non_blocking=True)
@@ -168,18 +177,22 @@ class CompiledDecode:
         if self.use_cuda_graphs:
             graph = self._graphs.get((batch, keys))
             if graph is None:
-                graph = _Graph(self._step, self.scratch_slot, batch, key_positions, self._pool)
-                self._graphs[batch, keys] = graph
-            out = graph.run(packed.to(self.device))
+                graph = self._capture(batch, keys)
+            out = graph.run(packed)
         else:
             packed = packed.to(self.device)
             inputs = (packed[0], packed[1], packed[2], key_positions)
-            if self.mode == "inductor":  # one compile for every batch >= 2 and every key bucket
-                for t in inputs:
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            if self.mode == "inductor":
+                _mark_dynamic(*inputs)
             out = self._step(*inputs)
         self.num_steps += 1
         return out[:len(seqs)]
+
+    def _capture(self, batch: int, keys: int) -> _Graph:
+        graph = _Graph(self._step, self.scratch_slot, batch, self._key_positions[:keys],
+                       self._pool, dynamic=self.mode == "inductor")
+        self._graphs[batch, keys] = graph
+        return graph
 
     def capture(self, batch_sizes: list[int] | None = None,
                 key_lens: list[int] | None = None) -> int:
@@ -191,8 +204,7 @@ class CompiledDecode:
                 fake = [ScheduledSeq("capture", self.scratch_slot, [0], k - 1, 1, None, 0, 0)]
                 if self.use_cuda_graphs:
                     if (b, k) not in self._graphs:
-                        self._graphs[b, k] = _Graph(self._step, self.scratch_slot, b,
-                                                    self._key_positions[:k], self._pool)
+                        self._capture(b, k)
                 else:
                     self.logits(fake * b)  # duplicate scratch rows: harmless
                     self.num_steps -= 1
