@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run: comma-separated runners (default: ours-engine, ours-server, "
                        "llama.cpp, transformers; on CUDA also vllm or transformers-cuda; "
                        "ours-engine-torch adds our torch executor)")
-    bench.add_argument("--prompt-tokens", type=int, default=32)
+    bench.add_argument("--prompt-tokens", type=int, default=None,
+                       help="prompt length (default: run 32, gpu 128)")
     bench.add_argument("--roofline", action="store_true",
                        help="run/gpu: batch-1 decode as a fraction of bytes-per-token / "
                        "measured memory bandwidth")

@@ -85,7 +85,7 @@ def main(args) -> int:
     peers = [p.strip() for p in args.peers.split(",")] if args.peers else None
     report = run_harness(args.model, max_tokens=args.new_tokens, rounds=args.rounds,
                          concurrency=concurrency, peers=peers, threads=args.threads,
-                         prompt_tokens=args.prompt_tokens, executor=args.executor,
+                         prompt_tokens=args.prompt_tokens or 32, executor=args.executor,
                          compile=args.compile, gguf_type=args.gguf_type,
                          with_roofline=args.roofline)
     write_outputs(report, args.out)
