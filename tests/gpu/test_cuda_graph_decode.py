@@ -33,5 +33,8 @@ def test_cuda_graph_decode_matches_eager(mode):
 def test_default_on_cuda_is_compiled():
     model = build_dummy_model(CONFIG, dtype="bfloat16", device="cuda")
     ex = TorchExecutor(model, num_slots=2, max_model_len=32, device="cuda")
-    assert ex.decode is not None and ex.decode.mode == "inductor"
+    import importlib.util
+
+    expected = "inductor" if importlib.util.find_spec("triton") else "graphs"
+    assert ex.decode is not None and ex.decode.mode == expected
     ex.close()

@@ -49,6 +49,9 @@ def test_buckets_and_modes():
     assert ex.decode.key_lens == [128, 256, 512, 1000]
     assert ex.decode.bucket(3, 129) == (4, 256) and ex.decode.bucket(6, 1000) == (6, 1000)
     assert ex.kv.num_slots == 7  # one scratch slot for the padding rows
+    before = ex.kv.k[0][:6].clone()
+    assert ex.decode.capture([1, 3], [100]) == 2 and ex.decode.num_steps == 0
+    assert ex.kv.k[0][:6].equal(before)  # ahead-of-time shapes touch only the scratch slot
     assert TorchExecutor(model, 2, 16, device="cpu").decode is None  # auto: off on CPU
     assert resolve_mode(None, ex.device) == "off" and resolve_mode(True, ex.device) == "inductor"
     with pytest.raises(ValueError, match="compile must be"):

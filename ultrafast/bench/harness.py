@@ -135,19 +135,27 @@ def ratios(level: dict) -> dict:
 
 
 def measure(runners: dict, concurrency: list[int], base_ids: list[int], vocab_size: int,
-            max_tokens: int, rounds: int) -> dict:
+            max_tokens: int, rounds: int, failed: dict[str, str]) -> dict:
+    """Summaries by concurrency and runner; a runner that fails is recorded in `failed` and
+    dropped from the remaining runs (its earlier batches are dropped too: no partial rows)."""
     batches: dict[int, dict[str, list[Batch]]] = {c: {} for c in concurrency}
     for round_idx in range(rounds + 1):  # round 0 warms every runner and shape up
         for c in concurrency:
             prompts = make_prompts(base_ids, vocab_size, c, round_idx)
             for name, runner in runners.items():
-                if runner.max_concurrency is not None and c > runner.max_concurrency:
+                if name in failed or (runner.max_concurrency is not None
+                                      and c > runner.max_concurrency):
                     continue
                 time.sleep(SETTLE_S)
-                batch = runner.run(prompts, max_tokens)
+                try:
+                    batch = runner.run(prompts, max_tokens)
+                except Exception as exc:  # noqa: BLE001 - report the peer, keep the others
+                    failed[name] = f"concurrency {c}: {type(exc).__name__}: {exc}"[:300]
+                    continue
                 if round_idx > 0:
                     batches[c].setdefault(name, []).append(batch)
-    return {c: {n: summarize(b) for n, b in by_name.items()} for c, by_name in batches.items()}
+    return {c: {n: summarize(b) for n, b in by_name.items() if n not in failed}
+            for c, by_name in batches.items()}
 
 
 def _decode_profile(name: str, executor: str, cuda: bool, gguf_type: str) -> tuple:
@@ -206,11 +214,15 @@ def run_harness(model: str, max_tokens: int = 128, rounds: int = 3,
             "threads": threads, "compile": compile, "executor": executor}
     runners, skipped = build_runners(names, files, gguf, opts)
     try:
-        results = measure(runners, concurrency, base_ids, vocab_size, max_tokens, rounds)
+        results = measure(runners, concurrency, base_ids, vocab_size, max_tokens, rounds,
+                          skipped)
     finally:
         for runner in runners.values():
             runner.close()
-    notes = {"llama.cpp": "llama-cpp-python's generate cannot batch: concurrency 1 only"}
+    notes = {"llama.cpp": "llama.cpp: llama-cpp-python's generate cannot batch, so it runs at "
+             "concurrency 1 only",
+             "ours-server": "ours-server: default tier, admission TTFT target raised to 600 s so "
+             "that no stream is refused"}
     report = {"model": files.name, "gguf": gguf.name, "threads": threads, "cuda": cuda,
               "executor": executor, "compile": compile, "max_tokens": max_tokens,
               "prompt_tokens": len(base_ids) + 2, "rounds": rounds, "concurrency": concurrency,

@@ -106,8 +106,11 @@ class ServerRunner:
         from ultrafast.bench.server_process import ServerProcess
 
         self.name = name
+        # default tier with a loose TTFT target: a benchmark wants every stream served and
+        # timed, not refused by admission control (which has its own tests and `bench tiers`)
         self.server = ServerProcess("--executor", executor, "--threads", str(threads),
-                                    "--compile", compile, model=model, num_slots=num_slots,
+                                    "--compile", compile, "--default-ttft-ms", "600000",
+                                    model=model, num_slots=num_slots,
                                     max_model_len=max_model_len)
 
     async def _stream(self, client: httpx.AsyncClient, prompt: list[int], max_tokens: int,

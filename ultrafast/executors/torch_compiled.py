@@ -18,6 +18,7 @@ slow twin that tests compare against (same greedy tokens, logits within float no
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
@@ -36,7 +37,10 @@ def resolve_mode(compile: bool | str | None, device: torch.device) -> str:
     """None/"auto": CUDA graphs of the compiled step on CUDA, off on CPU (not measured to help
     yet: the lead decides by `ultrafast bench --compile`); True = inductor; False = off."""
     if compile is None or compile == "auto":
-        return "inductor" if device.type == "cuda" else "off"
+        if device.type != "cuda":
+            return "off"
+        # inductor's GPU code generator is triton; without it, graphs of the eager kernels
+        return "inductor" if importlib.util.find_spec("triton") is not None else "graphs"
     if compile is True:
         return "inductor"
     if compile is False:
@@ -44,6 +48,19 @@ def resolve_mode(compile: bool | str | None, device: torch.device) -> str:
     if compile not in MODES:
         raise ValueError(f"compile must be one of auto, {', '.join(MODES)}; got {compile!r}")
     return compile
+
+
+def argmax_on_device(device: torch.device, seqs: list[ScheduledSeq]) -> bool:
+    """On a GPU, a step whose every sequence is plain greedy is sampled there (the sampler's
+    batched argmax on the device tensor): only token ids cross to the host, not [B, vocab]
+    float32 logits (513 KB per row at a 128k vocabulary)."""
+    if device.type == "cpu":
+        return False
+    for s in seqs:
+        p = s.sampling_params
+        if not p.greedy or p.logit_bias or p.needs_penalties or p.logprobs:
+            return False
+    return True
 
 
 def _powers_of_two_up_to(first: int, last: int) -> list[int]:

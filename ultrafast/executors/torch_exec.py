@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ultrafast.core.types import KVCopy, ScheduledSeq, StepPlan, StepResult
-from ultrafast.executors.torch_compiled import CompiledDecode, resolve_mode
+from ultrafast.executors.torch_compiled import CompiledDecode, argmax_on_device, resolve_mode
 from ultrafast.model.attention import SeqSpan, SlotKVCache
 from ultrafast.model.llama import LlamaForCausalLM
 from ultrafast.model.loader import load_model, resolve_dtype
@@ -142,7 +142,8 @@ class TorchExecutor:
                                        for s in seqs])
             hidden = self.model(input_ids, positions, attn)
             logits = self.model.compute_logits(hidden[rows])
-        logits = logits.cpu()  # the sampler works on the host; this also waits for the GPU
+        if not argmax_on_device(self.device, seqs):
+            logits = logits.cpu()  # the sampler works on the host; this also waits for the GPU
         self.last_logits = logits
         t1 = time.perf_counter()
         result = sample_plan(seqs, logits)
