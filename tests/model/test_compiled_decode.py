@@ -23,10 +23,11 @@ def _pair(config: dict, mode: str):
     fast = TorchExecutor(model, num_slots=4, max_model_len=64, device="cpu", compile=mode)
     slow = TorchExecutor(model, num_slots=4, max_model_len=64, device="cpu", compile=False)
     assert fast.decode is not None and slow.decode is None
-    fast.decode.key_lens = [16, 32, 64]  # several key buckets inside a short test
+    fast.decode.key_lens = [16, 32, 48]  # several key buckets inside a short test
     return fast, slow
 
 
+@pytest.mark.compile
 def test_inductor_decode_matches_eager():
     fast, slow = _pair(CONFIG, "inductor")
     num_decode_steps = run_twin(fast, slow, atol=1e-4)

@@ -36,6 +36,9 @@ def test_summary_and_ratios():
     pair = r["ours-engine / llama.cpp"]
     assert pair["tok_s"] == pytest.approx(150 / 6) and pair["itl_p50"] == pytest.approx(0.05)
     assert list(r) == ["ours-engine / llama.cpp"]
+    # a runner without per-token stamps (vllm offline) still has tokens/s, and no TTFT
+    blind = summarize([Batch([Stream([], 8)], 0.5)])
+    assert blind["ttft_ms"] is None and blind["itl_ms"] is None and blind["tok_s"] == 16
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -11,6 +11,7 @@ overrun the time budget are skipped and say so; a machine without torch or CUDA 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -42,10 +43,9 @@ def _environment() -> dict:
     props = torch.cuda.get_device_properties(0)
     env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1))
     for name in ("transformers", "vllm", "sglang", "triton"):
-        try:
-            module = __import__(name)
-            env[name] = getattr(module, "__version__", "installed")
-        except Exception:  # noqa: BLE001 - a broken install is as good as none here
+        try:  # the installed version, without importing (vllm/sglang imports take seconds)
+            env[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             env[name] = None
     return env
 
@@ -102,13 +102,14 @@ def _decode_rate(model, mode: str, prompt_len: int, num_decode: int, rounds: int
 def _transformers_rate(model, prompt_len: int, num_decode: int) -> dict:
     """transformers generate on the same weights (state dict names match HF's)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from ultrafast.bench.peers import _StampStreamer
 
-    config = LlamaConfig(**{k: v for k, v in LLAMA_1B_SHAPE.items() if k != "architectures"})
-    with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    config = LlamaConfig(**{k: v for k, v in LLAMA_1B_SHAPE.items()
+                            if k not in ("architectures", "torch_dtype")})
+    with torch.device("cuda"):  # (no dtype= keyword: its name differs across versions)
+        hf = LlamaForCausalLM(config).to(torch.bfloat16)
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
         raise RuntimeError(f"weights do not map onto transformers: {missing} {unexpected}")

@@ -101,7 +101,7 @@ def build_runners(names: list[str], files, gguf: Path, opts: dict) -> tuple[dict
 
 
 def summarize(batches: list[Batch]) -> dict:
-    ttfts = [s.ttft_s for b in batches for s in b.streams]
+    ttfts = [s.ttft_s for b in batches for s in b.streams if s.ttft_s is not None]
     gaps = [g for b in batches for s in b.streams for g in s.gaps_s]
     rates = [(len(s.token_times_s) - 1) / (s.token_times_s[-1] - s.token_times_s[0])
              for b in batches for s in b.streams
@@ -229,6 +229,8 @@ def run_harness(model: str, max_tokens: int = 128, rounds: int = 3,
               "runners": list(runners), "skipped": skipped,
               "notes": {n: v for n, v in notes.items() if n in runners},
               "results": results, "ratios": {c: ratios(level) for c, level in results.items()}}
-    if with_roofline:
+    if with_roofline and files.hf_dir is None:
+        report["notes"]["roofline"] = "roofline: needs the model's config.json (an HF dir)"
+    elif with_roofline:
         _add_roofline(report, files, gguf_type, cuda)
     return report

@@ -35,8 +35,10 @@ class Stream:
     ttft_only_s: float | None = None  # runners without per-token stamps (vllm)
 
     @property
-    def ttft_s(self) -> float:
-        return self.ttft_only_s if self.ttft_only_s is not None else self.token_times_s[0]
+    def ttft_s(self) -> float | None:
+        if self.ttft_only_s is not None:
+            return self.ttft_only_s
+        return self.token_times_s[0] if self.token_times_s else None
 
     @property
     def gaps_s(self) -> list[float]:
@@ -255,7 +257,7 @@ class VllmRunner:
             metrics = getattr(out, "metrics", None)
             first = getattr(metrics, "first_token_time", None)
             arrival = getattr(metrics, "arrival_time", None)
-            ttft = (first - arrival) if first and arrival else float("nan")
+            ttft = (first - arrival) if first and arrival else None
             streams.append(Stream([], len(out.outputs[0].token_ids), ttft_only_s=ttft))
         return Batch(streams, wall_s)
 
