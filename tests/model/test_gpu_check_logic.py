@@ -14,11 +14,20 @@ from ultrafast.model.loader import build_dummy_model
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
+TINY = {**gpu_check.LLAMA_1B_SHAPE, "vocab_size": 300, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16}
+
+
+def test_transformers_peer_takes_our_weights():
+    model = build_dummy_model(TINY, dtype="float32")
+    r = gpu_check._transformers_rate(model, prompt_len=8, num_decode=6, shape=TINY,
+                                     device="cpu")
+    assert r["decode_tok_s"] > 0
+
+
 def test_decode_rate_on_a_tiny_cpu_model():
-    model = build_dummy_model({**gpu_check.LLAMA_1B_SHAPE, "vocab_size": 300, "hidden_size": 64,
-                               "intermediate_size": 128, "num_hidden_layers": 2,
-                               "num_attention_heads": 4, "num_key_value_heads": 2,
-                               "head_dim": 16}, dtype="float32")
+    model = build_dummy_model(TINY, dtype="float32")
     for mode in ("off", "graphs"):
         r = gpu_check._decode_rate(model, mode, prompt_len=20, num_decode=12, rounds=1,
                                    device="cpu")

@@ -99,22 +99,25 @@ def _decode_rate(model, mode: str, prompt_len: int, num_decode: int, rounds: int
     return out
 
 
-def _transformers_rate(model, prompt_len: int, num_decode: int) -> dict:
+def _transformers_rate(model, prompt_len: int, num_decode: int, shape: dict = LLAMA_1B_SHAPE,
+                       device: str = "cuda") -> dict:
     """transformers generate on the same weights (state dict names match HF's)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ultrafast.bench.peers import _StampStreamer
 
-    config = LlamaConfig(**{k: v for k, v in LLAMA_1B_SHAPE.items()
+    config = LlamaConfig(**{k: v for k, v in shape.items()
                             if k not in ("architectures", "torch_dtype")})
-    with torch.device("cuda"):  # (no dtype= keyword: its name differs across versions)
-        hf = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.device(device):  # (no dtype= keyword: its name differs across versions)
+        hf = LlamaForCausalLM(config).to(model.lm_head.weight.dtype)
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
         raise RuntimeError(f"weights do not map onto transformers: {missing} {unexpected}")
     hf.eval()
-    ids = torch.tensor([[(i * 7919) % 128000 + 128 for i in range(prompt_len)]], device="cuda")
+    vocab = shape["vocab_size"]
+    ids = torch.tensor([[(i * 7919) % (vocab - 8) + 4 for i in range(prompt_len)]],
+                       device=device)
     rates = []
     for _ in range(2):  # the first run warms the kernels up
         streamer = _StampStreamer(time.perf_counter())
@@ -125,7 +128,8 @@ def _transformers_rate(model, prompt_len: int, num_decode: int) -> dict:
         t = streamer.stamps_s
         rates.append((len(t) - 1) / (t[-1] - t[0]))
     del hf
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return {"decode_tok_s": rates[-1]}
 
 
