@@ -208,7 +208,7 @@ def main(args) -> int:
                 continue
             try:
                 report["modes"][mode] = _decode_rate(model, mode, prompt_len, num_decode,
-                                                     rounds=max(1, args.rounds))
+                                                     rounds=max(1, args.rounds or 3))
             except Exception as exc:  # noqa: BLE001 - report and carry on with the next mode
                 report["modes"][mode] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
             print(f"[{time.monotonic() - started:.0f} s] {mode}: {report['modes'][mode]}",

@@ -83,7 +83,8 @@ def main(args) -> int:
     if not concurrency or min(concurrency) < 1:
         raise ValueError("--concurrency takes positive integers, e.g. 1,4,16")
     peers = [p.strip() for p in args.peers.split(",")] if args.peers else None
-    report = run_harness(args.model, max_tokens=args.new_tokens, rounds=args.rounds,
+    rounds = 3 if args.rounds is None else args.rounds  # main's --rounds defaults to None
+    report = run_harness(args.model, max_tokens=args.new_tokens, rounds=rounds,
                          concurrency=concurrency, peers=peers, threads=args.threads,
                          prompt_tokens=args.prompt_tokens or 32, executor=args.executor,
                          compile=args.compile, gguf_type=args.gguf_type,
