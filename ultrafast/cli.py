@@ -28,6 +28,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    "demo draft when it fits the model)")
     p.add_argument("--max-draft-tokens", type=int, default=8,
                    help="upper bound of the adaptive number of draft tokens per step")
+    _add_compile_arg(p)
+
+
+def _add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", nargs="?", const="inductor", default="auto",
+                   choices=["auto", "inductor", "graphs", "off"],
+                   help="torch executor decode steps: torch.compile (inductor) and, on CUDA, "
+                   "CUDA graphs; graphs = CUDA graphs of eager kernels; auto = on with CUDA "
+                   "(bare --compile = inductor)")
 
 
 def _engine_options(args) -> dict:
@@ -36,7 +45,7 @@ def _engine_options(args) -> dict:
                 num_slots=args.num_slots, max_num_seqs=args.num_slots, n_threads=args.threads,
                 fake_step_s=args.fake_step_ms / 1000,
                 spec=args.spec, spec_tiers=tiers, draft_model=args.draft_model,
-                max_draft_tokens=args.max_draft_tokens)
+                max_draft_tokens=args.max_draft_tokens, compile=args.compile)
 
 
 def cmd_generate(args) -> int:
@@ -94,7 +103,17 @@ def cmd_serve(args) -> int:
 def cmd_bench(args) -> int:
     from ultrafast.config import default_model
 
+    if args.suite == "gpu":
+        from ultrafast.bench.gpu_check import main as gpu_main
+
+        args.out = args.out or "runs/bench_gpu.json"
+        return gpu_main(args)
     args.model = args.model or default_model()
+    if args.suite == "run":
+        from ultrafast.bench.harness_report import main as run_main
+
+        args.out = args.out or "runs/bench.json"
+        return run_main(args)
     if args.suite == "tiers":
         from ultrafast.bench.tiers import main as tiers_main
 
@@ -157,15 +176,36 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks (JSON + Markdown table)")
-    bench.add_argument("suite", nargs="?", choices=["decode", "tiers"], default="decode",
-                       help="decode: batch-1 decode vs llama.cpp and transformers; tiers: "
-                       "priority latency idle vs loaded, and HTTP streaming overhead")
+    bench.add_argument("suite", nargs="?", choices=["run", "decode", "tiers", "gpu"],
+                       default="run",
+                       help="run: ours (engine + HTTP server) vs llama.cpp and transformers at "
+                       "concurrency 1/4/16, JSON + Markdown + PNG; decode: batch-1 decode only; "
+                       "tiers: priority latency idle vs loaded, and HTTP streaming overhead; "
+                       "gpu: Llama-3.2-1B-shaped bf16 decode, eager vs CUDA graphs vs roofline")
     bench.add_argument("--model", default=None, help="HF model directory (default: demo model)")
     bench.add_argument("--num-slots", type=int, default=4, help="tiers: KV slots of the server")
     bench.add_argument("--probes", type=int, default=8, help="tiers: priority requests per phase")
-    bench.add_argument("--new-tokens", type=int, default=128)
+    bench.add_argument("--new-tokens", "--max-tokens", dest="new_tokens", type=int, default=128,
+                       help="tokens generated per stream")
+    bench.add_argument("--concurrency", default="1,4,16",
+                       help="run: concurrent streams per level, comma-separated")
+    bench.add_argument("--peers", default=None,
+                       help="run: comma-separated runners (default: ours-engine, ours-server, "
+                       "llama.cpp, transformers; on CUDA also vllm or transformers-cuda; "
+                       "ours-engine-torch adds our torch executor)")
+    bench.add_argument("--prompt-tokens", type=int, default=None,
+                       help="prompt length (default: run 32, gpu 128)")
+    bench.add_argument("--roofline", action="store_true",
+                       help="run/gpu: batch-1 decode as a fraction of bytes-per-token / "
+                       "measured memory bandwidth")
+    bench.add_argument("--executor", choices=["auto", "ggml", "torch"], default="auto",
+                       help="run: our executor (auto = ggml on CPU, torch on CUDA)")
+    bench.add_argument("--skip-tests", action="store_true", help="gpu: do not run tests/gpu")
+    bench.add_argument("--decode-tokens", type=int, default=256,
+                       help="gpu: decode steps timed per mode")
+    _add_compile_arg(bench)
     bench.add_argument("--rounds", type=int, default=None,
-                       help="timed rounds (default: decode 3, tiers 10)")
+                       help="timed rounds (default: decode and run 3, tiers 10)")
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--gguf-type", default="f16", help="GGUF type for both ggml runners")
     bench.add_argument("--gguf", action="append", default=None, metavar="PATH",

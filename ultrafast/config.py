@@ -34,6 +34,7 @@ class EngineConfig:
     n_threads: int | None = None  # ggml threads (default: the cores we may use)
     device: str | None = None  # torch executor: cpu / cuda
     dtype: str | None = None  # torch executor: float32 / float16 / bfloat16
+    compile: str = "auto"  # torch executor decode steps: auto (on with CUDA), inductor, graphs, off
     gguf_type: str = "f16"  # type used when an HF directory is converted for the ggml executor
     fake_step_s: float = 0.02  # executor "fake" (load/fault tests only): time per engine step
     # speculative decoding: off, ngram (prompt lookup), draft (model), auto (ngram, else the

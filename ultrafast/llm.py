@@ -51,7 +51,7 @@ def build_executor(config: EngineConfig, files: ModelFiles):
 
     return TorchExecutor(files.hf_dir, num_slots=config.num_slots,
                          max_model_len=config.max_model_len, device=config.device,
-                         dtype=config.dtype)
+                         dtype=config.dtype, compile=config.compile)
 
 
 def build_engine(config: EngineConfig, priority_itl_target_s: float | None = None

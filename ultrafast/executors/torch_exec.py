@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ultrafast.core.types import KVCopy, ScheduledSeq, StepPlan, StepResult
+from ultrafast.executors.torch_compiled import CompiledDecode, argmax_on_device, resolve_mode
 from ultrafast.model.attention import SeqSpan, SlotKVCache
 from ultrafast.model.llama import LlamaForCausalLM
 from ultrafast.model.loader import load_model, resolve_dtype
@@ -27,10 +28,12 @@ def _default_device() -> str:
 class TorchExecutor:
     def __init__(self, model: str | Path | LlamaForCausalLM, num_slots: int, max_model_len: int,
                  device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None):
+                 dtype: str | torch.dtype | None = None, compile: bool | str | None = None):
         """`model`: an HF directory or a built LlamaForCausalLM (cast only if dtype is given).
 
         device None: cuda if available, else cpu. dtype None: float32 on CPU, bfloat16 on CUDA.
+        compile: decode-only steps through `torch_compiled.CompiledDecode` (None/"auto": on
+        CUDA only; True/"inductor"; "graphs": CUDA graphs of the eager kernels; False/"off").
         """
         self.device = torch.device(device or _default_device())
         if isinstance(model, LlamaForCausalLM):
@@ -46,16 +49,24 @@ class TorchExecutor:
         self.vocab_size = config.vocab_size
         self.model.set_max_positions(max_model_len)  # RoPE tables for exactly our positions
         self.last_logits: torch.Tensor | None = None  # the last step's logits, for parity tests
-        self.kv = SlotKVCache(config.num_hidden_layers, num_slots, max_model_len,
+        compile_mode = resolve_mode(compile, self.device)
+        num_scratch = 0 if compile_mode == "off" else 1  # padding rows of compiled steps
+        self.kv = SlotKVCache(config.num_hidden_layers, num_slots + num_scratch, max_model_len,
                               config.num_key_value_heads, config.head_dim,
                               self.model.model.embed_tokens.weight.dtype, self.device,
                               config.layer_sliding_windows)
+        self.decode: CompiledDecode | None = None
+        if compile_mode != "off":
+            self.decode = CompiledDecode(self.model, self.kv, scratch_slot=num_slots,
+                                         max_batch_size=num_slots, mode=compile_mode)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, num_slots: int = 4, max_model_len: int = 2048,
                  device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None) -> "TorchExecutor":
-        return cls(model_dir, num_slots, max_model_len, device=device, dtype=dtype)
+                 dtype: str | torch.dtype | None = None,
+                 compile: bool | str | None = None) -> "TorchExecutor":
+        return cls(model_dir, num_slots, max_model_len, device=device, dtype=dtype,
+                   compile=compile)
 
     def _seq_problem(self, seq: ScheduledSeq) -> str | None:
         if not 0 <= seq.slot_id < self.num_slots:
@@ -124,12 +135,15 @@ class TorchExecutor:
             self.kv.copy_prefix(copy.src_slot_id, copy.dst_slot_id, copy.num_tokens)
         if not seqs:
             return StepResult(errors=errors, execute_time_s=time.perf_counter() - t0)
-        input_ids, positions, rows = self._inputs(seqs)
-        attn = self.kv.begin_step([SeqSpan(s.slot_id, s.start_position, s.num_tokens)
-                                   for s in seqs])
-        hidden = self.model(input_ids, positions, attn)
-        logits = self.model.compute_logits(hidden[rows])
-        logits = logits.cpu()  # the sampler works on the host; this also waits for the GPU
+        logits = self._compiled_logits(seqs)
+        if logits is None:
+            input_ids, positions, rows = self._inputs(seqs)
+            attn = self.kv.begin_step([SeqSpan(s.slot_id, s.start_position, s.num_tokens)
+                                       for s in seqs])
+            hidden = self.model(input_ids, positions, attn)
+            logits = self.model.compute_logits(hidden[rows])
+        if not argmax_on_device(self.device, seqs):
+            logits = logits.cpu()  # the sampler works on the host; this also waits for the GPU
         self.last_logits = logits
         t1 = time.perf_counter()
         result = sample_plan(seqs, logits)
@@ -137,6 +151,18 @@ class TorchExecutor:
         result.execute_time_s = t1 - t0
         result.sample_time_s = time.perf_counter() - t1
         return result
+
+    def _compiled_logits(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
+        """The compiled decode's logits, or None when this step is not for it (the eager path
+        runs it). A compile/capture failure turns the compiled path off, never fails a step:
+        the decode step writes KV only at the positions it recomputes, so eager can redo it."""
+        if self.decode is None or not self.decode.accepts(seqs):
+            return None
+        try:
+            return self.decode.logits(seqs)
+        except Exception as exc:  # noqa: BLE001 - inductor/CUDA-graph errors have many types
+            self.decode.disable(f"{type(exc).__name__}: {exc}")
+            return None
 
     def close(self) -> None:
         """Drop the KV and the weights; on CUDA hand the memory back to the driver."""
