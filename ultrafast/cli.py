@@ -67,7 +67,9 @@ def cmd_serve(args) -> int:
         host=args.host, port=args.port, served_model_name=args.served_model_name,
         priority=TierTargets(args.priority_ttft_ms, args.priority_itl_ms, args.priority_queue),
         default=TierTargets(args.default_ttft_ms, args.default_itl_ms, args.default_queue),
-        shaper_window_ms=args.shaper_window_ms, drain_timeout_s=args.drain_timeout_s)
+        shaper_window_ms=args.shaper_window_ms, drain_timeout_s=args.drain_timeout_s,
+        session_store=args.session_store, session_ttl_s=args.session_ttl_s,
+        max_sessions_per_tenant=args.max_sessions_per_tenant)
     return serve(engine, server)
 
 
@@ -127,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shaper-window-ms", type=float, default=2.0,
                      help="coalesce default-tier arrivals this long (0 = off)")
     srv.add_argument("--drain-timeout-s", type=float, default=10.0)
+    srv.add_argument("--session-store", default="",
+                     help="conversation history: sqlite:///path (default: sessions.db under "
+                     "the user data dir) or redis://host:port/db")
+    srv.add_argument("--session-ttl-s", type=float, default=30 * 24 * 3600.0,
+                     help="a session expires this long after its last turn")
+    srv.add_argument("--max-sessions-per-tenant", type=int, default=10_000)
     _add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
