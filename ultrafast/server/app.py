@@ -121,7 +121,7 @@ async def _generate(http: HTTPRequest, state: ServerState, req, chat: bool) -> R
     run = await prepare_run(http, state, req, chat, session.messages if session else None)
     if session is not None:
         try:
-            await session.start(run, http.headers.get("idempotency-key"))
+            await session.start(run)
         except BaseException:
             run.finish()
             raise

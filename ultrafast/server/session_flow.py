@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 from ultrafast.server.errors import APIError
-from ultrafast.server.sessions import (SeqConflict, SessionStore, StoreUnavailable,
-                                       TooManySessions, Turn)
+from ultrafast.server.protocol_models import NAME_RE
+from ultrafast.server.sessions import SessionStore, StoreUnavailable, TooManySessions, Turn
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,7 @@ class ChatSession:
     flow: SessionFlow
     tenant: str
     session_id: str
+    turn_id_base: str  # the Idempotency-Key header, else a fresh id
     new_messages: list[dict]
     messages: list[dict]  # history + new, what the template renders
 
@@ -166,12 +168,20 @@ class ChatSession:
             raise APIError(400, "n must be 1 with session_id: one answer joins the history",
                            "invalid_request_error", "invalid_value", "n")
         tenant = tenant_of(http)
+        key = http.headers.get("idempotency-key")
+        if key is not None and not NAME_RE.fullmatch(key):
+            raise APIError(400, "Idempotency-Key must match [A-Za-z0-9_-]{1,64}",
+                           "invalid_request_error", "invalid_value", "Idempotency-Key")
+        base = key or "chat-" + uuid.uuid4().hex
         history = await flow.history(tenant, req.session_id, create=True, param="session_id")
+        # a retry whose first attempt stored the user turn: that turn is the new one, not history
+        history = [t for t in history if not t.turn_id.startswith(base + "-")]
         new = req.messages_for_template()
-        return cls(flow, tenant, req.session_id, new, turns_to_messages(history) + new)
+        return cls(flow, tenant, req.session_id, base, new, turns_to_messages(history) + new)
 
-    async def start(self, run, idempotency_key: str | None) -> None:
+    async def start(self, run) -> None:
         """Persist the new turn, then hook the assistant commit onto the run."""
-        base = idempotency_key or run.spec.request_id
-        await self.flow.append_turns(self.tenant, self.session_id, self.new_messages, base)
-        run.on_complete = self.flow.assistant_hook(self.tenant, self.session_id, f"{base}-a")
+        await self.flow.append_turns(self.tenant, self.session_id, self.new_messages,
+                                     self.turn_id_base)
+        run.on_complete = self.flow.assistant_hook(self.tenant, self.session_id,
+                                                   f"{self.turn_id_base}-a")

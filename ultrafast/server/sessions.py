@@ -179,7 +179,7 @@ class SQLiteStore(SessionStore):
                 raise
         try:
             return await asyncio.get_running_loop().run_in_executor(self._thread, call)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:  # locked, disk full, unwritable directory
             raise StoreUnavailable(f"sqlite: {exc}") from exc
 
     def _expire(self, db: sqlite3.Connection, tenant: str) -> None:
