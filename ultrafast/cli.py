@@ -82,6 +82,11 @@ def cmd_bench(args) -> int:
 
         args.out = args.out or "runs/bench_tiers.json"
         return tiers_main(args)
+    if args.suite == "sessions":
+        from ultrafast.bench.sessions import main as sessions_main
+
+        args.out = args.out or "runs/bench_sessions.json"
+        return sessions_main(args)
     from ultrafast.bench.decode import main as decode_main
 
     args.out = args.out or "runs/bench_decode.json"
@@ -139,9 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks (JSON + Markdown table)")
-    bench.add_argument("suite", nargs="?", choices=["decode", "tiers"], default="decode",
+    bench.add_argument("suite", nargs="?", choices=["decode", "tiers", "sessions"],
+                       default="decode",
                        help="decode: batch-1 decode vs llama.cpp and transformers; tiers: "
-                       "priority latency idle vs loaded, and HTTP streaming overhead")
+                       "priority latency idle vs loaded, and HTTP streaming overhead; "
+                       "sessions: TTFT by conversation turn, and exactly-once turns across "
+                       "a Redis restart")
     bench.add_argument("--model", default=None, help="HF model directory (default: demo model)")
     bench.add_argument("--num-slots", type=int, default=4, help="tiers: KV slots of the server")
     bench.add_argument("--probes", type=int, default=8, help="tiers: priority requests per phase")
@@ -149,6 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=3)
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--gguf-type", default="f16", help="GGUF type for both ggml runners")
+    bench.add_argument("--turns", type=int, default=20, help="sessions: turns per conversation")
+    bench.add_argument("--turn-tokens", type=int, default=50, help="sessions: user turn size")
+    bench.add_argument("--reply-tokens", type=int, default=40,
+                       help="sessions: answer size (turns of ~100 tokens in all; 20 of them fit"
+                       " the demo model's 2048 positions)")
+    bench.add_argument("--sessions", type=int, default=200, help="sessions: exactly-once run")
+    bench.add_argument("--concurrency", type=int, default=16, help="sessions: at once")
+    bench.add_argument("--answer-tokens", type=int, default=16,
+                       help="sessions: answer size in the exactly-once run")
+    bench.add_argument("--max-model-len", type=int, default=4096,
+                       help="sessions: server positions per slot (capped by the model)")
     bench.add_argument("--out", default=None, help="JSON report (default under runs/)")
     bench.set_defaults(func=cmd_bench)
 

@@ -37,9 +37,18 @@ def _chat(client, content, **extra):
         temperature=0, **extra)
 
 
+TURNS = ["def add(a, b):", "def sub(a, b):", "def mul(a, b):"]
+
+
+def _flush_kv(client, num_slots: int = 4) -> None:
+    """Fill every KV slot with unrelated prefixes, so a session's cached KV is evicted."""
+    for k in range(num_slots + 1):
+        client.completions.create(model=MODEL, prompt=f"zq{k} " * 40, max_tokens=1)
+
+
 def test_chat_session_holds_the_history_and_reuses_its_kv(client):
     replies, usages = [], []
-    for i, text in enumerate(["def add(a, b):", "def sub(a, b):", "def mul(a, b):"]):
+    for text in TURNS:
         r = _chat(client, text, extra_body={"session_id": "chat-kv-1"})
         replies.append(r.choices[0].message.content)
         usages.append(r.usage)
@@ -54,14 +63,14 @@ def test_chat_session_holds_the_history_and_reuses_its_kv(client):
     assert [i.role for i in items] == ["user", "assistant"] * 3
     assert [i.content[0].text for i in items[1::2]] == replies
 
-    # the slow twin: a stateless client resending the whole history gets the same answers
-    history = []
-    for i, text in enumerate(["def add(a, b):", "def sub(a, b):", "def mul(a, b):"]):
-        history.append({"role": "user", "content": text})
-        r = client.chat.completions.create(model=MODEL, messages=history, max_tokens=24,
-                                           temperature=0)
+    # the slow twin: the same conversation with its KV evicted before every turn, so each
+    # turn is recomputed from the stored history, gives the same answers
+    for i, text in enumerate(TURNS):
+        _flush_kv(client)
+        r = _chat(client, text, extra_body={"session_id": "chat-kv-cold"})
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+        assert r.usage.prompt_tokens == usages[i].prompt_tokens
         assert r.choices[0].message.content == replies[i]
-        history.append({"role": "assistant", "content": replies[i]})
 
 
 def test_session_errors_are_openai_envelopes(srv, client):

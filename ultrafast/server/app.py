@@ -26,6 +26,7 @@ from ultrafast.request import ServiceTier
 from ultrafast.runtime.engine import EngineThread
 from ultrafast.server.admission import Admission
 from ultrafast.server.bridge import EngineBridge
+from ultrafast.server.chat_tokens import encode_chat
 from ultrafast.server.errors import APIError
 from ultrafast.server.generate import GenerationRun, GenerationSpec
 from ultrafast.server.json_body import check_content_type, parse_json_body
@@ -145,10 +146,8 @@ async def prepare_run(http: HTTPRequest, state: ServerState, req, chat: bool,
         loop = asyncio.get_running_loop()
         if chat:
             messages = messages if messages is not None else req.messages_for_template()
-            text = await loop.run_in_executor(
-                state.pool, state.tokenizer.apply_chat_template, messages)
-            prompts = [await loop.run_in_executor(state.pool, state.tokenizer.encode, text,
-                                                  False)]
+            prompts = [await loop.run_in_executor(state.pool, encode_chat, state.tokenizer,
+                                                  messages)]
             echo = None
         else:
             prompts = await loop.run_in_executor(state.pool, _completion_prompts, state, req)

@@ -22,6 +22,7 @@ import uuid
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from ultrafast.server.chat_tokens import answer_token_ids, public_messages
 from ultrafast.server.conversations_api import InputItem, items_to_messages, validate
 from ultrafast.server.errors import APIError
 from ultrafast.server.protocol import parse_chat_request
@@ -86,13 +87,13 @@ class RealtimeConnection:
         from ultrafast.server.app import prepare_run
 
         turns = await self.flow.call("turns", self.tenant, self.session_id)
-        messages = turns_to_messages(turns)
+        messages = turns_to_messages(turns, self.flow.model_name)
         if options.get("instructions"):
             messages = [{"role": "system", "content": options["instructions"]}] + messages
         if not messages:
             raise APIError(400, "the conversation is empty: create an item first",
                            "invalid_request_error", "invalid_value", None)
-        req = parse_chat_request({"messages": messages, "stream": True,
+        req = parse_chat_request({"messages": public_messages(messages), "stream": True,
                                   "max_tokens": options.get("max_output_tokens"),
                                   "temperature": options.get("temperature"),
                                   "top_p": options.get("top_p"),
@@ -128,7 +129,8 @@ class RealtimeConnection:
         text = self.sent_text if self.cancelled else choice.text
         turn = Turn(f"{response_id}-a", "assistant", text,
                     status="completed" if status == "completed" else "incomplete",
-                    response_id=response_id)
+                    response_id=response_id, model=run.spec.model_name,
+                    token_ids=answer_token_ids(self.state.tokenizer, choice.token_ids, text))
         stored = await self.flow.commit(self.tenant, self.session_id, turn)
         await self.send({"type": "response.done", "response": {
             "id": response_id, "object": "realtime.response", "status": status,

@@ -21,6 +21,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ultrafast.server.chat_tokens import public_messages
 from ultrafast.server.conversations_api import (InputItem, _Strict, check_metadata,
                                                 conversations_routes, items_to_messages,
                                                 new_conversation_id, validate)
@@ -154,7 +155,8 @@ async def _resolve_history(flow, tenant: str, req: ResponsesRequest):
 
 
 def _chat_request(req: ResponsesRequest, messages: list[dict], limits):
-    chat_body = {"model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
+    chat_body = {"model": req.model, "messages": public_messages(messages),
+                 "max_tokens": req.max_output_tokens,
                  "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
                  "service_tier": req.service_tier, "user": req.user}
     try:
@@ -179,7 +181,7 @@ def responses_routes(state) -> list[Route]:
         new = req.new_messages()
         session_id, turns, expect_seq = await _resolve_history(flow, tenant, req)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        messages = system + turns_to_messages(turns) + new
+        messages = system + turns_to_messages(turns, flow.model_name) + new
         chat_req = _chat_request(req, messages, state.limits)
         run = await prepare_run(http, state, chat_req, True, messages, request_id=response_id)
         builder = ResponseBuilder(response_id, req, state.model_name, run.spec.tier.api_name)

@@ -76,7 +76,8 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
                        model_name=config.served_model_name or files.name,
                        max_model_len=core.scheduler.config.max_model_len, limits=limits,
                        admission=admission,
-                       sessions=SessionFlow(store, config.session_commit_grace_s))
+                       sessions=SessionFlow(store, config.session_commit_grace_s,
+                                            config.served_model_name or files.name))
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig) -> int:

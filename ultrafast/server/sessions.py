@@ -49,6 +49,8 @@ class Turn:
     status: str = "completed"  # completed, or incomplete (cancelled / client disconnected)
     response_id: str | None = None  # the Responses API object this turn belongs to
     created_s: float = field(default_factory=time.time)
+    token_ids: list[int] | None = None  # an answer's generated ids (exact KV reuse next turn)
+    model: str | None = None  # whose tokenizer `token_ids` belong to
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
