@@ -64,7 +64,9 @@ def test_redis_restart_mid_conversation_keeps_every_turn_exactly_once(srv, redis
     result = run_conversations(srv.url, num_sessions=6, num_turns=5, concurrency=4,
                                max_tokens=6, restart=redis_server.restart,
                                restart_after_turns=12, session_prefix="restart-test")
-    assert result.num_restarts == 1 and result.num_retries > 0
+    # Redis was down while conversations were under way (calls then either got 503 and were
+    # retried by the client, or waited in the server's commit retry)
+    assert result.num_restarts == 1 and result.num_turns_before_restart_end < 6 * 5
     report = check_exactly_once(srv.url, result)
     assert report["num_turns_found"] == 6 * 5 * 2 and report["problems"] == []
 

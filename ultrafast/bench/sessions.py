@@ -88,6 +88,7 @@ class ConversationRun:
     num_retries: int = 0
     num_restarts: int = 0
     num_503: int = 0
+    num_turns_before_restart_end: int | None = None  # < all turns: the outage hit mid-run
     elapsed_s: float = 0.0
 
 
@@ -129,6 +130,11 @@ def run_conversations(base_url: str, num_sessions: int, num_turns: int, concurre
     done_turns = [0]
     restarter: list[threading.Thread] = []
 
+    def restart_and_count() -> None:
+        restart(1.0)
+        with lock:
+            run.num_turns_before_restart_end = done_turns[0]
+
     def conversation(session_id: str) -> None:
         with httpx.Client(base_url=base_url, timeout=120) as client:
             for k in range(num_turns):
@@ -138,7 +144,7 @@ def run_conversations(base_url: str, num_sessions: int, num_turns: int, concurre
                     if (restart is not None and not restarter
                             and done_turns[0] >= (restart_after_turns or 0)):
                         run.num_restarts += 1
-                        restarter.append(threading.Thread(target=restart, args=(1.0,)))
+                        restarter.append(threading.Thread(target=restart_and_count))
                         restarter[0].start()
 
     started = time.perf_counter()
@@ -218,7 +224,10 @@ def main(args) -> int:
               "exactly_once": {"sessions": args.sessions, "turns": args.turns,
                                "concurrency": args.concurrency, "expected_turns": expected,
                                **check, "retries": conv.num_retries, "refused_503": conv.num_503,
-                               "redis_restarts": conv.num_restarts, "elapsed_s": conv.elapsed_s}}
+                               "redis_restarts": conv.num_restarts,
+                               "turns_done_when_redis_was_back":
+                                   conv.num_turns_before_restart_end,
+                               "elapsed_s": conv.elapsed_s}}
     ok = check["num_turns_found"] == expected and not check["problems"]
     write_report(report, args.out, markdown(report, args.turns))
     if not ok:

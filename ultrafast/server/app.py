@@ -159,7 +159,10 @@ async def prepare_run(http: HTTPRequest, state: ServerState, req, chat: bool,
                            param)
         max_tokens = _resolve_max_tokens(state, req.requested_max_tokens(), longest, param)
         params = req.sampling_params(state.tokenizer.vocab_size, max_tokens)
-        state.admission.admit(ticket, sum(len(p) for p in prompts) * req.n, auto)
+        # admission predicts TTFT from the tokens left to prefill, not the cached history
+        num_new = await loop.run_in_executor(state.pool, _num_uncached, state, prompts,
+                                             tenant_of(http))
+        state.admission.admit(ticket, num_new * req.n, auto)
         spec = GenerationSpec(
             request_id=request_id, model_name=state.model_name, prompts=prompts, params=params,
             n=req.n, tier=ticket.tier, stops=req.stop_list(), chat=chat, stream=bool(req.stream),
@@ -169,6 +172,11 @@ async def prepare_run(http: HTTPRequest, state: ServerState, req, chat: bool,
     except BaseException:
         state.admission.release(ticket)
         raise
+
+
+def _num_uncached(state: ServerState, prompts: list[list[int]], tenant: str) -> int:
+    pool = state.engine.core.pool
+    return sum(len(p) - pool.num_cached_prefix_tokens(p, tenant) for p in prompts)
 
 
 def _completion_prompts(state: ServerState, req) -> list[list[int]]:
