@@ -47,6 +47,7 @@ def test_redis_down_refuses_session_calls_and_serves_stateless_ones(srv, redis_s
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "session_store_unavailable"
         assert "retry-after" in r.headers
+        assert httpx.get(srv.url + "/ready", timeout=30).json()["session_store"] == "degraded"
         stateless = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "def c():"}], "max_tokens": 4})
         assert stateless.status_code == 200
@@ -55,6 +56,7 @@ def test_redis_down_refuses_session_calls_and_serves_stateless_ones(srv, redis_s
     finally:
         redis_server.start()
     assert _session_chat(srv, "outage-1", "def b():").status_code == 200
+    assert httpx.get(srv.url + "/ready", timeout=30).json()["session_store"] == "ok"
     items = httpx.get(srv.url + "/v1/conversations/outage-1/items?order=asc", timeout=30).json()
     assert [i["content"][0]["text"] for i in items["data"] if i["role"] == "user"] == [
         "def a():", "def b():"]

@@ -214,7 +214,9 @@ def build_app(state: ServerState) -> Starlette:
                              "kv_slots_busy": core.pool.num_running,
                              "kv_slots_total": core.pool.num_slots,
                              "in_flight": {t.api_name: n for t, n in
-                                           state.admission.in_flight.items()}})
+                                           state.admission.in_flight.items()},
+                             "session_store": None if state.sessions is None else
+                             "ok" if state.sessions.store_ok else "degraded"})
 
     async def tokenize(http: HTTPRequest) -> Response:
         body = await read_json(http, state)

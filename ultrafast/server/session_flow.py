@@ -60,12 +60,16 @@ class SessionFlow:
         self.model_name = model_name  # stored answer ids are reused only for this model
         self.commit_grace_s = commit_grace_s
         self.pending: set[asyncio.Task] = set()  # commits past their grace, still retrying
+        self.store_ok = True  # the last store call answered (for /ready; no extra I/O)
 
     async def call(self, method: str, *args, **kwargs):
         """A store call with its failures in the OpenAI envelope."""
         try:
-            return await getattr(self.store, method)(*args, **kwargs)
+            result = await getattr(self.store, method)(*args, **kwargs)
+            self.store_ok = True
+            return result
         except StoreUnavailable:
+            self.store_ok = False
             raise unavailable() from None
         except TooManySessions:
             raise APIError(429, "this tenant holds the maximum number of sessions; delete some "
