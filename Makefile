@@ -7,6 +7,7 @@ BIN := $(VENV)/bin
 CPU_TAG := $(shell (uname -m; grep -m1 '^flags' /proc/cpuinfo) | sha256sum | cut -c1-12)
 WHEELS ?= $(HOME)/.cache/ultrafast/wheels/$(CPU_TAG)
 LLAMA_CPP_VERSION := 0.3.36
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup run generate test test-fast clean
 
@@ -17,6 +18,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		(apt-get update && apt-get install -y chromium chromium-driver) || \
 		echo "warning: chromium not installed; the playground browser test will be skipped"
+	@# the session-store tests start their own redis-server (the Redis backend's real twin)
+	command -v redis-server >/dev/null || { $(SUDO) apt-get update && \
+		$(SUDO) apt-get install -y redis-server; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip wheel
 	$(BIN)/pip install -q torch==2.13.0

@@ -96,7 +96,9 @@ def cmd_serve(args) -> int:
         host=args.host, port=args.port, served_model_name=args.served_model_name,
         priority=TierTargets(args.priority_ttft_ms, args.priority_itl_ms, args.priority_queue),
         default=TierTargets(args.default_ttft_ms, args.default_itl_ms, args.default_queue),
-        shaper_window_ms=args.shaper_window_ms, drain_timeout_s=args.drain_timeout_s)
+        shaper_window_ms=args.shaper_window_ms, drain_timeout_s=args.drain_timeout_s,
+        session_store=args.session_store, session_ttl_s=args.session_ttl_s,
+        max_sessions_per_tenant=args.max_sessions_per_tenant)
     return serve(engine, server)
 
 
@@ -112,6 +114,7 @@ def cmd_bench(args) -> int:
     if args.suite == "run":
         from ultrafast.bench.harness_report import main as run_main
 
+        args.concurrency = args.concurrency or "1,4,16"
         args.out = args.out or "runs/bench.json"
         return run_main(args)
     if args.suite == "tiers":
@@ -119,6 +122,12 @@ def cmd_bench(args) -> int:
 
         args.out = args.out or "runs/bench_tiers.json"
         return tiers_main(args)
+    if args.suite == "sessions":
+        from ultrafast.bench.sessions import main as sessions_main
+
+        args.concurrency = int(args.concurrency or 16)
+        args.out = args.out or "runs/bench_sessions.json"
+        return sessions_main(args)
     from ultrafast.bench.decode import main as decode_main
 
     args.out = args.out or "runs/bench_decode.json"
@@ -172,23 +181,32 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shaper-window-ms", type=float, default=2.0,
                      help="coalesce default-tier arrivals this long (0 = off)")
     srv.add_argument("--drain-timeout-s", type=float, default=10.0)
+    srv.add_argument("--session-store", default="",
+                     help="conversation history: sqlite:///path (default: sessions.db under "
+                     "the user data dir) or redis://host:port/db")
+    srv.add_argument("--session-ttl-s", type=float, default=30 * 24 * 3600.0,
+                     help="a session expires this long after its last turn")
+    srv.add_argument("--max-sessions-per-tenant", type=int, default=10_000)
     _add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks (JSON + Markdown table)")
-    bench.add_argument("suite", nargs="?", choices=["run", "decode", "tiers", "gpu"],
+    bench.add_argument("suite", nargs="?", choices=["run", "decode", "tiers", "sessions", "gpu"],
                        default="run",
                        help="run: ours (engine + HTTP server) vs llama.cpp and transformers at "
                        "concurrency 1/4/16, JSON + Markdown + PNG; decode: batch-1 decode only; "
                        "tiers: priority latency idle vs loaded, and HTTP streaming overhead; "
+                       "sessions: TTFT by conversation turn, and exactly-once turns across "
+                       "a Redis restart; "
                        "gpu: Llama-3.2-1B-shaped bf16 decode, eager vs CUDA graphs vs roofline")
     bench.add_argument("--model", default=None, help="HF model directory (default: demo model)")
     bench.add_argument("--num-slots", type=int, default=4, help="tiers: KV slots of the server")
     bench.add_argument("--probes", type=int, default=8, help="tiers: priority requests per phase")
     bench.add_argument("--new-tokens", "--max-tokens", dest="new_tokens", type=int, default=128,
                        help="tokens generated per stream")
-    bench.add_argument("--concurrency", default="1,4,16",
-                       help="run: concurrent streams per level, comma-separated")
+    bench.add_argument("--concurrency", default=None,
+                       help="run: concurrent streams per level, comma-separated (default "
+                       "1,4,16); sessions: conversations at once (default 16)")
     bench.add_argument("--peers", default=None,
                        help="run: comma-separated runners (default: ours-engine, ours-server, "
                        "llama.cpp, transformers; on CUDA also vllm or transformers-cuda; "
@@ -214,6 +232,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--spec", default="ngram,draft",
                        help="decode: speculative variants of our ggml runner to add, "
                        "comma-separated from ngram, draft, auto (empty: none)")
+    bench.add_argument("--turns", type=int, default=20, help="sessions: turns per conversation")
+    bench.add_argument("--turn-tokens", type=int, default=50, help="sessions: user turn size")
+    bench.add_argument("--reply-tokens", type=int, default=40,
+                       help="sessions: answer size (turns of ~100 tokens in all; 20 of them fit"
+                       " the demo model's 2048 positions)")
+    bench.add_argument("--sessions", type=int, default=200, help="sessions: exactly-once run")
+    bench.add_argument("--answer-tokens", type=int, default=16,
+                       help="sessions: answer size in the exactly-once run")
+    bench.add_argument("--max-model-len", type=int, default=4096,
+                       help="sessions: server positions per slot (capped by the model)")
     bench.add_argument("--out", default=None, help="JSON report (default under runs/)")
     bench.set_defaults(func=cmd_bench)
 

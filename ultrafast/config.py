@@ -17,6 +17,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ULTRAFAST_CACHE_DIR", default))
 
 
+def data_dir() -> Path:
+    """Where durable server state lives (the embedded session store): ULTRAFAST_DATA_DIR."""
+    default = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "ultrafast"
+    return Path(os.environ.get("ULTRAFAST_DATA_DIR", default))
+
+
+def default_session_store() -> str:
+    return f"sqlite:///{data_dir() / 'sessions.db'}"
+
+
 def default_model() -> str:
     return os.environ.get("ULTRAFAST_MODEL", str(DEMO_MODEL_DIR))
 
@@ -81,3 +91,7 @@ class ServerConfig:
     sse_ping_interval_s: float = 15.0  # keeps proxies from cutting idle streams
     max_body_bytes: int = 4 * 1024 * 1024
     max_tokens_cap: int = 4096  # per-request ceiling on max_tokens
+    session_store: str = ""  # sqlite:///path or redis://host:port/db; "" = default_session_store()
+    session_ttl_s: float = 30 * 24 * 3600.0  # a session expires this long after its last write
+    max_sessions_per_tenant: int = 10_000
+    session_commit_grace_s: float = 30.0  # an answer's commit is retried this long (store outage)

@@ -1,4 +1,4 @@
-"""Style rule 1: core/ and request.py never import torch (checked in a clean interpreter)."""
+"""Style rule 1: core/, request.py and server/sessions.py never import torch (checked in a clean interpreter)."""
 
 import subprocess
 import sys
@@ -11,6 +11,7 @@ class Block:
             raise ImportError('torch is blocked in this test')
 sys.meta_path.insert(0, Block())
 import ultrafast.request, ultrafast.core.types, ultrafast.core.kv_pool, ultrafast.core.scheduler
+import ultrafast.server.sessions
 assert 'torch' not in sys.modules
 print('ok')
 """

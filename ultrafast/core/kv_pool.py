@@ -109,6 +109,13 @@ class KVSlotPool:
         self.num_prefix_hit_tokens += num_cached
         return SlotAllocation(slot.slot_id, num_cached, copy)
 
+    def num_cached_prefix_tokens(self, token_ids: list[int], tenant: str) -> int:
+        """Read-only, for admission's TTFT estimate: how many leading tokens some slot holds
+        now (a conversation's next turn: nearly all). The engine may still evict them first."""
+        wanted = block_hashes(token_ids[:len(token_ids) - 1], tenant, self.block_size)
+        return max((_common_prefix(s.hashes, wanted) for s in self.slots),
+                   default=0) * self.block_size
+
     def _pick_victim(self) -> Slot | None:
         """An empty slot first, else the least recently used cached one."""
         idle = [s for s in self.slots if s.owner is None]

@@ -26,11 +26,13 @@ from ultrafast.request import ServiceTier
 from ultrafast.runtime.engine import EngineThread
 from ultrafast.server.admission import Admission
 from ultrafast.server.bridge import EngineBridge
+from ultrafast.server.chat_tokens import encode_chat
 from ultrafast.server.errors import APIError
 from ultrafast.server.generate import GenerationRun, GenerationSpec
 from ultrafast.server.json_body import check_content_type, parse_json_body
 from ultrafast.server.playground import playground_routes
 from ultrafast.server.protocol import Limits, parse_chat_request, parse_completion_request
+from ultrafast.server.session_flow import ChatSession, SessionFlow, tenant_of
 from ultrafast.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class ServerState:
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="ultrafast-tokenize"))
     runs: set = field(default_factory=set)  # GenerationRuns in flight, for the drain
+    sessions: SessionFlow | None = None  # server-side conversations (server/session_flow.py)
 
     def abort_everything(self) -> None:
         """Drain timeout: every unfinished choice ends with finish_reason "abort"."""
@@ -112,8 +115,30 @@ def _resolve_max_tokens(state: ServerState, requested: int | None, num_prompt: i
 
 
 async def _generate(http: HTTPRequest, state: ServerState, req, chat: bool) -> Response:
+    session = None
+    if chat and req.session_id is not None:  # history from the store, joined with the new turn
+        _check_model(state, req.model)
+        _check_ready(state)
+        session = await ChatSession.open(state.sessions, http, req)
+    run = await prepare_run(http, state, req, chat, session.messages if session else None)
+    if session is not None:
+        try:
+            await session.start(run)
+        except BaseException:
+            run.finish()
+            raise
+    if run.spec.stream:
+        return await run.respond_stream()
+    return await run.respond_json(http)
+
+
+async def prepare_run(http: HTTPRequest, state: ServerState, req, chat: bool,
+                      messages: list[dict] | None = None,
+                      request_id: str | None = None) -> GenerationRun:
+    """Validate, tokenize and admit one call; the run is not started. `messages` replaces the
+    chat request's own (a session's history joined with the new turn)."""
     arrival_s = time.monotonic()
-    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    request_id = request_id or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     _check_model(state, req.model)
     _check_ready(state)
     auto = req.requested_tier_name() == "auto"
@@ -122,11 +147,9 @@ async def _generate(http: HTTPRequest, state: ServerState, req, chat: bool) -> R
     try:
         loop = asyncio.get_running_loop()
         if chat:
-            messages = req.messages_for_template()
-            text = await loop.run_in_executor(
-                state.pool, state.tokenizer.apply_chat_template, messages)
-            prompts = [await loop.run_in_executor(state.pool, state.tokenizer.encode, text,
-                                                  False)]
+            messages = messages if messages is not None else req.messages_for_template()
+            prompts = [await loop.run_in_executor(state.pool, encode_chat, state.tokenizer,
+                                                  messages)]
             echo = None
             if req.prediction_text():  # predicted outputs: the engine drafts from these ids
                 prediction_ids = await loop.run_in_executor(
@@ -141,19 +164,24 @@ async def _generate(http: HTTPRequest, state: ServerState, req, chat: bool) -> R
                            param)
         max_tokens = _resolve_max_tokens(state, req.requested_max_tokens(), longest, param)
         params = req.sampling_params(state.tokenizer.vocab_size, max_tokens)
-        state.admission.admit(ticket, sum(len(p) for p in prompts) * req.n, auto)
+        # admission predicts TTFT from the tokens left to prefill, not the cached history
+        num_new = await loop.run_in_executor(state.pool, _num_uncached, state, prompts,
+                                             tenant_of(http))
+        state.admission.admit(ticket, num_new * req.n, auto)
         spec = GenerationSpec(
             request_id=request_id, model_name=state.model_name, prompts=prompts, params=params,
             n=req.n, tier=ticket.tier, stops=req.stop_list(), chat=chat, stream=bool(req.stream),
             include_usage=req.include_usage(), want_logprobs=params.logprobs, echo_texts=echo,
-            arrival_s=arrival_s, prediction_token_ids=prediction_ids)
-        run = GenerationRun(state, spec, ticket)
+            arrival_s=arrival_s, prediction_token_ids=prediction_ids, tenant=tenant_of(http))
+        return GenerationRun(state, spec, ticket)
     except BaseException:
         state.admission.release(ticket)
         raise
-    if spec.stream:
-        return await run.respond_stream()
-    return await run.respond_json(http)
+
+
+def _num_uncached(state: ServerState, prompts: list[list[int]], tenant: str) -> int:
+    pool = state.engine.core.pool
+    return sum(len(p) - pool.num_cached_prefix_tokens(p, tenant) for p in prompts)
 
 
 def _completion_prompts(state: ServerState, req) -> list[list[int]]:
@@ -191,7 +219,9 @@ def build_app(state: ServerState) -> Starlette:
                              "kv_slots_busy": core.pool.num_running,
                              "kv_slots_total": core.pool.num_slots,
                              "in_flight": {t.api_name: n for t, n in
-                                           state.admission.in_flight.items()}})
+                                           state.admission.in_flight.items()},
+                             "session_store": None if state.sessions is None else
+                             "ok" if state.sessions.store_ok else "degraded"})
 
     async def tokenize(http: HTTPRequest) -> Response:
         body = await read_json(http, state)
@@ -219,6 +249,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         *playground_routes(),
+        *conversation_routes(state),
     ]
 
     async def on_api_error(http: HTTPRequest, exc: APIError) -> Response:
@@ -246,9 +277,18 @@ def build_app(state: ServerState) -> Starlette:
     async def lifespan(app):
         state.bridge = EngineBridge(state.engine, asyncio.get_running_loop())
         yield
+        if state.sessions is not None:
+            await state.sessions.store.close()
 
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         APIError: on_api_error, HTTPException: on_http_error, Exception: on_crash})
+
+
+def conversation_routes(state: ServerState) -> list:
+    from ultrafast.server.realtime import realtime_routes
+    from ultrafast.server.responses_api import responses_routes
+
+    return [*responses_routes(state), *realtime_routes(state)] if state.sessions else []
 
 
 def _tokenize_input(state: ServerState, body: dict) -> str:

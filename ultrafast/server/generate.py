@@ -76,6 +76,11 @@ class GenerationRun:
         self.num_prediction_tokens = [(0, 0)] * num_choices  # (accepted, rejected) per choice
         self.first_token_s: float | None = None
         self.queue_time_s = 0.0
+        # Session commit (server/session_flow.py): awaited with reason None before the last
+        # event or the JSON body, or scheduled from finish() if the run ended early (client
+        # left); returns an error code when the commit could not be made.
+        self.on_complete = None
+        self._completed = False
 
     def _apply(self, index: int, out: RequestOutput) -> tuple[str, list, str | None]:
         """Fold one engine output into choice `index`; returns (text delta, logprobs, finish)."""
@@ -150,6 +155,16 @@ class GenerationRun:
         self.state.runs.discard(self)
         self.generation.abort_all()
         self.state.admission.release(self.ticket)
+        if self.on_complete is not None and not self._completed:
+            self._completed = True  # the client left: store what was generated, as incomplete
+            asyncio.ensure_future(self.on_complete(self, "client_disconnected"))
+
+    async def complete(self) -> str | None:
+        """Run the session commit (if any) once, at the normal end of the run."""
+        if self.on_complete is None or self._completed:
+            return None
+        self._completed = True
+        return await self.on_complete(self, None)
 
     # ---- non-streaming -----------------------------------------------------------------------
 
@@ -168,12 +183,16 @@ class GenerationRun:
                     self.finish()
                     return Response(status_code=499)
             collect.result()
+            errors = [c.error for c in self.choices if c.error]
+            failed = None if errors else await self.complete()
         finally:
             self.finish()
-        errors = [c.error for c in self.choices if c.error]
         if errors:
             raise APIError(500, "the engine failed while generating", "server_error",
                            "engine_error", None)
+        if failed:
+            raise APIError(503, "the answer could not be stored in the session store",
+                           "server_error", failed, None, headers={"Retry-After": "1"})
         build = fmt.chat_response if self.spec.chat else fmt.completion_response
         body = build(self.spec.request_id, self.spec.model_name, self.spec.tier.api_name,
                      self.choices, self.usage(), self.state.tokenizer.decode,
@@ -233,6 +252,10 @@ class GenerationRun:
                     pending = [await events.__anext__()]
                 except StopAsyncIteration:
                     break
+            failed = await self.complete()
+            if failed:
+                yield fmt.error_event("the answer could not be stored in the session store",
+                                      code=failed)
             if spec.include_usage:
                 yield writer.usage(self.usage())
             yield fmt.SSE_DONE

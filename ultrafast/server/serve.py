@@ -14,12 +14,14 @@ import time
 
 import uvicorn
 
-from ultrafast.config import EngineConfig, ServerConfig
+from ultrafast.config import EngineConfig, ServerConfig, default_session_store
 from ultrafast.llm import build_engine
 from ultrafast.runtime.engine import EngineThread
 from ultrafast.server.admission import Admission
 from ultrafast.server.app import ServerState, build_app
 from ultrafast.server.protocol import Limits
+from ultrafast.server.session_flow import SessionFlow
+from ultrafast.server.sessions import open_store
 
 log = logging.getLogger("ultrafast")
 
@@ -66,11 +68,16 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
     core.warmup()
     admission = Admission(config, costs=core.costs)  # after warmup(), which resets the fit
     engine = EngineThread(core, shaper_window_s=config.shaper_window_ms / 1000).start()
-    limits = Limits(vocab_size=tokenizer.vocab_size, max_tokens_cap=config.max_tokens_cap)
+    limits = Limits(vocab_size=tokenizer.vocab_size, max_tokens_cap=config.max_tokens_cap,
+                    features=frozenset({"session_id"}))
+    store = open_store(config.session_store or default_session_store(), config.session_ttl_s,
+                       config.max_sessions_per_tenant)
     return ServerState(config=config, engine=engine, tokenizer=tokenizer,
                        model_name=config.served_model_name or files.name,
                        max_model_len=core.scheduler.config.max_model_len, limits=limits,
-                       admission=admission)
+                       admission=admission,
+                       sessions=SessionFlow(store, config.session_commit_grace_s,
+                                            config.served_model_name or files.name))
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig) -> int:

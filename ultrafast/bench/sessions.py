@@ -1,0 +1,250 @@
+"""`ultrafast bench sessions`: server-side conversations, measured and checked.
+
+1. Time to first token by turn: one conversation of `--turns` turns (user text of
+   `--turn-tokens` tokens, answers of `--reply-tokens` tokens), once with `session_id` (the client
+   sends only the new turn; its KV stays warm in the server) and once as a stateless client
+   resending the whole history. Reports turn N / turn 1 for both (target: at most 1.2x).
+2. Exactly once under a Redis restart (RELIABILITY L5): `--sessions` x `--turns` turns,
+   `--concurrency` at a time, against a real redis-server (AOF always) restarted once halfway.
+   Clients retry a refused or broken call with the same Idempotency-Key; afterwards every
+   session must hold each turn exactly once, in order. The run fails (exit 1) otherwise.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+
+from ultrafast.bench.report import write_report
+
+CODE_WORDS = ("def load_config(path): with open(path) as f: return json.load(f) "
+              "class Cache: def __init__(self, size): self.size = size self.items = {} "
+              "for key, value in sorted(items.items()): print(key, value) ").split()
+
+
+def user_text(base_url: str, num_tokens: int, salt: int) -> str:
+    """Code-like text of about `num_tokens` tokens (cut with the server's own tokenizer)."""
+    words = [f"x{salt}"] + [CODE_WORDS[(salt + i) % len(CODE_WORDS)]
+                            for i in range(num_tokens * 2)]
+    ids = httpx.post(base_url + "/tokenize", json={"prompt": " ".join(words),
+                                                   "add_special_tokens": False},
+                     timeout=60).json()["tokens"][:num_tokens]
+    return httpx.post(base_url + "/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
+
+
+def _stream_chat(client: httpx.Client, body: dict) -> tuple[float, str]:
+    """(seconds to the first content delta, full answer) of one streamed chat completion."""
+    import json
+
+    started = time.perf_counter()
+    first_s, parts = None, []
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            for choice in chunk["choices"]:
+                text = choice["delta"].get("content")
+                if text:
+                    first_s = first_s or time.perf_counter() - started
+                    parts.append(text)
+    return first_s or time.perf_counter() - started, "".join(parts)
+
+
+def ttft_by_turn(base_url: str, num_turns: int, turn_tokens: int, new_tokens: int,
+                 stateful: bool, salt: int) -> list[float]:
+    texts = [user_text(base_url, turn_tokens, salt * 1000 + k) for k in range(num_turns)]
+    history: list[dict] = []
+    ttfts = []
+    with httpx.Client(base_url=base_url, timeout=300) as client:
+        for k, text in enumerate(texts):
+            new = {"role": "user", "content": text}
+            body = {"max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
+                    "service_tier": "priority"}
+            if stateful:
+                body.update(messages=[new], session_id=f"bench-ttft-{salt}")
+            else:
+                body.update(messages=history + [new])
+            ttft_s, answer = _stream_chat(client, body)
+            ttfts.append(ttft_s)
+            history += [new, {"role": "assistant", "content": answer}]
+    return ttfts
+
+
+# ---- exactly once under a Redis restart -----------------------------------------------------
+
+@dataclass
+class ConversationRun:
+    session_ids: list[str]
+    sent: dict[str, list[str]] = field(default_factory=dict)  # session -> user texts in order
+    num_retries: int = 0
+    num_restarts: int = 0
+    num_503: int = 0
+    num_turns_before_restart_end: int | None = None  # < all turns: the outage hit mid-run
+    elapsed_s: float = 0.0
+
+
+def _turn(client: httpx.Client, run: ConversationRun, lock, session_id: str, k: int,
+          max_tokens: int, deadline_s: float = 120.0) -> None:
+    text = f"# {session_id} turn {k}\ndef step_{k}(state):"
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, "session_id": session_id}
+    headers = {"Idempotency-Key": f"{session_id}-t{k}"}
+    give_up = time.monotonic() + deadline_s
+    while True:
+        try:
+            r = client.post("/v1/chat/completions", json=body, headers=headers)
+            if r.status_code == 200:
+                break
+            if r.status_code != 503:
+                raise RuntimeError(f"turn {k} of {session_id}: {r.status_code} {r.text[:200]}")
+            with lock:
+                run.num_503 += 1
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > give_up:
+            raise RuntimeError(f"turn {k} of {session_id} not accepted in {deadline_s} s")
+        with lock:
+            run.num_retries += 1
+        time.sleep(0.2)
+    run.sent[session_id].append(text)
+
+
+def run_conversations(base_url: str, num_sessions: int, num_turns: int, concurrency: int,
+                      max_tokens: int, restart=None, restart_after_turns: int | None = None,
+                      session_prefix: str = "bench") -> ConversationRun:
+    """Each worker runs whole conversations; `restart()` runs once, in its own thread, when
+    `restart_after_turns` turns are done (so calls are in flight while Redis is down)."""
+    stamp = f"{int(time.time() * 1000) % 10**9}"
+    run = ConversationRun([f"{session_prefix}-{stamp}-{i}" for i in range(num_sessions)])
+    run.sent = {sid: [] for sid in run.session_ids}
+    lock = threading.Lock()
+    done_turns = [0]
+    restarter: list[threading.Thread] = []
+
+    def restart_and_count() -> None:
+        restart(1.0)
+        with lock:
+            run.num_turns_before_restart_end = done_turns[0]
+
+    def conversation(session_id: str) -> None:
+        with httpx.Client(base_url=base_url, timeout=120) as client:
+            for k in range(num_turns):
+                _turn(client, run, lock, session_id, k, max_tokens)
+                with lock:
+                    done_turns[0] += 1
+                    if (restart is not None and not restarter
+                            and done_turns[0] >= (restart_after_turns or 0)):
+                        run.num_restarts += 1
+                        restarter.append(threading.Thread(target=restart_and_count))
+                        restarter[0].start()
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for future in [pool.submit(conversation, sid) for sid in run.session_ids]:
+            future.result()
+    for thread in restarter:
+        thread.join()
+    run.elapsed_s = time.perf_counter() - started
+    return run
+
+
+def check_exactly_once(base_url: str, run: ConversationRun) -> dict:
+    """Every session holds user, assistant, user, ... with each sent user turn once, in order."""
+    problems, num_found = [], 0
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        for session_id in run.session_ids:
+            items, after = [], None
+            while True:
+                params = {"order": "asc", "limit": 100, **({"after": after} if after else {})}
+                page = client.get(f"/v1/conversations/{session_id}/items", params=params).json()
+                items += page["data"]
+                if not page["has_more"]:
+                    break
+                after = page["last_id"]
+            num_found += len(items)
+            ids = [i["id"] for i in items]
+            users = [i["content"][0]["text"] for i in items if i["role"] == "user"]
+            roles = [i["role"] for i in items]
+            if len(set(ids)) != len(ids):
+                problems.append(f"{session_id}: duplicate turn ids")
+            if users != run.sent[session_id]:
+                problems.append(f"{session_id}: user turns {len(users)} stored vs "
+                                f"{len(run.sent[session_id])} sent, or out of order")
+            if roles != ["user", "assistant"] * len(run.sent[session_id]):
+                problems.append(f"{session_id}: roles {roles[:6]}... are not one answer per turn")
+    return {"num_turns_found": num_found, "problems": problems[:20]}
+
+
+# ---- the command ----------------------------------------------------------------------------
+
+def _median(runs: list[list[float]], k: int) -> float:
+    return statistics.median(r[k] for r in runs)
+
+
+def main(args) -> int:
+    from ultrafast.bench.redis_server import RedisServer
+    from ultrafast.bench.server_process import ServerProcess
+
+    redis = RedisServer()
+    srv = ServerProcess("--priority-ttft-ms", "60000", "--session-store", redis.url,
+                        "--default-queue", str(max(64, args.concurrency * 2)),
+                        model=args.model, num_slots=args.num_slots,
+                        max_model_len=args.max_model_len,
+                        *(["--threads", str(args.threads)] if args.threads else []))
+    try:
+        ttft = {}
+        ttft_by_turn(srv.url, 3, args.turn_tokens, args.reply_tokens, True, salt=999)  # warm-up
+        for mode, stateful in (("sessions", True), ("stateless", False)):
+            runs = [ttft_by_turn(srv.url, args.turns, args.turn_tokens, args.reply_tokens,
+                                 stateful, salt=r + (100 if stateful else 200))
+                    for r in range(args.rounds)]
+            first, last = _median(runs, 0), _median(runs, args.turns - 1)
+            ttft[mode] = {"turn_1_ms": 1000 * first, f"turn_{args.turns}_ms": 1000 * last,
+                          "ratio": last / first,
+                          "by_turn_ms": [1000 * _median(runs, k) for k in range(args.turns)]}
+        conv = run_conversations(srv.url, args.sessions, args.turns, args.concurrency,
+                                 args.answer_tokens, restart=redis.restart,
+                                 restart_after_turns=args.sessions * args.turns // 2)
+        check = check_exactly_once(srv.url, conv)
+    finally:
+        srv.stop()
+        redis.close()
+    expected = 2 * args.sessions * args.turns
+    report = {"ttft": ttft, "turn_tokens": args.turn_tokens, "reply_tokens": args.reply_tokens,
+              "num_slots": args.num_slots,
+              "exactly_once": {"sessions": args.sessions, "turns": args.turns,
+                               "concurrency": args.concurrency, "expected_turns": expected,
+                               **check, "retries": conv.num_retries, "refused_503": conv.num_503,
+                               "redis_restarts": conv.num_restarts,
+                               "turns_done_when_redis_was_back":
+                                   conv.num_turns_before_restart_end,
+                               "elapsed_s": conv.elapsed_s}}
+    ok = check["num_turns_found"] == expected and not check["problems"]
+    write_report(report, args.out, markdown(report, args.turns))
+    if not ok:
+        print("FAILED: turns missing or duplicated:", check["problems"])
+    return 0 if ok else 1
+
+
+def markdown(report: dict, num_turns: int) -> str:
+    rows = ["| client | TTFT turn 1 (ms) | TTFT turn %d (ms) | ratio (target <= 1.2) |" % num_turns,
+            "|---|---|---|---|"]
+    for mode, t in report["ttft"].items():
+        rows.append(f"| {mode} | {t['turn_1_ms']:.1f} | {t[f'turn_{num_turns}_ms']:.1f} | "
+                    f"{t['ratio']:.2f} |")
+    e = report["exactly_once"]
+    rows.append(f"\n{e['sessions']} sessions x {e['turns']} turns, {e['concurrency']} concurrent,"
+                f" {e['redis_restarts']} Redis restart: {e['num_turns_found']} of "
+                f"{e['expected_turns']} turns stored (user + assistant), problems: "
+                f"{len(e['problems'])}, retried calls: {e['retries']} ({e['refused_503']} x 503),"
+                f" {e['elapsed_s']:.0f} s")
+    return "\n".join(rows)

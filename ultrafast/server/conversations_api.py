@@ -1,0 +1,182 @@
+"""OpenAI's Conversations API over the session store: `/v1/conversations` and its items.
+
+A conversation is a session: chat completions reach the same history with `session_id`, the
+Responses API with `conversation`. Items are the stored turns in OpenAI's message-item shape
+(user text as `input_text`, assistant text as `output_text`). Input items (here and in the
+Responses API's `input`) are validated strictly: text content only, known fields only.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ultrafast.server.errors import APIError, from_validation_error, invalid_value
+from ultrafast.server.protocol_models import (MAX_METADATA_KEY, MAX_METADATA_PAIRS,
+                                              MAX_METADATA_VALUE, NAME_RE)
+from ultrafast.server.session_flow import not_found, tenant_of
+from ultrafast.server.sessions import Turn
+
+MAX_ITEMS_PER_CALL = 1024
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Strict):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: Optional[list] = None  # output_text echoes; ignored
+
+
+class InputItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[str, list[TextPart]]
+    id: Optional[str] = None  # echoed items from a previous output
+    status: Optional[str] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class CreateConversation(_Strict):
+    items: Optional[list[InputItem]] = None
+    metadata: Optional[dict[str, str]] = None
+
+
+class AddItems(_Strict):
+    items: list[InputItem]
+
+
+def validate(model: type[BaseModel], body: dict):
+    if not isinstance(body, dict):
+        raise invalid_value(None, "the body must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None}
+    for name in ("items", "input"):
+        if isinstance(body.get(name), list) and len(body[name]) > MAX_ITEMS_PER_CALL:
+            raise invalid_value(name, f"{name} has at most {MAX_ITEMS_PER_CALL} entries")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc, body) from None
+
+
+def check_metadata(metadata: dict | None) -> dict:
+    metadata = metadata or {}
+    if len(metadata) > MAX_METADATA_PAIRS or any(
+            len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in metadata.items()):
+        raise invalid_value("metadata", f"metadata holds at most {MAX_METADATA_PAIRS} pairs, "
+                            f"keys <= {MAX_METADATA_KEY} and values <= {MAX_METADATA_VALUE} chars")
+    return metadata
+
+
+def items_to_messages(items: list[InputItem]) -> list[dict]:
+    return [{"role": item.role, "content": item.text()} for item in items]
+
+
+def turn_to_item(turn: Turn) -> dict:
+    part = "output_text" if turn.role == "assistant" else "input_text"
+    content = {"type": part, "text": turn.content}
+    if part == "output_text":
+        content["annotations"] = []
+    return {"type": "message", "id": f"msg_{turn.turn_id}", "status": turn.status,
+            "role": turn.role, "content": [content]}
+
+
+def new_conversation_id() -> str:
+    return "conv_" + uuid.uuid4().hex
+
+
+def conversation_object(session_id: str, created_s: float, metadata: dict) -> dict:
+    return {"id": session_id, "object": "conversation", "created_at": int(created_s),
+            "metadata": metadata}
+
+
+def _path_id(http: HTTPRequest) -> str:
+    conversation_id = http.path_params["conversation_id"]
+    if not NAME_RE.fullmatch(conversation_id):
+        raise not_found("conversation", None)
+    return conversation_id
+
+
+def conversations_routes(state, read_json) -> list[Route]:
+    flow = state.sessions
+
+    async def create(http: HTTPRequest) -> Response:
+        req = validate(CreateConversation, await read_json(http, state))
+        tenant, conversation_id = tenant_of(http), new_conversation_id()
+        info = await flow.call("create", tenant, conversation_id, check_metadata(req.metadata))
+        if req.items:
+            await flow.append_turns(tenant, conversation_id, items_to_messages(req.items),
+                                    f"{conversation_id}-init")
+        return JSONResponse(conversation_object(conversation_id, info.created_s, info.metadata))
+
+    async def get(http: HTTPRequest) -> Response:
+        conversation_id = _path_id(http)
+        info = await flow.call("get", tenant_of(http), conversation_id)
+        if info is None:
+            raise not_found("conversation", None)
+        return JSONResponse(conversation_object(conversation_id, info.created_s, info.metadata))
+
+    async def delete(http: HTTPRequest) -> Response:
+        conversation_id = _path_id(http)
+        if not await flow.call("delete", tenant_of(http), conversation_id):
+            raise not_found("conversation", None)
+        return JSONResponse({"id": conversation_id, "object": "conversation.deleted",
+                             "deleted": True})
+
+    async def list_items(http: HTTPRequest) -> Response:
+        conversation_id, tenant = _path_id(http), tenant_of(http)
+        if await flow.call("get", tenant, conversation_id) is None:
+            raise not_found("conversation", None)
+        order = http.query_params.get("order", "desc")
+        limit_text = http.query_params.get("limit", "20")
+        if order not in ("asc", "desc"):
+            raise invalid_value("order", "order must be asc or desc")
+        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+            raise invalid_value("limit", "limit must be an integer in [1, 100]")
+        items = [turn_to_item(t) for t in await flow.call("turns", tenant, conversation_id)]
+        if order == "desc":
+            items.reverse()
+        after = http.query_params.get("after")
+        if after is not None:
+            ids = [item["id"] for item in items]
+            items = items[ids.index(after) + 1:] if after in ids else []
+        page = items[:int(limit_text)]
+        return JSONResponse({"object": "list", "data": page,
+                             "first_id": page[0]["id"] if page else "",
+                             "last_id": page[-1]["id"] if page else "",
+                             "has_more": len(items) > len(page)})
+
+    async def add_items(http: HTTPRequest) -> Response:
+        conversation_id, tenant = _path_id(http), tenant_of(http)
+        req = validate(AddItems, await read_json(http, state))
+        if await flow.call("get", tenant, conversation_id) is None:
+            raise not_found("conversation", None)
+        key = http.headers.get("idempotency-key") or uuid.uuid4().hex
+        turns = await flow.append_turns(tenant, conversation_id, items_to_messages(req.items),
+                                        f"items-{key}"[:80])
+        page = [turn_to_item(t) for t in turns]
+        return JSONResponse({"object": "list", "data": page,
+                             "first_id": page[0]["id"] if page else "",
+                             "last_id": page[-1]["id"] if page else "", "has_more": False})
+
+    return [
+        Route("/v1/conversations", create, methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}", get, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}", delete, methods=["DELETE"]),
+        Route("/v1/conversations/{conversation_id}/items", list_items, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}/items", add_items, methods=["POST"]),
+    ]
+
+
+__all__ = ["conversations_routes", "InputItem", "items_to_messages", "validate"]
