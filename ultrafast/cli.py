@@ -67,14 +67,41 @@ def cmd_serve(args) -> int:
         host=args.host, port=args.port, served_model_name=args.served_model_name,
         priority=TierTargets(args.priority_ttft_ms, args.priority_itl_ms, args.priority_queue),
         default=TierTargets(args.default_ttft_ms, args.default_itl_ms, args.default_queue),
-        shaper_window_ms=args.shaper_window_ms, drain_timeout_s=args.drain_timeout_s)
+        shaper_window_ms=args.shaper_window_ms, drain_timeout_s=args.drain_timeout_s,
+        api_keys_path=args.api_keys, guard_patterns=tuple(args.guard_pattern),
+        guard_patterns_path=args.guard_patterns, guard_hold_back_tokens=args.guard_hold_back_tokens,
+        alert_priority_itl_p99_ms=args.alert_priority_itl_p99_ms)
     return serve(engine, server)
+
+
+def cmd_keys(args) -> int:
+    from ultrafast.server.tenants import hash_key, load_api_keys, new_key
+
+    if args.action == "new":
+        key = new_key()
+        print(f"key:    {key}\nsha256: {hash_key(key)}")
+    elif args.action == "hash":
+        key = args.key if args.key is not None else sys.stdin.readline().rstrip("\n")
+        if not key:
+            raise ValueError("give the key as an argument or on stdin")
+        print(hash_key(key))
+    else:
+        keys = load_api_keys(args.key)
+        for tenant in keys.tenants.values():
+            print(f"{tenant.name}: tiers {sorted(t.api_name for t in tenant.tiers)}, "
+                  f"{sum(1 for _, t, _ in keys.by_hash.values() if t is tenant)} key(s)")
+    return 0
 
 
 def cmd_bench(args) -> int:
     from ultrafast.config import default_model
 
     args.model = args.model or default_model()
+    if args.suite == "guard":
+        from ultrafast.bench.guard import main as guard_main
+
+        args.out = args.out or "runs/bench_guard.json"
+        return guard_main(args)
     if args.suite == "tiers":
         from ultrafast.bench.tiers import main as tiers_main
 
@@ -127,13 +154,27 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shaper-window-ms", type=float, default=2.0,
                      help="coalesce default-tier arrivals this long (0 = off)")
     srv.add_argument("--drain-timeout-s", type=float, default=10.0)
+    srv.add_argument("--api-keys", default=None, metavar="FILE",
+                     help="tenants and sha256-hashed keys (YAML/JSON, see deploy/); without it "
+                     "there is no auth and the server listens on loopback only")
+    srv.add_argument("--guard-pattern", action="append", default=[], metavar="REGEX",
+                     help="output safety filter: cut a stream matching REGEX (repeatable)")
+    srv.add_argument("--guard-patterns", default=None, metavar="FILE",
+                     help='output safety filter patterns, JSON {"patterns": [...]}')
+    srv.add_argument("--guard-hold-back-tokens", type=int, default=4,
+                     help="tokens withheld after each cleared chunk (>= longest pattern)")
+    srv.add_argument("--alert-priority-itl-p99-ms", type=float, default=None,
+                     help="exported threshold of the priority per-token p99 alert "
+                     "(default 2 on GPU, off on CPU; 0 = off)")
     _add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks (JSON + Markdown table)")
-    bench.add_argument("suite", nargs="?", choices=["decode", "tiers"], default="decode",
+    bench.add_argument("suite", nargs="?", choices=["decode", "tiers", "guard"],
+                       default="decode",
                        help="decode: batch-1 decode vs llama.cpp and transformers; tiers: "
-                       "priority latency idle vs loaded, and HTTP streaming overhead")
+                       "priority latency idle vs loaded, and HTTP streaming overhead; guard: "
+                       "TTFT and tokens/s with and without the output safety filter")
     bench.add_argument("--model", default=None, help="HF model directory (default: demo model)")
     bench.add_argument("--num-slots", type=int, default=4, help="tiers: KV slots of the server")
     bench.add_argument("--probes", type=int, default=8, help="tiers: priority requests per phase")
@@ -143,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gguf-type", default="f16", help="GGUF type for both ggml runners")
     bench.add_argument("--out", default=None, help="JSON report (default under runs/)")
     bench.set_defaults(func=cmd_bench)
+
+    keys = sub.add_parser("keys", help="API keys: make one, hash one, check a keys file")
+    keys.add_argument("action", choices=["new", "hash", "check"],
+                      help="new: random key + its sha256; hash KEY (or stdin): the sha256 to "
+                      "put in the keys file; check FILE: parse a keys file")
+    keys.add_argument("key", nargs="?", default=None, help="hash: the key; check: the file")
+    keys.set_defaults(func=cmd_keys)
 
     conv = sub.add_parser("convert", help="convert an HF model directory to GGUF")
     conv.add_argument("model_dir", help="HF directory (config.json, safetensors, tokenizer.json)")

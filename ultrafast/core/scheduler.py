@@ -62,6 +62,9 @@ class Scheduler:
         # Set by the engine from measured step costs: while a priority request is decoding, a
         # step holds at most this many tokens, so long prefills cannot stretch its token gaps.
         self.priority_step_token_budget: int | None = None
+        # Committed capacity: tenant -> running seats kept for its priority requests; another
+        # tenant's priority request may not take the last unused ones (set by the server).
+        self.reserved_priority_seats: dict[str, int] = {}
         self._admissions_left = 0
 
     # ---- admission -------------------------------------------------------------------------
@@ -138,13 +141,15 @@ class Scheduler:
                 break  # the shaper releases default/flex arrivals at a steady rate
             if len(self.running) >= self.config.max_num_seqs and not self._preempt_for(tier):
                 break
-            request = queue[0]
+            request = self._next_admissible(queue, tier)
+            if request is None:
+                break
             allocation = self._allocate(request)
             if allocation is None and self._preempt_for(tier):
                 allocation = self._allocate(request)
             if allocation is None:
                 break
-            queue.popleft()
+            queue.remove(request)
             request.slot_id = allocation.slot_id
             request.num_computed_tokens = allocation.num_cached_tokens
             if request.num_preemptions == 0:
@@ -159,6 +164,25 @@ class Scheduler:
             self.running.append(request)
             budget -= self._schedule_chunk(plan, request, budget)
         return budget
+
+    def _next_admissible(self, queue, tier: ServiceTier) -> Request | None:
+        """The first waiting request that may start: priority requests of a tenant past its own
+        committed seats leave the other tenants' unused committed seats free."""
+        reserved = self.reserved_priority_seats
+        if tier != ServiceTier.PRIORITY or not reserved:
+            return queue[0]
+        running: dict[str, int] = {}
+        for r in self.running:
+            if r.tier == ServiceTier.PRIORITY:
+                running[r.tenant] = running.get(r.tenant, 0) + 1
+        for request in queue:
+            if running.get(request.tenant, 0) < reserved.get(request.tenant, 0):
+                return request
+            unused_others = sum(max(0, n - running.get(t, 0)) for t, n in reserved.items()
+                                if t != request.tenant)
+            if sum(running.values()) + unused_others < self.config.max_num_seqs:
+                return request
+        return None
 
     def _allocate(self, request: Request):
         return self.pool.allocate(request.request_id, request.all_token_ids, request.tenant)
