@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=3)
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--gguf-type", default="f16", help="GGUF type for both ggml runners")
+    bench.add_argument("--guard-patterns", default=None,
+                       help="guard: patterns file (default deploy/guard-patterns.example.json)")
+    bench.add_argument("--hold-back-tokens", type=int, default=4, help="guard: hold-back N")
     bench.add_argument("--out", default=None, help="JSON report (default under runs/)")
     bench.set_defaults(func=cmd_bench)
 
