@@ -68,7 +68,8 @@ def cmd_serve(args) -> int:
         priority=TierTargets(args.priority_ttft_ms, args.priority_itl_ms, args.priority_queue),
         default=TierTargets(args.default_ttft_ms, args.default_itl_ms, args.default_queue),
         shaper_window_ms=args.shaper_window_ms, drain_timeout_s=args.drain_timeout_s,
-        api_keys_path=args.api_keys, guard_patterns=tuple(args.guard_pattern),
+        api_keys_path=args.api_keys, allowed_hosts=tuple(args.allowed_host),
+        guard_patterns=tuple(args.guard_pattern),
         guard_patterns_path=args.guard_patterns, guard_hold_back_tokens=args.guard_hold_back_tokens,
         alert_priority_itl_p99_ms=args.alert_priority_itl_p99_ms)
     return serve(engine, server)
@@ -157,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-keys", default=None, metavar="FILE",
                      help="tenants and sha256-hashed keys (YAML/JSON, see deploy/); without it "
                      "there is no auth and the server listens on loopback only")
+    srv.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                     help="Host header names to accept (repeatable; default on loopback: "
+                     "127.0.0.1, localhost, ::1; otherwise any)")
     srv.add_argument("--guard-pattern", action="append", default=[], metavar="REGEX",
                      help="output safety filter: cut a stream matching REGEX (repeatable)")
     srv.add_argument("--guard-patterns", default=None, metavar="FILE",

@@ -66,6 +66,7 @@ class ServerConfig:
     sse_ping_interval_s: float = 15.0  # keeps proxies from cutting idle streams
     max_body_bytes: int = 4 * 1024 * 1024
     max_tokens_cap: int = 4096  # per-request ceiling on max_tokens
+    allowed_hosts: tuple[str, ...] = ()  # Host header names; () = loopback names on loopback
     api_keys_path: str | None = None  # tenants + sha256 keys; None = no auth, loopback only
     guard_patterns: tuple[str, ...] = ()  # output safety filter regexes; () = no filter
     guard_patterns_path: str | None = None  # JSON file of patterns (server/guard.py)

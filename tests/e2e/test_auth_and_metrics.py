@@ -1,6 +1,7 @@
 """The real server with `--api-keys`: RELIABILITY B41, B45-B49, S1 (route census), S2 (no key in
-logs), S10 (loopback without keys), S12 (label cardinality), rate limits (429 + Retry-After),
-and /metrics contents after real traffic. Driven with the official openai client and raw httpx.
+logs), S4 (prefix cache per tenant), S9 (no CORS, Host allow-list), S10 (loopback without keys),
+S12 (label cardinality), rate limits (429 + Retry-After), and /metrics after real traffic.
+Driven with the official openai client and raw httpx.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def test_s1_route_census_every_route_but_health_needs_a_key(keyed):
     app, pairs = app_routes()
     assert ("GET", "/metrics") in pairs and ("GET", "/health") in pairs
     assert len(pairs) >= 8
-    local = TestClient(app, raise_server_exceptions=False)
+    local = TestClient(app, base_url="http://127.0.0.1", raise_server_exceptions=False)
     for method, path in pairs:
         for client, base in ((local, ""), (httpx, keyed.url)):
             r = client.request(method, base + path.replace("{", "x").replace("}", ""),
@@ -217,6 +218,32 @@ def test_s12_request_fields_never_become_labels(keyed):
         for i in range(50):
             c.post(CHAT, headers={"Authorization": f"Bearer random-{i}"}, json=BODY)
     assert set(scrape(keyed)) == before
+
+
+def test_s4_prefix_cache_is_per_tenant(keyed):
+    prompt = "class Stack:\n" + "    x = 1\n" * 12
+    body = {**BODY, "messages": [{"role": "user", "content": prompt}]}
+    for _ in range(2):
+        acme = httpx.post(keyed.url + CHAT, headers=bearer("acme"), json=body, timeout=30).json()
+    assert acme["usage"]["prompt_tokens"] > 32
+    assert acme["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    beta = httpx.post(keyed.url + CHAT, headers=bearer("beta"), json=body, timeout=30).json()
+    assert beta["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_s9_no_cors_and_a_host_allow_list(keyed):
+    origin = {"Origin": "http://evil.example"}
+    r = httpx.post(keyed.url + CHAT, headers={**bearer("acme"), **origin}, json=BODY, timeout=30)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    r = httpx.options(keyed.url + CHAT, headers={**origin, "Access-Control-Request-Method":
+                                                  "POST"})
+    assert "access-control-allow-origin" not in r.headers
+    rebound = httpx.post(keyed.url + CHAT, headers={**bearer("acme"), "Host": "evil.example"},
+                         json=BODY)
+    assert error_of(rebound)[:3] == (403, "permission_error", "host_not_allowed")
+    port = keyed.url.rsplit(":", 1)[1]
+    named = httpx.get(keyed.url + "/health", headers={"Host": f"localhost:{port}"})
+    assert named.status_code == 200
 
 
 def test_s2_keys_never_reach_the_logs(keyed):

@@ -3,6 +3,7 @@ bad credential, tier entitlements, token buckets, and committed priority capacit
 and in the scheduler. The same rows run against the real server in tests/e2e/test_auth.py.
 """
 
+import asyncio
 import logging
 
 import pytest
@@ -13,8 +14,8 @@ from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.runtime.engine import EngineCore
 from ultrafast.server.admission import Admission
-from ultrafast.server.auth import (RedactingFilter, authenticate, entitled_tier, take_request,
-                                   take_tokens)
+from ultrafast.server.auth import (HostAllowListMiddleware, RedactingFilter, allowed_hosts_for,
+                                   authenticate, entitled_tier, take_request, take_tokens)
 from ultrafast.server.errors import APIError
 from ultrafast.server.tenants import TokenBucket, hash_key, parse_api_keys
 
@@ -215,3 +216,29 @@ def test_redacting_filter_scrubs_bearer_tokens(caplog):
         logger.info("url /v1/models?api_key=%s&x=1", KEYS["beta"])
     assert KEYS["acme"] not in caplog.text and KEYS["beta"] not in caplog.text
     assert caplog.text.count("[REDACTED]") == 2
+
+
+@pytest.mark.parametrize("host,allowed", [
+    (b"127.0.0.1:8000", True), (b"localhost", True), (b"[::1]:8000", True),
+    (b"LOCALHOST:1", True), (b"evil.example", False), (b"evil.example:8000", False),
+    (b"127.0.0.1.evil.example", False), (b"", False)])
+def test_s9_host_allow_list(host, allowed):
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope)
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    middleware = HostAllowListMiddleware(app, allowed_hosts_for("127.0.0.1", ()))
+    headers = [(b"host", host)] if host else []
+    asyncio.run(middleware({"type": "http", "path": "/health", "method": "GET",
+                            "headers": headers}, None, send))
+    assert bool(seen) == allowed
+    if not allowed:
+        assert sent[0]["status"] == 403
+    assert allowed_hosts_for("0.0.0.0", ()) == ()  # bound publicly: names are the operator's
+    assert allowed_hosts_for("0.0.0.0", ("api.example",)) == ("api.example",)

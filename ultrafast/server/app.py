@@ -280,7 +280,9 @@ def build_app(state: ServerState) -> Starlette:
     state.metrics.add_refusal_source(lambda: state.auth_refused)
     state.metrics.set_in_flight_source(
         lambda: {t.api_name: n for t, n in state.admission.in_flight.items()})
-    middleware = [Middleware(auth.AuthMiddleware, keys=state.api_keys,
+    hosts = auth.allowed_hosts_for(state.config.host, state.config.allowed_hosts)
+    middleware = [Middleware(auth.HostAllowListMiddleware, allowed_hosts=hosts),
+                  Middleware(auth.AuthMiddleware, keys=state.api_keys,
                              refused=state.auth_refused)]
     return Starlette(routes=routes, lifespan=lifespan, middleware=middleware, exception_handlers={
         APIError: on_api_error, HTTPException: on_http_error, Exception: on_crash})

@@ -89,6 +89,39 @@ class AuthMiddleware:
         return await self.app(scope, receive, send)
 
 
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+
+
+class HostAllowListMiddleware:
+    """Refuses a `Host` header outside the allow-list (RELIABILITY S9: a web page that rebinds
+    its DNS name to 127.0.0.1 still sends its own name as Host). Empty list: no check."""
+
+    def __init__(self, app, allowed_hosts: tuple = ()):
+        self.app = app
+        self.allowed = {h.lower() for h in allowed_hosts}
+
+    async def __call__(self, scope, receive, send):
+        if not self.allowed or scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        host = dict(scope.get("headers", [])).get(b"host", b"").decode("latin-1").lower()
+        name = host[1:host.index("]")] if host.startswith("[") and "]" in host \
+            else host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        if name in self.allowed:
+            return await self.app(scope, receive, send)
+        error = APIError(403, "this Host is not allowed (see --allowed-hosts)",
+                         "permission_error", "host_not_allowed", None)
+        response = JSONResponse(error.to_dict(), status_code=403,
+                                headers={"x-request-id": uuid.uuid4().hex})
+        return await response(scope, receive, send)
+
+
+def allowed_hosts_for(bind_host: str, configured: tuple) -> tuple:
+    """The configured list, else the loopback names when bound to loopback, else no check."""
+    if configured:
+        return tuple(configured)
+    return LOOPBACK_NAMES if bind_host in LOOPBACK_NAMES else ()
+
+
 def entitled_tier(tenant: Tenant, tier: ServiceTier, auto: bool, param: str,
                   refused: dict) -> tuple[ServiceTier, bool]:
     """The tier to serve and whether it is still `auto`; 403 when the tenant may not use it."""
