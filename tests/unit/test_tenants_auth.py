@@ -208,6 +208,28 @@ def test_committed_priority_seats_in_the_scheduler():
     assert len(engine.scheduler.running) == 4
 
 
+def test_blocked_priority_requests_preempt_nothing():
+    """A priority request waiting only for another tenant's committed seats must not preempt
+    a default request: it could not take the freed slot anyway (that would thrash)."""
+    engine = EngineCore(FakeExecutor(num_slots=3), SchedulerConfig(max_num_seqs=3,
+                                                                   max_model_len=256))
+    engine.scheduler.reserved_priority_seats = {"acme": 2}
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(Request(f"default-{i}", [5, 6, i], params, tier=ServiceTier.DEFAULT))
+    engine.step()
+    for i in range(2):
+        engine.add_request(Request(f"beta-{i}", [1, 2, i], params, tier=ServiceTier.PRIORITY,
+                                   tenant="beta"))
+    for _ in range(5):
+        engine.step()
+    running = {r.request_id for r in engine.scheduler.running}
+    # beta-0 takes the one shared seat (preempting one default request); beta-1 would need one
+    # of acme's two unused seats, so it waits and preempts nothing
+    assert "beta-0" in running and "beta-1" not in running and len(running) == 3
+    assert engine.scheduler.num_preemptions == 1
+
+
 def test_redacting_filter_scrubs_bearer_tokens(caplog):
     logger = logging.getLogger("ultrafast.test_redact")
     logger.addFilter(RedactingFilter())

@@ -127,7 +127,8 @@ class Scheduler:
         """Preempt lower tiers before anything is scheduled, so their slots are free to take."""
         num_wanting = 0
         for tier in (ServiceTier.PRIORITY, ServiceTier.DEFAULT):
-            num_wanting += len(self.waiting[tier])
+            num_wanting += (self._num_priority_wanting() if tier == ServiceTier.PRIORITY
+                            else len(self.waiting[tier]))
             while self._free_capacity() < num_wanting and self._preempt_for(tier):
                 pass
 
@@ -139,10 +140,10 @@ class Scheduler:
         while queue and budget > 0:
             if tier != ServiceTier.PRIORITY and self._admissions_left <= 0:
                 break  # the shaper releases default/flex arrivals at a steady rate
-            if len(self.running) >= self.config.max_num_seqs and not self._preempt_for(tier):
-                break
             request = self._next_admissible(queue, tier)
             if request is None:
+                break
+            if len(self.running) >= self.config.max_num_seqs and not self._preempt_for(tier):
                 break
             allocation = self._allocate(request)
             if allocation is None and self._preempt_for(tier):
@@ -168,21 +169,37 @@ class Scheduler:
     def _next_admissible(self, queue, tier: ServiceTier) -> Request | None:
         """The first waiting request that may start: priority requests of a tenant past its own
         committed seats leave the other tenants' unused committed seats free."""
-        reserved = self.reserved_priority_seats
-        if tier != ServiceTier.PRIORITY or not reserved:
+        if tier != ServiceTier.PRIORITY or not self.reserved_priority_seats:
             return queue[0]
+        running = self._priority_running_by_tenant()
+        return next((r for r in queue if self._may_take_priority_seat(r.tenant, running)), None)
+
+    def _priority_running_by_tenant(self) -> dict[str, int]:
         running: dict[str, int] = {}
         for r in self.running:
             if r.tier == ServiceTier.PRIORITY:
                 running[r.tenant] = running.get(r.tenant, 0) + 1
+        return running
+
+    def _may_take_priority_seat(self, tenant: str, running: dict[str, int]) -> bool:
+        reserved = self.reserved_priority_seats
+        if running.get(tenant, 0) < reserved.get(tenant, 0):
+            return True
+        unused_others = sum(max(0, n - running.get(t, 0)) for t, n in reserved.items()
+                            if t != tenant)
+        return sum(running.values()) + unused_others < self.config.max_num_seqs
+
+    def _num_priority_wanting(self) -> int:
+        """Waiting priority requests that could start, so blocked ones preempt nothing."""
+        queue = self.waiting[ServiceTier.PRIORITY]
+        if not self.reserved_priority_seats:
+            return len(queue)
+        running, num = self._priority_running_by_tenant(), 0
         for request in queue:
-            if running.get(request.tenant, 0) < reserved.get(request.tenant, 0):
-                return request
-            unused_others = sum(max(0, n - running.get(t, 0)) for t, n in reserved.items()
-                                if t != request.tenant)
-            if sum(running.values()) + unused_others < self.config.max_num_seqs:
-                return request
-        return None
+            if self._may_take_priority_seat(request.tenant, running):
+                running[request.tenant] = running.get(request.tenant, 0) + 1
+                num += 1
+        return num
 
     def _allocate(self, request: Request):
         return self.pool.allocate(request.request_id, request.all_token_ids, request.tenant)
