@@ -87,6 +87,9 @@ def test_non_streaming_reply_is_cut_too(guarded):
     assert choice["finish_reason"] == "content_filter"
     assert baseline.startswith(choice["text"]) and len(choice["text"]) <= start
     assert body["usage"]["completion_tokens"] < GREEDY["max_tokens"]  # generation was aborted
+    metrics = httpx.get(srv.url + "/metrics").text
+    cuts = [line for line in metrics.splitlines() if line.startswith("ultrafast_guard_cuts_total")]
+    assert cuts and float(cuts[0].split()[-1]) >= 1
 
 
 def test_a_reply_the_guard_does_not_match_is_unchanged(guarded):

@@ -146,6 +146,7 @@ class GenerationRun:
             choice.text = choice.text[:released[0]]
             del choice.logprobs[released[1]:]
             choice.finish_reason = CONTENT_FILTER
+            self.state.metrics.guard_cuts.inc()
             self.generation.abort(index)
             return "", [], 0, CONTENT_FILTER
         released[0] += len(text)

@@ -89,6 +89,8 @@ class ServerMetrics:
                                      ("tenant",), registry=reg)
         self.generation_tokens = Counter("ultrafast_generation_tokens",
                                          "Output tokens, per tenant", ("tenant",), registry=reg)
+        self.guard_cuts = Counter("ultrafast_guard_cuts", "Choices cut by the output guard "
+                                  "(finish_reason content_filter)", registry=reg)
         info = Gauge("ultrafast_engine_info", "Constant 1; the device the engine runs on",
                      ("device_kind",), registry=reg)
         info.labels(device_kind if device_kind in ("cpu", "gpu") else OTHER).set(1)

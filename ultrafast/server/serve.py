@@ -60,6 +60,7 @@ class DrainingServer(uvicorn.Server):
         host, port = self.config.host, self.config.port
         print(f"ultrafast ready: model {self.state.model_name!r} on http://{host}:{port}\n"
               f"  curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json'"
+              + (" -H \"Authorization: Bearer $KEY\"" if self.state.api_keys else "") +
               f" -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"def fibonacci(n):\"}}],"
               f" \"max_tokens\": 64, \"service_tier\": \"priority\"}}'", flush=True)
 
