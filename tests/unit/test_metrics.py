@@ -6,7 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.unit.fake_executor import FakeExecutor
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.engine import EngineCore, StepStats
+from ultrafast.runtime.engine import EngineCore
 from ultrafast.server.metrics import ServerMetrics
 
 
@@ -55,20 +55,23 @@ def test_engine_steps_feed_queue_depth_kv_prefix_and_step_phases():
     assert value(metrics, "ultrafast_engine_busy_seconds_total") > 0
 
 
-def test_speculative_counts_are_read_when_the_engine_reports_them():
+def test_speculative_counts_are_read_from_the_engine_spec_stats():
     metrics = ServerMetrics()
-    base = dict(step_id=1, num_seqs=1, num_tokens=5, num_running=1, num_waiting=0,
-                schedule_time_s=0.0, execute_time_s=0.001, sample_time_s=0.0, update_time_s=0.0)
-    metrics.on_step(StepStats(**base))  # today's stats: no draft fields, metric stays 0
-    assert value(metrics, "ultrafast_spec_draft_tokens_total") == 0
+    spec = None
+    metrics.set_spec_source(lambda: spec)
+    # before speculative decoding (or with it off): the series exist at zero
+    assert value(metrics, "ultrafast_spec_draft_tokens_total", source="draft") == 0
 
-    class SpecStats(StepStats):  # what the speculative engine adds
-        num_draft_tokens = 4
-        num_accepted_tokens = 3
+    class SpecStats:  # the shape of runtime/spec.py's cumulative counters
+        num_draft_tokens = {"draft": 40, "ngram": 10, "weird": 2}
+        num_accepted_tokens = {"draft": 30, "ngram": 4}
 
-    metrics.on_step(SpecStats(**base))
-    assert value(metrics, "ultrafast_spec_draft_tokens_total") == 4
-    assert value(metrics, "ultrafast_spec_accepted_tokens_total") == 3
+    spec = SpecStats()
+    assert value(metrics, "ultrafast_spec_draft_tokens_total", source="draft") == 40
+    assert value(metrics, "ultrafast_spec_accepted_tokens_total", source="draft") == 30
+    assert value(metrics, "ultrafast_spec_accepted_tokens_total", source="ngram") == 4
+    assert value(metrics, "ultrafast_spec_draft_tokens_total", source="other") == 2
+    assert value(metrics, "ultrafast_spec_accepted_tokens_total", source="prediction") == 0
 
 
 def test_request_timer_ttft_itl_e2e_and_tenant_tokens():

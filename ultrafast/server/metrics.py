@@ -8,9 +8,11 @@ Cardinality (RELIABILITY S12): every label value comes from a fixed set (tiers, 
 refusal reasons) or from the tenants configured in the API-keys file; anything else is folded
 into "other". No request field (model, user, session id) ever becomes a label.
 
-Speculative decoding: `StepStats.num_draft_tokens` / `num_accepted_tokens` are read with
-`getattr(..., 0)`, so the metric exists (at zero) before the speculative engine lands and needs
-no change here when it does.
+Speculative decoding: drafted / accepted tokens per draft source are read at scrape time from
+the engine's cumulative `SpecStats` (`EngineCore.spec_stats`, with `num_draft_tokens` and
+`num_accepted_tokens` dicts keyed by source). serve.py reads it with `getattr(core,
+"spec_stats", None)`, so the series exist (at zero) before the speculative engine lands and
+need no change here when it does.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ultrafast.request import ServiceTier
 
 TIERS = tuple(t.api_name for t in ServiceTier)
 STEP_PHASES = ("schedule", "execute", "sample", "update")
+SPEC_SOURCES = ("ngram", "prediction", "draft")  # runtime/spec.py's draft sources
 REFUSAL_REASONS = ("queue_full", "slo_unattainable", "rate_limit_requests", "rate_limit_tokens",
                    "missing_api_key", "invalid_api_key", "tenant_disabled",
                    "priority_not_allowed", "scope_not_allowed", "other")
@@ -81,10 +84,6 @@ class ServerMetrics:
         self.kv_slots_running = Gauge("ultrafast_kv_slots_running",
                                       "KV slots owned by a running request", registry=reg)
         self.kv_slots_total = Gauge("ultrafast_kv_slots_total", "KV slots", registry=reg)
-        self.spec_draft = Counter("ultrafast_spec_draft_tokens", "Draft tokens proposed",
-                                  registry=reg)
-        self.spec_accepted = Counter("ultrafast_spec_accepted_tokens",
-                                     "Draft tokens accepted by the target model", registry=reg)
         self.prompt_tokens = Counter("ultrafast_prompt_tokens", "Prompt tokens, per tenant",
                                      ("tenant",), registry=reg)
         self.generation_tokens = Counter("ultrafast_generation_tokens",
@@ -101,6 +100,7 @@ class ServerMetrics:
         self._prefix = [0, 0, 0]  # latest cumulative queries, query tokens, hit tokens
         self._refusal_sources: list[Callable[[], dict]] = []
         self._in_flight_source: Callable[[], dict] | None = None
+        self._spec_source: Callable[[], object] | None = None
         reg.register(_ScrapeTimeCollector(self))
         for tier in TIERS:  # every series exists from the start, so rates and alerts work
             for family in (self.ttft_s, self.itl_s, self.e2e_s, self.queue_wait_s,
@@ -129,6 +129,10 @@ class ServerMetrics:
         """tier name -> admitted API calls, read at scrape time."""
         self._in_flight_source = read
 
+    def set_spec_source(self, read: Callable[[], object]) -> None:
+        """Returns the engine's cumulative SpecStats, or None without speculative decoding."""
+        self._spec_source = read
+
     def on_step(self, stats) -> None:
         """One engine step (runs on the engine thread)."""
         if stats.num_seqs:
@@ -147,11 +151,6 @@ class ServerMetrics:
         self.kv_slots_total.set(stats.num_kv_slots_total)
         self._prefix = [stats.num_prefix_queries, stats.num_prefix_query_tokens,
                         stats.num_prefix_hit_tokens]
-        # filled in by the speculative engine; 0 until then (see the module docstring)
-        num_draft = getattr(stats, "num_draft_tokens", 0)
-        if num_draft:
-            self.spec_draft.inc(num_draft)
-            self.spec_accepted.inc(getattr(stats, "num_accepted_tokens", 0))
 
     def request_timer(self, tier: ServiceTier, tenant: str, arrival_s: float) -> "RequestTimer":
         return RequestTimer(self, tier.api_name, self.tenant_label(tenant), arrival_s)
@@ -229,6 +228,18 @@ class _ScrapeTimeCollector:
         for reason, n in counts.items():
             refused.add_metric((reason,), n)
         yield refused
+        spec = m._spec_source() if m._spec_source else None
+        for name, attr, doc in (
+                ("ultrafast_spec_draft_tokens", "num_draft_tokens", "Draft tokens proposed"),
+                ("ultrafast_spec_accepted_tokens", "num_accepted_tokens",
+                 "Draft tokens accepted by the target model")):
+            family = CounterMetricFamily(name, doc, labels=("source",))
+            counts = {source: 0 for source in SPEC_SOURCES + (OTHER,)}
+            for source, n in dict(getattr(spec, attr, None) or {}).items():  # copy: engine thread
+                counts[source if source in counts else OTHER] += n
+            for source, n in counts.items():
+                family.add_metric((source,), n)
+            yield family
         in_flight = GaugeMetricFamily("ultrafast_admitted_requests",
                                       "API calls admitted and not finished", labels=("tier",))
         current = m._in_flight_source() if m._in_flight_source else {}
