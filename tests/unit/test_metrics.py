@@ -32,7 +32,7 @@ def test_engine_steps_feed_queue_depth_kv_prefix_and_step_phases():
     for i, tier in enumerate([ServiceTier.PRIORITY, ServiceTier.DEFAULT, ServiceTier.DEFAULT]):
         engine.add_request(Request(f"r{i}", prompt, params, tier=tier))
     engine.step()
-    metrics.on_step(engine.last_stats)
+    metrics.on_step(engine.last_stats, engine.occupancy())
     assert value(metrics, "ultrafast_running_requests", tier="priority") == 1
     assert value(metrics, "ultrafast_running_requests", tier="default") == 1
     assert value(metrics, "ultrafast_queue_depth", tier="default") == 1
@@ -41,7 +41,7 @@ def test_engine_steps_feed_queue_depth_kv_prefix_and_step_phases():
     num_steps = 1
     while engine.has_work():
         engine.step()
-        metrics.on_step(engine.last_stats)
+        metrics.on_step(engine.last_stats, engine.occupancy())
         num_steps += 1
     assert value(metrics, "ultrafast_queue_depth", tier="default") == 0
     assert value(metrics, "ultrafast_kv_slots_running") == 0

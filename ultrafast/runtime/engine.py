@@ -37,15 +37,19 @@ class StepStats:
     execute_time_s: float
     sample_time_s: float
     update_time_s: float
-    # per tier, indexed by ServiceTier value (priority, default, flex)
-    num_waiting_by_tier: tuple[int, ...] = ()
-    num_running_by_tier: tuple[int, ...] = ()
-    num_kv_slots_running: int = 0  # slots owned by a running request
-    num_kv_slots_total: int = 0
-    # cumulative since start: prefix-cache lookups, prompt tokens looked up, tokens served
-    num_prefix_queries: int = 0
-    num_prefix_query_tokens: int = 0
-    num_prefix_hit_tokens: int = 0
+
+
+@dataclass
+class EngineOccupancy:
+    """Queues, slots and cache counts after a step, for metrics (read on the engine thread)."""
+
+    num_waiting_by_tier: tuple[int, ...]  # indexed by ServiceTier value
+    num_running_by_tier: tuple[int, ...]
+    num_kv_slots_running: int  # slots owned by a running request
+    num_kv_slots_total: int
+    num_prefix_queries: int  # cumulative: prefix-cache lookups
+    num_prefix_query_tokens: int  # cumulative: prompt tokens looked up
+    num_prefix_hit_tokens: int  # cumulative: tokens served from the cache
 
 
 class StepCostModel:
@@ -132,6 +136,18 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
 
+    def occupancy(self) -> EngineOccupancy:
+        sched, pool = self.scheduler, self.pool
+        running = [0] * len(ServiceTier)
+        for request in sched.running:
+            running[request.tier] += 1
+        return EngineOccupancy(
+            num_waiting_by_tier=tuple(len(sched.waiting[t]) for t in ServiceTier),
+            num_running_by_tier=tuple(running), num_kv_slots_running=pool.num_running,
+            num_kv_slots_total=pool.num_slots, num_prefix_queries=pool.num_prefix_queries,
+            num_prefix_query_tokens=pool.num_prefix_query_tokens,
+            num_prefix_hit_tokens=pool.num_prefix_hit_tokens)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
@@ -163,21 +179,8 @@ class EngineCore:
             step_id=plan.step_id, num_seqs=len(plan.seqs), num_tokens=plan.num_scheduled_tokens,
             num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
             schedule_time_s=t1 - t0, execute_time_s=result.execute_time_s,
-            sample_time_s=result.sample_time_s, update_time_s=t3 - t2,
-            **self._occupancy())
+            sample_time_s=result.sample_time_s, update_time_s=t3 - t2)
         return outputs
-
-    def _occupancy(self) -> dict:
-        """Per-tier queue depth and running counts, KV slot use, cumulative prefix-cache counts."""
-        sched, pool = self.scheduler, self.pool
-        running = [0] * len(ServiceTier)
-        for request in sched.running:
-            running[request.tier] += 1
-        return dict(num_waiting_by_tier=tuple(len(sched.waiting[t]) for t in ServiceTier),
-                    num_running_by_tier=tuple(running), num_kv_slots_running=pool.num_running,
-                    num_kv_slots_total=pool.num_slots, num_prefix_queries=pool.num_prefix_queries,
-                    num_prefix_query_tokens=pool.num_prefix_query_tokens,
-                    num_prefix_hit_tokens=pool.num_prefix_hit_tokens)
 
 
 OutputCallback = Callable[[RequestOutput], None]

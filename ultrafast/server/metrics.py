@@ -1,8 +1,9 @@
 """Prometheus metrics for `/metrics`: the only module that imports prometheus_client.
 
-Sources: the engine's `StepStats` (one per step, delivered on the engine thread; prometheus_client
-is thread-safe), each API call's timings (`RequestTimer`, on the event loop), and counters the
-server keeps itself (admission and auth refusals, read at scrape time).
+Sources: the engine's `StepStats` and `EngineOccupancy` (one each per step, delivered on the
+engine thread; prometheus_client is thread-safe), each API call's timings (`RequestTimer`, on
+the event loop), and counters the server keeps itself (admission and auth refusals, read at
+scrape time).
 
 Cardinality (RELIABILITY S12): every label value comes from a fixed set (tiers, step phases,
 refusal reasons) or from the tenants configured in the API-keys file; anything else is folded
@@ -133,8 +134,8 @@ class ServerMetrics:
         """Returns the engine's cumulative SpecStats, or None without speculative decoding."""
         self._spec_source = read
 
-    def on_step(self, stats) -> None:
-        """One engine step (runs on the engine thread)."""
+    def on_step(self, stats, occupancy) -> None:
+        """One engine step: its StepStats and the EngineOccupancy after it (engine thread)."""
         if stats.num_seqs:
             phases = (stats.schedule_time_s, stats.execute_time_s, stats.sample_time_s,
                       stats.update_time_s)
@@ -143,14 +144,15 @@ class ServerMetrics:
             self.busy_s.inc(sum(phases))
             self.batch_seqs.observe(stats.num_seqs)
             self.batch_tokens.observe(stats.num_tokens)
-        for tier, waiting, running in zip(TIERS, stats.num_waiting_by_tier,
-                                          stats.num_running_by_tier):
+        occ = occupancy
+        for tier, waiting, running in zip(TIERS, occ.num_waiting_by_tier,
+                                          occ.num_running_by_tier):
             self.queue_depth.labels(tier).set(waiting)
             self.running.labels(tier).set(running)
-        self.kv_slots_running.set(stats.num_kv_slots_running)
-        self.kv_slots_total.set(stats.num_kv_slots_total)
-        self._prefix = [stats.num_prefix_queries, stats.num_prefix_query_tokens,
-                        stats.num_prefix_hit_tokens]
+        self.kv_slots_running.set(occ.num_kv_slots_running)
+        self.kv_slots_total.set(occ.num_kv_slots_total)
+        self._prefix = [occ.num_prefix_queries, occ.num_prefix_query_tokens,
+                        occ.num_prefix_hit_tokens]
 
     def request_timer(self, tier: ServiceTier, tenant: str, arrival_s: float) -> "RequestTimer":
         return RequestTimer(self, tier.api_name, self.tenant_label(tenant), arrival_s)
