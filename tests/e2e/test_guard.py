@@ -114,3 +114,10 @@ def test_bad_guard_file_fails_at_start_with_a_clear_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ultrafast.cli", "serve", "--guard-patterns",
                         str(path), "--port", "1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not valid JSON" in r.stderr
+
+
+def test_without_keys_the_server_says_it_is_loopback_only(guarded):
+    srv = guarded[0]
+    srv.stop()
+    assert "no --api-keys: authentication is off, listening on loopback only" in \
+        srv.proc.stdout.read()
