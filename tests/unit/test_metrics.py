@@ -25,14 +25,16 @@ def value(metrics, name, **labels):
 
 def test_engine_steps_feed_queue_depth_kv_prefix_and_step_phases():
     metrics = ServerMetrics()
+    assert value(metrics, "ultrafast_kv_slots_total") == 0  # no engine yet: zeros, no error
     engine = EngineCore(FakeExecutor(num_slots=2), SchedulerConfig(max_num_seqs=2,
                                                                    max_model_len=256))
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     prompt = list(range(1, 40))
     for i, tier in enumerate([ServiceTier.PRIORITY, ServiceTier.DEFAULT, ServiceTier.DEFAULT]):
         engine.add_request(Request(f"r{i}", prompt, params, tier=tier))
+    metrics.set_occupancy_source(engine.occupancy)
     engine.step()
-    metrics.on_step(engine.last_stats, engine.occupancy())
+    metrics.on_step(engine.last_stats)
     assert value(metrics, "ultrafast_running_requests", tier="priority") == 1
     assert value(metrics, "ultrafast_running_requests", tier="default") == 1
     assert value(metrics, "ultrafast_queue_depth", tier="default") == 1
@@ -41,7 +43,7 @@ def test_engine_steps_feed_queue_depth_kv_prefix_and_step_phases():
     num_steps = 1
     while engine.has_work():
         engine.step()
-        metrics.on_step(engine.last_stats, engine.occupancy())
+        metrics.on_step(engine.last_stats)
         num_steps += 1
     assert value(metrics, "ultrafast_queue_depth", tier="default") == 0
     assert value(metrics, "ultrafast_kv_slots_running") == 0

@@ -41,7 +41,8 @@ class StepStats:
 
 @dataclass
 class EngineOccupancy:
-    """Queues, slots and cache counts after a step, for metrics (read on the engine thread)."""
+    """Queues, slots and cache counts, for metrics. `EngineCore.occupancy()` only counts, so
+    the metrics scrape may call it from the event loop: a value may be one step old."""
 
     num_waiting_by_tier: tuple[int, ...]  # indexed by ServiceTier value
     num_running_by_tier: tuple[int, ...]
@@ -138,11 +139,13 @@ class EngineCore:
 
     def occupancy(self) -> EngineOccupancy:
         sched, pool = self.scheduler, self.pool
-        running = [0] * len(ServiceTier)
+        running = [0, 0, 0]  # ServiceTier values 0..2
         for request in sched.running:
             running[request.tier] += 1
+        waiting = sched.waiting
         return EngineOccupancy(
-            num_waiting_by_tier=tuple(len(sched.waiting[t]) for t in ServiceTier),
+            num_waiting_by_tier=(len(waiting[ServiceTier.PRIORITY]),
+                                 len(waiting[ServiceTier.DEFAULT]), len(waiting[ServiceTier.FLEX])),
             num_running_by_tier=tuple(running), num_kv_slots_running=pool.num_running,
             num_kv_slots_total=pool.num_slots, num_prefix_queries=pool.num_prefix_queries,
             num_prefix_query_tokens=pool.num_prefix_query_tokens,

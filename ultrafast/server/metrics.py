@@ -1,9 +1,13 @@
 """Prometheus metrics for `/metrics`: the only module that imports prometheus_client.
 
-Sources: the engine's `StepStats` and `EngineOccupancy` (one each per step, delivered on the
-engine thread; prometheus_client is thread-safe), each API call's timings (`RequestTimer`, on
-the event loop), and counters the server keeps itself (admission and auth refusals, read at
-scrape time).
+Sources: the engine's `StepStats` (one per step, on the engine thread), its `EngineOccupancy`
+(read when scraped), each API call's timings (`RequestTimer`, on the event loop), and counters the server
+keeps itself (admission and auth refusals, read at scrape time).
+
+Hot paths stay cheap: per step and per token, values go into plain-Python `_Buckets` (a bisect
+and two adds, no lock: one writer thread each) that become Prometheus families only when
+scraped. prometheus_client's own (locked) metrics
+are used for what happens once per API call.
 
 Cardinality (RELIABILITY S12): every label value comes from a fixed set (tiers, step phases,
 refusal reasons) or from the tenants configured in the API-keys file; anything else is folded
@@ -18,12 +22,13 @@ need no change here when it does.
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ultrafast.request import ServiceTier
 
@@ -61,30 +66,19 @@ class ServerMetrics:
         self.ttft_s = histogram("ultrafast_time_to_first_token_seconds",
                                 "Arrival to first output token, per API call", ("tier",),
                                 _REQUEST_BUCKETS_S)
-        self.itl_s = histogram("ultrafast_inter_token_latency_seconds",
-                               "Gap between consecutive output tokens of one choice", ("tier",),
-                               _FAST_BUCKETS_S)
+        self.itl_s = {tier: _Buckets(_FAST_BUCKETS_S) for tier in TIERS}  # per token
         self.e2e_s = histogram("ultrafast_e2e_request_latency_seconds",
                                "Arrival to last token, per API call", ("tier",),
                                _REQUEST_BUCKETS_S)
         self.queue_wait_s = histogram("ultrafast_queue_wait_seconds",
                                       "Arrival to first KV slot, per API call", ("tier",),
                                       _REQUEST_BUCKETS_S)
-        self.step_phase_s = histogram("ultrafast_step_phase_seconds",
-                                      "Engine step time by phase", ("phase",), _FAST_BUCKETS_S)
-        self.batch_seqs = histogram("ultrafast_batch_size_seqs", "Sequences per engine step",
-                                    (), _BATCH_BUCKETS)
-        self.batch_tokens = histogram("ultrafast_batch_size_tokens", "Tokens per engine step",
-                                      (), _BATCH_BUCKETS)
-        self.busy_s = Counter("ultrafast_engine_busy_seconds",
-                              "Engine time spent in steps (rate = utilization)", registry=reg)
-        self.queue_depth = Gauge("ultrafast_queue_depth", "Requests waiting for a KV slot",
-                                 ("tier",), registry=reg)
-        self.running = Gauge("ultrafast_running_requests", "Requests holding a KV slot",
-                             ("tier",), registry=reg)
-        self.kv_slots_running = Gauge("ultrafast_kv_slots_running",
-                                      "KV slots owned by a running request", registry=reg)
-        self.kv_slots_total = Gauge("ultrafast_kv_slots_total", "KV slots", registry=reg)
+        # per step, written by the engine thread only
+        self.step_phase_s = {phase: _Buckets(_FAST_BUCKETS_S) for phase in STEP_PHASES}
+        self.batch_seqs = _Buckets(_BATCH_BUCKETS)
+        self.batch_tokens = _Buckets(_BATCH_BUCKETS)
+        self.busy_s = 0.0
+        self._occupancy_source: Callable[[], object] | None = None
         self.prompt_tokens = Counter("ultrafast_prompt_tokens", "Prompt tokens, per tenant",
                                      ("tenant",), registry=reg)
         self.generation_tokens = Counter("ultrafast_generation_tokens",
@@ -98,17 +92,13 @@ class ServerMetrics:
             Gauge("ultrafast_alert_priority_itl_p99_threshold_seconds",
                   "Threshold of the priority per-token p99 alert (deploy/prometheus/alerts.yml)",
                   registry=reg).set(alert_priority_itl_p99_s)
-        self._prefix = [0, 0, 0]  # latest cumulative queries, query tokens, hit tokens
         self._refusal_sources: list[Callable[[], dict]] = []
         self._in_flight_source: Callable[[], dict] | None = None
         self._spec_source: Callable[[], object] | None = None
         reg.register(_ScrapeTimeCollector(self))
         for tier in TIERS:  # every series exists from the start, so rates and alerts work
-            for family in (self.ttft_s, self.itl_s, self.e2e_s, self.queue_wait_s,
-                           self.queue_depth, self.running):
+            for family in (self.ttft_s, self.e2e_s, self.queue_wait_s):
                 family.labels(tier)
-        for phase in STEP_PHASES:
-            self.step_phase_s.labels(phase)
         for tenant in self.tenants | {OTHER}:
             self.prompt_tokens.labels(tenant)
             self.generation_tokens.labels(tenant)
@@ -134,25 +124,20 @@ class ServerMetrics:
         """Returns the engine's cumulative SpecStats, or None without speculative decoding."""
         self._spec_source = read
 
-    def on_step(self, stats, occupancy) -> None:
-        """One engine step: its StepStats and the EngineOccupancy after it (engine thread)."""
+    def set_occupancy_source(self, read: Callable[[], object]) -> None:
+        """Returns the engine's EngineOccupancy now (called at scrape time)."""
+        self._occupancy_source = read
+
+    def on_step(self, stats) -> None:
+        """One engine step's StepStats (engine thread: keep it cheap)."""
         if stats.num_seqs:
             phases = (stats.schedule_time_s, stats.execute_time_s, stats.sample_time_s,
                       stats.update_time_s)
             for phase, seconds in zip(STEP_PHASES, phases):
-                self.step_phase_s.labels(phase).observe(seconds)
-            self.busy_s.inc(sum(phases))
+                self.step_phase_s[phase].observe(seconds)
+            self.busy_s += sum(phases)
             self.batch_seqs.observe(stats.num_seqs)
             self.batch_tokens.observe(stats.num_tokens)
-        occ = occupancy
-        for tier, waiting, running in zip(TIERS, occ.num_waiting_by_tier,
-                                          occ.num_running_by_tier):
-            self.queue_depth.labels(tier).set(waiting)
-            self.running.labels(tier).set(running)
-        self.kv_slots_running.set(occ.num_kv_slots_running)
-        self.kv_slots_total.set(occ.num_kv_slots_total)
-        self._prefix = [occ.num_prefix_queries, occ.num_prefix_query_tokens,
-                        occ.num_prefix_hit_tokens]
 
     def request_timer(self, tier: ServiceTier, tenant: str, arrival_s: float) -> "RequestTimer":
         return RequestTimer(self, tier.api_name, self.tenant_label(tenant), arrival_s)
@@ -186,8 +171,7 @@ class RequestTimer:
         last = self._last_token_s.get(choice)
         if last is not None:  # k tokens in one output (speculative): k gaps of gap/k each
             gap_s = (now_s - last) / num_new_tokens
-            for _ in range(num_new_tokens):
-                m.itl_s.labels(self.tier).observe(gap_s)
+            m.itl_s[self.tier].observe(gap_s, num_new_tokens)
         self._last_token_s[choice] = now_s
 
     def finish(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
@@ -214,7 +198,10 @@ class _ScrapeTimeCollector:
 
     def collect(self):
         m = self.metrics
-        queries, query_tokens, hit_tokens = m._prefix
+        occ = m._occupancy_source() if m._occupancy_source else None
+        yield from self._engine_families(m, occ)
+        queries, query_tokens, hit_tokens = (0, 0, 0) if occ is None else (
+            occ.num_prefix_queries, occ.num_prefix_query_tokens, occ.num_prefix_hit_tokens)
         yield _counter("ultrafast_prefix_cache_queries", "Prefix-cache lookups", queries)
         yield _counter("ultrafast_prefix_cache_query_tokens",
                        "Prompt tokens looked up in the prefix cache", query_tokens)
@@ -248,6 +235,63 @@ class _ScrapeTimeCollector:
         for tier in TIERS:
             in_flight.add_metric((tier,), current.get(tier, 0))
         yield in_flight
+
+
+    @staticmethod
+    def _engine_families(m: ServerMetrics, occ):
+        yield _histogram("ultrafast_inter_token_latency_seconds",
+                         "Gap between consecutive output tokens of one choice", "tier",
+                         m.itl_s)
+        yield _histogram("ultrafast_step_phase_seconds", "Engine step time by phase", "phase",
+                         m.step_phase_s)
+        yield _histogram("ultrafast_batch_size_seqs", "Sequences per engine step", None,
+                         {None: m.batch_seqs})
+        yield _histogram("ultrafast_batch_size_tokens", "Tokens per engine step", None,
+                         {None: m.batch_tokens})
+        yield _counter("ultrafast_engine_busy_seconds",
+                       "Engine time spent in steps (rate = utilization)", m.busy_s)
+        for name, doc, attr in (
+                ("ultrafast_queue_depth", "Requests waiting for a KV slot", "num_waiting_by_tier"),
+                ("ultrafast_running_requests", "Requests holding a KV slot",
+                 "num_running_by_tier")):
+            family = GaugeMetricFamily(name, doc, labels=("tier",))
+            values = getattr(occ, attr, None) or (0,) * len(TIERS)
+            for tier, n in zip(TIERS, values):
+                family.add_metric((tier,), n)
+            yield family
+        yield GaugeMetricFamily("ultrafast_kv_slots_running", "KV slots owned by a running "
+                                "request", value=occ.num_kv_slots_running if occ else 0)
+        yield GaugeMetricFamily("ultrafast_kv_slots_total", "KV slots",
+                                value=occ.num_kv_slots_total if occ else 0)
+
+
+class _Buckets:
+    """A histogram's counts without locks: one writer thread, read (copied) at scrape time."""
+
+    def __init__(self, upper_bounds: tuple):
+        self.upper_bounds = upper_bounds
+        self.counts = [0] * (len(upper_bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.upper_bounds, value)] += times
+        self.sum += value * times
+
+    def cumulative(self) -> tuple[list, float]:
+        counts, total, running = list(self.counts), self.sum, 0
+        buckets = []
+        for bound, n in zip([*map(str, self.upper_bounds), "+Inf"], counts):
+            running += n
+            buckets.append((bound, running))
+        return buckets, total
+
+
+def _histogram(name: str, doc: str, label: str | None, by_value: dict) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=(label,) if label else ())
+    for value, hist in by_value.items():
+        buckets, total = hist.cumulative()
+        family.add_metric((value,) if label else (), buckets, total)
+    return family
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

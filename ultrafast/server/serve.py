@@ -99,7 +99,8 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
                             device_kind=device_kind, alert_priority_itl_p99_s=alert_ms / 1000)
     # the speculative engine's cumulative counters, where it exists (see server/metrics.py)
     metrics.set_spec_source(lambda: getattr(core, "spec_stats", None))
-    engine = EngineThread(core, on_stats=lambda stats: metrics.on_step(stats, core.occupancy()),
+    metrics.set_occupancy_source(core.occupancy)
+    engine = EngineThread(core, on_stats=metrics.on_step,
                           shaper_window_s=config.shaper_window_ms / 1000).start()
     limits = Limits(vocab_size=tokenizer.vocab_size, max_tokens_cap=config.max_tokens_cap)
     return ServerState(config=config, engine=engine, tokenizer=tokenizer,
