@@ -71,6 +71,8 @@ def cmd_serve(args) -> int:
         api_keys_path=args.api_keys, allowed_hosts=tuple(args.allowed_host),
         guard_patterns=tuple(args.guard_pattern),
         guard_patterns_path=args.guard_patterns, guard_hold_back_tokens=args.guard_hold_back_tokens,
+        guard_classifier=args.guard_classifier,
+        guard_classifier_threshold=args.guard_classifier_threshold,
         alert_priority_itl_p99_ms=args.alert_priority_itl_p99_ms)
     return serve(engine, server)
 
@@ -165,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="output safety filter: cut a stream matching REGEX (repeatable)")
     srv.add_argument("--guard-patterns", default=None, metavar="FILE",
                      help='output safety filter patterns, JSON {"patterns": [...]}')
+    srv.add_argument("--guard-classifier", default=None, metavar="MODULE:FUNCTION",
+                     help="output safety filter: a function text -> score in [0, 1], run off "
+                     "the event loop; scores >= --guard-classifier-threshold cut the stream")
+    srv.add_argument("--guard-classifier-threshold", type=float, default=0.5)
     srv.add_argument("--guard-hold-back-tokens", type=int, default=4,
                      help="tokens withheld after each cleared chunk (>= longest pattern)")
     srv.add_argument("--alert-priority-itl-p99-ms", type=float, default=None,

@@ -71,5 +71,7 @@ class ServerConfig:
     guard_patterns: tuple[str, ...] = ()  # output safety filter regexes; () = no filter
     guard_patterns_path: str | None = None  # JSON file of patterns (server/guard.py)
     guard_hold_back_tokens: int = 4  # tokens withheld after a chunk is cleared
+    guard_classifier: str | None = None  # module:function scoring text in [0, 1]
+    guard_classifier_threshold: float = 0.5
     # per-token p99 alert threshold for the priority tier; None = 2 ms on GPU, off on CPU
     alert_priority_itl_p99_ms: float | None = None

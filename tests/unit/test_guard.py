@@ -101,3 +101,25 @@ def test_pattern_file(tmp_path):
         PatternGuard.from_file(path)
     with pytest.raises(ValueError):
         PatternGuard(["(unclosed"])
+
+
+def toy_score(text: str) -> float:
+    """A stand-in classifier for the --guard-classifier loading test."""
+    return 1.0 if "forbidden" in text else 0.0
+
+
+def test_serve_builds_patterns_then_classifier():
+    from ultrafast.config import ServerConfig
+    from ultrafast.server.serve import build_guard
+
+    assert build_guard(ServerConfig()) is None
+    config = ServerConfig(guard_patterns=("secret",), guard_hold_back_tokens=2,
+                          guard_classifier="tests.unit.test_guard:toy_score")
+    guard = build_guard(config)
+    assert guard.hold_back_tokens == 2
+    assert asyncio.run(guard.guard.check("a secret", 0)).startswith("pattern")
+    assert asyncio.run(guard.guard.check("forbidden", 0)).startswith("classifier")
+    assert asyncio.run(guard.guard.check("fine", 0)) is None
+    for bad in ("nomodule", "tests.unit.test_guard:missing", "no.such.module:f"):
+        with pytest.raises(ValueError):
+            build_guard(ServerConfig(guard_classifier=bad))

@@ -8,15 +8,17 @@ tokens is caught before its first piece is sent. When the guard fires, the choic
 finish_reason "content_filter", its engine request is aborted, and nothing past the last
 cleared-and-released chunk is ever sent (streaming or not).
 
-Guards: `PatternGuard` (the default policy: configurable regular expressions) and
+Guards: `PatternGuard` (the default policy: configurable regular expressions),
 `ClassifierGuard` (the interface for a model that scores text; its `score` runs off the event
-loop). Both implement `OutputGuard.check`.
+loop; `--guard-classifier module:function` loads one) and `AllGuards` (several, in order). All
+implement `OutputGuard.check`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import importlib
 import json
 import re
 from concurrent.futures import Executor
@@ -99,6 +101,34 @@ class ClassifierGuard(OutputGuard):
         value = await asyncio.get_running_loop().run_in_executor(self.executor, self.score,
                                                                  context)
         return f"classifier score {value:.2f}" if value >= self.threshold else None
+
+
+class AllGuards(OutputGuard):
+    """Runs guards in order (cheap patterns first); the first that fires decides."""
+
+    def __init__(self, guards: list[OutputGuard]):
+        self.guards = guards
+
+    async def check(self, text: str, num_checked_chars: int) -> str | None:
+        for guard in self.guards:
+            reason = await guard.check(text, num_checked_chars)
+            if reason is not None:
+                return reason
+        return None
+
+
+def load_score_function(spec: str) -> Callable[[str], float]:
+    """`package.module:function` (operator configuration, never request input)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--guard-classifier wants module:function, got {spec!r}")
+    try:
+        score = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load guard classifier {spec!r}: {exc}") from None
+    if not callable(score):
+        raise ValueError(f"guard classifier {spec!r} is not callable")
+    return score
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from ultrafast.runtime.engine import EngineThread
 from ultrafast.server.admission import Admission
 from ultrafast.server.app import ServerState, build_app
 from ultrafast.server.auth import RedactingFilter
-from ultrafast.server.guard import GuardConfig, PatternGuard
+from ultrafast.server.guard import (AllGuards, ClassifierGuard, GuardConfig, PatternGuard,
+                                    load_score_function)
 from ultrafast.server.metrics import ServerMetrics
 from ultrafast.server.tenants import load_api_keys
 from ultrafast.server.protocol import Limits
@@ -69,13 +70,17 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def build_guard(config: ServerConfig) -> GuardConfig | None:
-    patterns = list(config.guard_patterns)
+    patterns, guards = list(config.guard_patterns), []
     if config.guard_patterns_path:
-        guard = PatternGuard.from_file(config.guard_patterns_path, extra=patterns)
+        guards.append(PatternGuard.from_file(config.guard_patterns_path, extra=patterns))
     elif patterns:
-        guard = PatternGuard(patterns)
-    else:
+        guards.append(PatternGuard(patterns))
+    if config.guard_classifier:  # after the patterns: they are cheaper
+        guards.append(ClassifierGuard(load_score_function(config.guard_classifier),
+                                      threshold=config.guard_classifier_threshold))
+    if not guards:
         return None
+    guard = guards[0] if len(guards) == 1 else AllGuards(guards)
     return GuardConfig(guard, hold_back_tokens=config.guard_hold_back_tokens)
 
 
