@@ -77,8 +77,8 @@ class PatternGuard(OutputGuard):
             raise ValueError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
         if not isinstance(spec, dict) or not isinstance(spec.get("patterns"), list):
             raise ValueError(f"{path}: expected an object with a `patterns` list")
-        return cls([str(p) for p in spec["patterns"]] + list(extra), bool(spec.get("ignore_case", True)),
-                   int(spec.get("max_match_chars", 256)))
+        return cls([str(p) for p in spec["patterns"]] + list(extra),
+                   bool(spec.get("ignore_case", True)), int(spec.get("max_match_chars", 256)))
 
 
 class ClassifierGuard(OutputGuard):
