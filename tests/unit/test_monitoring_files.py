@@ -131,3 +131,19 @@ def test_promtool_parses_every_dashboard_expression(tmp_path):
     check = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True,
                            text=True)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (make setup installs it)")
+def test_promtool_checks_the_example_scrape_config(tmp_path):
+    config = (ALERTS.parent / "prometheus.yml").read_text()
+    key_file = tmp_path / "metrics.key"
+    key_file.write_text("a-metrics-scope-key\n")
+    (tmp_path / "prometheus.yml").write_text(
+        config.replace("/etc/prometheus/ultrafast-metrics.key", str(key_file)))
+    shutil.copy(ALERTS, tmp_path / "alerts.yml")
+    check = subprocess.run([PROMTOOL, "check", "config", "prometheus.yml"], cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    scrape = yaml.safe_load(config)["scrape_configs"][0]
+    assert scrape["job_name"] == "ultrafast"  # UltrafastDown selects up{job="ultrafast"}
+    assert scrape["authorization"]["type"] == "Bearer"
