@@ -123,3 +123,12 @@ def test_serve_builds_patterns_then_classifier():
     for bad in ("nomodule", "tests.unit.test_guard:missing", "no.such.module:f"):
         with pytest.raises(ValueError):
             build_guard(ServerConfig(guard_classifier=bad))
+
+
+def test_the_checked_text_is_a_bounded_trailing_window():
+    choice = GuardedChoice(GuardConfig(PatternGuard(["needle"]), hold_back_tokens=2,
+                                       window_chars=64))
+    pieces = ["x" * 10] * 50 + ["nee", "dle", "yy"]
+    out, blocked = run(choice, pieces)
+    assert blocked and len(choice.text) <= 64
+    assert "".join(out) == "x" * 490  # up to 2 tokens before the match: nothing of it

@@ -1,7 +1,7 @@
 """What does the output safety filter cost? TTFT, inter-token gaps and streamed tokens/s over HTTP
 with no guard, with the pattern guard and no hold-back (the cost of checking), and with the
 pattern guard holding back N tokens (the cost a client sees), plus the guard's own CPU time per
-token measured in-process. Servers run one at a time on 127.0.0.1, in alternating order per
+token and the metrics' CPU time per engine step and per token, measured in-process. Servers run one at a time on 127.0.0.1, in alternating order per
 round so drift in the machine's speed spreads over all configurations.
 """
 
@@ -18,7 +18,10 @@ import httpx
 from ultrafast.bench.report import write_report
 from ultrafast.bench.server_process import ServerProcess
 from ultrafast.bench.tiers import PROMPT, percentile, stream_once
+from ultrafast.request import ServiceTier
+from ultrafast.runtime.engine import StepStats
 from ultrafast.server.guard import GuardConfig, GuardedChoice, PatternGuard
+from ultrafast.server.metrics import ServerMetrics
 
 EXAMPLE_PATTERNS = Path(__file__).resolve().parents[2] / "deploy" / "guard-patterns.example.json"
 
@@ -68,6 +71,24 @@ def guard_cpu_cost_us(patterns_file: Path, num_tokens: int = 2000) -> float:
     return 1e6 * asyncio.run(run()) / num_tokens
 
 
+def metrics_cpu_cost_us(num: int = 20000) -> dict:
+    """Microseconds per engine step (on the engine thread) and per streamed token (event loop)."""
+    metrics = ServerMetrics()
+    stats = StepStats(step_id=1, num_seqs=4, num_tokens=4, num_running=4, num_waiting=0,
+                      schedule_time_s=1e-4, execute_time_s=2e-3, sample_time_s=1e-4,
+                      update_time_s=5e-5)
+    start = time.perf_counter()
+    for _ in range(num):
+        metrics.on_step(stats)
+    per_step_us = 1e6 * (time.perf_counter() - start) / num
+    timer = metrics.request_timer(ServiceTier.PRIORITY, "", arrival_s=0.0)
+    start = time.perf_counter()
+    for i in range(num):
+        timer.output(0, 1, 0.0, now_s=0.001 * (i + 1))
+    return {"per_step_us": per_step_us,
+            "per_token_us": 1e6 * (time.perf_counter() - start) / num}
+
+
 def main(args) -> int:
     patterns = Path(getattr(args, "guard_patterns", None) or EXAMPLE_PATTERNS)
     hold_back = getattr(args, "hold_back_tokens", 4)
@@ -86,6 +107,7 @@ def main(args) -> int:
                 srv.stop()
     results = {name: _summary(*values) for name, values in raw.items()}
     cpu_us = guard_cpu_cost_us(patterns)
+    metrics_us = metrics_cpu_cost_us()
     base = results["none"]
     lines = ["| config | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tok/s | "
              "tok/s vs none |", "|---|---|---|---|---|---|---|"]
@@ -95,10 +117,12 @@ def main(args) -> int:
                      f"{r['tokens_per_s_median']:.1f} | "
                      f"{r['tokens_per_s_median'] / base['tokens_per_s_median']:.3f} |")
     lines.append(f"\nguard CPU per token (in-process, {patterns.name}): {cpu_us:.1f} us")
+    lines.append(f"metrics CPU: {metrics_us['per_step_us']:.1f} us per engine step, "
+                 f"{metrics_us['per_token_us']:.1f} us per streamed token")
     report = {"suite": "guard", "model": str(args.model), "patterns": str(patterns),
               "hold_back_tokens": hold_back, "rounds": args.rounds, "probes": args.probes,
               "new_tokens": args.new_tokens, "results": results,
-              "guard_cpu_us_per_token": cpu_us}
+              "guard_cpu_us_per_token": cpu_us, "metrics_cpu_us": metrics_us}
     return write_report(report, args.out, "\n".join(lines))
 
 

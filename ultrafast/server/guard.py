@@ -33,8 +33,8 @@ class OutputGuard:
     """Decides whether a choice's text so far may be shown. Subclasses implement `check`."""
 
     async def check(self, text: str, num_checked_chars: int) -> str | None:
-        """text: the choice's whole output so far; the first `num_checked_chars` were cleared
-        before. Returns None to allow, or a short reason (for the log) to cut the stream."""
+        """text: the choice's output so far (its trailing `GuardConfig.window_chars`); the first
+        `num_checked_chars` of it were cleared before. Returns None to allow, or a short reason (for the log) to cut the stream."""
         raise NotImplementedError
 
 
@@ -135,6 +135,7 @@ def load_score_function(spec: str) -> Callable[[str], float]:
 class GuardConfig:
     guard: OutputGuard
     hold_back_tokens: int = 4  # tokens kept back after clearing; >= the longest pattern's tokens
+    window_chars: int = 4096  # trailing text a check sees (>= pattern span, classifier context)
 
     def __post_init__(self) -> None:
         if self.hold_back_tokens < 0:
@@ -146,7 +147,7 @@ class GuardedChoice:
 
     def __init__(self, config: GuardConfig):
         self.config = config
-        self.text = ""  # everything generated (stop strings already applied)
+        self.text = ""  # the trailing window of what was generated (stop strings applied)
         self.num_checked_chars = 0
         self.held: collections.deque = collections.deque()  # [text, logprobs, num_tokens]
         self.num_held_tokens = 0
@@ -162,6 +163,10 @@ class GuardedChoice:
             self.held.append((text, list(logprobs), num_tokens))
             self.num_held_tokens += num_tokens
             self.text += text
+            cut = len(self.text) - self.config.window_chars
+            if cut > 0:  # bounded: a long stream costs O(window) per chunk, not O(length)
+                self.text = self.text[cut:]
+                self.num_checked_chars = max(0, self.num_checked_chars - cut)
         if len(self.text) > self.num_checked_chars or finished:
             reason = await self.config.guard.check(self.text, self.num_checked_chars)
             if reason is not None:
