@@ -1,8 +1,9 @@
 """What does the output safety filter cost? TTFT, inter-token gaps and streamed tokens/s over HTTP
 with no guard, with the pattern guard and no hold-back (the cost of checking), and with the
 pattern guard holding back N tokens (the cost a client sees), plus the guard's own CPU time per
-token and the metrics' CPU time per engine step and per token, measured in-process. Servers run one at a time on 127.0.0.1, in alternating order per
-round so drift in the machine's speed spreads over all configurations.
+token and the metrics' CPU time per engine step and per token, measured in-process. Servers
+run one at a time on 127.0.0.1, in alternating order per round so drift in the machine's speed
+spreads over all configurations.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ class OutputGuard:
 
     async def check(self, text: str, num_checked_chars: int) -> str | None:
         """text: the choice's output so far (its trailing `GuardConfig.window_chars`); the first
-        `num_checked_chars` of it were cleared before. Returns None to allow, or a short reason (for the log) to cut the stream."""
+        `num_checked_chars` of it were cleared before. Returns None to allow, or a short reason
+        (for the log) to cut the stream."""
         raise NotImplementedError
 
 
