@@ -1,4 +1,4 @@
-"""Authentication before routing, tier entitlements and per-tenant rate limits (RELIABILITY B41-B49).
+"""Auth before routing, tier entitlements and per-tenant rate limits (RELIABILITY B41-B49, S9).
 
 `AuthMiddleware` is plain ASGI and answers before the router, so without a valid key every
 path (known or not, any method) is 401 and routes cannot be enumerated; only `GET /health` is

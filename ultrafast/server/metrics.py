@@ -1,8 +1,8 @@
 """Prometheus metrics for `/metrics`: the only module that imports prometheus_client.
 
 Sources: the engine's `StepStats` (one per step, on the engine thread), its `EngineOccupancy`
-(read when scraped), each API call's timings (`RequestTimer`, on the event loop), and counters the server
-keeps itself (admission and auth refusals, read at scrape time).
+(read when scraped), each API call's timings (`RequestTimer`, on the event loop), and counters
+the server keeps itself (admission and auth refusals, read at scrape time).
 
 Hot paths stay cheap: per step and per token, values go into plain-Python `_Buckets` (a bisect
 and two adds, no lock: one writer thread each) that become Prometheus families only when
