@@ -28,6 +28,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
 		$(BIN)/pip wheel --no-deps -w $(WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION)
 	$(BIN)/pip install -q --find-links $(WHEELS) -e '.[test]'
+	@# promtool checks deploy/prometheus in the tests (skipped without it); Debian's prometheus
+	@# package carries it. Best effort: no root or no apt leaves the parser-only checks.
+	command -v promtool >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
+		[ "$$(id -u)" = 0 ] && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } || \
+		echo "promtool not installed: monitoring files get the parser checks only"
 	touch $@
 
 run: setup

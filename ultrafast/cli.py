@@ -98,8 +98,33 @@ def cmd_serve(args) -> int:
         default=TierTargets(args.default_ttft_ms, args.default_itl_ms, args.default_queue),
         shaper_window_ms=args.shaper_window_ms, drain_timeout_s=args.drain_timeout_s,
         session_store=args.session_store, session_ttl_s=args.session_ttl_s,
-        max_sessions_per_tenant=args.max_sessions_per_tenant)
+        max_sessions_per_tenant=args.max_sessions_per_tenant,
+        api_keys_path=args.api_keys, allowed_hosts=tuple(args.allowed_host),
+        guard_patterns=tuple(args.guard_pattern),
+        guard_patterns_path=args.guard_patterns, guard_hold_back_tokens=args.guard_hold_back_tokens,
+        guard_classifier=args.guard_classifier,
+        guard_classifier_threshold=args.guard_classifier_threshold,
+        alert_priority_itl_p99_ms=args.alert_priority_itl_p99_ms)
     return serve(engine, server)
+
+
+def cmd_keys(args) -> int:
+    from ultrafast.server.tenants import hash_key, load_api_keys, new_key
+
+    if args.action == "new":
+        key = new_key()
+        print(f"key:    {key}\nsha256: {hash_key(key)}")
+    elif args.action == "hash":
+        key = args.key if args.key is not None else sys.stdin.readline().rstrip("\n")
+        if not key:
+            raise ValueError("give the key as an argument or on stdin")
+        print(hash_key(key))
+    else:
+        keys = load_api_keys(args.key)
+        for tenant in keys.tenants.values():
+            print(f"{tenant.name}: tiers {sorted(t.api_name for t in tenant.tiers)}, "
+                  f"{sum(1 for _, t, _ in keys.by_hash.values() if t is tenant)} key(s)")
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -117,6 +142,11 @@ def cmd_bench(args) -> int:
         args.concurrency = args.concurrency or "1,4,16"
         args.out = args.out or "runs/bench.json"
         return run_main(args)
+    if args.suite == "guard":
+        from ultrafast.bench.guard import main as guard_main
+
+        args.out = args.out or "runs/bench_guard.json"
+        return guard_main(args)
     if args.suite == "tiers":
         from ultrafast.bench.tiers import main as tiers_main
 
@@ -187,17 +217,38 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--session-ttl-s", type=float, default=30 * 24 * 3600.0,
                      help="a session expires this long after its last turn")
     srv.add_argument("--max-sessions-per-tenant", type=int, default=10_000)
+    srv.add_argument("--api-keys", default=None, metavar="FILE",
+                     help="tenants and sha256-hashed keys (YAML/JSON, see deploy/); without it "
+                     "there is no auth and the server listens on loopback only")
+    srv.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                     help="Host header names to accept (repeatable; default on loopback: "
+                     "127.0.0.1, localhost, ::1; otherwise any)")
+    srv.add_argument("--guard-pattern", action="append", default=[], metavar="REGEX",
+                     help="output safety filter: cut a stream matching REGEX (repeatable)")
+    srv.add_argument("--guard-patterns", default=None, metavar="FILE",
+                     help='output safety filter patterns, JSON {"patterns": [...]}')
+    srv.add_argument("--guard-classifier", default=None, metavar="MODULE:FUNCTION",
+                     help="output safety filter: a function text -> score in [0, 1], run off "
+                     "the event loop; scores >= --guard-classifier-threshold cut the stream")
+    srv.add_argument("--guard-classifier-threshold", type=float, default=0.5)
+    srv.add_argument("--guard-hold-back-tokens", type=int, default=4,
+                     help="tokens withheld after each cleared chunk (>= longest pattern)")
+    srv.add_argument("--alert-priority-itl-p99-ms", type=float, default=None,
+                     help="exported threshold of the priority per-token p99 alert "
+                     "(default 2 on GPU, off on CPU; 0 = off)")
     _add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks (JSON + Markdown table)")
-    bench.add_argument("suite", nargs="?", choices=["run", "decode", "tiers", "sessions", "gpu"],
+    bench.add_argument("suite", nargs="?",
+                       choices=["run", "decode", "tiers", "sessions", "guard", "gpu"],
                        default="run",
                        help="run: ours (engine + HTTP server) vs llama.cpp and transformers at "
                        "concurrency 1/4/16, JSON + Markdown + PNG; decode: batch-1 decode only; "
                        "tiers: priority latency idle vs loaded, and HTTP streaming overhead; "
                        "sessions: TTFT by conversation turn, and exactly-once turns across "
-                       "a Redis restart; "
+                       "a Redis restart; guard: TTFT and tokens/s with and without the output "
+                       "safety filter; "
                        "gpu: Llama-3.2-1B-shaped bf16 decode, eager vs CUDA graphs vs roofline")
     bench.add_argument("--model", default=None, help="HF model directory (default: demo model)")
     bench.add_argument("--num-slots", type=int, default=4, help="tiers: KV slots of the server")
@@ -242,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sessions: answer size in the exactly-once run")
     bench.add_argument("--max-model-len", type=int, default=4096,
                        help="sessions: server positions per slot (capped by the model)")
+    bench.add_argument("--guard-patterns", default=None,
+                       help="guard: patterns file (default deploy/guard-patterns.example.json)")
+    bench.add_argument("--hold-back-tokens", type=int, default=4, help="guard: hold-back N")
     bench.add_argument("--out", default=None, help="JSON report (default under runs/)")
     bench.set_defaults(func=cmd_bench)
 
@@ -256,6 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: start one per scenario)")
     lt.add_argument("--out", default="runs/loadtest.json", help="JSON report (+ .md beside)")
     lt.set_defaults(func=cmd_loadtest)
+
+    keys = sub.add_parser("keys", help="API keys: make one, hash one, check a keys file")
+    keys.add_argument("action", choices=["new", "hash", "check"],
+                      help="new: random key + its sha256; hash KEY (or stdin): the sha256 to "
+                      "put in the keys file; check FILE: parse a keys file")
+    keys.add_argument("key", nargs="?", default=None, help="hash: the key; check: the file")
+    keys.set_defaults(func=cmd_keys)
 
     conv = sub.add_parser("convert", help="convert an HF model directory to GGUF")
     conv.add_argument("model_dir", help="HF directory (config.json, safetensors, tokenizer.json)")

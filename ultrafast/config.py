@@ -95,3 +95,12 @@ class ServerConfig:
     session_ttl_s: float = 30 * 24 * 3600.0  # a session expires this long after its last write
     max_sessions_per_tenant: int = 10_000
     session_commit_grace_s: float = 30.0  # an answer's commit is retried this long (store outage)
+    allowed_hosts: tuple[str, ...] = ()  # Host header names; () = loopback names on loopback
+    api_keys_path: str | None = None  # tenants + sha256 keys; None = no auth, loopback only
+    guard_patterns: tuple[str, ...] = ()  # output safety filter regexes; () = no filter
+    guard_patterns_path: str | None = None  # JSON file of patterns (server/guard.py)
+    guard_hold_back_tokens: int = 4  # tokens withheld after a chunk is cleared
+    guard_classifier: str | None = None  # module:function scoring text in [0, 1]
+    guard_classifier_threshold: float = 0.5
+    # per-token p99 alert threshold for the priority tier; None = 2 ms on GPU, off on CPU
+    alert_priority_itl_p99_ms: float | None = None

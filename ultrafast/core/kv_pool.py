@@ -64,6 +64,7 @@ class KVSlotPool:
         self._clock = 0
         self.num_prefix_queries = 0  # requests looked up
         self.num_prefix_hit_tokens = 0  # prompt tokens served from cache
+        self.num_prefix_query_tokens = 0  # tokens looked up (the hit rate's denominator)
 
     @property
     def num_slots(self) -> int:
@@ -106,6 +107,7 @@ class KVSlotPool:
         slot.hashes = wanted[:num_blocks]
         num_cached = num_blocks * self.block_size
         self.num_prefix_queries += 1
+        self.num_prefix_query_tokens += max(len(token_ids) - 1, 0)
         self.num_prefix_hit_tokens += num_cached
         return SlotAllocation(slot.slot_id, num_cached, copy)
 

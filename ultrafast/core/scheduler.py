@@ -64,6 +64,9 @@ class Scheduler:
         # Set by the engine from measured step costs: while a priority request is decoding, a
         # step holds at most this many tokens, so long prefills cannot stretch its token gaps.
         self.priority_step_token_budget: int | None = None
+        # Committed capacity: tenant -> running seats kept for its priority requests; another
+        # tenant's priority request may not take the last unused ones (set by the server).
+        self.reserved_priority_seats: dict[str, int] = {}
         self._admissions_left = 0
 
     # ---- admission -------------------------------------------------------------------------
@@ -134,7 +137,8 @@ class Scheduler:
         """Preempt lower tiers before anything is scheduled, so their slots are free to take."""
         num_wanting = 0
         for tier in (ServiceTier.PRIORITY, ServiceTier.DEFAULT):
-            num_wanting += len(self.waiting[tier])
+            num_wanting += (self._num_priority_wanting() if tier == ServiceTier.PRIORITY
+                            else len(self.waiting[tier]))
             while self._free_capacity() < num_wanting and self._preempt_for(tier):
                 pass
 
@@ -146,15 +150,17 @@ class Scheduler:
         while queue and budget > 0:
             if tier != ServiceTier.PRIORITY and self._admissions_left <= 0:
                 break  # the shaper releases default/flex arrivals at a steady rate
+            request = self._next_admissible(queue, tier)
+            if request is None:
+                break
             if len(self.running) >= self.config.max_num_seqs and not self._preempt_for(tier):
                 break
-            request = queue[0]
             allocation = self._allocate(request)
             if allocation is None and self._preempt_for(tier):
                 allocation = self._allocate(request)
             if allocation is None:
                 break
-            queue.popleft()
+            queue.remove(request)
             request.slot_id = allocation.slot_id
             request.num_computed_tokens = allocation.num_cached_tokens
             if request.num_preemptions == 0:
@@ -169,6 +175,41 @@ class Scheduler:
             self.running.append(request)
             budget -= self._schedule_chunk(plan, request, budget)
         return budget
+
+    def _next_admissible(self, queue, tier: ServiceTier) -> Request | None:
+        """The first waiting request that may start: priority requests of a tenant past its own
+        committed seats leave the other tenants' unused committed seats free."""
+        if tier != ServiceTier.PRIORITY or not self.reserved_priority_seats:
+            return queue[0]
+        running = self._priority_running_by_tenant()
+        return next((r for r in queue if self._may_take_priority_seat(r.tenant, running)), None)
+
+    def _priority_running_by_tenant(self) -> dict[str, int]:
+        running: dict[str, int] = {}
+        for r in self.running:
+            if r.tier == ServiceTier.PRIORITY:
+                running[r.tenant] = running.get(r.tenant, 0) + 1
+        return running
+
+    def _may_take_priority_seat(self, tenant: str, running: dict[str, int]) -> bool:
+        reserved = self.reserved_priority_seats
+        if running.get(tenant, 0) < reserved.get(tenant, 0):
+            return True
+        unused_others = sum(max(0, n - running.get(t, 0)) for t, n in reserved.items()
+                            if t != tenant)
+        return sum(running.values()) + unused_others < self.config.max_num_seqs
+
+    def _num_priority_wanting(self) -> int:
+        """Waiting priority requests that could start, so blocked ones preempt nothing."""
+        queue = self.waiting[ServiceTier.PRIORITY]
+        if not self.reserved_priority_seats:
+            return len(queue)
+        running, num = self._priority_running_by_tenant(), 0
+        for request in queue:
+            if self._may_take_priority_seat(request.tenant, running):
+                running[request.tenant] = running.get(request.tenant, 0) + 1
+                num += 1
+        return num
 
     def _allocate(self, request: Request):
         return self.pool.allocate(request.request_id, request.all_token_ids, request.tenant)

@@ -41,6 +41,20 @@ class StepStats:
     num_draft_tokens: int = 0  # drafts scheduled in this step
 
 
+@dataclass
+class EngineOccupancy:
+    """Queues, slots and cache counts, for metrics. `EngineCore.occupancy()` only counts, so
+    the metrics scrape may call it from the event loop: a value may be one step old."""
+
+    num_waiting_by_tier: tuple[int, ...]  # indexed by ServiceTier value
+    num_running_by_tier: tuple[int, ...]
+    num_kv_slots_running: int  # slots owned by a running request
+    num_kv_slots_total: int
+    num_prefix_queries: int  # cumulative: prefix-cache lookups
+    num_prefix_query_tokens: int  # cumulative: prompt tokens looked up
+    num_prefix_hit_tokens: int  # cumulative: tokens served from the cache
+
+
 class StepCostModel:
     """Step time ~ base_s + per_token_s * num_tokens, fitted online (exponentially weighted
     least squares), plus the time of a lone single-token step.
@@ -134,6 +148,20 @@ class EngineCore:
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
+
+    def occupancy(self) -> EngineOccupancy:
+        sched, pool = self.scheduler, self.pool
+        running = [0, 0, 0]  # ServiceTier values 0..2
+        for request in sched.running:
+            running[request.tier] += 1
+        waiting = sched.waiting
+        return EngineOccupancy(
+            num_waiting_by_tier=(len(waiting[ServiceTier.PRIORITY]),
+                                 len(waiting[ServiceTier.DEFAULT]), len(waiting[ServiceTier.FLEX])),
+            num_running_by_tier=tuple(running), num_kv_slots_running=pool.num_running,
+            num_kv_slots_total=pool.num_slots, num_prefix_queries=pool.num_prefix_queries,
+            num_prefix_query_tokens=pool.num_prefix_query_tokens,
+            num_prefix_hit_tokens=pool.num_prefix_hit_tokens)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

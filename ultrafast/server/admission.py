@@ -21,6 +21,7 @@ class Ticket:
     """One admitted API call, holding its tier's capacity until released."""
 
     tier: ServiceTier
+    tenant: str = ""
     num_prompt_tokens: int = 0
     prefill_pending: bool = False
     predicted_ttft_s: float = 0.0
@@ -34,6 +35,9 @@ class Admission:
     in_flight: dict = field(default_factory=lambda: {t: 0 for t in ServiceTier})
     pending_prefill_tokens: dict = field(default_factory=lambda: {t: 0 for t in ServiceTier})
     refused: dict = field(default_factory=dict)  # reason -> count, for metrics
+    # committed capacity: tenant -> priority seats that no other tenant may take
+    priority_reserved: dict = field(default_factory=dict)
+    priority_by_tenant: dict = field(default_factory=dict)  # tenant -> priority calls in flight
 
     def targets(self, tier: ServiceTier) -> TierTargets:
         return {ServiceTier.PRIORITY: self.config.priority, ServiceTier.DEFAULT: self.config.default,
@@ -43,18 +47,35 @@ class Admission:
         self.refused[reason] = self.refused.get(reason, 0) + 1
         return error
 
-    def reserve(self, tier: ServiceTier, auto: bool = False) -> Ticket:
+    def _has_seat(self, tier: ServiceTier, tenant: str) -> bool:
+        if tier != ServiceTier.PRIORITY or not self.priority_reserved:
+            return self.in_flight[tier] < self.targets(tier).max_in_flight
+        reserved = self.priority_reserved
+        if self.priority_by_tenant.get(tenant, 0) < reserved.get(tenant, 0):
+            return True  # within its own committed seats
+        num_shared = self.config.priority.max_in_flight - sum(reserved.values())
+        used_shared = sum(max(0, n - reserved.get(t, 0))
+                          for t, n in self.priority_by_tenant.items())
+        return used_shared < num_shared
+
+    def reserve(self, tier: ServiceTier, auto: bool = False, tenant: str = "") -> Ticket:
         """Take a seat in the tier's queue, or 503 queue_full. Called before tokenizing."""
-        if auto and self.in_flight[ServiceTier.PRIORITY] < self.config.priority.max_in_flight:
-            tier = ServiceTier.PRIORITY
-        elif auto:
-            tier = ServiceTier.DEFAULT
-        if self.in_flight[tier] >= self.targets(tier).max_in_flight:
+        if auto:
+            tier = (ServiceTier.PRIORITY if self._has_seat(ServiceTier.PRIORITY, tenant)
+                    else ServiceTier.DEFAULT)
+        if not self._has_seat(tier, tenant):
             raise self._refuse("queue_full", APIError(
                 503, f"the {tier.api_name} queue is full; retry shortly", "overloaded_error",
                 "queue_full", None, headers={"Retry-After": "1"}))
-        self.in_flight[tier] += 1
-        return Ticket(tier)
+        ticket = Ticket(tier, tenant)
+        self._count(ticket, +1)
+        return ticket
+
+    def _count(self, ticket: Ticket, delta: int) -> None:
+        self.in_flight[ticket.tier] += delta
+        if ticket.tier == ServiceTier.PRIORITY:
+            by_tenant = self.priority_by_tenant
+            by_tenant[ticket.tenant] = by_tenant.get(ticket.tenant, 0) + delta
 
     def predict_ttft_s(self, tier: ServiceTier, num_prompt_tokens: int) -> float:
         """Prefill work at or above this tier's precedence, plus one step, at measured rates."""
@@ -89,9 +110,9 @@ class Admission:
         return ticket
 
     def _move(self, ticket: Ticket, tier: ServiceTier) -> None:
-        self.in_flight[ticket.tier] -= 1
-        self.in_flight[tier] += 1
+        self._count(ticket, -1)
         ticket.tier = tier
+        self._count(ticket, +1)
 
     def first_token(self, ticket: Ticket) -> None:
         if ticket.prefill_pending:
@@ -103,4 +124,4 @@ class Admission:
             return
         self.first_token(ticket)
         ticket.released = True
-        self.in_flight[ticket.tier] -= 1
+        self._count(ticket, -1)

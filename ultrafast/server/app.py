@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -25,6 +26,10 @@ from ultrafast.config import ServerConfig
 from ultrafast.request import ServiceTier
 from ultrafast.runtime.engine import EngineThread
 from ultrafast.server.admission import Admission
+from ultrafast.server import auth
+from ultrafast.server.guard import GuardConfig
+from ultrafast.server.metrics import ServerMetrics
+from ultrafast.server.tenants import ApiKeys
 from ultrafast.server.bridge import EngineBridge
 from ultrafast.server.chat_tokens import encode_chat
 from ultrafast.server.errors import APIError
@@ -54,6 +59,10 @@ class ServerState:
         default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="ultrafast-tokenize"))
     runs: set = field(default_factory=set)  # GenerationRuns in flight, for the drain
     sessions: SessionFlow | None = None  # server-side conversations (server/session_flow.py)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    api_keys: ApiKeys | None = None  # None: no auth, loopback only
+    guard: GuardConfig | None = None  # None: output goes out unfiltered
+    auth_refused: dict = field(default_factory=dict)  # reason -> count, for metrics
 
     def abort_everything(self) -> None:
         """Drain timeout: every unfinished choice ends with finish_reason "abort"."""
@@ -141,8 +150,12 @@ async def prepare_run(http: HTTPRequest, state: ServerState, req, chat: bool,
     request_id = request_id or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     _check_model(state, req.model)
     _check_ready(state)
-    auto = req.requested_tier_name() == "auto"
-    ticket = state.admission.reserve(req.tier(), auto=auto)
+    tenant = auth.tenant_of(http.scope)
+    tier_param = "service_tier" if req.service_tier is not None else "priority"
+    tier, auto = auth.entitled_tier(tenant, req.tier(), req.requested_tier_name() == "auto",
+                                    tier_param, state.auth_refused)
+    auth.take_request(tenant, state.auth_refused)
+    ticket = state.admission.reserve(tier, auto=auto, tenant=tenant.name)
     prediction_ids: list[int] | None = None
     try:
         loop = asyncio.get_running_loop()
@@ -164,16 +177,28 @@ async def prepare_run(http: HTTPRequest, state: ServerState, req, chat: bool,
                            param)
         max_tokens = _resolve_max_tokens(state, req.requested_max_tokens(), longest, param)
         params = req.sampling_params(state.tokenizer.vocab_size, max_tokens)
-        # admission predicts TTFT from the tokens left to prefill, not the cached history
-        num_new = await loop.run_in_executor(state.pool, _num_uncached, state, prompts,
-                                             tenant_of(http))
-        state.admission.admit(ticket, num_new * req.n, auto)
+        num_tokens_taken = auth.take_tokens(
+            tenant, (sum(len(p) for p in prompts) + max_tokens * len(prompts)) * req.n,
+            state.auth_refused)
+        try:
+            # admission predicts TTFT from the tokens left to prefill, not the cached history
+            num_new = await loop.run_in_executor(state.pool, _num_uncached, state, prompts,
+                                                 tenant.name)
+            state.admission.admit(ticket, num_new * req.n, auto)
+        except APIError:
+            _refund_tokens(tenant, num_tokens_taken, 0)
+            raise
         spec = GenerationSpec(
             request_id=request_id, model_name=state.model_name, prompts=prompts, params=params,
             n=req.n, tier=ticket.tier, stops=req.stop_list(), chat=chat, stream=bool(req.stream),
             include_usage=req.include_usage(), want_logprobs=params.logprobs, echo_texts=echo,
-            arrival_s=arrival_s, prediction_token_ids=prediction_ids, tenant=tenant_of(http))
-        return GenerationRun(state, spec, ticket)
+            arrival_s=arrival_s, prediction_token_ids=prediction_ids, tenant=tenant.name)
+        run = GenerationRun(state, spec, ticket)
+        if num_tokens_taken:
+            run.on_finish.append(lambda r: _refund_tokens(
+                tenant, num_tokens_taken, sum(len(p) for p in prompts) * req.n
+                + sum(r.num_output_tokens)))
+        return run
     except BaseException:
         state.admission.release(ticket)
         raise
@@ -182,6 +207,12 @@ async def prepare_run(http: HTTPRequest, state: ServerState, req, chat: bool,
 def _num_uncached(state: ServerState, prompts: list[list[int]], tenant: str) -> int:
     pool = state.engine.core.pool
     return sum(len(p) - pool.num_cached_prefix_tokens(p, tenant) for p in prompts)
+
+
+def _refund_tokens(tenant, num_taken: int, num_used: int) -> None:
+    """Give back the reserved tokens a call did not use (max_tokens is an upper bound)."""
+    if tenant.token_bucket is not None and num_taken > num_used:
+        tenant.token_bucket.give_back(num_taken - num_used)
 
 
 def _completion_prompts(state: ServerState, req) -> list[list[int]]:
@@ -223,6 +254,10 @@ def build_app(state: ServerState) -> Starlette:
                              "session_store": None if state.sessions is None else
                              "ok" if state.sessions.store_ok else "degraded"})
 
+    async def metrics(http: HTTPRequest) -> Response:
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
     async def tokenize(http: HTTPRequest) -> Response:
         body = await read_json(http, state)
         text = _tokenize_input(state, body)
@@ -246,6 +281,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         *playground_routes(),
@@ -280,7 +316,15 @@ def build_app(state: ServerState) -> Starlette:
         if state.sessions is not None:
             await state.sessions.store.close()
 
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+    state.metrics.add_refusal_source(lambda: state.admission.refused)
+    state.metrics.add_refusal_source(lambda: state.auth_refused)
+    state.metrics.set_in_flight_source(
+        lambda: {t.api_name: n for t, n in state.admission.in_flight.items()})
+    hosts = auth.allowed_hosts_for(state.config.host, state.config.allowed_hosts)
+    middleware = [Middleware(auth.HostAllowListMiddleware, allowed_hosts=hosts),
+                  Middleware(auth.AuthMiddleware, keys=state.api_keys,
+                             refused=state.auth_refused)]
+    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware, exception_handlers={
         APIError: on_api_error, HTTPException: on_http_error, Exception: on_crash})
 
 

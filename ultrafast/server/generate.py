@@ -21,6 +21,7 @@ from ultrafast.server import openai_format as fmt
 from ultrafast.server.admission import Ticket
 from ultrafast.server.bridge import Generation
 from ultrafast.server.errors import APIError
+from ultrafast.server.guard import CONTENT_FILTER, GuardedChoice
 from ultrafast.tokenizer import StopStringMatcher
 
 
@@ -81,6 +82,11 @@ class GenerationRun:
         # left); returns an error code when the commit could not be made.
         self.on_complete = None
         self._completed = False
+        self.timer = state.metrics.request_timer(spec.tier, spec.tenant, spec.arrival_s)
+        guard = state.guard  # None: text goes out as soon as it exists
+        self.guarded = None if guard is None else [GuardedChoice(guard) for _ in self.choices]
+        self._released = [[len(c.text), 0] for c in self.choices]  # chars, logprobs sent
+        self.on_finish = []  # callbacks(run) when the call ends: rate-limit refunds
 
     def _apply(self, index: int, out: RequestOutput) -> tuple[str, list, str | None]:
         """Fold one engine output into choice `index`; returns (text delta, logprobs, finish)."""
@@ -132,8 +138,31 @@ class GenerationRun:
                 self.first_token_s = time.monotonic()
                 self.queue_time_s = out.queue_time_s
                 self.state.admission.first_token(self.ticket)
-            text, logprobs, finish = self._apply(gen.index_of[out.request_id], out)
-            yield gen.index_of[out.request_id], text, logprobs, finish
+            index = gen.index_of[out.request_id]
+            text, logprobs, finish = self._apply(index, out)
+            num_tokens = len(out.new_token_ids)
+            if self.guarded is not None:
+                text, logprobs, num_tokens, finish = await self._guard(
+                    index, text, logprobs, num_tokens, finish)
+            self.timer.output(index, num_tokens, out.queue_time_s)
+            yield index, text, logprobs, finish
+
+    async def _guard(self, index: int, text: str, logprobs: list, num_tokens: int,
+                     finish: str | None) -> tuple[str, list, int, str | None]:
+        """Pass the choice's new text through its guard; on a hit, cut the choice there."""
+        choice, released = self.choices[index], self._released[index]
+        text, logprobs, num_tokens, blocked = await self.guarded[index].push(
+            text, logprobs, num_tokens, finish is not None)
+        if blocked:  # the response keeps only what was released; the held text is dropped
+            choice.text = choice.text[:released[0]]
+            del choice.logprobs[released[1]:]
+            choice.finish_reason = CONTENT_FILTER
+            self.state.metrics.guard_cuts.inc()
+            self.generation.abort(index)
+            return "", [], 0, CONTENT_FILTER
+        released[0] += len(text)
+        released[1] += len(logprobs)
+        return text, logprobs, num_tokens, finish
 
     def usage(self) -> dict:
         prediction = None
@@ -155,6 +184,11 @@ class GenerationRun:
         self.state.runs.discard(self)
         self.generation.abort_all()
         self.state.admission.release(self.ticket)
+        self.timer.finish(sum(len(p) for p in self.spec.prompts) * self.spec.n,
+                          sum(self.num_output_tokens))
+        callbacks, self.on_finish = self.on_finish, []
+        for callback in callbacks:
+            callback(self)
         if self.on_complete is not None and not self._completed:
             self._completed = True  # the client left: store what was generated, as incomplete
             asyncio.ensure_future(self.on_complete(self, "client_disconnected"))

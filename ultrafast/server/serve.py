@@ -19,6 +19,11 @@ from ultrafast.llm import build_engine
 from ultrafast.runtime.engine import EngineThread
 from ultrafast.server.admission import Admission
 from ultrafast.server.app import ServerState, build_app
+from ultrafast.server.auth import RedactingFilter
+from ultrafast.server.guard import (AllGuards, ClassifierGuard, GuardConfig, PatternGuard,
+                                    load_score_function)
+from ultrafast.server.metrics import ServerMetrics
+from ultrafast.server.tenants import load_api_keys
 from ultrafast.server.protocol import Limits
 from ultrafast.server.session_flow import SessionFlow
 from ultrafast.server.sessions import open_store
@@ -58,16 +63,52 @@ class DrainingServer(uvicorn.Server):
         host, port = self.config.host, self.config.port
         print(f"ultrafast ready: model {self.state.model_name!r} on http://{host}:{port}\n"
               f"  curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json'"
+              + (" -H \"Authorization: Bearer $KEY\"" if self.state.api_keys else "") +
               f" -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"def fibonacci(n):\"}}],"
               f" \"max_tokens\": 64, \"service_tier\": \"priority\"}}'", flush=True)
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def build_guard(config: ServerConfig) -> GuardConfig | None:
+    patterns, guards = list(config.guard_patterns), []
+    if config.guard_patterns_path:
+        guards.append(PatternGuard.from_file(config.guard_patterns_path, extra=patterns))
+    elif patterns:
+        guards.append(PatternGuard(patterns))
+    if config.guard_classifier:  # after the patterns: they are cheaper
+        guards.append(ClassifierGuard(load_score_function(config.guard_classifier),
+                                      threshold=config.guard_classifier_threshold))
+    if not guards:
+        return None
+    guard = guards[0] if len(guards) == 1 else AllGuards(guards)
+    return GuardConfig(guard, hold_back_tokens=config.guard_hold_back_tokens)
+
+
 def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerState:
+    api_keys = load_api_keys(config.api_keys_path) if config.api_keys_path else None
+    guard = build_guard(config)  # bad files fail before the model loads
     core, tokenizer, files = build_engine(engine_config,
                                           priority_itl_target_s=config.priority.itl_ms / 1000)
     core.warmup()
     admission = Admission(config, costs=core.costs)  # after warmup(), which resets the fit
-    engine = EngineThread(core, shaper_window_s=config.shaper_window_ms / 1000).start()
+    if api_keys is not None:  # committed capacity, at both admission and the KV slots
+        admission.priority_reserved = api_keys.priority_seats(config.priority.max_in_flight)
+        core.scheduler.reserved_priority_seats = api_keys.priority_seats(
+            core.scheduler.config.max_num_seqs)
+    device = getattr(core.executor, "device", None)
+    device_kind = "gpu" if getattr(device, "type", "cpu") == "cuda" else "cpu"
+    alert_ms = config.alert_priority_itl_p99_ms
+    if alert_ms is None:
+        alert_ms = 2.0 if device_kind == "gpu" else 0.0
+    metrics = ServerMetrics(tenants=api_keys.tenants if api_keys else (),
+                            device_kind=device_kind, alert_priority_itl_p99_s=alert_ms / 1000)
+    # the speculative engine's cumulative counters, where it exists (see server/metrics.py)
+    metrics.set_spec_source(lambda: getattr(core, "spec_stats", None))
+    metrics.set_occupancy_source(core.occupancy)
+    engine = EngineThread(core, on_stats=metrics.on_step,
+                          shaper_window_s=config.shaper_window_ms / 1000).start()
     limits = Limits(vocab_size=tokenizer.vocab_size, max_tokens_cap=config.max_tokens_cap,
                     features=frozenset({"session_id"}))
     store = open_store(config.session_store or default_session_store(), config.session_ttl_s,
@@ -75,20 +116,31 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
     return ServerState(config=config, engine=engine, tokenizer=tokenizer,
                        model_name=config.served_model_name or files.name,
                        max_model_len=core.scheduler.config.max_model_len, limits=limits,
-                       admission=admission,
+                       admission=admission, metrics=metrics, api_keys=api_keys, guard=guard,
                        sessions=SessionFlow(store, config.session_commit_grace_s,
                                             config.served_model_name or files.name))
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if config.host not in ("127.0.0.1", "localhost", "::1"):
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())  # no bearer token reaches a log line
+    if config.api_keys_path is None:
+        if config.host not in LOOPBACK_HOSTS:
+            raise ValueError(f"refusing to listen on {config.host} without --api-keys: "
+                             "without keys the server binds to loopback only")
+        print("ultrafast: no --api-keys: authentication is off, listening on loopback only",
+              flush=True)
+    elif config.host not in LOOPBACK_HOSTS:
         log.warning("listening on %s: reachable from other machines", config.host)
     state = build_state(engine_config, config)
     uv_config = uvicorn.Config(
         build_app(state), host=config.host, port=config.port, log_level="warning",
         access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=3,
         h11_max_incomplete_event_size=16 * 1024)  # oversized headers are refused by h11
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(RedactingFilter())
     server = DrainingServer(uv_config, state)
     try:
         server.run()

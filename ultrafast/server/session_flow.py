@@ -17,6 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from ultrafast.server import auth
 from ultrafast.server.chat_tokens import answer_token_ids
 from ultrafast.server.errors import APIError
 from ultrafast.server.protocol_models import NAME_RE
@@ -28,8 +29,8 @@ MAX_PENDING_COMMITS = 10_000  # background re-tries held while the store is down
 
 
 def tenant_of(http) -> str:
-    """The tenant an auth layer put on the request (`request.state.tenant`), else the default."""
-    return getattr(http.state, "tenant", "") or ""
+    """The tenant name the auth middleware put on the request ("" without --api-keys)."""
+    return auth.tenant_of(http.scope).name
 
 
 def unavailable() -> APIError:
