@@ -70,7 +70,8 @@ def cmd_serve(args) -> int:
         host=args.host, port=args.port, served_model_name=args.served_model_name,
         priority=TierTargets(args.priority_ttft_ms, args.priority_itl_ms, args.priority_queue),
         default=TierTargets(args.default_ttft_ms, args.default_itl_ms, args.default_queue),
-        shaper_window_ms=args.shaper_window_ms, drain_timeout_s=args.drain_timeout_s)
+        shaper_window_ms=args.shaper_window_ms, drain_timeout_s=args.drain_timeout_s,
+        header_timeout_s=args.header_timeout_s, write_stall_timeout_s=args.write_stall_timeout_s)
     return serve(engine, server)
 
 
@@ -136,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shaper-window-ms", type=float, default=2.0,
                      help="coalesce default-tier arrivals this long (0 = off)")
     srv.add_argument("--drain-timeout-s", type=float, default=10.0)
+    srv.add_argument("--header-timeout-s", type=float, default=10.0,
+                     help="close a connection whose request head is not complete in this long "
+                     "(slowloris; 408 when part of it came; 0 = off)")
+    srv.add_argument("--write-stall-timeout-s", type=float, default=30.0,
+                     help="abort a stream whose client reads nothing for this long, freeing "
+                     "its KV slot (0 = off)")
     _add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 

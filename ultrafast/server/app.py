@@ -240,7 +240,8 @@ def build_app(state: ServerState) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        state.bridge = EngineBridge(state.engine, asyncio.get_running_loop())
+        state.bridge = EngineBridge(state.engine, asyncio.get_running_loop(),
+                                    state.config.max_stream_buffer_events)
         yield
 
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={
