@@ -104,7 +104,8 @@ def cmd_serve(args) -> int:
         guard_patterns_path=args.guard_patterns, guard_hold_back_tokens=args.guard_hold_back_tokens,
         guard_classifier=args.guard_classifier,
         guard_classifier_threshold=args.guard_classifier_threshold,
-        alert_priority_itl_p99_ms=args.alert_priority_itl_p99_ms)
+        alert_priority_itl_p99_ms=args.alert_priority_itl_p99_ms,
+        header_timeout_s=args.header_timeout_s, write_stall_timeout_s=args.write_stall_timeout_s)
     return serve(engine, server)
 
 
@@ -236,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--alert-priority-itl-p99-ms", type=float, default=None,
                      help="exported threshold of the priority per-token p99 alert "
                      "(default 2 on GPU, off on CPU; 0 = off)")
+    srv.add_argument("--header-timeout-s", type=float, default=10.0,
+                     help="close a connection whose request head is not complete in this long "
+                     "(slowloris; 408 when part of it came; 0 = off)")
+    srv.add_argument("--write-stall-timeout-s", type=float, default=30.0,
+                     help="abort a stream whose client reads nothing for this long, freeing "
+                     "its KV slot (0 = off)")
     _add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 

@@ -89,6 +89,9 @@ class ServerConfig:
     shaper_window_ms: float = 2.0  # default-tier arrivals coalesce this long; 0 = off
     drain_timeout_s: float = 10.0  # SIGTERM: running streams get this long to finish
     sse_ping_interval_s: float = 15.0  # keeps proxies from cutting idle streams
+    header_timeout_s: float = 10.0  # a request head must arrive this fast (slowloris); 0 = off
+    write_stall_timeout_s: float = 30.0  # a client reading nothing this long is cut; 0 = off
+    max_stream_buffer_events: int = 256  # per stream, before undelivered outputs are merged
     max_body_bytes: int = 4 * 1024 * 1024
     max_tokens_cap: int = 4096  # per-request ceiling on max_tokens
     session_store: str = ""  # sqlite:///path or redis://host:port/db; "" = default_session_store()

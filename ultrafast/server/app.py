@@ -311,7 +311,8 @@ def build_app(state: ServerState) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        state.bridge = EngineBridge(state.engine, asyncio.get_running_loop())
+        state.bridge = EngineBridge(state.engine, asyncio.get_running_loop(),
+                                    state.config.max_stream_buffer_events)
         yield
         if state.sessions is not None:
             await state.sessions.store.close()

@@ -4,26 +4,83 @@ The engine thread calls back with RequestOutputs; each is put on the caller's as
 `loop.call_soon_threadsafe`, so the event loop never blocks on the engine and the engine never
 waits for a slow client. `Generation` groups the n requests of one API call on one queue; the
 HTTP layer aborts whatever is unfinished when the client leaves, freeing the KV slots in a step.
+
+A client slower than the engine cannot grow a stream's buffer without bound: past
+`max_events` undelivered outputs, a new output is merged into its request's latest pending
+one (the client then gets several tokens in one event), so the buffer holds at most
+`max_events` + n outputs and no more token ids than max_tokens. A client that reads nothing at
+all is cut by the connection's write-stall timeout (server/http_timeouts.py).
+Once the event loop is closed (forced shutdown), late engine outputs are dropped quietly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+from dataclasses import replace
+
 from ultrafast.core.scheduler import RequestOutput
 from ultrafast.request import Request
 from ultrafast.runtime.engine import EngineThread
 
 
+class OutputBuffer:
+    """One stream's undelivered outputs (event-loop side only); bounded by merging."""
+
+    def __init__(self, max_events: int):
+        self.max_events = max(1, max_events)
+        self.num_merged = 0
+        self._items: collections.deque[RequestOutput] = collections.deque()
+        self._ready = asyncio.Event()
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, output: RequestOutput) -> None:
+        if len(self._items) >= self.max_events:
+            for i in range(len(self._items) - 1, -1, -1):
+                pending = self._items[i]
+                if pending.request_id == output.request_id:
+                    if not pending.finished:
+                        self._items[i] = merge_outputs(pending, output)
+                        self.num_merged += 1
+                        return
+                    break
+        self._items.append(output)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        """Safe to cancel: nothing is taken before the wait ends."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
+def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one (tokens in order, the later state)."""
+    return replace(then, new_token_ids=first.new_token_ids + then.new_token_ids,
+                   new_logprobs=first.new_logprobs + then.new_logprobs,
+                   queue_time_s=first.queue_time_s)
+
+
 class EngineBridge:
-    def __init__(self, engine: EngineThread, loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine: EngineThread, loop: asyncio.AbstractEventLoop,
+                 max_stream_buffer_events: int = 256):
         self.engine = engine
         self.loop = loop
+        self.max_stream_buffer_events = max_stream_buffer_events
 
-    def submit(self, request: Request, queue: asyncio.Queue) -> None:
+    def submit(self, request: Request, queue: OutputBuffer) -> None:
         loop = self.loop
 
         def on_output(output: RequestOutput) -> None:  # runs on the engine thread
-            loop.call_soon_threadsafe(queue.put_nowait, output)
+            if loop.is_closed():
+                return  # forced shutdown: nobody is listening any more
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, output)
+            except RuntimeError:  # closed between the check and the call
+                pass
 
         self.engine.submit(request, on_output)
 
@@ -39,7 +96,7 @@ class Generation:
         self.requests = requests
         self.index_of = {r.request_id: i for i, r in enumerate(requests)}
         self.unfinished = set(self.index_of)
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.queue = OutputBuffer(bridge.max_stream_buffer_events)
 
     def start(self) -> "Generation":
         for request in self.requests:

@@ -2,7 +2,14 @@
 
 SIGTERM (or the first Ctrl-C): /ready turns 503 and new calls get 503 server_shutting_down,
 while running streams may finish for `drain_timeout_s`; whatever is left then ends with
-finish_reason "abort", and the process exits 0. A second signal exits at once.
+finish_reason "abort", and the process exits 0. A second signal aborts every call at once
+(each stream still gets its "abort" finish and [DONE], within a step) and exits 1.
+
+If the engine thread dies, it has already failed every waiting call; the server lets those
+terminal events reach the clients (at most ENGINE_DEATH_GRACE_S) and exits 2, so a supervisor
+restarts it instead of it answering 503 forever.
+
+Connections get a request-head timeout and a write-stall timeout (server/http_timeouts.py).
 """
 
 from __future__ import annotations
@@ -24,28 +31,42 @@ from ultrafast.server.guard import (AllGuards, ClassifierGuard, GuardConfig, Pat
                                     load_score_function)
 from ultrafast.server.metrics import ServerMetrics
 from ultrafast.server.tenants import load_api_keys
+from ultrafast.server.http_timeouts import protocol_class
 from ultrafast.server.protocol import Limits
 from ultrafast.server.session_flow import SessionFlow
 from ultrafast.server.sessions import open_store
 
 log = logging.getLogger("ultrafast")
 
+ENGINE_DEATH_GRACE_S = 1.0  # for the failed calls' error events to be written
+FORCED_ABORT_GRACE_S = 0.5  # second signal: for the "abort" finishes (one engine step)
+EXIT_FORCED, EXIT_ENGINE_DEAD = 1, 2
+
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState):
         super().__init__(config)
         self.state = state
-        self._drain_task: asyncio.Task | None = None
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None  # set in startup()
+        self._tasks: set[asyncio.Task] = set()  # drain / abort / engine watch: kept referenced
 
     def handle_exit(self, sig, frame) -> None:
-        if self.state.draining:  # second signal: stop now
-            self.force_exit = True
+        """Runs in the signal handler, on the event loop's thread, between two callbacks."""
+        if self.should_exit and self.force_exit:
+            return
+        if self._loop is None:  # not serving yet: nothing to drain
             self.should_exit = True
             return
+        second = self.state.draining
         self.state.draining = True  # /ready and new calls answer 503 from now on
-        loop = self._loop
-        loop.call_soon_threadsafe(lambda: setattr(self, "_drain_task",
-                                                  loop.create_task(self._drain())))
+        self._loop.call_soon_threadsafe(self._spawn, self._abort_now() if second
+                                        else self._drain())
+
+    def _spawn(self, coro) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.state.config.drain_timeout_s
@@ -57,9 +78,35 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.5)  # let the abort events reach the clients
         self.should_exit = True
 
+    async def _abort_now(self) -> None:
+        """Second signal: every call ends with "abort" now, then the process exits."""
+        self.exit_code = self.exit_code or EXIT_FORCED
+        self.state.abort_everything()
+        await self._wait_for_runs(FORCED_ABORT_GRACE_S)
+        self.force_exit = self.should_exit = True
+
+    async def _watch_engine(self) -> None:
+        while not self.should_exit:
+            if not self.state.engine.alive:
+                log.error("the engine died (%s): exiting", self.state.engine.dead_reason)
+                self.state.draining = True
+                self.exit_code = EXIT_ENGINE_DEAD
+                await self._wait_for_runs(ENGINE_DEATH_GRACE_S)
+                self.force_exit = self.should_exit = True
+                return
+            await asyncio.sleep(0.1)
+
+    async def _wait_for_runs(self, timeout_s: float) -> None:
+        """Until every GenerationRun has written its last event (or `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while self.state.runs and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)  # the final writes leave the transport
+
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        self._spawn(self._watch_engine())
         host, port = self.config.host, self.config.port
         print(f"ultrafast ready: model {self.state.model_name!r} on http://{host}:{port}\n"
               f"  curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json'"
@@ -137,7 +184,8 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     uv_config = uvicorn.Config(
         build_app(state), host=config.host, port=config.port, log_level="warning",
         access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=3,
-        h11_max_incomplete_event_size=16 * 1024)  # oversized headers are refused by h11
+        h11_max_incomplete_event_size=16 * 1024,  # oversized headers are refused by h11
+        http=protocol_class(config.header_timeout_s, config.write_stall_timeout_s))
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         for handler in logging.getLogger(name).handlers:
             handler.addFilter(RedactingFilter())
@@ -147,7 +195,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     finally:
         state.engine.stop()
         state.engine.core.executor.close()
-    return 0 if not server.force_exit else 1
+    return server.exit_code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,114 @@
+"""Connection-level timeouts uvicorn lacks: request-head read (slowloris) and write stall.
+
+`TimedH11Protocol` is uvicorn's h11 protocol plus two timers, per connection:
+
+- head timer: armed when the connection opens and again after each response; it is cancelled
+  as soon as h11 has parsed a whole request head. If it fires first (a client dribbling its
+  headers, or a connection opened and never used), the server answers 408 when some bytes had
+  arrived and closes the connection. Keep-alive is untouched: a next request that arrives in
+  time is served on the same connection.
+- write-stall timer: armed when the transport's write buffer passes its high-water mark
+  (the kernel buffers are full, the client is not reading) and cancelled when it drains.
+  If the client has read nothing for the whole timeout, the connection is aborted; uvicorn
+  then reports a disconnect to the app, which ends the stream and frees its KV slot in a step.
+
+`protocol_class(header_timeout_s, write_stall_timeout_s)` gives the class to pass as
+`uvicorn.Config(http=...)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("ultrafast")
+
+RESPONSE_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                b"content-length: 25\r\nconnection: close\r\n\r\nrequest header timed out\n")
+
+
+class TimedH11Protocol(H11Protocol):
+    header_timeout_s: float = 10.0  # 0 = no head timer
+    write_stall_timeout_s: float = 30.0  # 0 = no write-stall timer
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0  # bytes of the current, still incomplete request head
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        self._cancel_stall_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_timer is not None:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._head_timer is not None and self.conn.their_state is not h11.IDLE:
+            self._cancel_head_timer()  # the whole head is parsed: the app has the request
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self._arm_head_timer()  # the next request on this keep-alive connection
+
+    # ---- request-head timeout ---------------------------------------------------------------
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_bytes = 0
+        if self.header_timeout_s > 0:
+            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        if self._head_bytes:  # a started head: say why (an unused connection just closes)
+            log.warning("closing a connection from %s: request head incomplete after %.1f s",
+                        self.client, self.header_timeout_s)
+            self.transport.write(RESPONSE_408)
+        self.transport.close()
+
+    # ---- write stall ------------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall_timer is None and self.write_stall_timeout_s > 0:
+            self._stall_timer = self.loop.call_later(self.write_stall_timeout_s,
+                                                     self._write_stalled)
+
+    def resume_writing(self) -> None:
+        self._cancel_stall_timer()
+        super().resume_writing()
+
+    def _cancel_stall_timer(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _write_stalled(self) -> None:
+        self._stall_timer = None
+        if self.transport.is_closing():
+            return
+        log.warning("aborting a connection from %s: the client read nothing for %.1f s",
+                    self.client, self.write_stall_timeout_s)
+        self.transport.abort()  # close() would wait for the full buffer to drain: never
+
+
+def protocol_class(header_timeout_s: float, write_stall_timeout_s: float) -> type:
+    """A TimedH11Protocol subclass carrying these timeouts (uvicorn builds one per connection)."""
+    return type("ServerH11Protocol", (TimedH11Protocol,),
+                {"header_timeout_s": header_timeout_s,
+                 "write_stall_timeout_s": write_stall_timeout_s})
