@@ -260,3 +260,29 @@ def test_s10_no_keys_means_loopback_only():
                         "--port", "1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "without --api-keys" in r.stderr and "loopback" in r.stderr
+
+
+def test_realtime_websocket_needs_a_key_and_an_allowed_host(keyed):
+    """The WebSocket route is behind the same checks as HTTP: a browser page on another origin
+    (DNS rebinding) or a caller without a key never reaches the conversation."""
+    import json
+    import socket
+
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    ws_url = keyed.url.replace("http://", "ws://") + "/v1/realtime"
+    for headers in ({}, {"Authorization": "Bearer nope"}):
+        with pytest.raises(InvalidStatus) as refused:
+            with connect(ws_url, additional_headers=headers, open_timeout=10):
+                pass
+        assert refused.value.response.status_code == 403, headers
+    host, port = keyed.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as raw:  # a rebound name
+        raw.sendall(b"GET /v1/realtime HTTP/1.1\r\nHost: evil.example\r\nUpgrade: websocket\r\n"
+                    b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                    b"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer "
+                    + KEYS["acme"].encode() + b"\r\n\r\n")
+        assert raw.recv(4096).split(b"\r\n")[0].split(b" ")[1] == b"403"
+    with connect(ws_url, additional_headers=bearer("acme"), open_timeout=10) as ws:
+        assert json.loads(ws.recv(timeout=30))["type"] == "session.created"
