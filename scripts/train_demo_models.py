@@ -11,17 +11,16 @@ session on any machine; the log says how many tokens each model saw.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import random
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ultrafast.corpus import stdlib_split
 from ultrafast.progress import Progress
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -40,15 +39,7 @@ def log(msg: str) -> None:
 
 def corpus_files() -> tuple[list[Path], list[Path]]:
     """stdlib .py files, split by a hash of the relative path (about 2% held out)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train, held = [], []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if rel.startswith("site-packages/"):
-            continue
-        bucket = hashlib.sha256(rel.encode()).digest()[0]
-        (held if bucket < 5 else train).append(path)
-    return train, held
+    return stdlib_split()
 
 
 def read(paths: list[Path]) -> list[str]:

@@ -10,19 +10,8 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from ultrafast.bench.redis_server import RedisServer, RedisServerMissing
 from ultrafast.bench.server_process import ServerProcess
 from ultrafast.bench.sessions import check_exactly_once, run_conversations
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    try:
-        server = RedisServer()
-    except RedisServerMissing as exc:  # CI runs `make test`, whose setup installs it
-        pytest.fail(str(exc))
-    yield server
-    server.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,8 @@
 """Scheduler + KV pool against the fake executor: batching, chunking, tiers, preemption, aborts."""
 
-import collections
-
 import pytest
 
-from tests.unit.fake_executor import FakeExecutor, reference_tokens
+from tests.unit.fake_executor import FakeExecutor, prompt, reference_tokens, run_all
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.runtime.engine import EngineCore
@@ -18,28 +16,6 @@ def make_engine(num_slots=4, **overrides):
     return EngineCore(executor, config), executor
 
 
-def run_all(engine, requests, arrivals=None):
-    """Add requests (all at once, or `arrivals[i]` = step at which request i arrives)."""
-    arrivals = arrivals or [0] * len(requests)
-    outputs = collections.defaultdict(list)
-    finish = {}
-    step = 0
-    pending = list(zip(arrivals, requests))
-    while pending or engine.has_work():
-        for at, request in [p for p in pending if p[0] <= step]:
-            engine.add_request(request)
-            pending.remove((at, request))
-        for out in engine.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-            if out.finished:
-                finish[out.request_id] = out.finish_reason
-        step += 1
-        assert step < 10_000
-    return outputs, finish
-
-
-def prompt(seed, n):
-    return [(seed * 31 + i * 7) % 97 for i in range(n)]
 
 
 def test_single_request_matches_reference():

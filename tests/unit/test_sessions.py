@@ -10,20 +10,9 @@ import uuid
 
 import pytest
 
-from ultrafast.bench.redis_server import RedisServer, RedisServerMissing
 from ultrafast.server.session_flow import SessionFlow
 from ultrafast.server.sessions import (SeqConflict, StoreUnavailable, TooManySessions, Turn,
                                        open_store)
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    try:
-        server = RedisServer()
-    except RedisServerMissing as exc:  # CI runs `make test`, whose setup installs it
-        pytest.fail(str(exc))
-    yield server
-    server.close()
 
 
 @pytest.fixture(params=["sqlite", "redis"])

@@ -5,9 +5,8 @@ model" is a second fake executor that agrees with the target always, never, or o
 hash-chosen part of the contexts. Whatever the drafts, the output must be the plain output.
 """
 
-import collections
-
-from tests.unit.fake_executor import FakeExecutor, next_token, reference_tokens
+from tests.unit.fake_executor import (FakeExecutor, next_token, prompt, reference_tokens,
+                                      run_all)
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.runtime.engine import EngineCore
@@ -48,28 +47,6 @@ def make_engine(agree=lambda c: True, num_slots=4, spec=None, **overrides):
     return engine, executor, draft
 
 
-def run_all(engine, requests, arrivals=None, abort_at=None):
-    arrivals = arrivals or [0] * len(requests)
-    outputs, finish = collections.defaultdict(list), {}
-    pending = list(zip(arrivals, requests))
-    step = 0
-    while pending or engine.has_work():
-        for at, request in [p for p in pending if p[0] <= step]:
-            engine.add_request(request)
-            pending.remove((at, request))
-        if abort_at and step in abort_at:
-            engine.abort(abort_at[step])
-        for out in engine.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-            if out.finished:
-                finish[out.request_id] = out.finish_reason
-        step += 1
-        assert step < 10_000
-    return outputs, finish
-
-
-def prompt(seed, n):
-    return [(seed * 31 + i * 7) % 97 for i in range(n)]
 
 
 def greedy(max_tokens=30, **kw):

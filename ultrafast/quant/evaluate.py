@@ -10,31 +10,14 @@ tokens, each predicted from a fresh context, every position scored.
 
 from __future__ import annotations
 
-import hashlib
 import math
-import sysconfig
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ultrafast.corpus import stdlib_split
 from ultrafast.model.attention import SeqSpan, SlotKVCache
-
-HELDOUT_BUCKETS = 5  # sha256(path)[0] < 5 is held out, as in scripts/train_demo_models.py
-
-
-def stdlib_split() -> tuple[list[Path], list[Path]]:
-    """(training files, held-out files) of this interpreter's standard library."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train, held = [], []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if rel.startswith("site-packages/"):
-            continue
-        bucket = hashlib.sha256(rel.encode()).digest()[0]
-        (held if bucket < HELDOUT_BUCKETS else train).append(path)
-    return train, held
-
 
 def _read_texts(paths: list[Path], max_chars: int | None = None) -> list[str]:
     texts, total = [], 0
