@@ -113,8 +113,9 @@ def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, ro
                          "ultrafast-ggml", "llama.cpp", "ultrafast-torch", "transformers"),
                      gguf_type: str = "f16", gguf_paths: list[str] | None = None,
                      spec: tuple[str, ...] = ()) -> dict:
-    """gguf_paths: compare these GGUF files instead (our ggml executor and llama.cpp on each,
-    runners named `ultrafast-ggml[file stem]` / `llama.cpp[file stem]`).
+    """gguf_paths: compare these GGUF files instead (our ggml executor, plain and with each
+    `spec` method, and llama.cpp on each file, runners named `...[file stem]`; transformers
+    fp32 stays as the common reference).
     `spec`: speculative variants of the ggml runner (ngram, draft, auto) run alongside."""
     import os
 
@@ -132,20 +133,27 @@ def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, ro
         "llama.cpp": lambda: _llama_cpp(gguf, prompt_ids, num_new, threads),
         "transformers": lambda: _transformers(files.hf_dir, prompt_ids, num_new, threads),
     }
-    if gguf_paths:
-        makers, peers = {}, []
+    extra_peers = [f"ultrafast-ggml-spec-{m}" for m in spec]
+    for method in spec:
+        makers[f"ultrafast-ggml-spec-{method}"] = (
+            lambda m=method: _ours(files, gguf, prompt_ids, num_new, threads, "ggml", m))
+    if gguf_paths:  # per file: ours plain and speculative vs llama.cpp; transformers fp32 once
+        extra_peers = []
         for path in gguf_paths:
             stem = Path(path).stem
             makers[f"ultrafast-ggml[{stem}]"] = (
                 lambda p=path: _ours(files, p, prompt_ids, num_new, threads, "ggml"))
             makers[f"llama.cpp[{stem}]"] = lambda p=path: _llama_cpp(p, prompt_ids, num_new,
                                                                      threads)
-            peers += [f"ultrafast-ggml[{stem}]", f"llama.cpp[{stem}]"]
+            for method in spec:
+                makers[f"ultrafast-ggml-spec-{method}[{stem}]"] = (
+                    lambda p=path, m=method: _ours(files, p, prompt_ids, num_new, threads,
+                                                   "ggml", m))
+            extra_peers += [f"ultrafast-ggml[{stem}]", f"llama.cpp[{stem}]",
+                           *(f"ultrafast-ggml-spec-{m}[{stem}]" for m in spec)]
+        peers = ["transformers"] if "transformers" in peers else []
         gguf = Path(gguf_paths[0])
-    for method in spec:
-        makers[f"ultrafast-ggml-spec-{method}"] = (
-            lambda m=method: _ours(files, gguf, prompt_ids, num_new, threads, "ggml", m))
-    peers = tuple(peers) + tuple(f"ultrafast-ggml-spec-{m}" for m in spec)
+    peers = tuple(peers) + tuple(extra_peers)
     runners = {name: makers[name]() for name in peers}
     progress = Progress("bench decode", total=(rounds + 1) * len(runners), unit="runs")
     for name, (run, _) in runners.items():
