@@ -14,3 +14,18 @@ def redis_server():
         pytest.fail(str(exc))
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_data_dir(tmp_path_factory):
+    """Servers the tests start keep their default session store (sessions.db under
+    $XDG_DATA_HOME/ultrafast) in a temporary directory, not in the user's home."""
+    import os
+
+    saved = os.environ.get("XDG_DATA_HOME")
+    os.environ["XDG_DATA_HOME"] = str(tmp_path_factory.mktemp("xdg-data"))
+    yield
+    if saved is None:
+        os.environ.pop("XDG_DATA_HOME", None)
+    else:
+        os.environ["XDG_DATA_HOME"] = saved

@@ -286,3 +286,40 @@ def test_realtime_websocket_needs_a_key_and_an_allowed_host(keyed):
         assert raw.recv(4096).split(b"\r\n")[0].split(b" ")[1] == b"403"
     with connect(ws_url, additional_headers=bearer("acme"), open_timeout=10) as ws:
         assert json.loads(ws.recv(timeout=30))["type"] == "session.created"
+
+
+def test_s3_sessions_of_one_tenant_are_invisible_to_another(keyed):
+    """RELIABILITY S3 / B44: another tenant's conversation, response or chat session is 404."""
+    client = {name: openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEYS[name], max_retries=0)
+              for name in ("acme", "beta")}
+    conversation = client["acme"].conversations.create()
+    response = client["acme"].responses.create(model="demo-code", input="def add(a, b):",
+                                               max_output_tokens=4, temperature=0)
+    assert client["acme"].conversations.retrieve(conversation.id).id == conversation.id
+    assert client["acme"].responses.retrieve(response.id).id == response.id
+    beta = client["beta"]
+    for attempt in (lambda: beta.conversations.retrieve(conversation.id),
+                    lambda: beta.conversations.delete(conversation.id),
+                    lambda: beta.conversations.items.list(conversation.id),
+                    lambda: beta.responses.retrieve(response.id),
+                    lambda: beta.responses.delete(response.id),
+                    lambda: beta.responses.create(model="demo-code", input="x",
+                                                  previous_response_id=response.id,
+                                                  max_output_tokens=2)):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    # a chat `session_id` names a session in the caller's own tenant (created on first use, as
+    # for any unknown id): beta gets a fresh one and acme's history is neither read nor changed
+    acme_items = client["acme"].conversations.items.list(conversation.id).data
+    seed = client["acme"].chat.completions.create(
+        model="demo-code", messages=[{"role": "user", "content": "def acme_secret():"}],
+        max_tokens=2, temperature=0, extra_body={"session_id": conversation.id})
+    alone = beta.chat.completions.create(
+        model="demo-code", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+        temperature=0, extra_body={"session_id": conversation.id})
+    fresh = beta.chat.completions.create(
+        model="demo-code", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+        temperature=0)
+    assert alone.usage.prompt_tokens == fresh.usage.prompt_tokens < seed.usage.prompt_tokens
+    assert len(client["acme"].conversations.items.list(conversation.id).data) == \
+        len(acme_items) + 2  # acme's own turn and answer, nothing of beta's
