@@ -246,22 +246,6 @@ def test_s9_no_cors_and_a_host_allow_list(keyed):
     assert named.status_code == 200
 
 
-def test_s2_keys_never_reach_the_logs(keyed):
-    httpx.post(keyed.url + CHAT, headers={"Authorization": "Bearer leaked-in-logs?"}, json=BODY)
-    keyed.stop()
-    output = keyed.proc.stdout.read()
-    assert "auth failed" in output  # failures are logged...
-    for key in [*KEYS.values(), "leaked-in-logs"]:
-        assert key not in output  # ...without the key
-
-
-def test_s10_no_keys_means_loopback_only():
-    r = subprocess.run([sys.executable, "-m", "ultrafast.cli", "serve", "--host", "0.0.0.0",
-                        "--port", "1"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2
-    assert "without --api-keys" in r.stderr and "loopback" in r.stderr
-
-
 def test_realtime_websocket_needs_a_key_and_an_allowed_host(keyed):
     """The WebSocket route is behind the same checks as HTTP: a browser page on another origin
     (DNS rebinding) or a caller without a key never reaches the conversation."""
@@ -323,3 +307,19 @@ def test_s3_sessions_of_one_tenant_are_invisible_to_another(keyed):
     assert alone.usage.prompt_tokens == fresh.usage.prompt_tokens < seed.usage.prompt_tokens
     assert len(client["acme"].conversations.items.list(conversation.id).data) == \
         len(acme_items) + 2  # acme's own turn and answer, nothing of beta's
+
+
+def test_s2_keys_never_reach_the_logs(keyed):  # stops the server: keep it last but one
+    httpx.post(keyed.url + CHAT, headers={"Authorization": "Bearer leaked-in-logs?"}, json=BODY)
+    keyed.stop()
+    output = keyed.proc.stdout.read()
+    assert "auth failed" in output  # failures are logged...
+    for key in [*KEYS.values(), "leaked-in-logs"]:
+        assert key not in output  # ...without the key
+
+
+def test_s10_no_keys_means_loopback_only():
+    r = subprocess.run([sys.executable, "-m", "ultrafast.cli", "serve", "--host", "0.0.0.0",
+                        "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "without --api-keys" in r.stderr and "loopback" in r.stderr
