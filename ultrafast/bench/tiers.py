@@ -120,7 +120,11 @@ def run_tier_bench(model: str, num_slots: int = 4, probes: int = 8, max_tokens: 
                    rounds: int = 10, threads: int | None = None) -> dict:
     threads = threads or serve_default_threads()
     streaming = run_overhead_bench(model, threads, num_slots=num_slots, rounds=rounds)
-    server = ServerProcess("--threads", str(threads), model=model, num_slots=num_slots)
+    # speculative decoding off: this measures the lane (scheduling, preemption, chunked
+    # prefill); with drafts a priority event carries several tokens and event gaps stop being
+    # per-token latencies (`bench decode --spec` measures speculation)
+    server = ServerProcess("--threads", str(threads), "--spec", "off", model=model,
+                           num_slots=num_slots)
     try:
         tiers = asyncio.run(tier_scenario(server.url, num_slots, probes, max_tokens))
     finally:
