@@ -204,7 +204,9 @@ def test_metrics_after_real_traffic(keyed):
     assert grew("ultrafast_generation_tokens_total", tenant="acme") == 8
     assert grew("ultrafast_prompt_tokens_total", tenant="acme") > 0
     assert grew("ultrafast_admissions_refused_total", reason="missing_api_key") == 1
-    assert grew("ultrafast_step_phase_seconds_count", phase="execute") >= 8
+    # the priority tier drafts (speculative decoding), so one step may release several of the
+    # 8 tokens: at least the prefill step and one decode step ran
+    assert grew("ultrafast_step_phase_seconds_count", phase="execute") >= 2
     assert after[("ultrafast_kv_slots_total", ())] == 4
     assert after[("ultrafast_engine_info", (("device_kind", "cpu"),))] == 1
 
