@@ -324,12 +324,21 @@ class RedisStore(SessionStore):
 
     def __init__(self, config: StoreConfig):
         import redis.asyncio as aioredis  # only when Redis is configured
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
 
         self.config = config
         self._errors = (aioredis.RedisError, OSError, asyncio.TimeoutError)
+        # A pooled connection that a Redis restart or a link reset killed fails on its next
+        # write; retry such a call on a fresh connection (every write is an idempotent script,
+        # so a retry never duplicates a turn). Timeouts are not retried: the deadline holds.
         self._redis = aioredis.Redis.from_url(
             config.url, socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s,
-            max_connections=64, health_check_interval=5)
+            max_connections=64, health_check_interval=5,
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 3,
+                        supported_errors=(RedisConnectionError,)),
+            retry_on_error=[RedisConnectionError])
         self._append = self._redis.register_script(_APPEND_LUA)
         self._create = self._redis.register_script(_CREATE_LUA)
 
