@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -71,6 +73,47 @@ def test_chat_session_holds_the_history_and_reuses_its_kv(client):
         assert r.usage.prompt_tokens_details.cached_tokens == 0
         assert r.usage.prompt_tokens == usages[i].prompt_tokens
         assert r.choices[0].message.content == replies[i]
+
+
+def test_retry_with_the_same_idempotency_key_is_one_generation_and_one_turn(srv):
+    """F16: a retry after the answer was stored gets that answer back (no second turn); a
+    retry while the first attempt still streams gets 409 request_in_progress."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "def idem(x):"}],
+            "max_tokens": 16, "temperature": 1.0, "seed": None, "session_id": "chat-idem"}
+    key = {"Idempotency-Key": "retry-1"}
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        first = c.post("/v1/chat/completions", json=body, headers=key)
+        again = c.post("/v1/chat/completions", json=body, headers=key)
+        streamed = c.post("/v1/chat/completions", json={**body, "stream": True}, headers=key)
+        other = c.post("/v1/chat/completions", json=body, headers={"Idempotency-Key": "retry-2"})
+        items = c.get("/v1/conversations/chat-idem/items", params={"order": "asc"}).json()
+        # a second call with a fresh key while a long stream with that key runs
+        long_body = {**body, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/chat/completions", json=long_body,
+                      headers={"Idempotency-Key": "retry-3"}) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()  # kept: dropping the iterator would close the stream
+            next(lines)  # the stream started: its user turn is stored
+            busy = c.post("/v1/chat/completions", json=body,
+                          headers={"Idempotency-Key": "retry-3"})
+            assert "data: [DONE]" in list(lines)
+    text = first.json()["choices"][0]["message"]["content"]
+    assert first.status_code == again.status_code == streamed.status_code == 200
+    assert "idempotent-replayed" not in first.headers
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.json()["choices"][0]["message"]["content"] == text  # sampled, yet the same
+    deltas = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in deltas
+                   if ch["choices"]) == text
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    # one user + one assistant turn for retry-1, and one more pair for the other key
+    assert [i["role"] for i in items["data"]] == ["user", "assistant"] * 2
+    assert items["data"][1]["content"][0]["text"] == text
+    assert other.status_code == 200
+    assert busy.status_code == 409
+    assert busy.json()["error"]["code"] == "request_in_progress"
+    assert busy.headers["retry-after"] == "1"
 
 
 def test_session_errors_are_openai_envelopes(srv, client):

@@ -34,6 +34,7 @@ from ultrafast.server.bridge import EngineBridge
 from ultrafast.server.chat_tokens import encode_chat
 from ultrafast.server.errors import APIError
 from ultrafast.server.generate import GenerationRun, GenerationSpec
+from ultrafast.server.idempotent_replay import replay_response
 from ultrafast.server.json_body import check_content_type, parse_json_body
 from ultrafast.server.playground import playground_routes
 from ultrafast.server.protocol import Limits, parse_chat_request, parse_completion_request
@@ -129,11 +130,19 @@ async def _generate(http: HTTPRequest, state: ServerState, req, chat: bool) -> R
         _check_model(state, req.model)
         _check_ready(state)
         session = await ChatSession.open(state.sessions, http, req)
-    run = await prepare_run(http, state, req, chat, session.messages if session else None)
+        if session.replay is not None:
+            return replay_response(state, req, session.replay)
+    try:
+        run = await prepare_run(http, state, req, chat, session.messages if session else None)
+    except BaseException:
+        if session is not None:
+            session.release()
+        raise
     if session is not None:
         try:
-            await session.start(run)
+            await session.start(run)  # from here the session commit frees the key
         except BaseException:
+            session.release()
             run.finish()
             raise
     if run.spec.stream:

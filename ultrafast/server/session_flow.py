@@ -62,6 +62,19 @@ class SessionFlow:
         self.commit_grace_s = commit_grace_s
         self.pending: set[asyncio.Task] = set()  # commits past their grace, still retrying
         self.store_ok = True  # the last store call answered (for /ready; no extra I/O)
+        # (tenant, session, Idempotency-Key) of keyed chat calls now generating (F16)
+        self.keys_in_flight: set[tuple[str, str, str]] = set()
+
+    def claim_key(self, tenant: str, session_id: str, key: str) -> tuple[str, str, str]:
+        """One generation per Idempotency-Key: a retry while the first attempt runs is 409."""
+        claim = (tenant, session_id, key)
+        if claim in self.keys_in_flight:
+            raise APIError(409, "a request with this Idempotency-Key is still running; retry "
+                           "after it ends to get its answer", "invalid_request_error",
+                           "request_in_progress", "Idempotency-Key",
+                           headers={"Retry-After": "1"})
+        self.keys_in_flight.add(claim)
+        return claim
 
     async def call(self, method: str, *args, **kwargs):
         """A store call with its failures in the OpenAI envelope."""
@@ -178,6 +191,8 @@ class ChatSession:
     turn_id_base: str  # the Idempotency-Key header, else a fresh id
     new_messages: list[dict]
     messages: list[dict]  # history + new, what the template renders
+    replay: Turn | None = None  # the stored answer of an earlier call with this key
+    claim: tuple[str, str, str] | None = None  # this call's hold on its Idempotency-Key
 
     @classmethod
     async def open(cls, flow: SessionFlow, http, req) -> "ChatSession":
@@ -191,15 +206,31 @@ class ChatSession:
                            "invalid_request_error", "invalid_value", "Idempotency-Key")
         base = key or "chat-" + uuid.uuid4().hex
         history = await flow.history(tenant, req.session_id, create=True, param="session_id")
+        replay = claim = None
+        if key is not None:  # a retry after its answer was stored gets that answer back
+            replay = next((t for t in history if t.turn_id == base + "-a"), None)
+            claim = None if replay is not None else flow.claim_key(tenant, req.session_id, key)
         # a retry whose first attempt stored the user turn: that turn is the new one, not history
         history = [t for t in history if not t.turn_id.startswith(base + "-")]
         new = req.messages_for_template()
         return cls(flow, tenant, req.session_id, base, new,
-                   turns_to_messages(history, flow.model_name) + new)
+                   turns_to_messages(history, flow.model_name) + new, replay, claim)
+
+    def release(self) -> None:
+        if self.claim is not None:
+            self.flow.keys_in_flight.discard(self.claim)
+            self.claim = None
 
     async def start(self, run) -> None:
         """Persist the new turn, then hook the assistant commit onto the run."""
         await self.flow.append_turns(self.tenant, self.session_id, self.new_messages,
                                      self.turn_id_base)
-        run.on_complete = self.flow.assistant_hook(self.tenant, self.session_id,
-                                                   f"{self.turn_id_base}-a")
+        commit = self.flow.assistant_hook(self.tenant, self.session_id, f"{self.turn_id_base}-a")
+
+        async def commit_then_release(run, reason):
+            try:  # the key is free only once its answer is stored: a retry then replays it
+                return await commit(run, reason)
+            finally:
+                self.release()
+
+        run.on_complete = commit_then_release
