@@ -1,12 +1,13 @@
-"""Fault injections F1-F16 of RELIABILITY.md 7b against the real server (fake executor, so
-every byte the client must receive is known), each while canary streams run, each followed
-by the "nothing lost" checks. Faults that need a feature this build lacks (sessions/Redis,
-API keys, idempotency keys, metrics) are registered by name and skipped with the reason.
+"""Fault injections of RELIABILITY.md 7b in the engine and the HTTP path (F1-F5, F10-F15)
+against the real server (fake executor, so every byte the client must receive is known), each
+while canary streams run, each followed by the "nothing lost" checks. The faults of the session
+store and of retries (F6-F9, F16) are in scenarios_state.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import time
@@ -132,8 +133,7 @@ async def f4_fatal(ctx: Context, result: Result) -> None:
                 if rec.status == 200 and rec.num_terminal != 1:
                     result.fail([f"{rec.tag}: {rec.num_terminal} terminal events after the "
                                  f"engine died"])
-            if result.metrics["terminal_after_fatal_ms"] > 2000:
-                result.fail(["in-flight calls took > 2 s to end after the engine died"])
+            # the 2 s target is reported by the runner (TARGETS); a hang fails the wait_for above
             ready = await client.get("/ready")
             if ready.status_code != 503:
                 result.fail([f"/ready {ready.status_code} with a dead engine, want 503"])
@@ -229,16 +229,32 @@ async def f10_kv_full(ctx: Context, result: Result) -> None:
     """More calls than KV slots, priority ones preempting: all exact; too long a prompt -> 400."""
     srv = ctx.server(ServerSpec(num_slots=2, max_model_len=256, fake_step_ms=10.0))
     async with client_for(srv.url) as client:
+        before = await preemptions(client)
         calls = [checked_stream(ctx, client, result, 60, "default", "default") for _ in range(6)]
-        calls += [checked_stream(ctx, client, result, 10, "priority", "priority")
-                  for _ in range(2)]
-        await asyncio.gather(*calls)
+
+        async def priority_later():  # once the default calls hold both slots
+            await asyncio.sleep(0.3)
+            return await asyncio.gather(*(checked_stream(ctx, client, result, 10, "priority",
+                                                         "priority") for _ in range(2)))
+
+        await asyncio.gather(*calls, priority_later())
+        result.metrics["preemptions"] = num = await preemptions(client) - before
+        if num < 1:
+            result.fail(["priority calls found both slots busy, yet ultrafast_preemptions_total "
+                         "did not grow"])
         too_long = await plain_call(client, {"prompt": ctx.fake_prompt(300), "max_tokens": 4},
                                     "unservable")
         result.num_requests += 1
         result.fail(check_rejection(too_long, 400, "context_length_exceeded", retry_after=False))
         await finish_checks(ctx, client, result)
-    result.gaps.append("F10: preemptions_total needs the metrics endpoint (branch ops)")
+
+
+async def preemptions(client) -> float:
+    text = (await client.get("/metrics")).text
+    found = re.search(r"^ultrafast_preemptions_total ([0-9.e+]+)$", text, re.M)
+    if found is None:
+        raise AssertionError("/metrics has no ultrafast_preemptions_total")
+    return float(found.group(1))
 
 
 async def f11_queue_full(ctx: Context, result: Result) -> None:

@@ -53,6 +53,7 @@ class EngineOccupancy:
     num_prefix_queries: int  # cumulative: prefix-cache lookups
     num_prefix_query_tokens: int  # cumulative: prompt tokens looked up
     num_prefix_hit_tokens: int  # cumulative: tokens served from the cache
+    num_preemptions: int = 0  # cumulative: running requests preempted for a higher tier
 
 
 class StepCostModel:
@@ -161,7 +162,8 @@ class EngineCore:
             num_running_by_tier=tuple(running), num_kv_slots_running=pool.num_running,
             num_kv_slots_total=pool.num_slots, num_prefix_queries=pool.num_prefix_queries,
             num_prefix_query_tokens=pool.num_prefix_query_tokens,
-            num_prefix_hit_tokens=pool.num_prefix_hit_tokens)
+            num_prefix_hit_tokens=pool.num_prefix_hit_tokens,
+            num_preemptions=sched.num_preemptions)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -207,6 +207,9 @@ class _ScrapeTimeCollector:
                        "Prompt tokens looked up in the prefix cache", query_tokens)
         yield _counter("ultrafast_prefix_cache_hit_tokens",
                        "Prompt tokens served from the prefix cache", hit_tokens)
+        yield _counter("ultrafast_preemptions", "Running requests preempted for a higher tier "
+                       "(they resume by recomputing, nothing lost)",
+                       occ.num_preemptions if occ else 0)
         refused = CounterMetricFamily("ultrafast_admissions_refused",
                                       "API calls refused, by reason", labels=("reason",))
         counts = {reason: 0 for reason in REFUSAL_REASONS}
