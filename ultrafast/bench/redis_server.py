@@ -68,6 +68,13 @@ class RedisServer:
                 self.proc.wait()
         self.proc = None
 
+    def crash(self) -> None:
+        """SIGKILL: no flush, no goodbye (RELIABILITY F8); only the AOF written so far stays."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
     def restart(self, down_s: float = 0.0) -> None:
         self.stop()
         time.sleep(down_s)

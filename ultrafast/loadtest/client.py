@@ -109,10 +109,10 @@ async def stream_call(client: httpx.AsyncClient, body: dict, tag: str = "",
 
 
 async def plain_call(client: httpx.AsyncClient, body: dict, tag: str = "",
-                     path: str = "/v1/completions") -> CallRecord:
+                     path: str = "/v1/completions", headers: dict | None = None) -> CallRecord:
     rec = CallRecord(tag, {**body, "stream": False}, started_s=time.monotonic())
     try:
-        r = await client.post(path, json=rec.body)
+        r = await client.post(path, json=rec.body, headers=headers)
         rec.status, rec.headers = r.status_code, dict(r.headers)
         data = r.json()
         if r.status_code == 200:

@@ -1,8 +1,7 @@
 """The scenario registry, the run loop and the JSON + Markdown report of `ultrafast loadtest`.
 
 `--scenario` takes names (L1,F3,...), `ci` (the short subset the test suite runs) or `all`.
-A scenario whose server feature is missing is reported "skipped" with what it needs, so the
-scenarios of other branches (sessions, tenants, idempotency) plug in here by name.
+Scenarios that need a server the loadtest starts itself are skipped against `--url`.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from ultrafast.loadtest import scenarios_fault as f
 from ultrafast.loadtest import scenarios_load as s
+from ultrafast.loadtest import scenarios_state as st
 from ultrafast.loadtest.harness import Context, Result
 from ultrafast.loadtest.invariants import check_fds_back
 
@@ -27,7 +27,6 @@ class Scenario:
     title: str
     run: object  # async (ctx, result) -> None
     in_ci: bool = False
-    needs: str | None = None  # a server feature another branch brings
     external_ok: bool = False  # meaningful against a server started by someone else (--url)
 
 
@@ -37,10 +36,9 @@ SCENARIOS = [
     Scenario("L3", "churn: 30% of streams cancelled at a random token", s.l3_churn, in_ci=True),
     Scenario("L4", "priority lane under saturation (preempting)", s.l4_priority_lane,
              in_ci=True),
-    Scenario("L5", "sessions x turns on redis-server with a restart", s.needs_feature,
-             needs="sessions (branch sessions: session routes + Redis store)"),
-    Scenario("L6", "tenant flood vs tenant under quota", s.needs_feature,
-             needs="api keys and tenant quotas (branch ops)"),
+    Scenario("L5", "sessions x turns on redis-server with a restart", st.l5_sessions,
+             in_ci=True),
+    Scenario("L6", "tenant flood vs tenant under quota", st.l6_tenants, in_ci=True),
     Scenario("L7", "real demo model: stream == non-stream", s.l7_demo_model, in_ci=True,
              external_ok=True),
     Scenario("IRR", "irregular burst: 1-token calls + every 16th 64 tokens, shaper on/off",
@@ -55,14 +53,12 @@ SCENARIOS = [
     Scenario("F4", "fatal engine failure (the engine thread dies)", f.f4_fatal, in_ci=True),
     Scenario("F5", "SIGTERM under load (drain)", f.f5_sigterm, in_ci=True),
     Scenario("F5b", "a second SIGTERM during the drain exits at once", f.f5b_second_signal),
-    Scenario("F6", "Redis down before a session request", s.needs_feature,
-             needs="sessions on Redis (branch sessions)"),
-    Scenario("F7", "Redis restart mid-stream", s.needs_feature,
-             needs="sessions on Redis (branch sessions) + a TCP proxy to cut it"),
-    Scenario("F8", "kill -9 redis after an acknowledged turn", s.needs_feature,
-             needs="sessions on Redis with AOF (branch sessions)"),
-    Scenario("F9", "Redis slow (2 s added)", s.needs_feature,
-             needs="sessions and quotas on Redis (branches sessions, ops)"),
+    Scenario("F6", "Redis down before a session request", st.f6_redis_down, in_ci=True),
+    Scenario("F7", "Redis restart mid-stream (link reset, then a Redis restart)",
+             st.f7_redis_restart_mid_stream, in_ci=True),
+    Scenario("F8", "kill -9 redis right after an acknowledged turn", st.f8_redis_killed,
+             in_ci=True),
+    Scenario("F9", "Redis slow (2 s added per exchange)", st.f9_redis_slow, in_ci=True),
     Scenario("F10", "KV cache full: waiting, preemption, unservable prompt", f.f10_kv_full,
              in_ci=True),
     Scenario("F11", "queue full: burst of 4x capacity", f.f11_queue_full, in_ci=True),
@@ -71,14 +67,15 @@ SCENARIOS = [
     Scenario("F14", "SSE ping while waiting > 15 s", f.f14_ping),
     Scenario("F15", "near-cap and over-cap prompts in parallel", f.f15_huge_prompts,
              in_ci=True),
-    Scenario("F16", "retry with the same Idempotency-Key", s.needs_feature,
-             needs="Idempotency-Key handling (branch sessions or ops)"),
+    Scenario("F16", "retry with the same Idempotency-Key", st.f16_idempotent_retry,
+             in_ci=True),
 ]
 BY_NAME = {sc.name: sc for sc in SCENARIOS}
 # Run order: scenarios that share a server spec run back to back (one server start each group;
 # starts cost seconds on a busy 2-core box); the two that kill their server run last.
 RUN_ORDER = ["L1", "L3", "L4", "B0", "F1", "F2", "F3", "F3b", "F12", "F13", "F15", "L2", "F11",
-             "F10", "F14", "L7", "IRR", "F4", "F5", "F5b"]
+             "F10", "F14", "L7", "IRR", "F16", "F6", "F9", "F8", "F7", "L6", "L5", "F4", "F5",
+             "F5b"]
 
 
 # The spec's timing targets (RELIABILITY.md 7c/7b), evaluated on the full tier and reported
@@ -89,6 +86,8 @@ TARGETS = {
     "L2": [("rejection p99 < 50 ms", "rejection_latency.p99_ms", 50)],
     "F11": [("rejection p99 < 50 ms", "rejection_latency.p99_ms", 50)],
     "L4": [("priority TTFT p99 <= 150 ms", "priority_ttft.p99_ms", 150)],
+    "L6": [("calm tenant TTFT p99 within +20% of solo", "calm_ttft_p99_ratio", 1.2)],
+    "F6": [("/health p99 < 100 ms with Redis down", "health_during_outage.p99_ms", 100)],
     "F1": [("slots free <= 1 s after the disconnects", "free_after_disconnects_ms", 1000)],
     "F4": [("every call ended <= 2 s after the engine died", "terminal_after_fatal_ms", 2000)],
     "F5b": [("exit <= 1 s after the second signal", "exit_after_second_signal_ms", 1000)],
@@ -125,10 +124,6 @@ def select(spec: str) -> list[Scenario]:
 
 async def run_one(ctx: Context, sc: Scenario) -> Result:
     result = Result(sc.name, sc.title)
-    if sc.needs:  # plugs in once its feature lands: give it a `run` and drop `needs`
-        result.status = "skipped"
-        result.gaps.append(f"needs {sc.needs}")
-        return result
     if ctx.url and not sc.external_ok:
         result.status = "skipped"
         result.gaps.append(f"{sc.name} needs a server the loadtest starts itself (its own "

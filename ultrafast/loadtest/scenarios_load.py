@@ -268,7 +268,3 @@ async def irregular_burst(ctx: Context, result: Result) -> None:
                   "ttft": percentiles_ms([r.ttft_s for r in recs if r.ttft_s])}
             for tag, recs in groups.items()}
 
-
-async def needs_feature(ctx: Context, result: Result) -> None:
-    """Placeholder body of a scenario whose server feature is not in this build (skipped)."""
-    raise AssertionError("never run: the runner skips scenarios whose feature is missing")
