@@ -18,13 +18,14 @@ import torch
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
+from ultrafast.executors.llama_cpp_params import open_llama
 from ultrafast.convert import convert_hf_to_gguf  # noqa: E402
 
 PROMPT = [5, 17, 99, 200, 3, 45, 67, 300, 12, 8] * 8  # 80 positions: past rope's original ctx
 
 
 def _llama(path, **kwargs):
-    return llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False,
+    return open_llama(str(path), n_ctx=256, n_threads=2, verbose=False,
                            type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
                            **kwargs)
 

@@ -159,7 +159,8 @@ def test_quantized_dir_runs_in_the_torch_executor_from_its_path(int4_torch_dir):
 
 @pytest.mark.parametrize("qtype", [INT8, INT4])
 def test_gguf_export_agrees_with_the_torch_quantized_model(tiny_llama_dir, tmp_path, qtype):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
+    from ultrafast.executors.llama_cpp_params import open_llama
     from ultrafast.executors.ggml_exec import GgmlExecutor
 
     model, _ = load_model(tiny_llama_dir)
@@ -179,7 +180,7 @@ def test_gguf_export_agrees_with_the_torch_quantized_model(tiny_llama_dir, tmp_p
         assert len(tokens) == 6 and all(0 <= t < ex_ggml.vocab_size for t in tokens)
     finally:
         ex_ggml.close()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False)
+    llm = open_llama(str(path), n_ctx=64, logits_all=True, verbose=False)
     llm.eval(PROMPT)
     ggml_logits = torch.tensor(np.asarray(llm.scores[:len(PROMPT)]), dtype=torch.float32)
     llm.close()

@@ -52,7 +52,7 @@ def test_hybrid_perplexity_within_5_percent_of_full_precision(hybrid_dir):
 
 
 def test_gguf_and_torch_hybrid_predict_the_same_tokens(hybrid_dir):
-    import llama_cpp
+    from ultrafast.executors.llama_cpp_params import open_llama
 
     config = json.loads((hybrid_dir / "quantization.json").read_text())
     window = heldout_ids(DEMO)[1000:1129]
@@ -65,7 +65,7 @@ def test_gguf_and_torch_hybrid_predict_the_same_tokens(hybrid_dir):
         attn = kv.begin_step([SeqSpan(0, 0, ids.numel())])
         hidden = model(ids, torch.arange(ids.numel()), attn)
         torch_argmax = model.compute_logits(hidden).argmax(-1).numpy()
-    llm = llama_cpp.Llama(model_path=str(hybrid_dir / config["gguf"]["file"]), n_ctx=256,
+    llm = open_llama(str(hybrid_dir / config["gguf"]["file"]), n_ctx=256,
                           logits_all=True, verbose=False)
     llm.eval(window[:-1])
     ggml_argmax = np.asarray(llm.scores[:len(window) - 1]).argmax(-1)

@@ -63,9 +63,9 @@ def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind, spec="off"):
 
 
 def _llama_cpp(gguf, prompt_ids, num_new, threads):
-    import llama_cpp
+    from ultrafast.executors.llama_cpp_params import open_llama
 
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(prompt_ids) + num_new + 8,
+    llm = open_llama(str(gguf), n_ctx=len(prompt_ids) + num_new + 8,
                           n_threads=threads, n_threads_batch=threads, n_batch=512,
                           verbose=False, logits_all=False)
 

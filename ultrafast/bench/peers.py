@@ -157,10 +157,10 @@ class LlamaCppRunner:
     max_concurrency = 1
 
     def __init__(self, gguf: str, max_model_len: int, threads: int):
-        import llama_cpp
+        from ultrafast.executors.llama_cpp_params import open_llama
 
         self.name = "llama.cpp"
-        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max_model_len, n_threads=threads,
+        self.llm = open_llama(str(gguf), n_ctx=max_model_len, n_threads=threads,
                                    n_threads_batch=threads, n_batch=512, verbose=False)
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> Batch:

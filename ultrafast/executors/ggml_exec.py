@@ -26,6 +26,7 @@ import numpy as np
 import llama_cpp
 
 from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
+from ultrafast.executors.llama_cpp_params import model_params as llama_model_params
 from ultrafast.runtime.sampler import sample_plan
 
 _LOG_LEVEL_ERROR = 3  # ggml_log_level
@@ -112,7 +113,7 @@ class GgmlExecutor:
         self.n_threads = n_threads or physical_cores()
         self._log = _init_native(verbose)
 
-        model_params = llama_cpp.llama_model_default_params()
+        model_params = llama_model_params()
         model_params.n_gpu_layers = 0
         self._model = llama_cpp.llama_model_load_from_file(str(gguf_path).encode(), model_params)
         if not self._model:

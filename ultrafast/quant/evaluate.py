@@ -114,14 +114,14 @@ def gguf_perplexity(gguf_path: str | Path, ids: list[int], seq_len: int = 256,
                     max_tokens: int | None = None,
                     n_threads: int | None = None) -> tuple[float, int]:
     """Perplexity from llama.cpp's logits (llama-cpp-python's `Llama`, every position scored)."""
-    import llama_cpp
+    from ultrafast.executors.llama_cpp_params import open_llama
 
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     token_windows = windows(ids, seq_len, max_tokens)
     n_ctx = max(len(w) for w in token_windows)
-    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx,
+    llm = open_llama(str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx,
                           n_ubatch=n_ctx, logits_all=True, verbose=False,
                           n_threads=n_threads, n_threads_batch=n_threads)
     total_nll, total = 0.0, 0
