@@ -105,7 +105,8 @@ def cmd_serve(args) -> int:
         guard_classifier=args.guard_classifier,
         guard_classifier_threshold=args.guard_classifier_threshold,
         alert_priority_itl_p99_ms=args.alert_priority_itl_p99_ms,
-        header_timeout_s=args.header_timeout_s, write_stall_timeout_s=args.write_stall_timeout_s)
+        header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+        write_stall_timeout_s=args.write_stall_timeout_s)
     return serve(engine, server)
 
 
@@ -240,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--header-timeout-s", type=float, default=10.0,
                      help="close a connection whose request head is not complete in this long "
                      "(slowloris; 408 when part of it came; 0 = off)")
+    srv.add_argument("--body-timeout-s", type=float, default=30.0,
+                     help="answer 408 request_timeout when a request body is not complete this "
+                     "long after its head (a slow body; 0 = off)")
     srv.add_argument("--write-stall-timeout-s", type=float, default=30.0,
                      help="abort a stream whose client reads nothing for this long, freeing "
                      "its KV slot (0 = off)")

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request as HTTPRequest
+from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -84,12 +84,16 @@ async def read_json(http: HTTPRequest, state: ServerState) -> dict:
         raise APIError(413, f"request body is larger than {limit} bytes", "invalid_request_error",
                        "payload_too_large", None)
     chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size > limit:  # chunked bodies are counted as they arrive, never buffered past it
-            raise APIError(413, f"request body is larger than {limit} bytes",
-                           "invalid_request_error", "payload_too_large", None)
-        chunks.append(chunk)
+    try:
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:  # chunked bodies are counted as they arrive, never buffered past
+                raise APIError(413, f"request body is larger than {limit} bytes",
+                               "invalid_request_error", "payload_too_large", None)
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left, or the body timed out (408 already sent)
+        raise APIError(408, "the request body did not arrive in full", "invalid_request_error",
+                       "request_timeout", None) from None
     return parse_json_body(b"".join(chunks), max_bytes=limit)
 
 

@@ -1,4 +1,5 @@
-"""Connection-level timeouts uvicorn lacks: request-head read (slowloris) and write stall.
+"""Connection-level timeouts uvicorn lacks: request head and body read (slowloris, a slow
+body) and write stall.
 
 `TimedH11Protocol` is uvicorn's h11 protocol plus two timers, per connection:
 
@@ -7,12 +8,15 @@
   headers, or a connection opened and never used), the server answers 408 when some bytes had
   arrived and closes the connection. Keep-alive is untouched: a next request that arrives in
   time is served on the same connection.
+- body timer: armed once the head is parsed while the body is still coming, cancelled when
+  the body is complete. If it fires first, the server answers 408 `request_timeout` (OpenAI
+  envelope), tells the app its client is gone (so its read ends) and closes the connection.
 - write-stall timer: armed when the transport's write buffer passes its high-water mark
   (the kernel buffers are full, the client is not reading) and cancelled when it drains.
   If the client has read nothing for the whole timeout, the connection is aborted; uvicorn
   then reports a disconnect to the app, which ends the stream and frees its KV slot in a step.
 
-`protocol_class(header_timeout_s, write_stall_timeout_s)` gives the class to pass as
+`protocol_class(header_timeout_s, write_stall_timeout_s, body_timeout_s)` gives the class to pass as
 `uvicorn.Config(http=...)`.
 """
 
@@ -30,20 +34,31 @@ RESPONSE_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; char
                 b"content-length: 25\r\nconnection: close\r\n\r\nrequest header timed out\n")
 
 
+def _body_408(timeout_s: float) -> bytes:
+    body = (b'{"error":{"message":"the request body did not arrive within %s s","type":'
+            b'"invalid_request_error","param":null,"code":"request_timeout"}}'
+            % f"{timeout_s:g}".encode())
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)) + body
+
+
 class TimedH11Protocol(H11Protocol):
     header_timeout_s: float = 10.0  # 0 = no head timer
     write_stall_timeout_s: float = 30.0  # 0 = no write-stall timer
+    body_timeout_s: float = 30.0  # 0 = no body timer
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
         self._stall_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0  # bytes of the current, still incomplete request head
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         self._cancel_stall_timer()
+        self._cancel_body_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -52,6 +67,7 @@ class TimedH11Protocol(H11Protocol):
         super().data_received(data)
         if self._head_timer is not None and self.conn.their_state is not h11.IDLE:
             self._cancel_head_timer()  # the whole head is parsed: the app has the request
+        self._track_body()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -81,6 +97,35 @@ class TimedH11Protocol(H11Protocol):
             self.transport.write(RESPONSE_408)
         self.transport.close()
 
+    # ---- request-body timeout ---------------------------------------------------------------
+
+    def _track_body(self) -> None:
+        cycle = self.cycle
+        coming = (cycle is not None and cycle.more_body and not cycle.response_started
+                  and self.conn.their_state is h11.SEND_BODY)
+        if not coming:
+            self._cancel_body_timer()
+        elif self._body_timer is None and self.body_timeout_s > 0:
+            self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_timed_out)
+
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        cycle = self.cycle
+        if self.transport.is_closing() or cycle is None or not cycle.more_body \
+                or cycle.response_started:
+            return
+        log.warning("closing a connection from %s: request body incomplete %.1f s after its "
+                    "head", self.client, self.body_timeout_s)
+        self.transport.write(_body_408(self.body_timeout_s))
+        cycle.disconnected = True  # the app's body read ends; its own answer goes nowhere
+        cycle.message_event.set()
+        self.transport.close()
+
     # ---- write stall ------------------------------------------------------------------------
 
     def pause_writing(self) -> None:
@@ -107,8 +152,10 @@ class TimedH11Protocol(H11Protocol):
         self.transport.abort()  # close() would wait for the full buffer to drain: never
 
 
-def protocol_class(header_timeout_s: float, write_stall_timeout_s: float) -> type:
+def protocol_class(header_timeout_s: float, write_stall_timeout_s: float,
+                   body_timeout_s: float = 30.0) -> type:
     """A TimedH11Protocol subclass carrying these timeouts (uvicorn builds one per connection)."""
     return type("ServerH11Protocol", (TimedH11Protocol,),
                 {"header_timeout_s": header_timeout_s,
-                 "write_stall_timeout_s": write_stall_timeout_s})
+                 "write_stall_timeout_s": write_stall_timeout_s,
+                 "body_timeout_s": body_timeout_s})

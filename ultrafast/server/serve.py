@@ -185,7 +185,8 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         build_app(state), host=config.host, port=config.port, log_level="warning",
         access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=3,
         h11_max_incomplete_event_size=16 * 1024,  # oversized headers are refused by h11
-        http=protocol_class(config.header_timeout_s, config.write_stall_timeout_s))
+        http=protocol_class(config.header_timeout_s, config.write_stall_timeout_s,
+                            config.body_timeout_s))
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         for handler in logging.getLogger(name).handlers:
             handler.addFilter(RedactingFilter())
