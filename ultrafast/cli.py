@@ -106,7 +106,8 @@ def cmd_serve(args) -> int:
         guard_classifier_threshold=args.guard_classifier_threshold,
         alert_priority_itl_p99_ms=args.alert_priority_itl_p99_ms,
         header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
-        write_stall_timeout_s=args.write_stall_timeout_s)
+        write_stall_timeout_s=args.write_stall_timeout_s,
+        max_connections_per_ip=args.max_connections_per_ip)
     return serve(engine, server)
 
 
@@ -147,6 +148,7 @@ def cmd_bench(args) -> int:
     if args.suite == "guard":
         from ultrafast.bench.guard import main as guard_main
 
+        args.rounds = args.rounds or 3
         args.out = args.out or "runs/bench_guard.json"
         return guard_main(args)
     if args.suite == "tiers":
@@ -158,6 +160,7 @@ def cmd_bench(args) -> int:
         from ultrafast.bench.sessions import main as sessions_main
 
         args.concurrency = int(args.concurrency or 16)
+        args.rounds = args.rounds or 3
         args.out = args.out or "runs/bench_sessions.json"
         return sessions_main(args)
     from ultrafast.bench.decode import main as decode_main
@@ -244,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--body-timeout-s", type=float, default=30.0,
                      help="answer 408 request_timeout when a request body is not complete this "
                      "long after its head (a slow body; 0 = off)")
+    srv.add_argument("--max-connections-per-ip", type=int, default=0,
+                     help="refuse (429 too_many_connections) a connection beyond this many open "
+                     "ones from one client address (0 = no cap; behind a proxy all clients "
+                     "share its address)")
     srv.add_argument("--write-stall-timeout-s", type=float, default=30.0,
                      help="abort a stream whose client reads nothing for this long, freeing "
                      "its KV slot (0 = off)")
@@ -285,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="gpu: decode steps timed per mode")
     _add_compile_arg(bench)
     bench.add_argument("--rounds", type=int, default=None,
-                       help="timed rounds (default: decode and run 3, tiers 10)")
+                       help="timed rounds (default: tiers 10, the others 3)")
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--gguf-type", default="f16", help="GGUF type for both ggml runners")
     bench.add_argument("--gguf", action="append", default=None, metavar="PATH",

@@ -91,6 +91,7 @@ class ServerConfig:
     sse_ping_interval_s: float = 15.0  # keeps proxies from cutting idle streams
     header_timeout_s: float = 10.0  # a request head must arrive this fast (slowloris); 0 = off
     body_timeout_s: float = 30.0  # and its body this long after the head; 0 = off
+    max_connections_per_ip: int = 0  # open connections from one client address; 0 = no cap
     write_stall_timeout_s: float = 30.0  # a client reading nothing this long is cut; 0 = off
     max_stream_buffer_events: int = 256  # per stream, before undelivered outputs are merged
     max_body_bytes: int = 4 * 1024 * 1024

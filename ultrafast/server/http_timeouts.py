@@ -1,5 +1,5 @@
-"""Connection-level timeouts uvicorn lacks: request head and body read (slowloris, a slow
-body) and write stall.
+"""Connection-level defences uvicorn lacks: request head and body timeouts (slowloris, a slow
+body), a write-stall timeout and a cap on open connections per client IP.
 
 `TimedH11Protocol` is uvicorn's h11 protocol plus two timers, per connection:
 
@@ -16,7 +16,10 @@ body) and write stall.
   If the client has read nothing for the whole timeout, the connection is aborted; uvicorn
   then reports a disconnect to the app, which ends the stream and frees its KV slot in a step.
 
-`protocol_class(header_timeout_s, write_stall_timeout_s, body_timeout_s)` gives the class to pass as
+- per-IP cap: a connection beyond `max_connections_per_ip` open ones from the same address
+  gets 429 `too_many_connections` + Retry-After and is closed before anything is parsed.
+
+`protocol_class(...)` gives the class to pass as
 `uvicorn.Config(http=...)`.
 """
 
@@ -34,6 +37,14 @@ RESPONSE_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; char
                 b"content-length: 25\r\nconnection: close\r\n\r\nrequest header timed out\n")
 
 
+def _too_many_connections(cap: int) -> bytes:
+    body = (b'{"error":{"message":"more than %d open connections from this address","type":'
+            b'"rate_limit_error","param":null,"code":"too_many_connections"}}' % cap)
+    return (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+            b"retry-after: 1\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+            ) + body
+
+
 def _body_408(timeout_s: float) -> bytes:
     body = (b'{"error":{"message":"the request body did not arrive within %s s","type":'
             b'"invalid_request_error","param":null,"code":"request_timeout"}}'
@@ -46,6 +57,8 @@ class TimedH11Protocol(H11Protocol):
     header_timeout_s: float = 10.0  # 0 = no head timer
     write_stall_timeout_s: float = 30.0  # 0 = no write-stall timer
     body_timeout_s: float = 30.0  # 0 = no body timer
+    max_connections_per_ip: int = 0  # 0 = no cap
+    open_by_ip: dict[str, int]  # per server (protocol_class gives each its own dict)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -53,12 +66,26 @@ class TimedH11Protocol(H11Protocol):
         self._stall_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0  # bytes of the current, still incomplete request head
+        self._ip = self.client[0] if self.client else None
+        if self.max_connections_per_ip > 0 and self._ip is not None:
+            if self.open_by_ip.get(self._ip, 0) >= self.max_connections_per_ip:
+                self._ip = None  # not counted: refused
+                self.transport.write(_too_many_connections(self.max_connections_per_ip))
+                self.transport.close()
+                return
+            self.open_by_ip[self._ip] = self.open_by_ip.get(self._ip, 0) + 1
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         self._cancel_stall_timer()
         self._cancel_body_timer()
+        if self.max_connections_per_ip > 0 and self._ip is not None:
+            left = self.open_by_ip.get(self._ip, 1) - 1
+            if left > 0:
+                self.open_by_ip[self._ip] = left
+            else:
+                self.open_by_ip.pop(self._ip, None)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -152,10 +179,11 @@ class TimedH11Protocol(H11Protocol):
         self.transport.abort()  # close() would wait for the full buffer to drain: never
 
 
-def protocol_class(header_timeout_s: float, write_stall_timeout_s: float,
-                   body_timeout_s: float = 30.0) -> type:
-    """A TimedH11Protocol subclass carrying these timeouts (uvicorn builds one per connection)."""
+def protocol_class(header_timeout_s: float = 10.0, write_stall_timeout_s: float = 30.0,
+                   body_timeout_s: float = 30.0, max_connections_per_ip: int = 0) -> type:
+    """A TimedH11Protocol subclass carrying these limits (uvicorn builds one per connection)."""
     return type("ServerH11Protocol", (TimedH11Protocol,),
                 {"header_timeout_s": header_timeout_s,
                  "write_stall_timeout_s": write_stall_timeout_s,
-                 "body_timeout_s": body_timeout_s})
+                 "body_timeout_s": body_timeout_s,
+                 "max_connections_per_ip": max_connections_per_ip, "open_by_ip": {}})

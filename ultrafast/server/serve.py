@@ -186,7 +186,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=3,
         h11_max_incomplete_event_size=16 * 1024,  # oversized headers are refused by h11
         http=protocol_class(config.header_timeout_s, config.write_stall_timeout_s,
-                            config.body_timeout_s))
+                            config.body_timeout_s, config.max_connections_per_ip))
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         for handler in logging.getLogger(name).handlers:
             handler.addFilter(RedactingFilter())
