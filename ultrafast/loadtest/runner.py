@@ -63,7 +63,10 @@ SCENARIOS = [
              in_ci=True),
     Scenario("F11", "queue full: burst of 4x capacity", f.f11_queue_full, in_ci=True),
     Scenario("F12", "slow / stalled reader", f.f12_slow_reader, in_ci=True),
-    Scenario("F13", "slowloris headers", f.f13_slowloris),
+    Scenario("F12b", "stalled reader that never resumes (write-stall timeout)",
+             f.f12b_stalled_reader, in_ci=True),
+    Scenario("F13", "slowloris headers, a stalled body, the per-IP connection cap",
+             f.f13_slowloris, in_ci=True),
     Scenario("F14", "SSE ping while waiting > 15 s", f.f14_ping),
     Scenario("F15", "near-cap and over-cap prompts in parallel", f.f15_huge_prompts,
              in_ci=True),
@@ -73,8 +76,8 @@ SCENARIOS = [
 BY_NAME = {sc.name: sc for sc in SCENARIOS}
 # Run order: scenarios that share a server spec run back to back (one server start each group;
 # starts cost seconds on a busy 2-core box); the two that kill their server run last.
-RUN_ORDER = ["L1", "L3", "L4", "B0", "F1", "F2", "F3", "F3b", "F12", "F13", "F15", "L2", "F11",
-             "F10", "F14", "L7", "IRR", "F16", "F6", "F9", "F8", "F7", "L6", "L5", "F4", "F5",
+RUN_ORDER = ["L1", "L3", "L4", "B0", "F1", "F2", "F3", "F3b", "F12", "F15", "L2", "F11",
+             "F10", "F14", "L7", "IRR", "F13", "F12b", "F16", "F6", "F9", "F8", "F7", "L6", "L5", "F4", "F5",
              "F5b"]
 
 
