@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ultrafast.bench.peers import (Batch, EngineRunner, LlamaCppRunner, ServerRunner,
                                    TransformersRunner, VllmRunner)
+from ultrafast.bench.tiers import serve_default_threads
 from ultrafast.model_files import gguf_for, resolve_model
 
 PROMPT_TEXT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
@@ -79,7 +80,7 @@ def build_runners(names: list[str], files, gguf: Path, opts: dict) -> tuple[dict
         "ours-engine-torch": lambda: EngineRunner("ours-engine-torch", ours_model, "torch",
                                                   **common),
         "ours-server": lambda: ServerRunner("ours-server", ours_model, opts["executor"],
-                                            **common),
+                                            **{**common, "threads": opts["server_threads"]}),
         "llama.cpp": lambda: LlamaCppRunner(str(gguf), opts["max_model_len"], opts["threads"]),
         "transformers": lambda: TransformersRunner(hf_dir, opts["threads"], "cpu"),
         "transformers-cuda": lambda: TransformersRunner(hf_dir, opts["threads"], "cuda"),
@@ -201,6 +202,9 @@ def run_harness(model: str, max_tokens: int = 128, rounds: int = 3,
                 compile: str = "auto", gguf_type: str = "f16", with_roofline: bool = False) -> dict:
     from ultrafast.tokenizer import Tokenizer
 
+    # the server keeps one core for its event loop and the clients, as `serve` does by default
+    # (kernel threads spinning on every core slow HTTP streaming several-fold on 2 cores)
+    server_threads = threads or serve_default_threads()
     threads = threads or len(os.sched_getaffinity(0))
     cuda = _gpu_available()
     files = resolve_model(model)
@@ -211,7 +215,8 @@ def run_harness(model: str, max_tokens: int = 128, rounds: int = 3,
     names = peers or default_peers(cuda)
     concurrency = sorted(set(concurrency))
     opts = {"num_slots": max(concurrency), "max_model_len": prompt_tokens + max_tokens + 16,
-            "threads": threads, "compile": compile, "executor": executor}
+            "threads": threads, "server_threads": server_threads, "compile": compile,
+            "executor": executor}
     runners, skipped = build_runners(names, files, gguf, opts)
     try:
         results = measure(runners, concurrency, base_ids, vocab_size, max_tokens, rounds,
@@ -221,8 +226,8 @@ def run_harness(model: str, max_tokens: int = 128, rounds: int = 3,
             runner.close()
     notes = {"llama.cpp": "llama.cpp: llama-cpp-python's generate cannot batch, so it runs at "
              "concurrency 1 only",
-             "ours-server": "ours-server: default tier, admission TTFT target raised to 600 s so "
-             "that no stream is refused"}
+             "ours-server": f"ours-server: default tier, admission TTFT target raised to 600 s so "
+             f"that no stream is refused; {server_threads} kernel thread(s) (the serve default)"}
     report = {"model": files.name, "gguf": gguf.name, "threads": threads, "cuda": cuda,
               "executor": executor, "compile": compile, "max_tokens": max_tokens,
               "prompt_tokens": len(base_ids) + 2, "rounds": rounds, "concurrency": concurrency,
