@@ -187,14 +187,16 @@ def markdown(report: dict) -> str:
              "|---|---|---|---|---|---|"]
     for name, r in res.items():
         peer = "llama.cpp" + name[name.index("["):] if "[" in name else "llama.cpp"
-        vs_llama = r["decode_tok_s"] / res[peer]["decode_tok_s"] if peer in res \
-            else float("nan")
-        vs_hf = r["decode_tok_s"] / res["transformers"]["decode_tok_s"] \
-            if "transformers" in res else float("nan")
+        vs_llama = _ratio(r, res.get(peer))  # "-": no llama.cpp run of the same file
+        vs_hf = _ratio(r, res.get("transformers"))
         accepted = "" if r.get("acceptance") is None else f"{r['acceptance']:.0%}"
         lines.append(f"| {name} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.1f} | "
-                     f"{vs_llama:.2f}x | {vs_hf:.2f}x | {accepted} |")
+                     f"{vs_llama} | {vs_hf} | {accepted} |")
     return "\n".join(lines)
+
+
+def _ratio(result: dict, peer: dict | None) -> str:
+    return "-" if peer is None else f"{result['decode_tok_s'] / peer['decode_tok_s']:.2f}x"
 
 
 def main(args) -> int:
