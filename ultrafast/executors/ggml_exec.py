@@ -125,7 +125,10 @@ class GgmlExecutor:
         params.n_ctx = num_slots * max_model_len
         params.n_batch = params.n_ubatch = max_num_batched_tokens
         params.n_seq_max = num_slots
-        params.kv_unified = True  # one cell pool for all slots: seq_cp shares cells, no copy
+        # a KV stream per slot: a step attends only to the cells of its own slots. (One unified
+        # pool let seq_cp share cells, but every step then attended over all resident cells,
+        # prefix-cache leftovers of idle slots included: half speed for a lone stream.)
+        params.kv_unified = False
         params.n_threads = params.n_threads_batch = self.n_threads
         params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
@@ -237,11 +240,12 @@ class GgmlExecutor:
             self._slot_lens[seq.slot_id] = seq.start_position + len(seq.token_ids)
 
     def _copy_prefix(self, src_slot_id: int, dst_slot_id: int, num_tokens: int) -> None:
-        """dst := src's KV at [0, num_tokens); in the unified cache this only retags cells."""
+        """dst := src's KV at [0, num_tokens). Across KV streams llama.cpp copies a whole
+        sequence (a buffer copy before the next decode); the tail is then dropped."""
         memory = self._memory
         if src_slot_id != dst_slot_id:
             llama_cpp.llama_memory_seq_rm(memory, dst_slot_id, -1, -1)
-            llama_cpp.llama_memory_seq_cp(memory, src_slot_id, dst_slot_id, 0, num_tokens)
+            llama_cpp.llama_memory_seq_cp(memory, src_slot_id, dst_slot_id, -1, -1)
         llama_cpp.llama_memory_seq_rm(memory, dst_slot_id, num_tokens, -1)
         self._slot_lens[dst_slot_id] = min(num_tokens, self._slot_lens[src_slot_id])
 
