@@ -1,11 +1,13 @@
 """The fast CPU executor: llama.cpp's kernels on a GGUF file, driven through llama-cpp-python's
 low-level ctypes API (no `Llama` object, no llama.cpp sampler).
 
-Owns one llama.cpp model + context. Each KV slot is a llama.cpp sequence id in one unified KV
-cache of `num_slots * max_model_len` cells, so a prefix copy (KVCopy) only tags existing cells
-with another sequence id instead of copying data. A step is one `llama_decode` over every
-scheduled sequence; the logits rows it asked for come back contiguous and in batch order, which
-is exactly the layout `sample_plan` wants, so they are handed over as a zero-copy tensor view.
+Owns one llama.cpp model + context. Each KV slot is a llama.cpp sequence id with its own KV
+stream of `max_model_len` cells, so a step attends only to its own slots' cells (a unified pool
+made every step attend over all resident cells: half speed for a lone stream on 16 slots). A
+prefix copy (KVCopy) across slots copies the source sequence. A step is one `llama_decode` over
+every scheduled sequence; the logits rows it asked for come back contiguous and in batch order,
+which is exactly the layout `sample_plan` wants, so they are handed over as a zero-copy tensor
+view.
 
 The batch arrays are numpy buffers owned here (not `llama_batch_init`'s mallocs): one
 contiguous array per field, so filling a step is a few slice assignments instead of a Python
