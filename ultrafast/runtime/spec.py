@@ -47,7 +47,7 @@ class SpecConfig:
     method: str = "auto"  # off, ngram, draft (model), auto (ngram, then the draft model)
     tiers: tuple[ServiceTier, ...] = (ServiceTier.PRIORITY,)  # where n-gram/model drafts run
     max_draft_tokens: int = 5  # upper bound of the adaptive k
-    ngram_min: int = 2  # n-gram lookup: the longest suffix of n in [min, max] tokens that
+    ngram_min: int = 1  # n-gram lookup: the longest suffix of n in [min, max] tokens that
     ngram_max: int = 4  # occurred before decides the draft
     prior_acceptance: float = 0.6  # per-token acceptance assumed for a new request ...
     prior_weight: float = 2.0  # ... worth this many observed draft tokens
