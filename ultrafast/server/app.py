@@ -104,12 +104,12 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 
 def _check_ready(state: ServerState) -> None:
+    if not state.engine.alive:  # first: a dead engine also starts the shutdown (exit 2)
+        raise APIError(503, "the engine is not running", "server_error", "engine_dead", None,
+                       headers={"Retry-After": "5"})
     if state.draining:
         raise APIError(503, "the server is shutting down", "overloaded_error",
                        "server_shutting_down", None, headers={"Retry-After": "5"})
-    if not state.engine.alive:
-        raise APIError(503, "the engine is not running", "server_error", "engine_dead", None,
-                       headers={"Retry-After": "5"})
 
 
 def _resolve_max_tokens(state: ServerState, requested: int | None, num_prompt: int,
@@ -255,7 +255,7 @@ def build_app(state: ServerState) -> Starlette:
 
     async def ready(http: HTTPRequest) -> Response:
         if state.draining or not state.engine.alive:
-            reason = "draining" if state.draining else "engine_dead"
+            reason = "engine_dead" if not state.engine.alive else "draining"
             return JSONResponse({"status": reason}, status_code=503)
         core = state.engine.core
         return JSONResponse({"status": "ready", "running": len(core.scheduler.running),
