@@ -314,7 +314,10 @@ class Speculator:
         extra_s = 0.0
         # a seeded request sizes k from its own history only: with sampled draft-model drafts
         # the text depends on k, and timings must not change a seeded text
-        if cfg.use_measured_costs and state.request.sampling_params.seed is None:
+        # a prediction is the client's own draft (OpenAI uses it whenever it is given): it is
+        # sized with the default costs, so a noisy measured fit cannot switch it off for good
+        if cfg.use_measured_costs and state.request.sampling_params.seed is None \
+                and source != "prediction":
             costs = self.step_costs
             if costs is not None and costs.base_s and costs.per_token_s:
                 base_s, per_token_s = costs.base_s, costs.per_token_s
