@@ -202,3 +202,15 @@ def _dechunk(data: bytes) -> bytes:
         out.append(data[j + 2:j + 2 + size])
         i = j + 2 + size + 2
     return b"".join(out)
+
+
+async def metric_total(client: httpx.AsyncClient, name: str) -> float:
+    """The sum over all label sets of one counter on the server's /metrics (`name` without the
+    `_total` suffix, as prometheus_client names the family)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await client.get("/metrics")).text
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            return sum(s.value for s in family.samples if s.name == name + "_total")
+    raise AssertionError(f"/metrics has no {name}_total")

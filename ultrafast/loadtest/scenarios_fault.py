@@ -7,14 +7,14 @@ store and of retries (F6-F9, F16) are in scenarios_state.py.
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import subprocess
 import time
 
 from ultrafast.executors.fake_exec import FAULT_FATAL, FAULT_REQUEST, FAULT_STEP, fault_prompt
-from ultrafast.loadtest.client import (http_request_bytes, open_raw, parse_raw_sse, plain_call,
-                                       raw_call_then_leave, stream_call)
+from ultrafast.loadtest.client import (http_request_bytes, metric_total, open_raw,
+                                       parse_raw_sse, plain_call, raw_call_then_leave,
+                                       stream_call)
 from ultrafast.loadtest.harness import Context, Result, ServerSpec
 from ultrafast.loadtest.invariants import (check_content, check_rejection, check_terminal,
                                            percentiles_ms)
@@ -229,7 +229,7 @@ async def f10_kv_full(ctx: Context, result: Result) -> None:
     """More calls than KV slots, priority ones preempting: all exact; too long a prompt -> 400."""
     srv = ctx.server(ServerSpec(num_slots=2, max_model_len=256, fake_step_ms=10.0))
     async with client_for(srv.url) as client:
-        before = await preemptions(client)
+        before = await metric_total(client, "ultrafast_preemptions")
         calls = [checked_stream(ctx, client, result, 60, "default", "default") for _ in range(6)]
 
         async def priority_later():  # once the default calls hold both slots
@@ -238,7 +238,8 @@ async def f10_kv_full(ctx: Context, result: Result) -> None:
                                                          "priority") for _ in range(2)))
 
         await asyncio.gather(*calls, priority_later())
-        result.metrics["preemptions"] = num = await preemptions(client) - before
+        result.metrics["preemptions"] = num = \
+            await metric_total(client, "ultrafast_preemptions") - before
         if num < 1:
             result.fail(["priority calls found both slots busy, yet ultrafast_preemptions_total "
                          "did not grow"])
@@ -247,14 +248,6 @@ async def f10_kv_full(ctx: Context, result: Result) -> None:
         result.num_requests += 1
         result.fail(check_rejection(too_long, 400, "context_length_exceeded", retry_after=False))
         await finish_checks(ctx, client, result)
-
-
-async def preemptions(client) -> float:
-    text = (await client.get("/metrics")).text
-    found = re.search(r"^ultrafast_preemptions_total ([0-9.e+]+)$", text, re.M)
-    if found is None:
-        raise AssertionError("/metrics has no ultrafast_preemptions_total")
-    return float(found.group(1))
 
 
 async def f11_queue_full(ctx: Context, result: Result) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import httpx
 
 from ultrafast.bench.redis_server import RedisServer
 from ultrafast.bench.sessions import (ConversationRun, check_exactly_once, run_conversations)
-from ultrafast.loadtest.client import CallRecord, plain_call, stream_call
+from ultrafast.loadtest.client import CallRecord, metric_total, plain_call, stream_call
 from ultrafast.loadtest.harness import Context, Result, ServerSpec
 from ultrafast.loadtest.invariants import check_rejection, check_terminal, percentiles_ms
 from ultrafast.loadtest.scenarios_load import LIMITS, checked_stream, client_for, finish_checks
@@ -408,11 +407,6 @@ async def f9_redis_slow(ctx: Context, result: Result) -> None:
 
 # ---- F16: a retry with the same Idempotency-Key -----------------------------------------------
 
-def generated_tokens(metrics_text: str) -> float:
-    return sum(float(m.group(1)) for m in re.finditer(
-        r"^ultrafast_generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", metrics_text, re.M))
-
-
 async def f16_idempotent_retry(ctx: Context, result: Result) -> None:
     redis = RedisServer()
     srv = await start_server(ctx, session_spec(redis.url, 20.0))
@@ -426,10 +420,10 @@ async def f16_idempotent_retry(ctx: Context, result: Result) -> None:
             except httpx.TimeoutException:
                 pass
             retry = await _retry_past_409(client, "f16-a", 0)
-            tokens_before = generated_tokens((await client.get("/metrics")).text)
+            tokens_before = await metric_total(client, "ultrafast_generation_tokens")
             again = await plain_call(client, turn_body("f16-a", 0, 60), "replay", CHAT,
                                      key_of("f16-a", 0))
-            tokens_after = generated_tokens((await client.get("/metrics")).text)
+            tokens_after = await metric_total(client, "ultrafast_generation_tokens")
             for rec in (retry, again):
                 if rec.status != 200 or rec.headers.get("idempotent-replayed") != "true":
                     result.fail([f"{rec.tag}: status {rec.status}, not the stored answer"])

@@ -110,9 +110,7 @@ class TimedH11Protocol(H11Protocol):
             self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
 
     def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._head_timer = _cancelled(self._head_timer)
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -136,9 +134,7 @@ class TimedH11Protocol(H11Protocol):
             self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_timed_out)
 
     def _cancel_body_timer(self) -> None:
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
+        self._body_timer = _cancelled(self._body_timer)
 
     def _body_timed_out(self) -> None:
         self._body_timer = None
@@ -166,9 +162,7 @@ class TimedH11Protocol(H11Protocol):
         super().resume_writing()
 
     def _cancel_stall_timer(self) -> None:
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
+        self._stall_timer = _cancelled(self._stall_timer)
 
     def _write_stalled(self) -> None:
         self._stall_timer = None
@@ -177,6 +171,11 @@ class TimedH11Protocol(H11Protocol):
         log.warning("aborting a connection from %s: the client read nothing for %.1f s",
                     self.client, self.write_stall_timeout_s)
         self.transport.abort()  # close() would wait for the full buffer to drain: never
+
+
+def _cancelled(timer: asyncio.TimerHandle | None) -> None:
+    if timer is not None:
+        timer.cancel()
 
 
 def protocol_class(header_timeout_s: float = 10.0, write_stall_timeout_s: float = 30.0,
