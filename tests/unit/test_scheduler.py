@@ -1,5 +1,7 @@
 """Scheduler + KV pool against the fake executor: batching, chunking, tiers, preemption, aborts."""
 
+import collections
+
 import pytest
 
 from tests.unit.fake_executor import FakeExecutor, prompt, reference_tokens, run_all
@@ -57,6 +59,29 @@ def test_decodes_go_before_new_prefill_and_priority_first():
     assert seqs[0].request_id == "d" and seqs[0].num_tokens == 1
     assert seqs[1].request_id == "p"  # priority prefill before the default prefill
     assert sum(s.num_tokens for s in seqs) <= 8
+
+
+def test_one_pass_per_length_keeps_other_lengths_out_of_priority_steps():
+    engine, executor = make_engine(one_pass_per_length=True)
+    tokens = collections.defaultdict(list)
+
+    def step() -> list[str]:
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        return [s.request_id for s in executor.plans[-1].seqs]
+
+    engine.add_request(Request("d", prompt(3, 4), GREEDY))
+    step()  # d prefilled, now decoding
+    engine.add_request(Request("p", prompt(5, 4), GREEDY, tier=ServiceTier.PRIORITY))
+    assert step() == ["p"]  # its prefill runs alone
+    assert step() == ["p", "d"]  # both decode: one length, one pass
+    engine.add_request(Request("late", prompt(6, 9), GREEDY))
+    assert "late" not in step()  # a default prefill waits while the priority request decodes
+    while engine.has_work():
+        step()
+    assert tokens["d"] == reference_tokens(prompt(3, 4), 12)
+    assert tokens["p"] == reference_tokens(prompt(5, 4), 12)
+    assert tokens["late"] == reference_tokens(prompt(6, 9), 12)
 
 
 def test_prefix_cache_reuses_finished_request_kv():

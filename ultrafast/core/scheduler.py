@@ -26,6 +26,11 @@ class SchedulerConfig:
     max_model_len: int = 2048  # positions per KV slot
     max_waiting: int = 256  # queued requests over all tiers
     max_admissions_per_step: int = 0  # default/flex requests newly started per step; 0 = no cap
+    # The executor runs each group of sequences with the same token count as its own forward
+    # pass (llama.cpp with a KV stream per slot). A step with priority work then leaves other
+    # work of another length to the next step: it would only add passes to the priority
+    # request's latency, and costs the same passes a step later.
+    one_pass_per_length: bool = False
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_prefill_chunk_tokens) < 1:
@@ -124,7 +129,20 @@ class Scheduler:
                     budget -= self._schedule_chunk(plan, request, budget)
             if not decoding:
                 budget = self._admit(plan, tier, budget)
+        if self.config.one_pass_per_length:
+            self._keep_priority_lengths(plan)
         return plan
+
+    def _keep_priority_lengths(self, plan: StepPlan) -> None:
+        """Drop the non-priority sequences whose token count no priority sequence shares.
+
+        Nothing of theirs has changed yet (tokens are committed in update), so they simply run
+        next step; a prefix copy already planned for an admitted request still applies."""
+        tiers = {r.request_id: r.tier for r in self.running}
+        lengths = {s.num_tokens for s in plan.seqs if tiers[s.request_id] == ServiceTier.PRIORITY}
+        if lengths:
+            plan.seqs = [s for s in plan.seqs if s.num_tokens in lengths
+                         or tiers[s.request_id] == ServiceTier.PRIORITY]
 
     def _priority_has_company(self) -> bool:
         """Is there work besides priority decodes? Only then does the priority step cap

@@ -16,6 +16,9 @@ class Executor(Protocol):
     num_slots: int  # KV slots (concurrent sequences, cached prefixes included)
     max_model_len: int  # positions per slot
     vocab_size: int
+    # optional: True when sequences of different token counts in one step run as separate
+    # forward passes (the scheduler then keeps other lengths out of priority steps)
+    # one_pass_per_length: bool
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. Never called concurrently; called from the engine thread only."""

@@ -131,6 +131,9 @@ class GgmlExecutor:
         # pool let seq_cp share cells, but every step then attended over all resident cells,
         # prefix-cache leftovers of idle slots included: half speed for a lone stream.)
         params.kv_unified = False
+        # ... and llama.cpp then splits a step into ubatches of equal tokens per sequence: one
+        # forward pass per distinct length (1-token decodes + a 20-token prefill = 2 passes)
+        self.one_pass_per_length = num_slots > 1
         params.n_threads = params.n_threads_batch = self.n_threads
         params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
