@@ -3,6 +3,8 @@
 import threading
 import time
 
+import pytest
+
 from tests.unit.fake_executor import FakeExecutor, reference_tokens
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
@@ -91,6 +93,31 @@ def test_step_cost_model_fits_base_and_per_token_cost():
     assert abs(costs.base_s - 0.010) < 1e-6 and abs(costs.per_token_s - 0.0005) < 1e-8
     assert costs.token_budget(0.050) == 80
     assert abs(costs.auto_itl_target_s() - 1.2 * 0.0105) < 1e-9
+
+
+def test_step_cost_model_fits_a_sequence_apart_from_a_token():
+    costs = StepCostModel()
+    for seqs, tokens in ((1, 1), (1, 20), (3, 3), (1, 6), (4, 4), (2, 2), (4, 24), (1, 1)):
+        costs.observe(seqs, tokens, 0.001 + 0.0008 * (seqs - 1) + 0.0002 * tokens)
+    assert abs(costs.per_seq_s - 0.0008) < 1e-7 and abs(costs.per_token_s - 0.0002) < 1e-8
+    assert abs(costs.base_s - 0.001) < 1e-7
+    # each extra token may be a decode of its own: 1.2 ms + 2 x 1 ms fits 3 tokens, not 4
+    assert costs.token_budget(0.0032 + 1e-6) == 3
+
+
+def test_auto_itl_target_comes_from_the_fitted_lone_decode_not_a_noisy_reading():
+    costs = StepCostModel()
+    assert costs.auto_itl_target_s() is None  # nothing measured yet
+    costs.observe(1, 1, 0.0015)  # before a fit, the measured lone decode is all there is
+    assert abs(costs.auto_itl_target_s() - 1.2 * 0.0015) < 1e-9
+    # lone decodes read slow (a longer context, another thread on the core) against a
+    # line of 0.8 ms + 0.4 ms per token fitted over every step
+    for n in (8, 1, 16, 2, 1, 4, 8, 1):
+        costs.observe(1, n, 0.0016 if n == 1 else 0.0008 + 0.0004 * n)
+    target = costs.auto_itl_target_s()
+    assert target == pytest.approx(1.2 * (costs.base_s + costs.per_token_s))
+    # a second sequence costs a third of a step: not let into a priority step
+    assert costs.token_budget(target) == 1
 
 
 def test_warmup_leaves_the_engine_clean():

@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from ultrafast.core.kv_pool import KVSlotPool
@@ -57,18 +57,21 @@ class EngineOccupancy:
 
 
 class StepCostModel:
-    """Step time ~ base_s + per_token_s * num_tokens, fitted online (exponentially weighted
-    least squares), plus the time of a lone single-token step.
+    """Step time ~ base_s + per_seq_s * (num_seqs - 1) + per_token_s * num_tokens, fitted online
+    (exponentially weighted least squares), plus the time of a lone single-token step.
 
     Sizes each step while a priority request decodes, so its inter-token gap stays within
-    target however much other work is waiting.
+    target however much other work is waiting. A sequence and a token are fitted apart: on a
+    CPU one more 1-token decode in a step can cost several prefill tokens' time (its own KV
+    stream, sampling, output), so a token count alone mispredicts a step of many decodes.
     """
 
     def __init__(self, forget: float = 0.05):
         self.forget = forget
-        self._sums = [0.0] * 5  # weight, x, y, xx, xy
-        self.base_s: float | None = None
+        self._sums = [0.0] * 9  # weight, s, t, y, ss, tt, st, sy, ty (s = num_seqs - 1)
+        self.base_s: float | None = None  # one sequence: base_s + per_token_s * num_tokens
         self.per_token_s: float | None = None
+        self.per_seq_s = 0.0  # each sequence past the first (0 until the data can tell)
         self.single_decode_s: float | None = None  # one sequence, one token: the idle ITL
 
     def observe(self, num_seqs: int, num_tokens: int, elapsed_s: float) -> None:
@@ -77,24 +80,47 @@ class StepCostModel:
         if num_seqs == 1 and num_tokens == 1:
             self.single_decode_s = _ema(self.single_decode_s, elapsed_s, 0.1)
         keep = 1.0 - self.forget
-        w, sx, sy, sxx, sxy = (v * keep for v in self._sums)
-        x = float(num_tokens)
-        self._sums = [w + 1, sx + x, sy + elapsed_s, sxx + x * x, sxy + x * elapsed_s]
-        w, sx, sy, sxx, sxy = self._sums
-        var = sxx / w - (sx / w) ** 2
-        if var > 0.5:  # enough spread in step sizes to trust a slope
-            slope = (sxy / w - sx * sy / w / w) / var
-            if slope > 0:
-                self.per_token_s = slope
-                self.base_s = max(sy / w - slope * sx / w, 0.0)
+        s, t, y = float(num_seqs - 1), float(num_tokens), elapsed_s
+        new = (1.0, s, t, y, s * s, t * t, s * t, s * y, t * y)
+        self._sums = [v * keep + d for v, d in zip(self._sums, new)]
+        self._fit()
+
+    def _fit(self) -> None:
+        _, s, t, y, ss, tt, st, sy, ty = (v / self._sums[0] for v in self._sums)
+        var_s, var_t, cov_st = ss - s * s, tt - t * t, st - s * t
+        cov_sy, cov_ty = sy - s * y, ty - t * y
+        if var_t <= 0.5:  # not enough spread in step sizes to trust a slope
+            return
+        det = var_s * var_t - cov_st * cov_st
+        if var_s > 0.25 and det > 0.05 * var_s * var_t:  # sequences and tokens vary apart
+            per_seq = (cov_sy * var_t - cov_ty * cov_st) / det
+            per_token = (cov_ty * var_s - cov_sy * cov_st) / det
+            if per_seq >= 0 and per_token > 0:
+                self.per_seq_s, self.per_token_s = per_seq, per_token
+                self.base_s = max(y - per_seq * s - per_token * t, 0.0)
+                return
+        slope = cov_ty / var_t  # tokens alone (e.g. a single stream: prefills and decodes)
+        if slope > 0:
+            self.per_seq_s, self.per_token_s = 0.0, slope
+            self.base_s = max(y - slope * t, 0.0)
 
     def token_budget(self, target_s: float, minimum: int = 1) -> int | None:
+        """Tokens a step may hold and still take <= target_s, counting every token past the
+        first as a sequence of its own (the dearest way to spend it)."""
         if self.base_s is None or self.per_token_s is None:
             return None
-        return max(minimum, int((target_s - self.base_s) / self.per_token_s))
+        first_s = self.base_s + self.per_token_s
+        return max(minimum, 1 + int((target_s - first_s) / (self.per_token_s + self.per_seq_s)))
 
     def auto_itl_target_s(self, factor: float = 1.2) -> float | None:
-        """`factor` times the idle inter-token time, once it has been measured."""
+        """`factor` times the idle inter-token time, once it has been measured.
+
+        Once the model is fitted, the idle time is its own prediction of a lone decode, so
+        target and budget come from one line: a measured lone decode carries noise (a
+        longer context, the HTTP thread on the same core) and a high reading once let a
+        second sequence into every priority step, slowing it by half."""
+        if self.base_s is not None and self.per_token_s is not None:
+            return factor * (self.base_s + self.per_token_s)
         return None if self.single_decode_s is None else factor * self.single_decode_s
 
 
@@ -115,6 +141,8 @@ class EngineCore:
         if config.max_model_len > executor.max_model_len:
             raise ValueError("max_model_len cannot exceed the executor's slot length")
         self.executor = executor
+        config = replace(config, one_pass_per_length=config.one_pass_per_length
+                         or getattr(executor, "one_pass_per_length", False))
         self.pool = KVSlotPool(executor.num_slots)
         self.scheduler = Scheduler(config, self.pool)
         self.last_stats: StepStats | None = None
@@ -179,6 +207,12 @@ class EngineCore:
         for request in running:
             request.draft = drafts.get(request.request_id)
 
+    def _one_pass(self, plan) -> bool:
+        """Did the step run as one forward pass? A step whose lengths the executor ran as
+        several passes costs a base per pass, which a line in tokens cannot fit."""
+        return (not self.scheduler.config.one_pass_per_length
+                or len({s.num_tokens for s in plan.seqs}) == 1)
+
     def step(self) -> list[RequestOutput]:
         tp = time.perf_counter()
         if self.speculator is not None and self.scheduler.running:
@@ -200,9 +234,10 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.observe(plan, [o.request_id for o in outputs if o.finished])
         t3 = time.perf_counter()
-        if plan.seqs:
+        if plan.seqs and self._one_pass(plan):
             self.costs.observe(len(plan.seqs), plan.num_scheduled_tokens,
                                result.execute_time_s + result.sample_time_s + t0 - tp)
+        if plan.seqs:
             target_s = self.priority_itl_target_s
             if target_s == 0:  # auto: stay within 1.2x of the idle inter-token time
                 target_s = self.costs.auto_itl_target_s()
