@@ -41,3 +41,16 @@ def test_lean_client_reports_http_errors(server):
     with pytest.raises(StreamError, match="HTTP 400"):
         asyncio.run(completion_token_stamps("127.0.0.1", server.port,
                                             {**BODY, "stream": True, "max_tokens": -1}))
+
+
+def test_handoff_rounds_deliver_every_token_both_ways():
+    from tests.unit.fake_executor import FakeExecutor
+    from ultrafast.bench.overhead import handoff_rounds
+    from ultrafast.core.scheduler import SchedulerConfig
+    from ultrafast.runtime.engine import EngineCore
+
+    core = EngineCore(FakeExecutor(num_slots=2), SchedulerConfig(max_num_seqs=2, max_model_len=64))
+    kept, handed = handoff_rounds(core, [1, 2, 3], max_tokens=8, rounds=2)
+    assert len(kept) == len(handed) == 2  # the warm-up round is not counted
+    assert all(rate > 0 for rate in kept + handed)  # _rate needs all 8 tokens stamped
+    assert not core.has_work()

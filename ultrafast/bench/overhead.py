@@ -4,13 +4,21 @@ The in-process engine and the server run the same model with the same engine set
 context, kernel threads); rounds alternate between them so drift on a shared machine hits both
 alike, and the overhead is the median of the per-round ratios. Two clients read the stream:
 a lean SSE reader (the server's own cost) and httpx (what a Python client library adds).
+
+The server's engine thread hands each step's outputs to the event loop thread, which sleeps
+between tokens, so every token pays one cross-thread wake on the engine's critical path. On a
+VM whose idle vCPUs halt at once (this one) that wake alone costs tens of microseconds, a
+share of a 1 ms token that no HTTP code removes: `handoff` rounds measure it in-process, the
+engine thread handing each output to a sleeping thread vs keeping it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import statistics
+import threading
 import time
 
 import httpx
@@ -69,6 +77,48 @@ async def httpx_round(url: str, max_tokens: int) -> float:
     return _rate(stamps, max_tokens)
 
 
+def handoff_rounds(engine, prompt_ids: list[int], max_tokens: int,
+                   rounds: int) -> tuple[list[float], list[float]]:
+    """The engine on its own long-lived thread (as in the server), each output either recorded
+    by the engine thread itself or handed to a sleeping consumer thread, as the server hands
+    it to its event loop; alternating rounds. The pair isolates what one cross-thread wake
+    per token costs on this machine. Returns (kept tok/s, handed tok/s) per round."""
+    from ultrafast.request import Request, SamplingParams
+    from ultrafast.runtime.engine import EngineThread
+
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    consumer = threading.Thread(target=lambda: [f(o) for f, o in iter(inbox.get, None)],
+                                daemon=True)
+    consumer.start()
+    thread = EngineThread(engine).start()
+    kept, handed = [], []
+    try:
+        for i in range(2 * rounds + 1):  # round 0 warms the thread up, then alternate
+            to_thread = i % 2 == 0
+            stamps: list[float] = []
+            done = threading.Event()
+
+            def record(output, stamps=stamps, done=done) -> None:
+                if output.new_token_ids:
+                    stamps.append(time.perf_counter())
+                if output.finished:
+                    done.set()
+
+            engine.pool.reset_cache()  # the engine thread is idle between rounds
+            thread.submit(Request(f"handoff{i}", prompt_ids, SamplingParams(
+                temperature=0.0, max_tokens=max_tokens, ignore_eos=True)),
+                (lambda o, record=record: inbox.put((record, o))) if to_thread else record)
+            if not done.wait(120):
+                raise RuntimeError("the engine thread did not finish a benchmark round")
+            if i:
+                (handed if to_thread else kept).append(_rate(stamps, max_tokens))
+    finally:
+        thread.stop()
+        inbox.put(None)
+        consumer.join()
+    return kept, handed
+
+
 def _summary(in_process: list[float], over_http: list[float]) -> dict:
     ratios = [h / p for h, p in zip(over_http, in_process)]
     return {"http_tok_s": statistics.median(over_http),
@@ -101,6 +151,7 @@ def run_overhead_bench(model: str, threads: int, num_slots: int = 4, max_model_l
             lean.append(asyncio.run(lean_round(server.port, max_tokens)))
             cpu_server_s += process_cpu_s(server.proc.pid) - t0
             lib.append(asyncio.run(httpx_round(server.url, max_tokens)))
+        kept, handed = handoff_rounds(engine, ids, max_tokens, rounds)
     finally:
         server.stop()
         engine.executor.close()
@@ -109,6 +160,8 @@ def run_overhead_bench(model: str, threads: int, num_slots: int = 4, max_model_l
             "cpu_us_per_token": {"in_process": 1e6 * cpu_in_process_s / (rounds * max_tokens),
                                  "server": 1e6 * cpu_server_s / (rounds * max_tokens)},
             "in_process_per_round": in_process,
+            "handoff": {"kept_tok_s": statistics.median(kept), **_summary(kept, handed),
+                        "kept_per_round": kept, "handed_per_round": handed},
             "lean_client": {**_summary(in_process, lean), "per_round": lean},
             "httpx_client": {**_summary(in_process, lib), "per_round": lib}}
 
@@ -124,4 +177,8 @@ def markdown(s: dict) -> str:
         f"| HTTP SSE, lean client | {lean['http_tok_s']:.1f} | {100 * lean['overhead']:.1f}% |",
         f"| HTTP SSE, httpx client | {lib['http_tok_s']:.1f} | {100 * lib['overhead']:.1f}% |",
         "", f"CPU per token (all threads): in-process {s['cpu_us_per_token']['in_process']:.0f} us,"
-        f" server with the lean client {s['cpu_us_per_token']['server']:.0f} us"])
+        f" server with the lean client {s['cpu_us_per_token']['server']:.0f} us", "",
+        f"Handing each output to a sleeping thread, no HTTP (engine thread in-process, same "
+        f"rounds): {s['handoff']['kept_tok_s']:.1f} -> {s['handoff']['http_tok_s']:.1f} tok/s,"
+        f" {100 * s['handoff']['overhead']:.1f}% slower: the share of the HTTP overhead that is"
+        f" the wake alone"])
