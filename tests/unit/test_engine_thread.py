@@ -120,6 +120,24 @@ def test_auto_itl_target_comes_from_the_fitted_lone_decode_not_a_noisy_reading()
     assert costs.token_budget(target) == 1
 
 
+def test_engine_thread_warms_up_on_its_own_thread_before_start_returns():
+    # llama.cpp's OpenMP threads only speed up passes run from the thread that ran the first
+    executor = FakeExecutor(num_slots=2)
+    threads = []
+    execute = executor.execute
+    executor.execute = lambda plan: threads.append(threading.current_thread().name) or execute(plan)
+    engine = EngineThread(EngineCore(executor, SchedulerConfig(max_num_seqs=2, max_model_len=64)))
+    engine.start(warmup=True)
+    try:
+        assert threads and set(threads) == {"ultrafast-engine"}  # done before start returned
+        assert not engine.core.has_work() and engine.core.pool.num_running == 0
+        c = Collector()
+        engine.submit(Request("r", [1, 2], SamplingParams(temperature=0, max_tokens=2)), c)
+        assert c.done.wait(5) and c.tokens == reference_tokens([1, 2], 2)
+    finally:
+        engine.stop()
+
+
 def test_warmup_leaves_the_engine_clean():
     executor = FakeExecutor(num_slots=2)
     core = EngineCore(executor, SchedulerConfig(max_num_seqs=2, max_model_len=64))

@@ -138,7 +138,8 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
     guard = build_guard(config)  # bad files fail before the model loads
     core, tokenizer, files = build_engine(engine_config,
                                           priority_itl_target_s=config.priority.itl_ms / 1000)
-    core.warmup()
+    # warm up on the engine thread, which then serves: see EngineThread.start
+    engine = EngineThread(core, shaper_window_s=config.shaper_window_ms / 1000).start(warmup=True)
     admission = Admission(config, costs=core.costs)  # after warmup(), which resets the fit
     if api_keys is not None:  # committed capacity, at both admission and the KV slots
         admission.priority_reserved = api_keys.priority_seats(config.priority.max_in_flight)
@@ -154,8 +155,7 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
     # the speculative engine's cumulative counters, where it exists (see server/metrics.py)
     metrics.set_spec_source(lambda: getattr(core, "spec_stats", None))
     metrics.set_occupancy_source(core.occupancy)
-    engine = EngineThread(core, on_stats=metrics.on_step,
-                          shaper_window_s=config.shaper_window_ms / 1000).start()
+    engine.on_stats = metrics.on_step
     limits = Limits(vocab_size=tokenizer.vocab_size, max_tokens_cap=config.max_tokens_cap,
                     features=frozenset({"session_id"}))
     store = open_store(config.session_store or default_session_store(), config.session_ttl_s,
