@@ -18,6 +18,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-slots", type=int, default=8, help="KV slots (concurrent sequences)")
     p.add_argument("--threads", type=int, default=None,
                    help="ggml threads (default: all cores; serve: all but one)")
+    p.add_argument("--batch-threads", type=int, default=None,
+                   help="ggml threads for passes of more than one token: prefill chunks, draft "
+                   "verification, several streams' decodes (default: --threads)")
     p.add_argument("--spec", choices=["off", "ngram", "draft", "auto"], default="auto",
                    help="speculative decoding: n-gram prompt lookup, a draft model, or auto "
                    "(n-gram, else the draft model); a request's `prediction` is always used")
@@ -43,6 +46,7 @@ def _engine_options(args) -> dict:
     tiers = tuple(t.strip() for t in args.spec_tiers.split(",") if t.strip())
     return dict(executor=args.executor, max_model_len=args.max_model_len,
                 num_slots=args.num_slots, max_num_seqs=args.num_slots, n_threads=args.threads,
+                n_threads_batch=args.batch_threads,
                 fake_step_s=args.fake_step_ms / 1000,
                 spec=args.spec, spec_tiers=tiers, draft_model=args.draft_model,
                 max_draft_tokens=args.max_draft_tokens, compile=args.compile)
@@ -90,6 +94,9 @@ def cmd_serve(args) -> int:
         from ultrafast.executors.ggml_exec import physical_cores
 
         args.threads = max(1, physical_cores() - 1)
+    # --batch-threads stays opt-in: on the 2-core machine all cores cut a 70-token prompt's
+    # time to first token from 21 to 13 ms, but raised a 20-token priority prompt's from 4.6 to
+    # 7.3 ms with the event loop and clients on the same cores (BENCHMARKS.md, issue 3)
     engine = EngineConfig(model=args.model_path or args.model or default_model(),
                           **_engine_options(args))
     server = ServerConfig(
@@ -294,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=None,
                        help="timed rounds (default: tiers 10, the others 3)")
     bench.add_argument("--threads", type=int, default=None)
+    bench.add_argument("--batch-threads", type=int, default=None,
+                       help="sessions: the server's --batch-threads")
     bench.add_argument("--gguf-type", default="f16", help="GGUF type for both ggml runners")
     bench.add_argument("--gguf", action="append", default=None, metavar="PATH",
                        help="decode: compare these GGUF files instead (repeatable), ours vs "

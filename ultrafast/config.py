@@ -42,6 +42,7 @@ class EngineConfig:
     max_prefill_chunk_tokens: int = 256  # chunked prefill size
     max_waiting: int = 256
     n_threads: int | None = None  # ggml threads (default: the cores we may use)
+    n_threads_batch: int | None = None  # ggml threads for multi-token passes (default n_threads)
     device: str | None = None  # torch executor: cpu / cuda
     dtype: str | None = None  # torch executor: float32 / float16 / bfloat16
     compile: str = "auto"  # torch executor decode steps: auto (on with CUDA), inductor, graphs, off

@@ -44,6 +44,7 @@ def build_executor(config: EngineConfig, files: ModelFiles):
 
         return GgmlExecutor(gguf_for(files, config.gguf_type), num_slots=config.num_slots,
                             max_model_len=config.max_model_len, n_threads=config.n_threads,
+                            n_threads_batch=config.n_threads_batch,
                             max_num_batched_tokens=config.max_num_batched_tokens)
     if files.hf_dir is None:
         raise ValueError("the torch executor needs an HF directory (config.json + safetensors)")

@@ -167,3 +167,14 @@ def test_properties_budget_and_close(tiny_llama_gguf_f32):
     ex.close()
     with pytest.raises(FileNotFoundError):
         GgmlExecutor("/nonexistent.gguf", 1, 16)
+
+
+def test_more_threads_for_multi_token_passes_keep_the_tokens(executor, tiny_llama_gguf_f32):
+    ex = GgmlExecutor(tiny_llama_gguf_f32, num_slots=4, max_model_len=128, kv_cache_dtype="f32",
+                      n_threads=1, n_threads_batch=2)
+    try:
+        assert (ex.n_threads, ex.n_threads_batch) == (1, 2)
+        # prefills run on 2 threads, 1-token decodes on 1: the same greedy tokens as 1 thread
+        assert generate(ex, PROMPTS, 12) == generate(executor, PROMPTS, 12)
+    finally:
+        ex.close()

@@ -199,7 +199,9 @@ def main(args) -> int:
                         "--default-queue", str(max(64, args.concurrency * 2)),
                         model=args.model, num_slots=args.num_slots,
                         max_model_len=args.max_model_len,
-                        *(["--threads", str(args.threads)] if args.threads else []))
+                        *(["--threads", str(args.threads)] if args.threads else []),
+                        *(["--batch-threads", str(args.batch_threads)] if args.batch_threads
+                          else []))
     try:
         ttft = {}
         ttft_by_turn(srv.url, 3, args.turn_tokens, args.reply_tokens, True, salt=999)  # warm-up

@@ -99,7 +99,8 @@ class GgmlExecutor:
     """Executor on llama.cpp. `max_num_batched_tokens` bounds the tokens of one step."""
 
     def __init__(self, gguf_path: str | Path, num_slots: int, max_model_len: int,
-                 n_threads: int | None = None, *, max_num_batched_tokens: int = 512,
+                 n_threads: int | None = None, *, n_threads_batch: int | None = None,
+                 max_num_batched_tokens: int = 512,
                  kv_cache_dtype: str = "f16", flash_attn: bool = False,
                  verbose: bool = False) -> None:
         self._ctx = self._model = None  # close() / __del__ work however far __init__ gets
@@ -113,6 +114,7 @@ class GgmlExecutor:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.n_threads = n_threads or physical_cores()
+        self.n_threads_batch = n_threads_batch or self.n_threads
         self._log = _init_native(verbose)
 
         model_params = llama_model_params()
@@ -134,7 +136,9 @@ class GgmlExecutor:
         # ... and llama.cpp then splits a step into ubatches of equal tokens per sequence: one
         # forward pass per distinct length (1-token decodes + a 20-token prefill = 2 passes)
         self.one_pass_per_length = num_slots > 1
-        params.n_threads = params.n_threads_batch = self.n_threads
+        # llama.cpp runs a forward pass of one token on n_threads and any larger one (a
+        # prefill chunk, a draft verification, several sequences' decodes) on n_threads_batch
+        params.n_threads, params.n_threads_batch = self.n_threads, self.n_threads_batch
         params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         params.type_k = params.type_v = _KV_CACHE_DTYPES[kv_cache_dtype]  # f32: exact vs torch
