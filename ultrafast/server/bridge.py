@@ -1,8 +1,10 @@
 """Between the asyncio event loop and the engine thread: submit, stream outputs, abort.
 
-The engine thread calls back with RequestOutputs; each is put on the caller's asyncio queue with
-`loop.call_soon_threadsafe`, so the event loop never blocks on the engine and the engine never
-waits for a slow client. `Generation` groups the n requests of one API call on one queue; the
+The engine thread calls back with RequestOutputs; each goes on a shared hand-off deque and the
+event loop moves it to the caller's buffer, so the event loop never blocks on the engine and the
+engine never waits for a slow client. The engine wakes the loop (`call_soon_threadsafe`) only
+when no drain is already pending: one wake per step however many streams it fed, since a wake
+of the sleeping loop thread costs the engine tens of microseconds on a VM (BENCHMARKS.md). `Generation` groups the n requests of one API call on one queue; the
 HTTP layer aborts whatever is unfinished when the client leaves, freeing the KV slots in a step.
 
 A client slower than the engine cannot grow a stream's buffer without bound: past
@@ -70,19 +72,37 @@ class EngineBridge:
         self.engine = engine
         self.loop = loop
         self.max_stream_buffer_events = max_stream_buffer_events
+        self._handoff: collections.deque[tuple[OutputBuffer, RequestOutput]] = collections.deque()
+        self._drain_pending = False
+        self.num_wakes = 0
 
     def submit(self, request: Request, queue: OutputBuffer) -> None:
-        loop = self.loop
-
         def on_output(output: RequestOutput) -> None:  # runs on the engine thread
-            if loop.is_closed():
-                return  # forced shutdown: nobody is listening any more
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, output)
-            except RuntimeError:  # closed between the check and the call
-                pass
+            self._handoff.append((queue, output))
+            self._wake()
 
         self.engine.submit(request, on_output)
+
+    def _wake(self) -> None:
+        """Engine thread: make sure a drain will run. Append before this check, and the loop
+        clears the flag before it drains: an output is then always drained by a pending or a
+        new drain (at worst one drain finds nothing)."""
+        if self._drain_pending or self.loop.is_closed():
+            return  # a drain is coming, or nobody is listening any more (forced shutdown)
+        self._drain_pending = True
+        self.num_wakes += 1
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # closed between the check and the call
+            pass
+
+    def _drain(self) -> None:
+        """Event loop: move every handed-off output to its stream's buffer, in order."""
+        self._drain_pending = False
+        handoff = self._handoff
+        while handoff:
+            queue, output = handoff.popleft()
+            queue.put_nowait(output)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
