@@ -18,7 +18,8 @@ def test_reuse_in_place_then_lru_eviction():
     pool.commit(first.slot_id, tokens, 10, "")
     pool.release(first.slot_id)
     again = pool.allocate("b", tokens, "")
-    assert again.slot_id == first.slot_id and again.num_cached_tokens == 8 and again.copy is None
+    # two full blocks, then token by token: 9 of the 10 (one is left to compute)
+    assert again.slot_id == first.slot_id and again.num_cached_tokens == 9 and again.copy is None
     pool.release(again.slot_id)
     other = pool.allocate("c", [50, 51, 52, 53, 54], "")
     assert other.slot_id != first.slot_id  # the empty slot goes before the cached one
@@ -35,7 +36,7 @@ def test_at_least_one_token_is_left_to_compute():
     alloc = pool.allocate("a", tokens, "")
     pool.commit(alloc.slot_id, tokens, 8, "")
     pool.release(alloc.slot_id)
-    assert pool.allocate("b", tokens, "").num_cached_tokens == 4
+    assert pool.allocate("b", tokens, "").num_cached_tokens == 7
 
 
 def test_busy_slot_prefix_is_copied_and_full_pool_returns_none():
@@ -47,3 +48,35 @@ def test_busy_slot_prefix_is_copied_and_full_pool_returns_none():
     assert alloc.copy is not None and alloc.copy.src_slot_id == busy.slot_id
     assert alloc.copy.num_tokens == 12 and alloc.num_cached_tokens == 12
     assert pool.allocate("c", [1, 2], "") is None
+
+
+def test_in_place_reuse_extends_the_block_match_to_the_exact_token():
+    """A conversation's next turn: its prompt repeats the slot's computed tokens, then parts
+    inside a block. Reuse stops at the first differing token, not at the block boundary."""
+    pool = KVSlotPool(2, block_size=4)
+    turn1 = list(range(10))  # two full blocks + 2 tokens, all computed
+    alloc = pool.allocate("a", turn1, "t")
+    pool.commit(alloc.slot_id, turn1, 10, "t")
+    pool.release(alloc.slot_id)
+    turn2 = turn1 + [90, 91, 92, 93]
+    again = pool.allocate("b", turn2, "t")
+    assert again.slot_id == alloc.slot_id and again.num_cached_tokens == 10
+    assert pool.slots[again.slot_id].hashes == block_hashes(turn1[:8], "t", 4)
+    pool.commit(again.slot_id, turn2, 14, "t")
+    pool.release(again.slot_id)
+    parted = turn2[:9] + [55, 56, 57]  # differs at token 9, inside the third block
+    assert pool.num_cached_prefix_tokens(parted, "t") == 9
+    assert pool.allocate("c", parted, "t").num_cached_tokens == 9
+
+
+def test_token_level_reuse_is_per_tenant():
+    pool = KVSlotPool(1, block_size=4)
+    tokens = list(range(10))
+    alloc = pool.allocate("a", tokens, "t1")
+    pool.commit(alloc.slot_id, tokens, 10, "t1")
+    pool.release(alloc.slot_id)
+    assert pool.num_cached_prefix_tokens(tokens + [1], "t2") == 0
+    assert pool.allocate("b", tokens + [1], "t2").num_cached_tokens == 0
+    # and a slot whose first block differs is never compared token by token
+    pool.release(0)
+    assert pool.allocate("c", [99] + tokens[1:] + [1], "t2").num_cached_tokens == 0

@@ -90,7 +90,7 @@ def test_prefix_cache_reuses_finished_request_kv():
     run_all(engine, [Request("a", shared + [1, 2], GREEDY)])
     out, _ = run_all(engine, [Request("b", shared + [3], GREEDY)])
     first = next(s for p in executor.plans for s in p.seqs if s.request_id == "b")
-    assert first.start_position == 32  # two 16-token blocks reused
+    assert first.start_position == 40  # two 16-token blocks, then the 8 shared tokens after them
     assert out["b"] == reference_tokens(shared + [3], 12)
 
 

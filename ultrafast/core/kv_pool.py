@@ -3,7 +3,11 @@
 A slot is one sequence's worth of static KV in the executor. A finished (or preempted) request
 leaves its tokens in the slot as a cached prefix, evicted least-recently-used when slots run out.
 Content is identified by chained sha256 hashes of full blocks, salted with the tenant id, so a
-prefix can only be reused by the tenant that computed it.
+prefix can only be reused by the tenant that computed it. A slot also keeps the ids of the
+tokens it has computed: a request that takes a slot in place (a conversation's next turn)
+extends the block match token by token, so it reuses the KV up to the exact token where the
+texts part rather than up to the last block boundary. Tokens are only compared after at least
+one salted block matched, and for the same tenant.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class Slot:
     slot_id: int
     owner: str | None = None  # request id while running; None when free or cached
     hashes: list[bytes] = field(default_factory=list)  # full blocks whose KV is computed here
+    token_ids: list[int] = field(default_factory=list)  # its first num_computed have KV here
+    num_computed: int = 0
+    tenant: str | None = None  # whose tokens these are
     last_used: int = 0  # pool clock at release, for LRU eviction
 
 
@@ -93,9 +100,10 @@ class KVSlotPool:
                 best_idle, best_idle_len = slot, n
             elif slot.owner is not None and n > best_busy_len:
                 best_busy, best_busy_len = slot, n
-        copy = None
+        copy, num_extra = None, 0
         if best_idle is not None and best_idle_len >= best_busy_len:
             slot, num_blocks = best_idle, best_idle_len  # reuse in place, no copy
+            num_extra = self._tokens_past_blocks(slot, num_blocks, token_ids, tenant)
         else:
             slot = best_idle or self._pick_victim()
             if slot is None:
@@ -105,18 +113,39 @@ class KVSlotPool:
                 copy = KVCopy(best_busy.slot_id, slot.slot_id, num_blocks * self.block_size)
         slot.owner = request_id
         slot.hashes = wanted[:num_blocks]
-        num_cached = num_blocks * self.block_size
+        num_cached = num_blocks * self.block_size + num_extra
+        slot.token_ids, slot.num_computed, slot.tenant = token_ids, num_cached, tenant
         self.num_prefix_queries += 1
         self.num_prefix_query_tokens += max(len(token_ids) - 1, 0)
         self.num_prefix_hit_tokens += num_cached
         return SlotAllocation(slot.slot_id, num_cached, copy)
 
+    def _tokens_past_blocks(self, slot: Slot, num_blocks: int, token_ids: list[int],
+                            tenant: str) -> int:
+        """How many more tokens of `token_ids`, after `num_blocks` matched blocks, the slot has
+        computed (fewer than a block: the next block's hash did not match or is incomplete).
+        Leaves at least one token of `token_ids` to compute."""
+        if not num_blocks or slot.tenant != tenant:
+            return 0
+        begin = num_blocks * self.block_size
+        n = 0
+        for cached, wanted in zip(slot.token_ids[begin:slot.num_computed],
+                                  token_ids[begin:len(token_ids) - 1]):
+            if cached != wanted:
+                break
+            n += 1
+        return n
+
     def num_cached_prefix_tokens(self, token_ids: list[int], tenant: str) -> int:
         """Read-only, for admission's TTFT estimate: how many leading tokens some slot holds
         now (a conversation's next turn: nearly all). The engine may still evict them first."""
         wanted = block_hashes(token_ids[:len(token_ids) - 1], tenant, self.block_size)
-        return max((_common_prefix(s.hashes, wanted) for s in self.slots),
-                   default=0) * self.block_size
+        best = 0
+        for slot in self.slots:
+            n = _common_prefix(slot.hashes, wanted)
+            extra = self._tokens_past_blocks(slot, n, token_ids, tenant) if slot.owner is None else 0
+            best = max(best, n * self.block_size + extra)
+        return best
 
     def _pick_victim(self) -> Slot | None:
         """An empty slot first, else the least recently used cached one."""
@@ -130,6 +159,7 @@ class KVSlotPool:
         slot = self.slots[slot_id]
         if (len(slot.hashes) + 1) * self.block_size <= num_computed:
             slot.hashes = block_hashes(token_ids[:num_computed], tenant, self.block_size, slot.hashes)
+        slot.token_ids, slot.num_computed, slot.tenant = token_ids, num_computed, tenant
 
     def release(self, slot_id: int, keep_cached: bool = True) -> None:
         """The owner is done; its computed prefix stays reusable unless `keep_cached` is False."""
@@ -138,9 +168,9 @@ class KVSlotPool:
         self._clock += 1
         slot.last_used = self._clock
         if not keep_cached:
-            slot.hashes = []
+            slot.hashes, slot.token_ids, slot.num_computed = [], [], 0
 
     def reset_cache(self) -> None:
         for slot in self.slots:
             if slot.owner is None:
-                slot.hashes = []
+                slot.hashes, slot.token_ids, slot.num_computed = [], [], 0
