@@ -315,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--reply-tokens", type=int, default=40,
                        help="sessions: answer size (turns of ~100 tokens in all; 20 of them fit"
                        " the demo model's 2048 positions)")
-    bench.add_argument("--sessions", type=int, default=200, help="sessions: exactly-once run")
+    bench.add_argument("--sessions", type=int, default=200,
+                       help="sessions: exactly-once run (0: time to first token only)")
     bench.add_argument("--answer-tokens", type=int, default=16,
                        help="sessions: answer size in the exactly-once run")
     bench.add_argument("--max-model-len", type=int, default=4096,

@@ -11,7 +11,8 @@ import pytest
 from websockets.sync.client import connect
 
 from ultrafast.bench.server_process import ServerProcess
-from ultrafast.bench.sessions import check_exactly_once, run_conversations
+from ultrafast.bench.sessions import (check_exactly_once, llama_cpp_floor, run_conversations,
+                                      ttft_by_turn)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,30 @@ def test_redis_restart_mid_conversation_keeps_every_turn_exactly_once(srv, redis
     assert result.num_restarts == 1 and result.num_turns_before_restart_end < 6 * 5
     report = check_exactly_once(srv.url, result)
     assert report["num_turns_found"] == 6 * 5 * 2 and report["problems"] == []
+
+
+def test_session_turns_prefill_only_their_new_tokens(srv):
+    """KV kept warm: from turn 2 on, everything before the new turn comes from the cache, so
+    the tokens prefilled stay about one turn's worth while the history grows."""
+    shapes: list[tuple[int, int]] = []
+    ttfts = ttft_by_turn(srv.url, 4, turn_tokens=30, new_tokens=12, stateful=True, salt=7,
+                         shapes=shapes)
+    assert len(ttfts) == len(shapes) == 4 and all(t > 0 for t in ttfts)
+    cached = [c for c, _ in shapes]
+    prefilled = [n for _, n in shapes]
+    assert cached[1] < cached[2] < cached[3]  # the history grows and is served from the cache
+    assert cached[3] > 3 * 30  # three earlier user turns and their answers
+    assert max(prefilled[1:]) < 30 + 16  # the new user turn and its template, no history
+
+
+def test_llama_cpp_floor_times_the_given_prefills():
+    from ultrafast.bench.server_process import DEMO_MODEL_DIR
+    from ultrafast.model_files import gguf_for, resolve_model
+
+    gguf = str(gguf_for(resolve_model(DEMO_MODEL_DIR)))
+    floor = llama_cpp_floor(gguf, threads=1, shapes={"fresh": (0, 20), "after": (300, 20)},
+                            rounds=2)
+    assert set(floor) == {"fresh", "after"} and all(t > 0 for t in floor.values())
 
 
 def _events_until(ws, kind: str) -> list[dict]:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -37,13 +38,15 @@ def user_text(base_url: str, num_tokens: int, salt: int) -> str:
     return httpx.post(base_url + "/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
 
 
-def _stream_chat(client: httpx.Client, body: dict) -> tuple[float, str]:
-    """(seconds to the first content delta, full answer) of one streamed chat completion."""
+def _stream_chat(client: httpx.Client, body: dict) -> tuple[float, str, dict]:
+    """(seconds to the first content delta, full answer, usage) of one streamed chat
+    completion."""
     import json
 
     started = time.perf_counter()
-    first_s, parts = None, []
-    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+    first_s, parts, usage = None, [], {}
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -51,16 +54,24 @@ def _stream_chat(client: httpx.Client, body: dict) -> tuple[float, str]:
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"])
+            usage = chunk.get("usage") or usage
             for choice in chunk["choices"]:
                 text = choice["delta"].get("content")
                 if text:
                     first_s = first_s or time.perf_counter() - started
                     parts.append(text)
-    return first_s or time.perf_counter() - started, "".join(parts)
+    return first_s or time.perf_counter() - started, "".join(parts), usage
+
+
+def prefill_shape(usage: dict) -> tuple[int, int]:
+    """(tokens served from the cache, tokens prefilled) of one call's prompt."""
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return cached, usage["prompt_tokens"] - cached
 
 
 def ttft_by_turn(base_url: str, num_turns: int, turn_tokens: int, new_tokens: int,
-                 stateful: bool, salt: int) -> list[float]:
+                 stateful: bool, salt: int, shapes: list | None = None) -> list[float]:
+    """TTFT per turn; `shapes` (if given) gets each turn's prefill_shape."""
     texts = [user_text(base_url, turn_tokens, salt * 1000 + k) for k in range(num_turns)]
     history: list[dict] = []
     ttfts = []
@@ -73,10 +84,40 @@ def ttft_by_turn(base_url: str, num_turns: int, turn_tokens: int, new_tokens: in
                 body.update(messages=[new], session_id=f"bench-ttft-{salt}")
             else:
                 body.update(messages=history + [new])
-            ttft_s, answer = _stream_chat(client, body)
+            ttft_s, answer, usage = _stream_chat(client, body)
             ttfts.append(ttft_s)
+            if shapes is not None:
+                shapes.append(prefill_shape(usage))
             history += [new, {"role": "assistant", "content": answer}]
     return ttfts
+
+
+def llama_cpp_floor(gguf: str, threads: int, shapes: dict[str, tuple[int, int]],
+                    rounds: int = 5) -> dict[str, float]:
+    """llama.cpp's own `eval` of the same prefills, no server: per name, the median seconds to
+    evaluate `new` tokens after `cached` ones. Turn N over turn 1 here is what exact attention
+    over the history costs on this model and machine, the floor for any server's ratio."""
+    from ultrafast.executors.llama_cpp_params import open_llama
+
+    longest = max(c + n for c, n in shapes.values())
+    llm = open_llama(gguf, n_ctx=longest + 16, n_threads=threads, n_threads_batch=threads,
+                     n_batch=512, verbose=False)
+    tokens = [(7 * i + 3) % (llm.n_vocab() - 1) + 1 for i in range(longest)]
+    out = {}
+    try:
+        for name, (cached, new) in shapes.items():
+            times = []
+            for _ in range(rounds):
+                llm.reset()
+                if cached:
+                    llm.eval(tokens[:cached])  # the history, already in the KV cache
+                started = time.perf_counter()
+                llm.eval(tokens[cached:cached + new])
+                times.append(time.perf_counter() - started)
+            out[name] = statistics.median(times)
+    finally:
+        llm.close()
+    return out
 
 
 # ---- exactly once under a Redis restart -----------------------------------------------------
@@ -192,31 +233,47 @@ def _median(runs: list[list[float]], k: int) -> float:
 
 def main(args) -> int:
     from ultrafast.bench.redis_server import RedisServer
-    from ultrafast.bench.server_process import ServerProcess
+    from ultrafast.bench.server_process import DEMO_MODEL_DIR, ServerProcess
+    from ultrafast.model_files import gguf_for, resolve_model
 
     redis = RedisServer()
-    srv = ServerProcess("--priority-ttft-ms", "60000", "--session-store", redis.url,
-                        "--default-queue", str(max(64, args.concurrency * 2)),
-                        model=args.model, num_slots=args.num_slots,
-                        max_model_len=args.max_model_len,
-                        *(["--threads", str(args.threads)] if args.threads else []),
-                        *(["--batch-threads", str(args.batch_threads)] if args.batch_threads
-                          else []))
+    server_args = ("--priority-ttft-ms", "60000", "--session-store", redis.url,
+                   "--default-queue", str(max(64, args.concurrency * 2)),
+                   *(["--threads", str(args.threads)] if args.threads else []),
+                   *(["--batch-threads", str(args.batch_threads)] if args.batch_threads
+                     else []))
+    srv = ServerProcess(*server_args, model=args.model or DEMO_MODEL_DIR,
+                        num_slots=args.num_slots, max_model_len=args.max_model_len)
     try:
         ttft = {}
         ttft_by_turn(srv.url, 3, args.turn_tokens, args.reply_tokens, True, salt=999)  # warm-up
+        shapes: list[tuple[int, int]] = []  # (cached, prefilled) per turn, sessions mode
         for mode, stateful in (("sessions", True), ("stateless", False)):
             runs = [ttft_by_turn(srv.url, args.turns, args.turn_tokens, args.reply_tokens,
-                                 stateful, salt=r + (100 if stateful else 200))
+                                 stateful, salt=r + (100 if stateful else 200),
+                                 shapes=shapes if stateful and r == 0 else None)
                     for r in range(args.rounds)]
             first, last = _median(runs, 0), _median(runs, args.turns - 1)
             ttft[mode] = {"turn_1_ms": 1000 * first, f"turn_{args.turns}_ms": 1000 * last,
                           "ratio": last / first,
                           "by_turn_ms": [1000 * _median(runs, k) for k in range(args.turns)]}
-        conv = run_conversations(srv.url, args.sessions, args.turns, args.concurrency,
-                                 args.answer_tokens, restart=redis.restart,
-                                 restart_after_turns=args.sessions * args.turns // 2)
-        check = check_exactly_once(srv.url, conv)
+        ttft["sessions"]["prefill_turn_1"] = shapes[0]  # (cached, prefilled) tokens
+        ttft["sessions"][f"prefill_turn_{args.turns}"] = shapes[-1]
+        srv.stop()  # the floor runs alone on the machine
+        floor = llama_cpp_floor(str(gguf_for(resolve_model(args.model or DEMO_MODEL_DIR))),
+                                args.threads or max(1, (os.cpu_count() or 2) - 1),
+                                {"turn_1": shapes[0], "turn_n": shapes[-1]})
+        ttft["llama.cpp eval (floor)"] = {
+            "turn_1_ms": 1000 * floor["turn_1"], f"turn_{args.turns}_ms": 1000 * floor["turn_n"],
+            "ratio": floor["turn_n"] / floor["turn_1"]}
+        srv = ServerProcess(*server_args, model=args.model or DEMO_MODEL_DIR,
+                            num_slots=args.num_slots, max_model_len=args.max_model_len)
+        conv, check = ConversationRun([]), {"num_turns_found": 0, "problems": []}
+        if args.sessions:  # 0: time to first token only (e.g. a model too slow for 4,000 turns)
+            conv = run_conversations(srv.url, args.sessions, args.turns, args.concurrency,
+                                     args.answer_tokens, restart=redis.restart,
+                                     restart_after_turns=args.sessions * args.turns // 2)
+            check = check_exactly_once(srv.url, conv)
     finally:
         srv.stop()
         redis.close()
@@ -243,7 +300,14 @@ def markdown(report: dict, num_turns: int) -> str:
     for mode, t in report["ttft"].items():
         rows.append(f"| {mode} | {t['turn_1_ms']:.1f} | {t[f'turn_{num_turns}_ms']:.1f} | "
                     f"{t['ratio']:.2f} |")
+    sessions = report["ttft"]["sessions"]
+    if "prefill_turn_1" in sessions:
+        (c1, n1), (cn, nn) = sessions["prefill_turn_1"], sessions[f"prefill_turn_{num_turns}"]
+        rows.append(f"\nprompt tokens with sessions, cached + prefilled: turn 1 {c1} + {n1}, "
+                    f"turn {num_turns} {cn} + {nn} (the floor row evaluates the same counts)")
     e = report["exactly_once"]
+    if not e["sessions"]:
+        return "\n".join(rows)
     rows.append(f"\n{e['sessions']} sessions x {e['turns']} turns, {e['concurrency']} concurrent,"
                 f" {e['redis_restarts']} Redis restart: {e['num_turns_found']} of "
                 f"{e['expected_turns']} turns stored (user + assistant), problems: "
