@@ -1,6 +1,7 @@
 """Where a speculative decode step's time goes: batch 1, priority tier, the demo model in-process.
 
     .venv/bin/python scripts/spec_step_split.py [--spec ngram|draft|auto|off] [--threads N]
+        [--model DIR_OR_GGUF]
 
 Prints decode tok/s (median of 5 rounds of 128 tokens after a warm-up round), the mean split
 of a step (propose / schedule / execute / sample / update, from the engine's StepStats) and,
@@ -29,9 +30,10 @@ def main() -> None:
     ap.add_argument("--spec", default="ngram")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--model", default=str(DEMO_MODEL_DIR), help="HF dir or .gguf")
     args = ap.parse_args()
     engine, tokenizer, _ = build_engine(EngineConfig(
-        model=str(DEMO_MODEL_DIR), num_slots=4, max_num_seqs=4, max_model_len=512,
+        model=args.model, num_slots=4, max_num_seqs=4, max_model_len=512,
         n_threads=args.threads, spec=args.spec))
     engine.warmup()
     prompt = tokenizer.encode(PROMPT)

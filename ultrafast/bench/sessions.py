@@ -106,11 +106,11 @@ def llama_cpp_floor(gguf: str, threads: int, shapes: dict[str, tuple[int, int]],
     out = {}
     try:
         for name, (cached, new) in shapes.items():
+            llm.reset()
+            llm.eval(tokens[:cached])  # the history, already in the KV cache
             times = []
             for _ in range(rounds):
-                llm.reset()
-                if cached:
-                    llm.eval(tokens[:cached])  # the history, already in the KV cache
+                llm.n_tokens = cached  # eval drops the KV past n_tokens first
                 started = time.perf_counter()
                 llm.eval(tokens[cached:cached + new])
                 times.append(time.perf_counter() - started)
