@@ -80,3 +80,33 @@ def test_token_level_reuse_is_per_tenant():
     # and a slot whose first block differs is never compared token by token
     pool.release(0)
     assert pool.allocate("c", [99] + tokens[1:] + [1], "t2").num_cached_tokens == 0
+
+
+def test_a_request_sharing_only_a_short_prefix_copies_it_and_keeps_the_long_slot():
+    """Conversation A's history sits in slot 0; a new conversation shares only its first block
+    (a system prompt). It gets the empty slot with that block copied there, so A's next turn
+    still finds all of its history."""
+    pool = KVSlotPool(2, block_size=4)
+    history = list(range(30))
+    alloc = pool.allocate("a", history, "t")
+    pool.commit(alloc.slot_id, history, 30, "t")
+    pool.release(alloc.slot_id)
+    other = pool.allocate("b", history[:4] + [77] * 10, "t")
+    assert other.slot_id != alloc.slot_id and other.num_cached_tokens == 4
+    assert other.copy is not None and other.copy.src_slot_id == alloc.slot_id
+    assert other.copy.dst_slot_id == other.slot_id and other.copy.num_tokens == 4
+    pool.release(other.slot_id)
+    nxt = pool.allocate("a2", history + [5, 6], "t")
+    assert nxt.slot_id == alloc.slot_id and nxt.num_cached_tokens == 30 and nxt.copy is None
+
+
+def test_a_continuation_or_a_small_edit_reuses_the_slot_in_place():
+    pool = KVSlotPool(2, block_size=4)
+    history = list(range(30))
+    alloc = pool.allocate("a", history, "t")
+    pool.commit(alloc.slot_id, history, 30, "t")
+    pool.release(alloc.slot_id)
+    edited = history[:26] + [90, 91]  # the last answer regenerated: loses 4, shares 26
+    again = pool.allocate("b", edited, "t")
+    assert again.slot_id == alloc.slot_id and again.copy is None
+    assert again.num_cached_tokens == 26

@@ -94,6 +94,21 @@ def test_prefix_cache_reuses_finished_request_kv():
     assert out["b"] == reference_tokens(shared + [3], 12)
 
 
+def test_a_conversation_keeps_its_kv_when_another_shares_only_its_system_prompt():
+    engine, executor = make_engine(num_slots=2)
+    system = prompt(8, 16)  # one block shared by both conversations
+    a1 = system + prompt(9, 30)
+    out, _ = run_all(engine, [Request("a1", a1, GREEDY)])
+    out.update(run_all(engine, [Request("b1", system + prompt(10, 20), GREEDY)])[0])
+    a2 = a1 + out["a1"] + prompt(11, 5)  # a's next turn: history, answer, new text
+    out.update(run_all(engine, [Request("a2", a2, GREEDY)])[0])
+    first = {s.request_id: s for p in reversed(executor.plans) for s in p.seqs}
+    assert first["b1"].start_position == 16  # the system prompt, copied into the free slot
+    assert first["a2"].start_position == len(a1) + 12 - 1  # all of a's computed history
+    for rid, tokens in (("a1", a1), ("b1", system + prompt(10, 20)), ("a2", a2)):
+        assert out[rid] == reference_tokens(tokens, 12)
+
+
 def test_prefix_cache_is_isolated_per_tenant():
     engine, executor = make_engine()
     shared = prompt(7, 40)

@@ -104,6 +104,16 @@ class KVSlotPool:
         if best_idle is not None and best_idle_len >= best_busy_len:
             slot, num_blocks = best_idle, best_idle_len  # reuse in place, no copy
             num_extra = self._tokens_past_blocks(slot, num_blocks, token_ids, tenant)
+            num_matched = num_blocks * self.block_size + num_extra
+            # in place, the slot's tokens past the match are overwritten. When that is more
+            # than the request shares (a new conversation that only shares a conversation's
+            # system prompt) and more than another slot holds, copy the shared prefix there
+            # and keep the conversation's KV warm for its next turn
+            num_lost = slot.num_computed - num_matched
+            victim = self._pick_victim(exclude=slot) if num_lost > num_matched else None
+            if victim is not None and victim.num_computed < num_lost:
+                copy = KVCopy(slot.slot_id, victim.slot_id, num_matched)
+                slot = victim
         else:
             slot = best_idle or self._pick_victim()
             if slot is None:
@@ -147,9 +157,9 @@ class KVSlotPool:
             best = max(best, n * self.block_size + extra)
         return best
 
-    def _pick_victim(self) -> Slot | None:
+    def _pick_victim(self, exclude: Slot | None = None) -> Slot | None:
         """An empty slot first, else the least recently used cached one."""
-        idle = [s for s in self.slots if s.owner is None]
+        idle = [s for s in self.slots if s.owner is None and s is not exclude]
         if not idle:
             return None
         return min(idle, key=lambda s: (bool(s.hashes), s.last_used))
