@@ -16,6 +16,10 @@ body), a write-stall timeout and a cap on open connections per client IP.
   If the client has read nothing for the whole timeout, the connection is aborted; uvicorn
   then reports a disconnect to the app, which ends the stream and frees its KV slot in a step.
 
+- send buffer: each connection's kernel send buffer is set to `send_buffer_bytes` (256 KiB; the
+  kernel doubles it), instead of Linux's autotuning up to tcp_wmem's maximum (4 MiB here). A
+  client that reads nothing then holds well under 1 MiB of the server's memory, and its
+  stall is seen (and cut) after that much, not after 4 MiB of a stream that may end first.
 - per-IP cap: a connection beyond `max_connections_per_ip` open ones from the same address
   gets 429 `too_many_connections` + Retry-After and is closed before anything is parsed.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -58,10 +63,14 @@ class TimedH11Protocol(H11Protocol):
     write_stall_timeout_s: float = 30.0  # 0 = no write-stall timer
     body_timeout_s: float = 30.0  # 0 = no body timer
     max_connections_per_ip: int = 0  # 0 = no cap
+    send_buffer_bytes: int = 256 * 1024  # SO_SNDBUF per connection; 0 = the kernel's autotuning
     open_by_ip: dict[str, int]  # per server (protocol_class gives each its own dict)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if self.send_buffer_bytes > 0 and sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
         self._head_timer: asyncio.TimerHandle | None = None
         self._stall_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
@@ -166,8 +175,8 @@ class TimedH11Protocol(H11Protocol):
 
     def _write_stalled(self) -> None:
         self._stall_timer = None
-        if self.transport.is_closing():
-            return
+        # also when the response is complete and the transport is only closing: close() waits
+        # for the buffer to drain, which a client that reads nothing never lets happen
         log.warning("aborting a connection from %s: the client read nothing for %.1f s",
                     self.client, self.write_stall_timeout_s)
         self.transport.abort()  # close() would wait for the full buffer to drain: never
@@ -179,10 +188,12 @@ def _cancelled(timer: asyncio.TimerHandle | None) -> None:
 
 
 def protocol_class(header_timeout_s: float = 10.0, write_stall_timeout_s: float = 30.0,
-                   body_timeout_s: float = 30.0, max_connections_per_ip: int = 0) -> type:
+                   body_timeout_s: float = 30.0, max_connections_per_ip: int = 0,
+                   send_buffer_bytes: int = 256 * 1024) -> type:
     """A TimedH11Protocol subclass carrying these limits (uvicorn builds one per connection)."""
     return type("ServerH11Protocol", (TimedH11Protocol,),
                 {"header_timeout_s": header_timeout_s,
                  "write_stall_timeout_s": write_stall_timeout_s,
                  "body_timeout_s": body_timeout_s,
-                 "max_connections_per_ip": max_connections_per_ip, "open_by_ip": {}})
+                 "max_connections_per_ip": max_connections_per_ip,
+                 "send_buffer_bytes": send_buffer_bytes, "open_by_ip": {}})
