@@ -93,7 +93,7 @@ def ttft_by_turn(base_url: str, num_turns: int, turn_tokens: int, new_tokens: in
 
 
 def llama_cpp_floor(gguf: str, threads: int, shapes: dict[str, tuple[int, int]],
-                    rounds: int = 5) -> dict[str, float]:
+                    rounds: int = 5, **llama_kwargs) -> dict[str, float]:
     """llama.cpp's own `eval` of the same prefills, no server: per name, the median seconds to
     evaluate `new` tokens after `cached` ones. Turn N over turn 1 here is what exact attention
     over the history costs on this model and machine, the floor for any server's ratio."""
@@ -101,7 +101,7 @@ def llama_cpp_floor(gguf: str, threads: int, shapes: dict[str, tuple[int, int]],
 
     longest = max(c + n for c, n in shapes.values())
     llm = open_llama(gguf, n_ctx=longest + 16, n_threads=threads, n_threads_batch=threads,
-                     n_batch=512, verbose=False)
+                     n_batch=512, verbose=False, **llama_kwargs)  # e.g. flash_attn, type_k
     tokens = [(7 * i + 3) % (llm.n_vocab() - 1) + 1 for i in range(longest)]
     out = {}
     try:
@@ -261,7 +261,9 @@ def main(args) -> int:
         ttft["sessions"][f"prefill_turn_{args.turns}"] = shapes[-1]
         srv.stop()  # the floor runs alone on the machine
         floor = llama_cpp_floor(str(gguf_for(resolve_model(args.model or DEMO_MODEL_DIR))),
-                                args.threads or max(1, (os.cpu_count() or 2) - 1),
+                                # prefills are multi-token passes: the server's batch threads
+                                args.batch_threads or args.threads
+                                or max(1, (os.cpu_count() or 2) - 1),
                                 {"turn_1": shapes[0], "turn_n": shapes[-1]})
         ttft["llama.cpp eval (floor)"] = {
             "turn_1_ms": 1000 * floor["turn_1"], f"turn_{args.turns}_ms": 1000 * floor["turn_n"],
