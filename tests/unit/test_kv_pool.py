@@ -50,17 +50,24 @@ def test_busy_slot_prefix_is_copied_and_full_pool_returns_none():
     assert pool.allocate("c", [1, 2], "") is None
 
 
+def _computed_and_released(pool: KVSlotPool, request_id: str, tokens: list[int],
+                           tenant: str) -> int:
+    """A request that computed all of `tokens` and finished: its slot id (now cached)."""
+    alloc = pool.allocate(request_id, tokens, tenant)
+    pool.commit(alloc.slot_id, tokens, len(tokens), tenant)
+    pool.release(alloc.slot_id)
+    return alloc.slot_id
+
+
 def test_in_place_reuse_extends_the_block_match_to_the_exact_token():
     """A conversation's next turn: its prompt repeats the slot's computed tokens, then parts
     inside a block. Reuse stops at the first differing token, not at the block boundary."""
     pool = KVSlotPool(2, block_size=4)
     turn1 = list(range(10))  # two full blocks + 2 tokens, all computed
-    alloc = pool.allocate("a", turn1, "t")
-    pool.commit(alloc.slot_id, turn1, 10, "t")
-    pool.release(alloc.slot_id)
+    slot_id = _computed_and_released(pool, "a", turn1, "t")
     turn2 = turn1 + [90, 91, 92, 93]
     again = pool.allocate("b", turn2, "t")
-    assert again.slot_id == alloc.slot_id and again.num_cached_tokens == 10
+    assert again.slot_id == slot_id and again.num_cached_tokens == 10
     assert pool.slots[again.slot_id].hashes == block_hashes(turn1[:8], "t", 4)
     pool.commit(again.slot_id, turn2, 14, "t")
     pool.release(again.slot_id)
@@ -72,9 +79,7 @@ def test_in_place_reuse_extends_the_block_match_to_the_exact_token():
 def test_token_level_reuse_is_per_tenant():
     pool = KVSlotPool(1, block_size=4)
     tokens = list(range(10))
-    alloc = pool.allocate("a", tokens, "t1")
-    pool.commit(alloc.slot_id, tokens, 10, "t1")
-    pool.release(alloc.slot_id)
+    slot_id = _computed_and_released(pool, "a", tokens, "t1")
     assert pool.num_cached_prefix_tokens(tokens + [1], "t2") == 0
     assert pool.allocate("b", tokens + [1], "t2").num_cached_tokens == 0
     # and a slot whose first block differs is never compared token by token
@@ -88,25 +93,21 @@ def test_a_request_sharing_only_a_short_prefix_copies_it_and_keeps_the_long_slot
     still finds all of its history."""
     pool = KVSlotPool(2, block_size=4)
     history = list(range(30))
-    alloc = pool.allocate("a", history, "t")
-    pool.commit(alloc.slot_id, history, 30, "t")
-    pool.release(alloc.slot_id)
+    slot_id = _computed_and_released(pool, "a", history, "t")
     other = pool.allocate("b", history[:4] + [77] * 10, "t")
-    assert other.slot_id != alloc.slot_id and other.num_cached_tokens == 4
-    assert other.copy is not None and other.copy.src_slot_id == alloc.slot_id
+    assert other.slot_id != slot_id and other.num_cached_tokens == 4
+    assert other.copy is not None and other.copy.src_slot_id == slot_id
     assert other.copy.dst_slot_id == other.slot_id and other.copy.num_tokens == 4
     pool.release(other.slot_id)
     nxt = pool.allocate("a2", history + [5, 6], "t")
-    assert nxt.slot_id == alloc.slot_id and nxt.num_cached_tokens == 30 and nxt.copy is None
+    assert nxt.slot_id == slot_id and nxt.num_cached_tokens == 30 and nxt.copy is None
 
 
 def test_a_continuation_or_a_small_edit_reuses_the_slot_in_place():
     pool = KVSlotPool(2, block_size=4)
     history = list(range(30))
-    alloc = pool.allocate("a", history, "t")
-    pool.commit(alloc.slot_id, history, 30, "t")
-    pool.release(alloc.slot_id)
+    slot_id = _computed_and_released(pool, "a", history, "t")
     edited = history[:26] + [90, 91]  # the last answer regenerated: loses 4, shares 26
     again = pool.allocate("b", edited, "t")
-    assert again.slot_id == alloc.slot_id and again.copy is None
+    assert again.slot_id == slot_id and again.copy is None
     assert again.num_cached_tokens == 26

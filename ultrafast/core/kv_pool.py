@@ -153,8 +153,11 @@ class KVSlotPool:
         best = 0
         for slot in self.slots:
             n = _common_prefix(slot.hashes, wanted)
-            extra = self._tokens_past_blocks(slot, n, token_ids, tenant) if slot.owner is None else 0
-            best = max(best, n * self.block_size + extra)
+            if slot.owner is None:  # a running slot's tokens past its blocks are still moving
+                n = n * self.block_size + self._tokens_past_blocks(slot, n, token_ids, tenant)
+            else:
+                n *= self.block_size
+            best = max(best, n)
         return best
 
     def _pick_victim(self, exclude: Slot | None = None) -> Slot | None:
