@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
@@ -234,6 +233,7 @@ def _median(runs: list[list[float]], k: int) -> float:
 def main(args) -> int:
     from ultrafast.bench.redis_server import RedisServer
     from ultrafast.bench.server_process import DEMO_MODEL_DIR, ServerProcess
+    from ultrafast.bench.tiers import serve_default_threads
     from ultrafast.model_files import gguf_for, resolve_model
 
     redis = RedisServer()
@@ -262,16 +262,15 @@ def main(args) -> int:
         srv.stop()  # the floor runs alone on the machine
         floor = llama_cpp_floor(str(gguf_for(resolve_model(args.model or DEMO_MODEL_DIR))),
                                 # prefills are multi-token passes: the server's batch threads
-                                args.batch_threads or args.threads
-                                or max(1, (os.cpu_count() or 2) - 1),
+                                args.batch_threads or args.threads or serve_default_threads(),
                                 {"turn_1": shapes[0], "turn_n": shapes[-1]})
         ttft["llama.cpp eval (floor)"] = {
             "turn_1_ms": 1000 * floor["turn_1"], f"turn_{args.turns}_ms": 1000 * floor["turn_n"],
             "ratio": floor["turn_n"] / floor["turn_1"]}
-        srv = ServerProcess(*server_args, model=args.model or DEMO_MODEL_DIR,
-                            num_slots=args.num_slots, max_model_len=args.max_model_len)
         conv, check = ConversationRun([]), {"num_turns_found": 0, "problems": []}
         if args.sessions:  # 0: time to first token only (e.g. a model too slow for 4,000 turns)
+            srv = ServerProcess(*server_args, model=args.model or DEMO_MODEL_DIR,
+                                num_slots=args.num_slots, max_model_len=args.max_model_len)
             conv = run_conversations(srv.url, args.sessions, args.turns, args.concurrency,
                                      args.answer_tokens, restart=redis.restart,
                                      restart_after_turns=args.sessions * args.turns // 2)
