@@ -78,6 +78,9 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        # read for every sampled token: computed once (the dataclass is frozen)
+        object.__setattr__(self, "plain_greedy", self.greedy and not self.logit_bias
+                           and not self.needs_penalties and not self.logprobs)
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,22 @@ from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult, TokenLogpro
 from ultrafast.request import Request, RequestStatus, ServiceTier
 
 
+# The order a step's budget is handed out in: (tier, decoding) phases. Requests admitted from
+# a tier's queue start right after that tier's running prefills.
+_PHASES = ((ServiceTier.PRIORITY, True), (ServiceTier.DEFAULT, True),
+           (ServiceTier.PRIORITY, False), (ServiceTier.DEFAULT, False),
+           (ServiceTier.FLEX, True), (ServiceTier.FLEX, False))
+_PHASE_RANKS = {phase: rank for rank, phase in enumerate(_PHASES)}
+
+
+def _phase_rank(request: Request) -> int:
+    return _PHASE_RANKS[request.tier, request.num_tokens - request.num_computed_tokens == 1]
+
+
+def _phase_key(request: Request) -> tuple[int, float]:
+    return _phase_rank(request), request.arrival_time_s
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 8  # requests running at once (<= KV slots)
@@ -109,25 +125,26 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self._step_id += 1
         plan = StepPlan(step_id=self._step_id)
-        self._make_room_for_waiting()
+        waiting = self.waiting
+        if waiting[ServiceTier.PRIORITY] or waiting[ServiceTier.DEFAULT]:
+            self._make_room_for_waiting()
         budget = self.config.max_num_batched_tokens
-        num_priority = sum(r.tier == ServiceTier.PRIORITY for r in self.running)
-        if (self.priority_step_token_budget is not None and num_priority
-                and self._priority_has_company()):  # draft tokens count against it too
-            budget = max(min(budget, self.priority_step_token_budget), num_priority)
+        if self.priority_step_token_budget is not None:
+            num_priority = sum(r.tier == ServiceTier.PRIORITY for r in self.running)
+            if num_priority and self._priority_has_company():  # drafts count against it too
+                budget = max(min(budget, self.priority_step_token_budget), num_priority)
         self._admissions_left = self.config.max_admissions_per_step or 1 << 30
-        by_tier = sorted(self.running, key=lambda r: (r.tier, r.arrival_time_s))
-        order = [(ServiceTier.PRIORITY, True), (ServiceTier.DEFAULT, True),
-                 (ServiceTier.PRIORITY, False), (ServiceTier.DEFAULT, False),
-                 (ServiceTier.FLEX, True), (ServiceTier.FLEX, False)]
-        for tier, decoding in order:
-            for request in by_tier:
-                if budget <= 0:
-                    break
-                remaining = request.num_tokens - request.num_computed_tokens
-                if request.tier == tier and (remaining == 1) == decoding:
-                    budget -= self._schedule_chunk(plan, request, budget)
-            if not decoding:
+        # one walk over the running requests in phase order (see _PHASES), each phase by arrival
+        running = self.running
+        if len(running) > 1:
+            running = sorted(running, key=_phase_key)
+        i, n = 0, len(running)
+        for rank, (tier, decoding) in enumerate(_PHASES):
+            while i < n and _phase_rank(running[i]) == rank:
+                if budget > 0:
+                    budget -= self._schedule_chunk(plan, running[i], budget)
+                i += 1
+            if not decoding and waiting[tier]:
                 budget = self._admit(plan, tier, budget)
         if self.config.one_pass_per_length:
             self._keep_priority_lengths(plan)
@@ -308,9 +325,10 @@ class Scheduler:
                     num_accepted += 1
             # KV of the rejected drafts is dropped by the executor on the next step
             request.num_computed_tokens += seq.num_tokens - num_drafts + num_accepted
+            logprobs = result.logprobs.get(seq.request_id) if result.logprobs else None
             new_ids, new_logprobs, status = self._append_outputs(
                 request, sampled[:num_accepted + 1],
-                result.logprobs.get(seq.request_id, [])[:num_accepted + 1])
+                logprobs[:num_accepted + 1] if logprobs else [])
             if num_drafts:
                 self._count_drafts(request, num_drafts, min(num_accepted, len(new_ids)))
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
@@ -370,8 +388,8 @@ class Scheduler:
     def _output(self, request: Request, new_ids: list[int], new_logprobs: list) -> RequestOutput:
         finished = request.status.finished
         return RequestOutput(
-            request_id=request.request_id, new_token_ids=list(new_ids),
-            new_logprobs=list(new_logprobs), finished=finished,
+            request_id=request.request_id, new_token_ids=new_ids,  # callers pass fresh lists
+            new_logprobs=new_logprobs, finished=finished,
             finish_reason=request.status.value if finished else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,

@@ -69,10 +69,33 @@ class StepCostModel:
     def __init__(self, forget: float = 0.05):
         self.forget = forget
         self._sums = [0.0] * 9  # weight, s, t, y, ss, tt, st, sy, ty (s = num_seqs - 1)
-        self.base_s: float | None = None  # one sequence: base_s + per_token_s * num_tokens
-        self.per_token_s: float | None = None
-        self.per_seq_s = 0.0  # each sequence past the first (0 until the data can tell)
+        self._base_s: float | None = None  # one sequence: base_s + per_token_s * num_tokens
+        self._per_token_s: float | None = None
+        self._per_seq_s = 0.0  # each sequence past the first (0 until the data can tell)
+        self._stale = False  # observed since the last fit: fitted when a figure is read
         self.single_decode_s: float | None = None  # one sequence, one token: the idle ITL
+
+    # The fit is made when read, not at every step: a lone stream's steps never read it, and
+    # the fit is a few microseconds of Python in a step whose host side is ~100 us.
+    @property
+    def base_s(self) -> float | None:
+        self._refit()
+        return self._base_s
+
+    @property
+    def per_token_s(self) -> float | None:
+        self._refit()
+        return self._per_token_s
+
+    @property
+    def per_seq_s(self) -> float:
+        self._refit()
+        return self._per_seq_s
+
+    def _refit(self) -> None:
+        if self._stale:
+            self._stale = False
+            self._fit()
 
     def observe(self, num_seqs: int, num_tokens: int, elapsed_s: float) -> None:
         if num_tokens == 0 or elapsed_s <= 0:
@@ -83,7 +106,7 @@ class StepCostModel:
         s, t, y = float(num_seqs - 1), float(num_tokens), elapsed_s
         new = (1.0, s, t, y, s * s, t * t, s * t, s * y, t * y)
         self._sums = [v * keep + d for v, d in zip(self._sums, new)]
-        self._fit()
+        self._stale = True
 
     def _fit(self) -> None:
         _, s, t, y, ss, tt, st, sy, ty = (v / self._sums[0] for v in self._sums)
@@ -96,21 +119,22 @@ class StepCostModel:
             per_seq = (cov_sy * var_t - cov_ty * cov_st) / det
             per_token = (cov_ty * var_s - cov_sy * cov_st) / det
             if per_seq >= 0 and per_token > 0:
-                self.per_seq_s, self.per_token_s = per_seq, per_token
-                self.base_s = max(y - per_seq * s - per_token * t, 0.0)
+                self._per_seq_s, self._per_token_s = per_seq, per_token
+                self._base_s = max(y - per_seq * s - per_token * t, 0.0)
                 return
         slope = cov_ty / var_t  # tokens alone (e.g. a single stream: prefills and decodes)
         if slope > 0:
-            self.per_seq_s, self.per_token_s = 0.0, slope
-            self.base_s = max(y - slope * t, 0.0)
+            self._per_seq_s, self._per_token_s = 0.0, slope
+            self._base_s = max(y - slope * t, 0.0)
 
     def token_budget(self, target_s: float, minimum: int = 1) -> int | None:
         """Tokens a step may hold and still take <= target_s, counting every token past the
         first as a sequence of its own (the dearest way to spend it)."""
-        if self.base_s is None or self.per_token_s is None:
+        base_s, per_token_s = self.base_s, self.per_token_s
+        if base_s is None or per_token_s is None:
             return None
-        first_s = self.base_s + self.per_token_s
-        return max(minimum, 1 + int((target_s - first_s) / (self.per_token_s + self.per_seq_s)))
+        first_s = base_s + per_token_s
+        return max(minimum, 1 + int((target_s - first_s) / (per_token_s + self._per_seq_s)))
 
     def auto_itl_target_s(self, factor: float = 1.2) -> float | None:
         """`factor` times the idle inter-token time, once it has been measured.
@@ -119,8 +143,9 @@ class StepCostModel:
         target and budget come from one line: a measured lone decode carries noise (a
         longer context, the HTTP thread on the same core) and a high reading once let a
         second sequence into every priority step, slowing it by half."""
-        if self.base_s is not None and self.per_token_s is not None:
-            return factor * (self.base_s + self.per_token_s)
+        base_s, per_token_s = self.base_s, self.per_token_s
+        if base_s is not None and per_token_s is not None:
+            return factor * (base_s + per_token_s)
         return None if self.single_decode_s is None else factor * self.single_decode_s
 
 
@@ -234,21 +259,27 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.observe(plan, [o.request_id for o in outputs if o.finished])
         t3 = time.perf_counter()
-        if plan.seqs and self._one_pass(plan):
-            self.costs.observe(len(plan.seqs), plan.num_scheduled_tokens,
+        seqs = plan.seqs
+        num_tokens = num_drafts = 0
+        for seq in seqs:
+            num_tokens += len(seq.token_ids)
+            num_drafts += seq.num_logits - 1 if seq.num_logits > 1 else 0
+        if seqs and self._one_pass(plan):
+            self.costs.observe(len(seqs), num_tokens,
                                result.execute_time_s + result.sample_time_s + t0 - tp)
-        if plan.seqs:
+        if seqs and self.priority_itl_target_s is not None and any(
+                r.tier == ServiceTier.PRIORITY for r in self.scheduler.running):
             target_s = self.priority_itl_target_s
             if target_s == 0:  # auto: stay within 1.2x of the idle inter-token time
                 target_s = self.costs.auto_itl_target_s()
-            if target_s:
+            if target_s:  # the cap applies from the next step, to priority steps only
                 self.scheduler.priority_step_token_budget = self.costs.token_budget(target_s)
         self.last_stats = StepStats(
-            step_id=plan.step_id, num_seqs=len(plan.seqs), num_tokens=plan.num_scheduled_tokens,
+            step_id=plan.step_id, num_seqs=len(seqs), num_tokens=num_tokens,
             num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
             schedule_time_s=t1 - t0, execute_time_s=result.execute_time_s,
             sample_time_s=result.sample_time_s, update_time_s=t3 - t2, propose_time_s=t0 - tp,
-            num_draft_tokens=sum(s.num_logits - 1 for s in plan.seqs if s.num_logits > 1))
+            num_draft_tokens=num_drafts)
         return outputs
 
 
