@@ -117,3 +117,35 @@ def test_alert_threshold_is_exported_only_when_configured():
     metrics = ServerMetrics(device_kind="gpu", alert_priority_itl_p99_s=0.002)
     assert value(metrics, "ultrafast_alert_priority_itl_p99_threshold_seconds") == 0.002
     assert value(metrics, "ultrafast_engine_info", device_kind="gpu") == 1
+
+
+def test_gc_pauses_are_timed_by_generation_while_watched():
+    import gc
+
+    metrics = ServerMetrics()
+    unwatch = metrics.watch_gc()
+    try:
+        gc.collect()  # a full collection: generation 2
+        gc.collect(0)
+    finally:
+        unwatch()
+    full = value(metrics, "ultrafast_gc_pause_seconds_count", generation="2")
+    young = value(metrics, "ultrafast_gc_pause_seconds_count", generation="0")
+    assert full >= 1 and young >= 1
+    assert value(metrics, "ultrafast_gc_pause_seconds_sum", generation="2") > 0
+    gc.collect()  # no longer watched
+    assert value(metrics, "ultrafast_gc_pause_seconds_count", generation="2") == full
+
+
+def test_freezing_the_startup_heap_takes_its_objects_out_of_collections():
+    import gc
+
+    from ultrafast.server.serve import freeze_startup_heap
+
+    survivor = [object() for _ in range(1000)]
+    try:
+        freeze_startup_heap()
+        assert gc.get_freeze_count() >= len(survivor)
+        assert id(survivor) not in {id(o) for o in gc.get_objects(generation=2)}
+    finally:
+        gc.unfreeze()

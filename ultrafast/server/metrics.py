@@ -23,6 +23,7 @@ need no change here when it does.
 from __future__ import annotations
 
 import bisect
+import gc
 import time
 from typing import Callable, Iterable
 
@@ -40,6 +41,7 @@ REFUSAL_REASONS = ("queue_full", "slo_unattainable", "rate_limit_requests", "rat
                    "priority_not_allowed", "scope_not_allowed", "other")
 ANONYMOUS_TENANT = "anonymous"  # every call when the server runs without --api-keys
 OTHER = "other"
+GC_GENERATIONS = (0, 1, 2)
 
 # Per-token gaps and step phases are sub-millisecond on a GPU: fine buckets around the 2 ms alert.
 _FAST_BUCKETS_S = (0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01,
@@ -78,6 +80,10 @@ class ServerMetrics:
         self.batch_seqs = _Buckets(_BATCH_BUCKETS)
         self.batch_tokens = _Buckets(_BATCH_BUCKETS)
         self.busy_s = 0.0
+        # Python's cyclic GC stops every thread while it runs (watch_gc); one writer at a time:
+        # CPython never runs two collections at once
+        self.gc_pause_s = {str(gen): _Buckets(_FAST_BUCKETS_S) for gen in GC_GENERATIONS}
+        self._gc_started_s = 0.0
         self._occupancy_source: Callable[[], object] | None = None
         self.prompt_tokens = Counter("ultrafast_prompt_tokens", "Prompt tokens, per tenant",
                                      ("tenant",), registry=reg)
@@ -138,6 +144,20 @@ class ServerMetrics:
             self.busy_s += sum(phases)
             self.batch_seqs.observe(stats.num_seqs)
             self.batch_tokens.observe(stats.num_tokens)
+
+    def watch_gc(self) -> Callable[[], None]:
+        """Time every collection of Python's cyclic garbage collector, on any thread, into
+        ultrafast_gc_pause_seconds: a pause holds the GIL, so it lands on whichever token was
+        due. Returns the function that stops watching."""
+        def on_gc(phase: str, info: dict) -> None:
+            if phase == "start":
+                self._gc_started_s = time.perf_counter()
+            else:
+                pause = time.perf_counter() - self._gc_started_s
+                self.gc_pause_s[str(info["generation"])].observe(pause)
+
+        gc.callbacks.append(on_gc)
+        return lambda: gc.callbacks.remove(on_gc)
 
     def request_timer(self, tier: ServiceTier, tenant: str, arrival_s: float) -> "RequestTimer":
         return RequestTimer(self, tier.api_name, self.tenant_label(tenant), arrival_s)
@@ -251,6 +271,9 @@ class _ScrapeTimeCollector:
                          {None: m.batch_seqs})
         yield _histogram("ultrafast_batch_size_tokens", "Tokens per engine step", None,
                          {None: m.batch_tokens})
+        yield _histogram("ultrafast_gc_pause_seconds",
+                         "Pauses of Python's cyclic garbage collector, by generation",
+                         "generation", m.gc_pause_s)
         yield _counter("ultrafast_engine_busy_seconds",
                        "Engine time spent in steps (rate = utilization)", m.busy_s)
         for name, doc, attr in (

@@ -15,6 +15,7 @@ Connections get a request-head timeout and a write-stall timeout (server/http_ti
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import sys
 import time
@@ -168,6 +169,14 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
                                             config.served_model_name or files.name))
 
 
+def freeze_startup_heap() -> None:
+    """Put every object made so far (modules, torch, the tokenizer, the app: ~190k objects
+    here) out of the cyclic collector's reach. A full collection walked them all: 70-120 ms
+    with every thread stopped, three times in a 30 s benchmark, each one a stalled token."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:
@@ -191,9 +200,12 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         for handler in logging.getLogger(name).handlers:
             handler.addFilter(RedactingFilter())
     server = DrainingServer(uv_config, state)
+    unwatch_gc = state.metrics.watch_gc()
+    freeze_startup_heap()
     try:
         server.run()
     finally:
+        unwatch_gc()
         state.engine.stop()
         state.engine.core.executor.close()
     return server.exit_code
