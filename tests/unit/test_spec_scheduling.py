@@ -302,3 +302,35 @@ def test_a_failing_draft_model_costs_no_request():
     out, finish = run_all(engine, [Request("a", prompt(3, 9), greedy(15), tier=PRIORITY)])
     assert out["a"] == reference_tokens(prompt(3, 9), 15) and finish["a"] == "length"
     assert not drafted_seqs(executor)
+
+
+def test_measured_step_times_override_the_line_in_sizing_k():
+    from ultrafast.runtime.spec import best_draft_length
+
+    line = (2e-3, 0.5e-3)  # the line alone: 80% acceptance drafts several tokens
+    assert best_draft_length(0.8, 8, *line) >= 3
+    # measured: a 2-token pass costs 1.84x a 1-token one and every wider pass more (a CPU
+    # switching from its matrix-vector to its matrix kernels): at 80% drafting does not pay
+    measured = [None, 0.92e-3, 1.70e-3, 2.41e-3, 2.93e-3, 3.53e-3, 4.07e-3, 4.77e-3, 5.09e-3,
+                5.46e-3]
+    assert best_draft_length(0.8, 8, *line, measured_pass_s=measured) == 0
+    assert best_draft_length(0.95, 8, *line, measured_pass_s=measured) >= 5  # it does at 95%
+    # a width never timed is judged by the line (so it gets tried), the rest as measured
+    partial = [None, 0.92e-3, 1.70e-3]
+    cheap_line = (0.3e-3, 0.3e-3)  # says 3 tokens take 1.2 ms
+    assert best_draft_length(0.8, 8, *cheap_line, measured_pass_s=partial) >= 2
+    assert best_draft_length(0.8, 8, *cheap_line, measured_pass_s=measured) == 0
+
+
+def test_the_engine_times_lone_steps_by_their_width():
+    from ultrafast.runtime.engine import StepCostModel
+
+    costs = StepCostModel()
+    costs.observe(1, 1, 1.1e-3, pass_s=1.0e-3)
+    costs.observe(1, 3, 2.6e-3, pass_s=2.5e-3)
+    costs.observe(2, 2, 3.0e-3, pass_s=2.9e-3)  # two sequences: not a lone step
+    costs.observe(1, 40, 9.0e-3, pass_s=8.9e-3)  # wider than the table
+    assert costs.lone_pass_s[1] == 1.0e-3 and costs.lone_pass_s[3] == 2.5e-3
+    assert costs.lone_pass_s[2] is None
+    costs.observe(1, 1, 2.1e-3, pass_s=2.0e-3)
+    assert 1.0e-3 < costs.lone_pass_s[1] < 2.0e-3  # a moving average, not the last reading

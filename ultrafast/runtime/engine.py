@@ -56,6 +56,9 @@ class EngineOccupancy:
     num_preemptions: int = 0  # cumulative: running requests preempted for a higher tier
 
 
+MAX_TABULATED_STEP_TOKENS = 16  # lone steps up to this many tokens are timed per size
+
+
 class StepCostModel:
     """Step time ~ base_s + per_seq_s * (num_seqs - 1) + per_token_s * num_tokens, fitted online
     (exponentially weighted least squares), plus the time of a lone single-token step.
@@ -74,6 +77,10 @@ class StepCostModel:
         self._per_seq_s = 0.0  # each sequence past the first (0 until the data can tell)
         self._stale = False  # observed since the last fit: fitted when a figure is read
         self.single_decode_s: float | None = None  # one sequence, one token: the idle ITL
+        # forward pass + sampling of one sequence's step of n tokens (index n), measured apart:
+        # on a CPU the first extra token costs far more than the line says (q4_0 demo model:
+        # 0.92 ms for 1 token, 1.70 ms for 2, 2.41 ms for 3), which sizes speculation's k
+        self.lone_pass_s: list[float | None] = [None] * (MAX_TABULATED_STEP_TOKENS + 1)
 
     # The fit is made when read, not at every step: a lone stream's steps never read it, and
     # the fit is a few microseconds of Python in a step whose host side is ~100 us.
@@ -97,11 +104,16 @@ class StepCostModel:
             self._stale = False
             self._fit()
 
-    def observe(self, num_seqs: int, num_tokens: int, elapsed_s: float) -> None:
+    def observe(self, num_seqs: int, num_tokens: int, elapsed_s: float,
+                pass_s: float | None = None) -> None:
+        """One step: its sequences, tokens and time; `pass_s`, the part that was the forward
+        pass and sampling (without drafting), feeds `lone_pass_s`."""
         if num_tokens == 0 or elapsed_s <= 0:
             return
         if num_seqs == 1 and num_tokens == 1:
             self.single_decode_s = _ema(self.single_decode_s, elapsed_s, 0.1)
+        if num_seqs == 1 and num_tokens <= MAX_TABULATED_STEP_TOKENS and pass_s:
+            self.lone_pass_s[num_tokens] = _ema(self.lone_pass_s[num_tokens], pass_s, 0.2)
         keep = 1.0 - self.forget
         s, t, y = float(num_seqs - 1), float(num_tokens), elapsed_s
         new = (1.0, s, t, y, s * s, t * t, s * t, s * y, t * y)
@@ -265,8 +277,8 @@ class EngineCore:
             num_tokens += len(seq.token_ids)
             num_drafts += seq.num_logits - 1 if seq.num_logits > 1 else 0
         if seqs and self._one_pass(plan):
-            self.costs.observe(len(seqs), num_tokens,
-                               result.execute_time_s + result.sample_time_s + t0 - tp)
+            pass_s = result.execute_time_s + result.sample_time_s
+            self.costs.observe(len(seqs), num_tokens, pass_s + t0 - tp, pass_s)
         if seqs and self.priority_itl_target_s is not None and any(
                 r.tier == ServiceTier.PRIORITY for r in self.scheduler.running):
             target_s = self.priority_itl_target_s

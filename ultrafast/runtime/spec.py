@@ -31,6 +31,7 @@ plain decoding is faster; one draft is then retried after a while.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -213,15 +214,25 @@ class PredictionAligner:
 
 
 def best_draft_length(acceptance: float, max_draft_tokens: int, base_s: float,
-                      per_token_s: float, per_draft_s: float = 0.0) -> int:
+                      per_token_s: float, per_draft_s: float = 0.0,
+                      measured_pass_s: Sequence[float | None] = ()) -> int:
     """argmax over k of E[tokens | k drafts] / step time, with per-token acceptance `acceptance`:
-    E = 1 + a + ... + a^k, time = base + per_token * (k + 1) + per_draft * k. 0 = don't draft."""
-    best_k, best_rate = 0, 1.0 / (base_s + per_token_s)
+    E = 1 + a + ... + a^k, time = pass(k + 1) + per_draft * k. 0 = don't draft.
+
+    pass(n) is `measured_pass_s[n]` where a step of n tokens has been timed, else the line
+    base + per_token * n: a size never tried looks as cheap as the line says, gets tried, and
+    is then judged by its measured time."""
+    def pass_s(num_tokens: int) -> float:
+        if num_tokens < len(measured_pass_s) and measured_pass_s[num_tokens] is not None:
+            return measured_pass_s[num_tokens]
+        return base_s + per_token_s * num_tokens
+
+    best_k, best_rate = 0, 1.0 / pass_s(1)
     expected, power = 1.0, 1.0
     for k in range(1, max_draft_tokens + 1):
         power *= acceptance
         expected += power
-        rate = expected / (base_s + per_token_s * (k + 1) + per_draft_s * k)
+        rate = expected / (pass_s(k + 1) + per_draft_s * k)
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k
@@ -311,7 +322,7 @@ class Speculator:
         `retry_after_steps` steps so a request whose text turns predictable gets drafts again."""
         cfg = self.config
         base_s, per_token_s = cfg.default_step_base_s, cfg.default_step_per_token_s
-        extra_s = 0.0
+        extra_s, measured = 0.0, ()
         # a seeded request sizes k from its own history only: with sampled draft-model drafts
         # the text depends on k, and timings must not change a seeded text
         # a prediction is the client's own draft (OpenAI uses it whenever it is given): it is
@@ -321,10 +332,11 @@ class Speculator:
             costs = self.step_costs
             if costs is not None and costs.base_s and costs.per_token_s:
                 base_s, per_token_s = costs.base_s, costs.per_token_s
+                measured = costs.lone_pass_s
             if source == "draft":
                 extra_s = self.draft_model.per_draft_s
         k = best_draft_length(state.num_accepted[source] / state.num_tried[source],
-                              cfg.max_draft_tokens, base_s, per_token_s, extra_s)
+                              cfg.max_draft_tokens, base_s, per_token_s, extra_s, measured)
         if k == 0:
             state.idle_steps[source] += 1
             if state.idle_steps[source] >= cfg.retry_after_steps:
