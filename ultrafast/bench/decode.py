@@ -59,6 +59,7 @@ def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind, spec="off"):
         engine.speculator.close()
 
     run.spec_stats = engine.spec_stats if spec != "off" else None  # type: ignore[attr-defined]
+    run.engine = engine  # type: ignore[attr-defined]  # for scripts that look inside
     return run, close
 
 
