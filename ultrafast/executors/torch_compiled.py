@@ -156,6 +156,16 @@ class CompiledDecode:
         self._key_positions = torch.arange(cache.max_len, device=self.device)
         self._step = self._eager_step
         if mode == "inductor":
+            # On a CPU, freezing lets inductor treat the weights as constants and pre-pack
+            # them for oneDNN's matmuls (a packed copy beside the model's own): the demo
+            # model's compiled decode went from ~157 to ~185 tok/s on the 2-core AVX2 machine.
+            # The KV cache, written by every step, is not folded. Not measured on CUDA: off.
+            # It is inductor's process-wide setting (torch.compile's `options` did not reach
+            # the freezing pass: the steps still ran aten::mm), and ours is the only compile.
+            if self.device.type == "cpu":
+                import torch._inductor.config as inductor_config
+
+                inductor_config.freezing = True
             self._step = torch.compile(self._eager_step, fullgraph=True)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
