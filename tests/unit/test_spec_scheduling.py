@@ -334,3 +334,32 @@ def test_the_engine_times_lone_steps_by_their_width():
     assert costs.lone_pass_s[2] is None
     costs.observe(1, 1, 2.1e-3, pass_s=2.0e-3)
     assert 1.0e-3 < costs.lone_pass_s[1] < 2.0e-3  # a moving average, not the last reading
+
+
+def test_no_retries_for_a_source_that_could_never_pay():
+    from ultrafast.runtime.spec import Speculator
+
+    class CostlyDraftModel:
+        per_draft_s = 2e-3  # a draft costs more than the target's whole step
+
+        def close(self):
+            pass
+
+    class Costs:  # the engine's StepCostModel, as read by the speculator
+        base_s, per_token_s = 0.5e-3, 0.5e-3
+        lone_pass_s = [None, 1.0e-3, 1.6e-3, 2.2e-3]
+
+    spec = SpecConfig(method="auto", retry_after_steps=4)
+    speculator = Speculator(spec, CostlyDraftModel())
+    speculator.step_costs = Costs()
+    request = Request("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=500),
+                      tier=PRIORITY)
+    speculator.admit(request)
+    state = speculator._state(request)
+    assert state.sources == ("ngram", "draft")
+    for source in state.sources:
+        state.num_accepted[source], state.num_tried[source] = 0.0, 100.0  # nothing accepted
+    lengths = {source: [speculator._draft_length(state, source) for _ in range(40)]
+               for source in state.sources}
+    assert lengths["ngram"].count(1) == 10  # n-gram drafts are nearly free: retried every 4
+    assert lengths["draft"].count(1) == 0 and set(lengths["draft"]) == {0}
