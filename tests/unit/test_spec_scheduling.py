@@ -363,3 +363,66 @@ def test_no_retries_for_a_source_that_could_never_pay():
                for source in state.sources}
     assert lengths["ngram"].count(1) == 10  # n-gram drafts are nearly free: retried every 4
     assert lengths["draft"].count(1) == 0 and set(lengths["draft"]) == {0}
+
+
+def _reference_lookup(tokens, k, ngram_min, ngram_max):
+    """Prompt lookup by brute force: the longest suffix n-gram's latest earlier occurrence."""
+    length = len(tokens)
+    for n in range(min(ngram_max, length), ngram_min - 1, -1):
+        suffix = tokens[length - n:]
+        for end in range(length - 1, n - 1, -1):
+            if tokens[end - n:end] == suffix:
+                draft = tokens[end:end + k]
+                while len(draft) < k:
+                    draft.append(draft[len(draft) - (length - end)])
+                return draft
+    return []
+
+
+def test_ngram_index_matches_brute_force_as_it_grows():
+    import random
+
+    from ultrafast.runtime.spec import NgramIndex
+
+    rng = random.Random(7)
+    for trial in range(30):
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 40))]
+        ngram_min, ngram_max = rng.choice([(1, 4), (2, 3), (1, 1), (3, 5)])
+        index = NgramIndex(tokens, ngram_min, ngram_max)
+        for _ in range(25):
+            k = rng.randrange(1, 6)
+            assert index.lookup(k) == _reference_lookup(tokens, k, ngram_min, ngram_max)
+            new = [rng.randrange(6) for _ in range(rng.choice([1, 1, 1, 3]))]
+            tokens += new
+            index.extend(new)
+
+
+def test_a_conversations_next_turn_takes_over_the_previous_index():
+    from ultrafast.runtime.spec import NgramIndex, Speculator
+
+    speculator = Speculator(SpecConfig(method="ngram", use_measured_costs=False))
+    params = SamplingParams(temperature=0.0, max_tokens=50)
+
+    def start(request_id, prompt, tenant="a"):
+        request = Request(request_id, prompt, params, tier=PRIORITY, tenant=tenant)
+        speculator.admit(request)
+        return request, speculator._state(request)
+
+    turn1, state1 = start("t1", [5, 6, 7, 8, 5, 6])
+    turn1.output_token_ids += [7, 9, 9]
+    turn1.num_computed_tokens = turn1.num_tokens - 1  # decoding: propose folds the output in
+    speculator.propose([turn1])
+    first_index = state1.ngram
+    assert first_index.tokens == turn1.prompt_token_ids + turn1.output_token_ids
+    speculator.release("t1")
+    history = turn1.prompt_token_ids + turn1.output_token_ids
+    _, other = start("x", history + [1, 2], tenant="b")  # another tenant: a fresh index
+    assert other.ngram is not first_index
+    turn2, state2 = start("t2", history + [3, 5, 6])
+    assert state2.ngram is first_index  # taken over, extended with the new tokens
+    fresh = NgramIndex(turn2.prompt_token_ids, 1, 4)
+    for k in (1, 3, 6):
+        assert state2.ngram.lookup(k) == fresh.lookup(k) == _reference_lookup(
+            turn2.prompt_token_ids, k, 1, 4)
+    _, state3 = start("t3", [9, 9, 9, 1])  # starts otherwise: nothing to take
+    assert state3.ngram is not first_index
