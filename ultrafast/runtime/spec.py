@@ -24,8 +24,13 @@ norm(max(p - q, 0)). Either way the output distribution is the target's.
 The number of drafts k adapts per request and per source: the per-token acceptance rate a is
 measured (decayed counts of accepted / tried draft tokens), and k is the one that maximises the
 expected tokens per step, (1 - a^(k+1)) / (1 - a), over the step's predicted time (the engine's
-fitted step cost, plus the draft model's own time per draft token). k = 0 (no drafting) when
-plain decoding is faster; one draft is then retried after a while.
+measured time of a lone step that wide, else its fitted step cost, plus the draft model's own
+time per draft token). k = 0 (no drafting) when plain decoding is faster; one draft is then
+retried after a while, if that source's drafts could pay at all.
+
+A finished request's n-gram index is kept (a few, per tenant): a conversation's next turn,
+whose prompt starts with the previous turn's tokens, takes it over and indexes only its new
+tokens.
 """
 
 from __future__ import annotations
