@@ -17,7 +17,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048, help="positions per KV slot")
     p.add_argument("--num-slots", type=int, default=8, help="KV slots (concurrent sequences)")
     p.add_argument("--threads", type=int, default=None,
-                   help="ggml threads (default: all cores; serve: all but one)")
+                   help="kernel threads: ggml's, or torch's on CPU (default: all cores; serve: all "
+                   "but one)")
     p.add_argument("--batch-threads", type=int, default=None,
                    help="ggml threads for passes of more than one token: prefill chunks, draft "
                    "verification, several streams' decodes (default: --threads)")
@@ -293,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run/gpu: batch-1 decode as a fraction of bytes-per-token / "
                        "measured memory bandwidth")
     bench.add_argument("--executor", choices=["auto", "ggml", "torch"], default="auto",
-                       help="run: our executor (auto = ggml on CPU, torch on CUDA)")
+                       help="run, sessions: our executor (auto = ggml on CPU, torch on CUDA)")
     bench.add_argument("--skip-tests", action="store_true", help="gpu: do not run tests/gpu")
     bench.add_argument("--decode-tokens", type=int, default=256,
                        help="gpu: decode steps timed per mode")

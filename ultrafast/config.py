@@ -41,7 +41,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget per step
     max_prefill_chunk_tokens: int = 256  # chunked prefill size
     max_waiting: int = 256
-    n_threads: int | None = None  # ggml threads (default: the cores we may use)
+    n_threads: int | None = None  # kernel threads, ggml or torch on CPU (default: every core)
     n_threads_batch: int | None = None  # ggml threads for multi-token passes (default n_threads)
     device: str | None = None  # torch executor: cpu / cuda
     dtype: str | None = None  # torch executor: float32 / float16 / bfloat16

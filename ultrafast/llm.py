@@ -52,7 +52,7 @@ def build_executor(config: EngineConfig, files: ModelFiles):
 
     return TorchExecutor(files.hf_dir, num_slots=config.num_slots,
                          max_model_len=config.max_model_len, device=config.device,
-                         dtype=config.dtype, compile=config.compile)
+                         dtype=config.dtype, compile=config.compile, n_threads=config.n_threads)
 
 
 def build_engine(config: EngineConfig, priority_itl_target_s: float | None = None

@@ -87,6 +87,21 @@ def test_llama_cpp_floor_times_the_given_prefills():
     assert set(floor) == {"fresh", "after"} and all(t > 0 for t in floor.values())
 
 
+def test_torch_floor_times_the_given_prefills():
+    import torch
+
+    from ultrafast.bench.server_process import DEMO_MODEL_DIR
+    from ultrafast.bench.sessions import torch_floor
+
+    threads = torch.get_num_threads()
+    try:
+        floor = torch_floor(str(DEMO_MODEL_DIR), threads=1,
+                            shapes={"fresh": (0, 20), "after": (600, 20)}, rounds=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert set(floor) == {"fresh", "after"} and all(t > 0 for t in floor.values())
+
+
 def _events_until(ws, kind: str) -> list[dict]:
     events = []
     while True:

@@ -166,3 +166,18 @@ def test_model_interface_flattened_tokens(model):
     assert hidden.shape == (5, 64) and logits.shape == (2, 128)
     assert logits.dtype == torch.float32
     assert cache.num_bytes == 2 * 2 * (2 * 2 * 32 * 16) * 4
+
+
+def test_n_threads_sets_torch_threads_on_cpu(model):
+    """`--threads` reaches torch on CPU (serve leaves a core to the event loop), and a
+    nonsense count is refused instead of reaching torch."""
+    before = torch.get_num_threads()
+    try:
+        TorchExecutor(model, num_slots=1, max_model_len=32, device="cpu", n_threads=2)
+        assert torch.get_num_threads() == 2
+        TorchExecutor(model, num_slots=1, max_model_len=32, device="cpu", n_threads=1)
+        assert torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="n_threads"):
+            TorchExecutor(model, num_slots=1, max_model_len=32, device="cpu", n_threads=0)
+    finally:
+        torch.set_num_threads(before)

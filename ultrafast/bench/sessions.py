@@ -119,6 +119,38 @@ def llama_cpp_floor(gguf: str, threads: int, shapes: dict[str, tuple[int, int]],
     return out
 
 
+def torch_floor(model_dir: str, threads: int, shapes: dict[str, tuple[int, int]],
+                rounds: int = 5) -> dict[str, float]:
+    """`llama_cpp_floor` for the torch executor: its own forward pass over the same prefills,
+    no server, no scheduler (CPU, float32, eager as the server runs prefills)."""
+    from ultrafast.core.types import ScheduledSeq, StepPlan
+    from ultrafast.executors.torch_exec import TorchExecutor
+    from ultrafast.request import SamplingParams
+
+    longest = max(c + n for c, n in shapes.values())
+    executor = TorchExecutor(model_dir, num_slots=1, max_model_len=longest, device="cpu",
+                             compile="off", n_threads=threads)
+    tokens = [(7 * i + 3) % (executor.vocab_size - 1) + 1 for i in range(longest)]
+    greedy = SamplingParams(temperature=0.0)
+
+    def forward(start: int, end: int) -> float:
+        seq = ScheduledSeq("floor", 0, tokens[start:end], start, 1, greedy, 0, 0)
+        started = time.perf_counter()
+        executor.execute(StepPlan([seq]))
+        return time.perf_counter() - started
+
+    out = {}
+    try:
+        for name, (cached, new) in shapes.items():
+            for start in range(0, cached, 512):  # the history, already in the KV cache
+                forward(start, min(cached, start + 512))
+            forward(cached, cached + new)  # warm-up at this shape
+            out[name] = statistics.median(forward(cached, cached + new) for _ in range(rounds))
+    finally:
+        executor.close()
+    return out
+
+
 # ---- exactly once under a Redis restart -----------------------------------------------------
 
 @dataclass
@@ -237,7 +269,9 @@ def main(args) -> int:
     from ultrafast.model_files import gguf_for, resolve_model
 
     redis = RedisServer()
+    torch_executor = args.executor == "torch"
     server_args = ("--priority-ttft-ms", "60000", "--session-store", redis.url,
+                   *(["--executor", args.executor] if args.executor != "auto" else []),
                    "--default-queue", str(max(64, args.concurrency * 2)),
                    *(["--threads", str(args.threads)] if args.threads else []),
                    *(["--batch-threads", str(args.batch_threads)] if args.batch_threads
@@ -260,11 +294,16 @@ def main(args) -> int:
         ttft["sessions"]["prefill_turn_1"] = shapes[0]  # (cached, prefilled) tokens
         ttft["sessions"][f"prefill_turn_{args.turns}"] = shapes[-1]
         srv.stop()  # the floor runs alone on the machine
-        floor = llama_cpp_floor(str(gguf_for(resolve_model(args.model or DEMO_MODEL_DIR))),
-                                # prefills are multi-token passes: the server's batch threads
-                                args.batch_threads or args.threads or serve_default_threads(),
-                                {"turn_1": shapes[0], "turn_n": shapes[-1]})
-        ttft["llama.cpp eval (floor)"] = {
+        files = resolve_model(args.model or DEMO_MODEL_DIR)
+        # prefills are multi-token passes: the server's batch threads
+        floor_threads = args.batch_threads or args.threads or serve_default_threads()
+        floor_shapes = {"turn_1": shapes[0], "turn_n": shapes[-1]}
+        if torch_executor:
+            floor = torch_floor(str(files.hf_dir), args.threads or serve_default_threads(),
+                                floor_shapes)
+        else:
+            floor = llama_cpp_floor(str(gguf_for(files)), floor_threads, floor_shapes)
+        ttft["torch executor eval (floor)" if torch_executor else "llama.cpp eval (floor)"] = {
             "turn_1_ms": 1000 * floor["turn_1"], f"turn_{args.turns}_ms": 1000 * floor["turn_n"],
             "ratio": floor["turn_n"] / floor["turn_1"]}
         conv, check = ConversationRun([]), {"num_turns_found": 0, "problems": []}

@@ -28,14 +28,21 @@ def _default_device() -> str:
 class TorchExecutor:
     def __init__(self, model: str | Path | LlamaForCausalLM, num_slots: int, max_model_len: int,
                  device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None, compile: bool | str | None = None):
+                 dtype: str | torch.dtype | None = None, compile: bool | str | None = None,
+                 n_threads: int | None = None):
         """`model`: an HF directory or a built LlamaForCausalLM (cast only if dtype is given).
 
         device None: cuda if available, else cpu. dtype None: float32 on CPU, bfloat16 on CUDA.
         compile: decode-only steps through `torch_compiled.CompiledDecode` (None/"auto": on
         CUDA only; True/"inductor"; "graphs": CUDA graphs of the eager kernels; False/"off").
+        n_threads: torch's intra-op threads on CPU (process-wide), like the ggml executor's:
+        `serve` leaves a core to the event loop, which torch's default (every core) contends.
         """
         self.device = torch.device(device or _default_device())
+        if n_threads is not None and self.device.type == "cpu":
+            if n_threads < 1:
+                raise ValueError("n_threads must be >= 1")
+            torch.set_num_threads(n_threads)
         if isinstance(model, LlamaForCausalLM):
             if dtype is not None:
                 model = model.to(resolve_dtype(dtype, self.device))
