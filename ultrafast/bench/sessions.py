@@ -3,7 +3,9 @@
 1. Time to first token by turn: one conversation of `--turns` turns (user text of
    `--turn-tokens` tokens, answers of `--reply-tokens` tokens), once with `session_id` (the client
    sends only the new turn; its KV stays warm in the server) and once as a stateless client
-   resending the whole history. Reports turn N / turn 1 for both (target: at most 1.2x).
+   resending the whole history. Reports turn N / turn 1 for both (target: at most 1.2x), and
+   the floor: the executor's own forward pass over the same prefills with no server (llama.cpp's
+   eval for the ggml executor, `--executor torch`: the torch executor's).
 2. Exactly once under a Redis restart (RELIABILITY L5): `--sessions` x `--turns` turns,
    `--concurrency` at a time, against a real redis-server (AOF always) restarted once halfway.
    Clients retry a refused or broken call with the same Idempotency-Key; afterwards every
@@ -122,33 +124,37 @@ def llama_cpp_floor(gguf: str, threads: int, shapes: dict[str, tuple[int, int]],
 def torch_floor(model_dir: str, threads: int, shapes: dict[str, tuple[int, int]],
                 rounds: int = 5) -> dict[str, float]:
     """`llama_cpp_floor` for the torch executor: its own forward pass over the same prefills,
-    no server, no scheduler (CPU, float32, eager as the server runs prefills)."""
+    no server, no scheduler (CPU, float32, eager as the server runs prefills). Each shape has
+    its own KV slot, so the timed passes alternate between shapes round by round and a machine
+    that drifts in speed moves them alike."""
     from ultrafast.core.types import ScheduledSeq, StepPlan
     from ultrafast.executors.torch_exec import TorchExecutor
     from ultrafast.request import SamplingParams
 
     longest = max(c + n for c, n in shapes.values())
-    executor = TorchExecutor(model_dir, num_slots=1, max_model_len=longest, device="cpu",
-                             compile="off", n_threads=threads)
+    executor = TorchExecutor(model_dir, num_slots=len(shapes), max_model_len=longest,
+                             device="cpu", compile="off", n_threads=threads)
     tokens = [(7 * i + 3) % (executor.vocab_size - 1) + 1 for i in range(longest)]
     greedy = SamplingParams(temperature=0.0)
 
-    def forward(start: int, end: int) -> float:
-        seq = ScheduledSeq("floor", 0, tokens[start:end], start, 1, greedy, 0, 0)
+    def forward(slot: int, start: int, end: int) -> float:
+        seq = ScheduledSeq("floor", slot, tokens[start:end], start, 1, greedy, 0, 0)
         started = time.perf_counter()
         executor.execute(StepPlan([seq]))
         return time.perf_counter() - started
 
-    out = {}
+    times: dict[str, list[float]] = {name: [] for name in shapes}
     try:
-        for name, (cached, new) in shapes.items():
+        for slot, (cached, new) in enumerate(shapes.values()):
             for start in range(0, cached, 512):  # the history, already in the KV cache
-                forward(start, min(cached, start + 512))
-            forward(cached, cached + new)  # warm-up at this shape
-            out[name] = statistics.median(forward(cached, cached + new) for _ in range(rounds))
+                forward(slot, start, min(cached, start + 512))
+            forward(slot, cached, cached + new)  # warm-up at this shape
+        for _ in range(rounds):
+            for slot, (name, (cached, new)) in enumerate(shapes.items()):
+                times[name].append(forward(slot, cached, cached + new))
     finally:
         executor.close()
-    return out
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 # ---- exactly once under a Redis restart -----------------------------------------------------
