@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ultrafast.model.config import ModelConfig
+from ultrafast.model.errors import ModelLoadError
 from ultrafast.model.llama import LlamaForCausalLM
 
 # buffers some older checkpoints carry that we compute ourselves
@@ -22,8 +23,6 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
            "bf16": torch.bfloat16}
 
 
-class ModelLoadError(ValueError):
-    """A model directory that cannot be loaded, with a message that says what to fix."""
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
