@@ -24,7 +24,7 @@ from pathlib import Path
 from ultrafast.bench.peers import (Batch, EngineRunner, LlamaCppRunner, ServerRunner,
                                    TransformersRunner, VllmRunner)
 from ultrafast.bench.tiers import serve_default_threads
-from ultrafast.model_files import gguf_for, resolve_model
+from ultrafast.model_files import gguf_for, load_tokenizer, resolve_model
 
 PROMPT_TEXT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
 OURS = ("ours-engine", "ours-engine-torch", "ours-server")
@@ -200,8 +200,6 @@ def run_harness(model: str, max_tokens: int = 128, rounds: int = 3,
                 concurrency: tuple[int, ...] = (1, 4, 16), peers: list[str] | None = None,
                 threads: int | None = None, prompt_tokens: int = 32, executor: str = "auto",
                 compile: str = "auto", gguf_type: str = "f16", with_roofline: bool = False) -> dict:
-    from ultrafast.tokenizer import Tokenizer
-
     # the server keeps one core for its event loop and the clients, as `serve` does by default
     # (kernel threads spinning on every core slow HTTP streaming several-fold on 2 cores)
     server_threads = threads or serve_default_threads()
@@ -209,7 +207,7 @@ def run_harness(model: str, max_tokens: int = 128, rounds: int = 3,
     cuda = _gpu_available()
     files = resolve_model(model)
     gguf = gguf_for(files, gguf_type)
-    tokenizer = Tokenizer.from_dir(files.tokenizer_dir)
+    tokenizer = load_tokenizer(files)
     base_ids = (tokenizer.encode(PROMPT_TEXT) * 16)[:max(1, prompt_tokens - 2)]
     vocab_size = tokenizer.vocab_size
     names = peers or default_peers(cuda)

@@ -1,0 +1,174 @@
+"""A .gguf file with nothing beside it is a whole model: `ultrafast generate --model x.gguf`
+works from its metadata alone, the same as the HF directory it was converted from; broken files
+are clear errors with a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+import sys
+
+import gguf
+import pytest
+
+from tests.model.gguf_files import require_smollm2, truncated_copy, write_vocab_gguf
+from ultrafast.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
+from ultrafast.model.errors import ModelLoadError
+from ultrafast.model.gguf_meta import read_gguf_metadata
+from ultrafast.model_files import (gguf_for, load_tokenizer, resolve_model,
+                                   tokenizer_fingerprint)
+
+PROMPT = "def fibonacci(n):"
+
+
+def ultrafast(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "ultrafast.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def lone_gguf(tmp_path_factory):
+    """The demo model converted by `ultrafast convert`, then copied alone into an empty dir."""
+    work = tmp_path_factory.mktemp("convert")
+    done = ultrafast("convert", str(DEMO_MODEL_DIR), str(work / "demo.gguf"))
+    assert done.returncode == 0, done.stderr
+    alone = tmp_path_factory.mktemp("alone") / "demo-code.gguf"
+    shutil.copy(work / "demo.gguf", alone)
+    assert [p.name for p in alone.parent.iterdir()] == ["demo-code.gguf"]
+    return alone
+
+
+def test_convert_writes_what_a_lone_gguf_needs(lone_gguf):
+    meta = read_gguf_metadata(lone_gguf)
+    assert meta.get("tokenizer.ggml.model") == "gpt2" and meta.get("tokenizer.ggml.merges")
+    assert "<|im_start|>" in meta.get("tokenizer.chat_template")
+    files = resolve_model(lone_gguf)
+    assert files.tokenizer_gguf == lone_gguf and files.hf_dir is None
+    assert files.max_position_embeddings == meta.get("llama.context_length")
+    from_gguf, from_dir = load_tokenizer(files), load_tokenizer(resolve_model(DEMO_MODEL_DIR))
+    assert from_gguf.eos_token_ids == from_dir.eos_token_ids
+    assert from_gguf.chat_template == from_dir.chat_template
+    text = "def f(x):\n    return x  # héllo 🙂\n<|im_start|>user"
+    assert from_gguf.encode(text) == from_dir.encode(text)
+
+
+def test_generate_from_the_lone_gguf_equals_the_hf_directory(lone_gguf):
+    args = [PROMPT, "--max-tokens", "24", "--threads", "1", "--spec", "off"]
+    alone = ultrafast("generate", "--model", str(lone_gguf), *args)
+    assert alone.returncode == 0, alone.stderr
+    directory = ultrafast("generate", "--model", str(DEMO_MODEL_DIR), *args)
+    assert directory.returncode == 0, directory.stderr
+    assert alone.stdout.startswith(PROMPT) and len(alone.stdout) > len(PROMPT) + 10
+    assert alone.stdout == directory.stdout
+
+
+def test_the_draft_check_compares_vocabularies_not_files(lone_gguf, tmp_path):
+    assert tokenizer_fingerprint(resolve_model(lone_gguf)) == tokenizer_fingerprint(
+        resolve_model(DEMO_DRAFT_DIR))
+    other = write_vocab_gguf(tmp_path / "other.gguf", extra_tokens={
+        "<extra>": gguf.TokenType.USER_DEFINED})
+    assert tokenizer_fingerprint(resolve_model(other)) != tokenizer_fingerprint(
+        resolve_model(DEMO_DRAFT_DIR))
+
+
+def test_the_gguf_tokenizer_wins_over_a_tokenizer_json_beside_it(lone_gguf, tmp_path, caplog):
+    shutil.copy(lone_gguf, tmp_path / "model.gguf")
+    shutil.copy(DEMO_MODEL_DIR / "tokenizer.json", tmp_path / "tokenizer.json")
+    caplog.set_level("INFO", logger="ultrafast.model_files")
+    tok = load_tokenizer(resolve_model(tmp_path / "model.gguf"))
+    assert "GGUF" in tok.source and "is ignored" in caplog.text
+    # a directory holding the GGUF and a tokenizer.json is an HF layout: tokenizer.json
+    assert load_tokenizer(resolve_model(tmp_path)).source.endswith("tokenizer.json")
+    (tmp_path / "tokenizer.json").unlink()
+    assert "GGUF" in load_tokenizer(resolve_model(tmp_path)).source
+
+
+def test_an_unreproducible_gguf_tokenizer_falls_back_to_tokenizer_json_beside_it(tmp_path):
+    write_vocab_gguf(tmp_path / "model.gguf", model="llama")
+    with pytest.raises(ModelLoadError, match="tokenizer type 'llama'"):
+        load_tokenizer(resolve_model(tmp_path / "model.gguf"))
+    shutil.copy(DEMO_MODEL_DIR / "tokenizer.json", tmp_path / "tokenizer.json")
+    assert load_tokenizer(resolve_model(tmp_path / "model.gguf")).source.endswith(
+        "tokenizer.json")
+
+
+def _patch_context_length(path, value: int) -> None:
+    data = bytearray(path.read_bytes())
+    key = b"llama.context_length"
+    at = data.index(key) + len(key)
+    vtype, = struct.unpack_from("<I", data, at)
+    assert vtype == gguf.GGUFValueType.UINT32
+    struct.pack_into("<I", data, at + 4, value)
+    path.write_bytes(bytes(data))
+
+
+def test_a_declared_context_beyond_memory_is_capped_at_max_model_len(lone_gguf, tmp_path):
+    """Declared 2**31 - 1 positions; the KV cache holds --max-model-len (default 2048) per
+    slot, so nothing near the declared size is ever allocated."""
+    huge = tmp_path / "huge.gguf"
+    shutil.copy(lone_gguf, huge)
+    _patch_context_length(huge, 2**31 - 1)
+    assert resolve_model(huge).max_position_embeddings == 2**31 - 1
+    done = ultrafast("generate", "--model", str(huge), PROMPT, "--max-tokens", "4",
+                     "--threads", "1", "--spec", "off")
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("keep", [0, 3, 40, 5000, -1000])
+def test_a_truncated_gguf_is_a_clear_error_and_exit_2(lone_gguf, tmp_path, keep):
+    size = lone_gguf.stat().st_size
+    bad = truncated_copy(lone_gguf, tmp_path / "bad.gguf", keep if keep >= 0 else size + keep)
+    with pytest.raises(ModelLoadError, match="bad.gguf"):
+        resolve_model(bad)
+    if keep in (40, -1000):  # the CLI path, once per kind (each run starts a Python)
+        done = ultrafast("generate", "x", "--model", str(bad), timeout=120)
+        assert done.returncode == 2 and "bad.gguf" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+
+
+def test_a_corrupt_gguf_is_a_clear_error(lone_gguf, tmp_path):
+    data = bytearray(lone_gguf.read_bytes())
+    not_gguf = tmp_path / "not.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04" + bytes(data[4:]))
+    with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
+        resolve_model(not_gguf)
+    huge_count = tmp_path / "count.gguf"
+    struct.pack_into("<Q", data, 16, 2**62)  # the key/value count
+    huge_count.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="count.gguf"):
+        resolve_model(huge_count)
+
+
+def test_a_directory_gguf_is_checked_before_llama_cpp_sees_it(lone_gguf, tmp_path):
+    shutil.copytree(DEMO_MODEL_DIR, tmp_path / "m")
+    truncated_copy(lone_gguf, tmp_path / "m" / "demo-code-f16.gguf", 100_000)
+    with pytest.raises(ModelLoadError, match="truncated"):
+        gguf_for(resolve_model(tmp_path / "m"))
+
+
+def test_an_unsupported_tokenizer_stops_the_cli_with_its_name(tmp_path):
+    path = write_vocab_gguf(tmp_path / "spm.gguf", model="llama")
+    done = ultrafast("generate", "x", "--model", str(path), timeout=120)
+    assert done.returncode == 2 and "tokenizer type 'llama'" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.real_model
+def test_smollm2_answers_from_its_gguf_alone(tmp_path):
+    from ultrafast.llm import LLM
+    from ultrafast.request import SamplingParams
+
+    alone = tmp_path / "smollm2.gguf"
+    alone.symlink_to(require_smollm2())
+    llm = LLM(str(alone), spec="off", n_threads=2, num_slots=2, max_num_seqs=2)
+    try:
+        prompt = llm.tokenizer.apply_chat_template([
+            {"role": "system", "content": "Answer in one short sentence."},
+            {"role": "user", "content": "What is the capital of France?"}])
+        out = llm.generate(prompt, SamplingParams(max_tokens=48, temperature=0.0))[0]
+    finally:
+        llm.close()
+    assert "Paris" in out.text and out.finish_reason == "stop", out
+    assert out.token_ids[-1] in (0, 2, 4) and len(out.token_ids) < 48
