@@ -132,8 +132,10 @@ class Tokenizer:
             raise ModelLoadError(f"{config_path} is not valid JSON: {exc}") from None
         if not isinstance(config, dict):
             raise ModelLoadError(f"{config_path} is not a JSON object")
-        jinja_path = model_dir / "chat_template.jinja"  # where recent transformers write it
-        if not config.get("chat_template") and jinja_path.is_file():
+        # recent transformers write the template to chat_template.jinja (and, as transformers
+        # does on load, that file wins over a template left in tokenizer_config.json)
+        jinja_path = model_dir / "chat_template.jinja"
+        if jinja_path.is_file():
             config = {**config, "chat_template": jinja_path.read_text(encoding="utf-8")}
         elif isinstance(config.get("chat_template"), list):  # [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in config["chat_template"]
@@ -182,9 +184,10 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **template_vars) -> str:
         """Render the chat prompt; ChatTemplateError (a 400) when the template cannot."""
+        if self._template_problem:
+            raise ChatTemplateError(self._template_problem)
         if self._template is None:
-            raise NoChatTemplateError(self._template_problem or
-                                      "this model has no chat template; use /v1/completions")
+            raise NoChatTemplateError("this model has no chat template; use /v1/completions")
         try:
             return self._template.render(**template_vars, messages=messages,
                                          add_generation_prompt=add_generation_prompt,
