@@ -12,6 +12,7 @@ from typing import Iterator
 from ultrafast.config import DEMO_DRAFT_DIR, EngineConfig, default_model
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.core.types import TokenLogprobs
+from ultrafast.model.kv_budget import check_kv_fits
 from ultrafast.model_files import (ModelFiles, gguf_for, load_tokenizer, resolve_model,
                                    tokenizer_fingerprint)
 from ultrafast.request import Request, SamplingParams, ServiceTier
@@ -43,7 +44,10 @@ def build_executor(config: EngineConfig, files: ModelFiles):
     if kind == "ggml":
         from ultrafast.executors.ggml_exec import GgmlExecutor
 
-        return GgmlExecutor(gguf_for(files, config.gguf_type), num_slots=config.num_slots,
+        gguf_path = gguf_for(files, config.gguf_type)
+        check_kv_fits(gguf_path, None, config.num_slots, config.max_model_len,
+                      files.max_position_embeddings)  # a clear error before llama.cpp's
+        return GgmlExecutor(gguf_path, num_slots=config.num_slots,
                             max_model_len=config.max_model_len, n_threads=config.n_threads,
                             n_threads_batch=config.n_threads_batch,
                             max_num_batched_tokens=config.max_num_batched_tokens)

@@ -116,6 +116,28 @@ def test_a_declared_context_beyond_memory_is_capped_at_max_model_len(lone_gguf, 
     assert done.returncode == 0, done.stderr
 
 
+def test_a_kv_cache_beyond_memory_is_refused_before_llama_cpp(lone_gguf, tmp_path):
+    """Raising --max-model-len towards a huge declared context: a clear error, exit 2."""
+    huge = tmp_path / "huge.gguf"
+    shutil.copy(lone_gguf, huge)
+    _patch_context_length(huge, 2**31 - 1)
+    done = ultrafast("generate", "--model", str(huge), PROMPT, "--max-tokens", "4",
+                     "--max-model-len", str(2**31 - 1), "--spec", "off", timeout=120)
+    assert done.returncode == 2 and "KV cache" in done.stderr, done.stderr
+    assert "--max-model-len" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_kv_budget_arithmetic(lone_gguf):
+    from ultrafast.model.kv_budget import check_kv_fits, kv_bytes_per_position
+
+    per_position = kv_bytes_per_position(lone_gguf, None)
+    assert per_position == kv_bytes_per_position(None, DEMO_MODEL_DIR) > 0
+    check_kv_fits(lone_gguf, None, 4, 1000, 2048, available=per_position * 4000)
+    with pytest.raises(ModelLoadError, match="about 1,000 fits") as info:
+        check_kv_fits(lone_gguf, None, 4, 1001, 2048, available=per_position * 4000)
+    assert "declares 2,048" in str(info.value)
+
+
 @pytest.mark.parametrize("keep", [0, 3, 40, 5000, -1000])
 def test_a_truncated_gguf_is_a_clear_error_and_exit_2(lone_gguf, tmp_path, keep):
     size = lone_gguf.stat().st_size
