@@ -89,11 +89,13 @@ def _generation_config(model_dir: Path) -> tuple[list[int], dict]:
 
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, config: dict, generation_eos: list[int] | None = None,
-                 *, decode_fn: Callable[[list[int], bool], str] | None = None,
+                 *, encode_fn: Callable[[str], list[int]] | None = None,
+                 decode_fn: Callable[[list[int], bool], str] | None = None,
                  add_eos: bool = False, context_length: int | None = None,
                  generation_defaults: dict | None = None, source: str = "tokenizer.json"):
         self._tok = tokenizer
-        self._decode_fn = decode_fn  # GGUF vocabularies decode exactly as llama.cpp prints
+        self._encode_fn = encode_fn  # GGUF vocabularies: llama.cpp's own ids and text
+        self._decode_fn = decode_fn
         self.config = config
         self.source = source  # where the vocabulary came from, for logs and /v1/models
         self.bos_token = _token_text(config.get("bos_token"))
@@ -159,7 +161,8 @@ class Tokenizer:
         config = {"bos_token": vocab.token_text(vocab.bos_id),
                   "eos_token": vocab.token_text(vocab.eos_id), "add_bos_token": vocab.add_bos,
                   "chat_template": vocab.chat_template}
-        return cls(vocab.hf_tokenizer, config, list(vocab.eog_ids), decode_fn=vocab.decode,
+        return cls(vocab.hf_tokenizer, config, list(vocab.eog_ids), encode_fn=vocab.encode,
+                   decode_fn=vocab.decode,
                    add_eos=vocab.add_eos, context_length=vocab.context_length,
                    generation_defaults=vocab.sampling_defaults,
                    source=f"GGUF metadata of {Path(path).name}")
@@ -169,7 +172,10 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self._encode_fn is not None:
+            ids = self._encode_fn(text)
+        else:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         if add_special_tokens and self.add_eos and self.eos_token_id is not None:

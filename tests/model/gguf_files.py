@@ -49,8 +49,28 @@ def demo_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+def spm_vocab(texts: list[str], size: int = 1500) -> tuple[list[str], list[int], list[float]]:
+    """A SentencePiece-style vocabulary (U+2581 for spaces, <0xXX> byte tokens, <unk>, <s>,
+    </s>) learned from `texts`; scores fall with the id, as in Llama 2's."""
+    import gguf
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    specials = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=size, special_tokens=specials,
+                                                       show_progress=False))
+    tokens = [text for text, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    types = [int(gguf.TokenType.UNKNOWN), int(gguf.TokenType.CONTROL),
+             int(gguf.TokenType.CONTROL)] + [int(gguf.TokenType.BYTE)] * 256
+    types += [int(gguf.TokenType.NORMAL)] * (len(tokens) - len(types))
+    scores = [0.0 if kind != gguf.TokenType.NORMAL else -float(i) for i, kind in enumerate(types)]
+    return tokens, types, scores
+
+
 def write_vocab_gguf(path: Path, *, pre: str | None = "gpt-2", model: str = "gpt2",
-                     tokens=None, types=None, merges=None, extra_tokens: dict | None = None,
+                     tokens=None, types=None, merges=None, scores=None,
+                     extra_tokens: dict | None = None,
                      bos: int | None = 0, eos: int | None = 0, add_bos: bool | None = False,
                      template: str | None = None, context_length: int = 2048,
                      extra: dict | None = None) -> Path:
@@ -80,7 +100,8 @@ def write_vocab_gguf(path: Path, *, pre: str | None = "gpt-2", model: str = "gpt
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     if model == "llama":
-        writer.add_token_scores([0.0] * len(tokens))
+        scores = list(scores or [0.0] * len(tokens))
+        writer.add_token_scores(scores + [0.0] * (len(tokens) - len(scores)))
     if merges is not None:
         writer.add_token_merges(merges)
     if bos is not None:

@@ -86,8 +86,8 @@ def test_the_gguf_tokenizer_wins_over_a_tokenizer_json_beside_it(lone_gguf, tmp_
 
 
 def test_an_unreproducible_gguf_tokenizer_falls_back_to_tokenizer_json_beside_it(tmp_path):
-    write_vocab_gguf(tmp_path / "model.gguf", model="llama")
-    with pytest.raises(ModelLoadError, match="tokenizer type 'llama'"):
+    write_vocab_gguf(tmp_path / "model.gguf", model="bert")
+    with pytest.raises(ModelLoadError, match="tokenizer type 'bert'"):
         load_tokenizer(resolve_model(tmp_path / "model.gguf"))
     shutil.copy(DEMO_MODEL_DIR / "tokenizer.json", tmp_path / "tokenizer.json")
     assert load_tokenizer(resolve_model(tmp_path / "model.gguf")).source.endswith(
@@ -171,9 +171,9 @@ def test_a_directory_gguf_is_checked_before_llama_cpp_sees_it(lone_gguf, tmp_pat
 
 
 def test_an_unsupported_tokenizer_stops_the_cli_with_its_name(tmp_path):
-    path = write_vocab_gguf(tmp_path / "spm.gguf", model="llama")
+    path = write_vocab_gguf(tmp_path / "wpm.gguf", model="bert")
     done = ultrafast("generate", "x", "--model", str(path), timeout=120)
-    assert done.returncode == 2 and "tokenizer type 'llama'" in done.stderr, done.stderr
+    assert done.returncode == 2 and "tokenizer type 'bert'" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
 
 

@@ -4,7 +4,8 @@ The reference is llama.cpp itself (llama-cpp-python, `vocab_only=True`): ids for
 file of the repo plus Unicode, emoji, CJK, whitespace runs, digit runs and special-token text,
 with special tokens parsed and not; decoded text with special tokens kept and dropped; the
 end-of-generation set, BOS and the add-BOS flag. Run on vocabulary-only GGUFs for each supported
-pre-tokenizer family and on the real SmolLM2 file when the setup fetched it.
+pre-tokenizer family, on a SentencePiece ("llama") vocabulary, and on the real SmolLM2 file when
+the setup fetched it.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import ctypes
 import gguf
 import pytest
 
-from tests.model.gguf_files import require_smollm2, write_vocab_gguf
+from tests.model.gguf_files import require_smollm2, spm_vocab, write_vocab_gguf
 from ultrafast.config import REPO_ROOT
 from ultrafast.model.errors import ModelLoadError
+from ultrafast.model.gguf_meta import read_gguf_metadata
+from ultrafast.model.gguf_tokenizer import gguf_vocab
 from ultrafast.tokenizer import Tokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -59,21 +62,14 @@ class LlamaCppVocab:
                      if llama_cpp.llama_vocab_is_eog(self.vocab, i))
 
 
-def encode_unparsed(tok: Tokenizer, text: str) -> list[int]:
-    """Special-token text as plain text (llama.cpp's parse_special=False)."""
-    tok._tok.encode_special_tokens = True
-    try:
-        return tok._tok.encode(text, add_special_tokens=False).ids
-    finally:
-        tok._tok.encode_special_tokens = False
-
-
 def assert_parity(path, texts: list[str]) -> None:
     tok, ref = Tokenizer.from_gguf(path), LlamaCppVocab(path)
+    vocab = gguf_vocab(read_gguf_metadata(path))  # for special-token text as plain text
     for text in texts:
         ids = ref.encode(text, special=True)
         assert tok.encode(text, add_special_tokens=False) == ids, text[:200]
-        assert encode_unparsed(tok, text) == ref.encode(text, special=False), text[:200]
+        assert vocab.encode(text, parse_special=False) == ref.encode(text, special=False), \
+            text[:200]
         assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids, special=True)
         assert tok.decode(ids) == ref.decode(ids, special=False)
     assert tok.eos_token_ids == ref.eog_ids()
@@ -132,7 +128,22 @@ def test_incremental_detokenizer_on_a_gguf_vocabulary(tmp_path):
     assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
 
 
-@pytest.mark.parametrize("model", ["llama", "bert", "t5"])
+@pytest.mark.parametrize("add_space_prefix", [None, False])
+def test_sentencepiece_vocabulary_matches_llama_cpp(tmp_path, add_space_prefix):
+    """A Llama-2-style vocabulary: U+2581 spaces, scores, <0xXX> byte fallback, <s>/</s>."""
+    tokens, types, scores = spm_vocab(repo_texts(limit=40))
+    extra = {} if add_space_prefix is None else {"tokenizer.ggml.add_space_prefix": False}
+    path = write_vocab_gguf(tmp_path / "spm.gguf", model="llama", pre=None, tokens=tokens,
+                            types=types, scores=scores, bos=1, eos=2, add_bos=None, extra=extra,
+                            extra_tokens={**EXTRA, "<|im_start|>": gguf.TokenType.CONTROL})
+    assert_parity(path, HAND_TEXTS + repo_texts())
+    tok = Tokenizer.from_gguf(path)
+    assert tok.add_bos and tok.encode("x")[0] == 1 and 2 in tok.eos_token_ids
+    assert tok.decode(tok.encode("héllo 日本語 🙂", add_special_tokens=False)).strip() == \
+        "héllo 日本語 🙂"
+
+
+@pytest.mark.parametrize("model", ["bert", "t5", "rwkv"])
 def test_a_vocabulary_type_we_cannot_reproduce_is_refused_by_name(tmp_path, model):
     path = write_vocab_gguf(tmp_path / "v.gguf", model=model, pre=None, merges=None)
     with pytest.raises(ModelLoadError, match=f"tokenizer type '{model}'"):

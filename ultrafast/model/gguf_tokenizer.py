@@ -5,8 +5,9 @@ with the regexes its `tokenizer.ggml.pre` names, map bytes to the GPT-2 byte alp
 by rank. HF `tokenizers` does the same given the vocabulary, the merges and the same regexes as
 `Split(..., "isolated")` steps, so that is what is built here. The regexes follow llama.cpp's
 pre-tokenizer table (src/llama-vocab.cpp); a `pre` value outside the families below is refused
-rather than guessed, as is any vocabulary type other than "gpt2" (SentencePiece "llama", "bert",
-"t5", ...), because ids that differ from the model's training silently degrade every answer.
+rather than guessed, as is any vocabulary type other than "gpt2" and SentencePiece "llama"
+(gguf_spm.py): "bert", "t5", "rwkv"... are refused, because ids that differ from the model's
+training silently degrade every answer.
 
 Token attributes follow llama.cpp too: control and unknown tokens are parsed from text and
 dropped on decode unless asked for; user-defined ones are parsed and decoded verbatim; a few
@@ -17,6 +18,7 @@ end generation, as do the eos/eot/eom ids and the FIM pad/repo/separator tokens.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 
 from ultrafast.model.errors import ModelLoadError
@@ -104,6 +106,22 @@ class GgufVocab:
     sampling_defaults: dict
     pre: str
 
+    spm: object | None = field(default=None, repr=False)  # SpmEncoder for "llama" vocabularies
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def encode(self, text: str, parse_special: bool = True) -> list[int]:
+        """llama.cpp's llama_tokenize(add_special=False, parse_special)."""
+        if self.spm is not None:
+            return self.spm.encode(text, parse_special)
+        if parse_special:
+            return self.hf_tokenizer.encode(text, add_special_tokens=False).ids
+        with self._lock:  # parity checks only: HF keeps this switch on the shared object
+            self.hf_tokenizer.encode_special_tokens = True
+            try:
+                return self.hf_tokenizer.encode(text, add_special_tokens=False).ids
+            finally:
+                self.hf_tokenizer.encode_special_tokens = False
+
     def token_text(self, token_id: int | None) -> str | None:
         if token_id is None:
             return None
@@ -143,7 +161,8 @@ def _special_id(meta: GgufMetadata, key: str, n: int, default: int | None) -> in
     return default
 
 
-def _attributes(meta: GgufMetadata, tokens: list[str]) -> tuple[list[int], dict, set[int]]:
+def _attributes(meta: GgufMetadata, tokens: list[str], default_bos: int | None,
+                default_eos: int | None) -> tuple[list[int], dict, set[int]]:
     """Effective token types after llama.cpp's text-based overrides; the special ids by role;
     the end-of-generation set."""
     n = len(tokens)
@@ -151,8 +170,8 @@ def _attributes(meta: GgufMetadata, tokens: list[str]) -> tuple[list[int], dict,
     if len(types) < n:
         raise ModelLoadError(f"{meta.path}: {len(types)} token types for {n} tokens")
     ids = {text: i for i, text in enumerate(tokens)}
-    roles = {"bos": _special_id(meta, "bos", n, _GPT2_DEFAULT_SPECIAL_ID),
-             "eos": _special_id(meta, "eos", n, _GPT2_DEFAULT_SPECIAL_ID)}
+    roles = {"bos": _special_id(meta, "bos", n, default_bos),
+             "eos": _special_id(meta, "eos", n, default_eos)}
     for role in ("eot", "eom", *(f"fim_{k}" for k in _FIM_TEXTS)):
         roles[role] = _special_id(meta, role, n, None)
     detected = {"eot": _EOT_TEXTS, "eom": ("<|eom_id|>",),
@@ -238,36 +257,64 @@ def _sampling_defaults(meta: GgufMetadata) -> dict:
     return out
 
 
-def gguf_vocab(meta: GgufMetadata) -> GgufVocab:
-    """Build the tokenizer; ModelLoadError when the file's tokenizer cannot be reproduced."""
-    model = meta.get("tokenizer.ggml.model")
-    if model is None:
-        raise ModelLoadError(f"{meta.path} carries no tokenizer (no tokenizer.ggml.model key); "
-                             "put the model's tokenizer.json beside it in a directory")
-    if model != "gpt2":
-        raise ModelLoadError(
-            f"{meta.path}: tokenizer type {model!r} is not supported from GGUF metadata (only "
-            "byte-level BPE, 'gpt2', is reproduced exactly); serve the model's Hugging Face "
-            "directory with its tokenizer.json instead")
-    pre_name = meta.get("tokenizer.ggml.pre") or "default"
-    pre = PRE_TOKENIZERS.get(pre_name)
-    if pre is None:
-        raise ModelLoadError(
-            f"{meta.path}: pre-tokenizer {pre_name!r} is not supported (supported: "
-            f"{', '.join(sorted(PRE_TOKENIZERS))}); serve the model's Hugging Face directory "
-            "with its tokenizer.json instead")
+def _tokens(meta: GgufMetadata) -> list[str]:
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
         raise ModelLoadError(f"{meta.path}: tokenizer.ggml.tokens is missing or not a list of "
                              "strings")
     if len(set(tokens)) != len(tokens):
         raise ModelLoadError(f"{meta.path}: the vocabulary lists a token twice")
-    types, roles, eog = _attributes(meta, tokens)
-    vocab = {text: i for i, text in enumerate(tokens)}
+    return tokens
+
+
+def _spm_parts(meta: GgufMetadata, tokens: list[str], types: list[int]):
+    from ultrafast.model.gguf_spm import SpmEncoder, build_spm_model, spm_piece
+
+    scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    if len(scores) < len(tokens):
+        raise ModelLoadError(f"{meta.path}: {len(scores)} scores for {len(tokens)} tokens")
+    unk = next((tokens[i] for i, k in enumerate(types) if k == UNKNOWN), None)
     try:
-        hf = _build_hf(tokens, types, _merges(meta, vocab), pre)
+        hf = build_spm_model(tokens, [float(x) for x in scores[:len(tokens)]], unk)
     except Exception as exc:  # the tokenizers library rejects a malformed vocabulary
         raise ModelLoadError(f"{meta.path}: cannot build its tokenizer: {exc}") from None
+    specials = [(tokens[i], i, k != USER_DEFINED) for i, k in enumerate(types)
+                if k in (CONTROL, UNKNOWN, USER_DEFINED)]
+    encoder = SpmEncoder(hf, specials, bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
+    return hf, encoder, [spm_piece(t, k) for t, k in zip(tokens, types)]
+
+
+def gguf_vocab(meta: GgufMetadata) -> GgufVocab:
+    """Build the tokenizer; ModelLoadError when the file's tokenizer cannot be reproduced."""
+    model = meta.get("tokenizer.ggml.model")
+    if model is None:
+        raise ModelLoadError(f"{meta.path} carries no tokenizer (no tokenizer.ggml.model key); "
+                             "put the model's tokenizer.json beside it in a directory")
+    if model not in ("gpt2", "llama"):
+        raise ModelLoadError(
+            f"{meta.path}: tokenizer type {model!r} is not supported from GGUF metadata (only "
+            "byte-level BPE 'gpt2' and SentencePiece 'llama' are reproduced exactly); serve "
+            "the model's Hugging Face directory with its tokenizer.json instead")
+    pre_name = meta.get("tokenizer.ggml.pre") or "default"
+    pre = PRE_TOKENIZERS.get(pre_name) if model == "gpt2" else _PreTokenizer((), add_bos=True)
+    if pre is None:
+        raise ModelLoadError(
+            f"{meta.path}: pre-tokenizer {pre_name!r} is not supported (supported: "
+            f"{', '.join(sorted(PRE_TOKENIZERS))}); serve the model's Hugging Face directory "
+            "with its tokenizer.json instead")
+    tokens = _tokens(meta)
+    defaults = (_GPT2_DEFAULT_SPECIAL_ID,) * 2 if model == "gpt2" else (1, 2)  # llama.cpp's
+    types, roles, eog = _attributes(meta, tokens, *defaults)
+    spm = None
+    if model == "llama":
+        hf, spm, pieces = _spm_parts(meta, tokens, types)
+    else:
+        vocab = {text: i for i, text in enumerate(tokens)}
+        try:
+            hf = _build_hf(tokens, types, _merges(meta, vocab), pre)
+        except Exception as exc:  # the tokenizers library rejects a malformed vocabulary
+            raise ModelLoadError(f"{meta.path}: cannot build its tokenizer: {exc}") from None
+        pieces = _pieces(tokens, types)
     add_bos = meta.get("tokenizer.ggml.add_bos_token", pre.add_bos)
     add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
     for flag, role in ((add_bos, "bos"), (add_eos, "eos")):
@@ -277,10 +324,11 @@ def gguf_vocab(meta: GgufMetadata) -> GgufVocab:
     template = meta.get("tokenizer.chat_template")
     context = meta.arch_value("context_length")
     return GgufVocab(
-        hf_tokenizer=hf, pieces=_pieces(tokens, types),
+        hf_tokenizer=hf, pieces=pieces,
         special=frozenset(i for i, k in enumerate(types) if k in (CONTROL, UNKNOWN)),
         bos_id=roles["bos"], eos_id=roles["eos"], eog_ids=tuple(sorted(eog)),
         add_bos=bool(add_bos), add_eos=bool(add_eos),
         chat_template=template if isinstance(template, str) and template.strip() else None,
         context_length=context if isinstance(context, int) and context > 0 else None,
-        sampling_defaults=_sampling_defaults(meta), pre=pre_name)
+        sampling_defaults=_sampling_defaults(meta), pre=pre_name if model == "gpt2" else "spm",
+        spm=spm)
