@@ -49,7 +49,8 @@ def make_dir(tmp_path, tokenizer_json, config=None, generation=None, jinja=None)
 
 def test_chat_template_jinja_is_read_and_wins(tmp_path, tokenizer_json):
     tok = make_dir(tmp_path, tokenizer_json, {"eos_token": "<|im_end|>"}, jinja=CHATML)
-    assert tok.apply_chat_template(USER) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    expected = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.apply_chat_template(USER) == expected
     both = make_dir(tmp_path, tokenizer_json, {"chat_template": "old {{ messages[0].content }}"},
                     jinja="new {{ messages[0].content }}")
     assert both.apply_chat_template(USER) == "new hi"
