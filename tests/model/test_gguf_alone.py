@@ -194,3 +194,23 @@ def test_smollm2_answers_from_its_gguf_alone(tmp_path):
         llm.close()
     assert "Paris" in out.text and out.finish_reason == "stop", out
     assert out.token_ids[-1] in (0, 2, 4) and len(out.token_ids) < 48
+
+
+@pytest.mark.real_model
+def test_smollm2_hf_directory_as_transformers_writes_it(tmp_path):
+    """The issue's layout: tokenizer.json + chat_template.jinja saved by transformers. Its chat
+    template is read; a .gguf path beside it still uses the GGUF's own vocabulary."""
+    transformers = pytest.importorskip("transformers")
+    from ultrafast.tokenizer import Tokenizer
+
+    src = require_smollm2()
+    hf = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    hf.save_pretrained(str(tmp_path))
+    assert (tmp_path / "chat_template.jinja").is_file()
+    messages = [{"role": "system", "content": "Answer in one short sentence."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    from_dir, from_gguf = Tokenizer.from_dir(tmp_path), Tokenizer.from_gguf(src)
+    assert from_dir.apply_chat_template(messages) == from_gguf.apply_chat_template(messages)
+    assert 2 in from_dir.eos_token_ids
+    (tmp_path / "smollm2.gguf").symlink_to(src)
+    assert "GGUF" in load_tokenizer(resolve_model(tmp_path / "smollm2.gguf")).source
