@@ -214,3 +214,25 @@ def test_smollm2_hf_directory_as_transformers_writes_it(tmp_path):
     assert 2 in from_dir.eos_token_ids
     (tmp_path / "smollm2.gguf").symlink_to(src)
     assert "GGUF" in load_tokenizer(resolve_model(tmp_path / "smollm2.gguf")).source
+
+
+def test_random_corruption_is_always_a_model_load_error_or_a_tokenizer(tmp_path):
+    """Bytes flipped anywhere (mostly in the header): never another exception, never a hang."""
+    import random
+
+    from ultrafast.tokenizer import Tokenizer
+
+    data = write_vocab_gguf(tmp_path / "v.gguf", template="{{ messages }}").read_bytes()
+    rng, outcomes = random.Random(0), {"ok": 0, "refused": 0}
+    for _ in range(150):
+        buf = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            span = len(buf) if rng.random() < 0.5 else 400
+            buf[rng.randrange(span)] = rng.randrange(256)
+        (tmp_path / "x.gguf").write_bytes(bytes(buf))
+        try:
+            Tokenizer.from_gguf(tmp_path / "x.gguf")
+            outcomes["ok"] += 1
+        except ModelLoadError:
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 0 and outcomes["ok"] > 0

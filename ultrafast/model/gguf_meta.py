@@ -171,7 +171,8 @@ def read_gguf_metadata(path: str | Path) -> GgufMetadata:
     except _Truncated:
         raise ModelLoadError(f"{path} is truncated (the file ends before its header or tensor "
                              "data does); download it again") from None
-    except (ValueError, struct.error, OverflowError, UnicodeError, MemoryError) as exc:
+    except (ValueError, struct.error, OverflowError, UnicodeError, MemoryError,
+            RecursionError) as exc:
         raise ModelLoadError(f"{path} is not a valid GGUF file: {exc}") from None
     except OSError as exc:
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc.strerror or exc}") from None

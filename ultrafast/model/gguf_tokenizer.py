@@ -166,9 +166,10 @@ def _attributes(meta: GgufMetadata, tokens: list[str], default_bos: int | None,
     """Effective token types after llama.cpp's text-based overrides; the special ids by role;
     the end-of-generation set."""
     n = len(tokens)
-    types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * n)
-    if len(types) < n:
-        raise ModelLoadError(f"{meta.path}: {len(types)} token types for {n} tokens")
+    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * n
+    if not isinstance(types, list) or len(types) < n or not all(isinstance(t, int) for t in types):
+        raise ModelLoadError(f"{meta.path}: tokenizer.ggml.token_type is not one type per token")
+    types = list(types[:n])
     ids = {text: i for i, text in enumerate(tokens)}
     roles = {"bos": _special_id(meta, "bos", n, default_bos),
              "eos": _special_id(meta, "eos", n, default_eos)}
@@ -201,8 +202,11 @@ def _attributes(meta: GgufMetadata, tokens: list[str], default_bos: int | None,
 
 
 def _merges(meta: GgufMetadata, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    lines = meta.get("tokenizer.ggml.merges") or []
+    if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
+        raise ModelLoadError(f"{meta.path}: tokenizer.ggml.merges is not a list of strings")
     merges, dropped = [], 0
-    for line in meta.get("tokenizer.ggml.merges") or []:
+    for line in lines:
         cut = line.find(" ", 1)
         left, right = (line[:cut], line[cut + 1:]) if cut > 0 else ("", "")
         if left in vocab and right in vocab and left + right in vocab:
@@ -271,8 +275,9 @@ def _spm_parts(meta: GgufMetadata, tokens: list[str], types: list[int]):
     from ultrafast.model.gguf_spm import SpmEncoder, build_spm_model, spm_piece
 
     scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-    if len(scores) < len(tokens):
-        raise ModelLoadError(f"{meta.path}: {len(scores)} scores for {len(tokens)} tokens")
+    if not isinstance(scores, list) or len(scores) < len(tokens) or not all(
+            isinstance(x, (int, float)) for x in scores):
+        raise ModelLoadError(f"{meta.path}: tokenizer.ggml.scores is not one number per token")
     unk = next((tokens[i] for i, k in enumerate(types) if k == UNKNOWN), None)
     try:
         hf = build_spm_model(tokens, [float(x) for x in scores[:len(tokens)]], unk)
