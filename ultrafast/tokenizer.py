@@ -97,7 +97,7 @@ class Tokenizer:
         self._encode_fn = encode_fn  # GGUF vocabularies: llama.cpp's own ids and text
         self._decode_fn = decode_fn
         self.config = config
-        self.source = source  # where the vocabulary came from, for logs and /v1/models
+        self.source = source  # where the vocabulary came from (logs, tests)
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
