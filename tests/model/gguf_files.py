@@ -73,7 +73,7 @@ def write_vocab_gguf(path: Path, *, pre: str | None = "gpt-2", model: str = "gpt
                      extra_tokens: dict | None = None,
                      bos: int | None = 0, eos: int | None = 0, add_bos: bool | None = False,
                      template: str | None = None, context_length: int = 2048,
-                     extra: dict | None = None) -> Path:
+                     extra: dict | None = None, name: str = "vocab-test") -> Path:
     """A tensor-less llama-architecture GGUF holding a byte-level BPE vocabulary (the demo
     model's unless given); `extra_tokens` appends {text: gguf token type}."""
     import gguf
@@ -85,7 +85,7 @@ def write_vocab_gguf(path: Path, *, pre: str | None = "gpt-2", model: str = "gpt
         tokens.append(text)
         types.append(int(kind))
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("vocab-test")
+    writer.add_name(name)
     writer.add_block_count(1)
     writer.add_context_length(context_length)
     writer.add_embedding_length(64)

@@ -128,14 +128,17 @@ def test_incremental_detokenizer_on_a_gguf_vocabulary(tmp_path):
     assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
 
 
-@pytest.mark.parametrize("add_space_prefix", [None, False])
-def test_sentencepiece_vocabulary_matches_llama_cpp(tmp_path, add_space_prefix):
-    """A Llama-2-style vocabulary: U+2581 spaces, scores, <0xXX> byte fallback, <s>/</s>."""
+@pytest.mark.parametrize("add_space_prefix,name", [(None, "spm"), (False, "spm"),
+                                                   (None, "Phi-3 mini")])
+def test_sentencepiece_vocabulary_matches_llama_cpp(tmp_path, add_space_prefix, name):
+    """A Llama-2-style vocabulary: U+2581 spaces, scores, <0xXX> byte fallback, <s>/</s>;
+    named Phi-3, its special tokens swallow the whitespace after them, as in llama.cpp."""
     tokens, types, scores = spm_vocab(repo_texts(limit=40))
     extra = {} if add_space_prefix is None else {"tokenizer.ggml.add_space_prefix": False}
     path = write_vocab_gguf(tmp_path / "spm.gguf", model="llama", pre=None, tokens=tokens,
                             types=types, scores=scores, bos=1, eos=2, add_bos=None, extra=extra,
-                            extra_tokens={**EXTRA, "<|im_start|>": gguf.TokenType.CONTROL})
+                            extra_tokens={**EXTRA, "<|im_start|>": gguf.TokenType.CONTROL,
+                                          "<|endoftext|>": gguf.TokenType.CONTROL}, name=name)
     assert_parity(path, HAND_TEXTS + repo_texts())
     tok = Tokenizer.from_gguf(path)
     assert tok.add_bos and tok.encode("x")[0] == 1 and 2 in tok.eos_token_ids

@@ -42,15 +42,15 @@ def build_spm_model(tokens: list[str], scores: list[float], unk: str | None):
 class SpmEncoder:
     """Text -> ids as llama.cpp's SPM session gives them."""
 
-    def __init__(self, hf, specials: list[tuple[str, int, bool]], add_space_prefix: bool):
+    def __init__(self, hf, specials: list[tuple[str, int, bool, bool]], add_space_prefix: bool):
         self._hf = hf
-        # (text, id, is_control): longest first, as llama.cpp partitions
+        # (text, id, is_control, rstrip): longest first, as llama.cpp partitions
         self._specials = sorted(specials, key=lambda s: -len(s[0].encode("utf-8")))
         self._add_space_prefix = add_space_prefix
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         fragments: list[str | int] = [text]
-        for special, token_id, is_control in self._specials:
+        for special, token_id, is_control, rstrip in self._specials:
             if is_control and not parse_special:
                 continue
             out: list[str | int] = []
@@ -61,6 +61,8 @@ class SpmEncoder:
                 for k, part in enumerate(fragment.split(special)):
                     if k:
                         out.append(token_id)
+                        if rstrip:  # the token swallows the whitespace after it (C isspace)
+                            part = part.lstrip(" \t\n\v\f\r")
                     if part:
                         out.append(part)
             fragments = out

@@ -271,6 +271,17 @@ def _tokens(meta: GgufMetadata) -> list[str]:
     return tokens
 
 
+def _rstrip_ids(meta: GgufMetadata, tokens: list[str], types: list[int]) -> set[int]:
+    """Special tokens that swallow the whitespace after them: llama.cpp sets this by model name
+    for Phi-3 (every special token and </s>, but not <unk>, <s>, <|endoftext|>)."""
+    name = str(meta.get("general.name", "")).lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return set()
+    ids = {i for i, k in enumerate(types) if k in (CONTROL, UNKNOWN, USER_DEFINED)}
+    ids |= {i for i, t in enumerate(tokens) if t == "</s>"}
+    return ids - {i for i, t in enumerate(tokens) if t in ("<unk>", "<s>", "<|endoftext|>")}
+
+
 def _spm_parts(meta: GgufMetadata, tokens: list[str], types: list[int]):
     from ultrafast.model.gguf_spm import SpmEncoder, build_spm_model, spm_piece
 
@@ -283,7 +294,8 @@ def _spm_parts(meta: GgufMetadata, tokens: list[str], types: list[int]):
         hf = build_spm_model(tokens, [float(x) for x in scores[:len(tokens)]], unk)
     except Exception as exc:  # the tokenizers library rejects a malformed vocabulary
         raise ModelLoadError(f"{meta.path}: cannot build its tokenizer: {exc}") from None
-    specials = [(tokens[i], i, k != USER_DEFINED) for i, k in enumerate(types)
+    rstrip = _rstrip_ids(meta, tokens, types)
+    specials = [(tokens[i], i, k != USER_DEFINED, i in rstrip) for i, k in enumerate(types)
                 if k in (CONTROL, UNKNOWN, USER_DEFINED)]
     encoder = SpmEncoder(hf, specials, bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
     return hf, encoder, [spm_piece(t, k) for t, k in zip(tokens, types)]
