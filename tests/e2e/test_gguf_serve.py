@@ -76,3 +76,24 @@ def test_serve_exits_non_zero_on_a_truncated_gguf(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 2 and "cut.gguf is truncated" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.real_model
+def test_serve_smollm2_gguf_alone_answers_the_chat(tmp_path):
+    from tests.model.gguf_files import require_smollm2
+
+    alone = tmp_path / "smollm2-135m-instruct.gguf"
+    alone.symlink_to(require_smollm2())
+    srv = ServerProcess("--priority-ttft-ms", "10000", "--spec", "off", model=alone,
+                        max_model_len=1024)
+    try:
+        chat = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+            "model": "smollm2-135m-instruct", "temperature": 0, "max_tokens": 48,
+            "messages": [{"role": "system", "content": "Answer in one short sentence."},
+                         {"role": "user", "content": "What is the capital of France?"}]})
+        assert chat.status_code == 200, chat.text
+        choice = chat.json()["choices"][0]
+        assert "Paris" in choice["message"]["content"] and choice["finish_reason"] == "stop"
+        assert "<|im_end|>" not in choice["message"]["content"]
+    finally:
+        srv.stop()
