@@ -62,20 +62,31 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
                       sort_keys=sort_keys)
 
 
+def _json_object(path: Path) -> dict:
+    """A JSON object file, {} when absent; a broken one is a ModelLoadError naming it."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    return data
+
+
+def _eos_ids(value) -> list[int]:
+    ids = value if isinstance(value, list) else ([value] if value is not None else [])
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
+
+
 def _generation_config(model_dir: Path) -> tuple[list[int], dict]:
     """EOS ids (an int or a list) and default sampling values from generation_config.json."""
     path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return [], {}
-    try:
-        gen = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(gen, dict):
-        raise ModelLoadError(f"{path} is not a JSON object")
+    gen = _json_object(path)
     eos = gen.get("eos_token_id")
-    eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos_ids):
+    eos_ids = _eos_ids(eos)
+    if eos is not None and len(eos_ids) != (len(eos) if isinstance(eos, list) else 1):
         raise ModelLoadError(f"{path}: eos_token_id must be a token id or a list of them")
     defaults = {}
     for key, kind in _SAMPLING_DEFAULT_KEYS.items():
@@ -126,14 +137,7 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
-        config_path = model_dir / "tokenizer_config.json"
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8")) \
-                if config_path.is_file() else {}
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"{config_path} is not valid JSON: {exc}") from None
-        if not isinstance(config, dict):
-            raise ModelLoadError(f"{config_path} is not a JSON object")
+        config = _json_object(model_dir / "tokenizer_config.json")
         # recent transformers write the template to chat_template.jinja (and, as transformers
         # does on load, that file wins over a template left in tokenizer_config.json)
         jinja_path = model_dir / "chat_template.jinja"
@@ -143,7 +147,13 @@ class Tokenizer:
             named = {t.get("name"): t.get("template") for t in config["chat_template"]
                      if isinstance(t, dict)}
             config = {**config, "chat_template": named.get("default")}
+        special_map = _json_object(model_dir / "special_tokens_map.json")  # older layouts
+        for key in ("bos_token", "eos_token"):
+            if config.get(key) is None and special_map.get(key) is not None:
+                config = {**config, key: special_map[key]}
         generation_eos, defaults = _generation_config(model_dir)
+        if not generation_eos:  # no generation_config.json: the model config's EOS ids
+            generation_eos = _eos_ids(_json_object(model_dir / "config.json").get("eos_token_id"))
         try:
             hf = HFTokenizer.from_file(str(path))
         except Exception as exc:  # the tokenizers library's own parse error

@@ -142,3 +142,14 @@ def test_templates_get_what_hf_templates_expect(tmp_path, tokenizer_json):
     tok = make_dir(tmp_path, tokenizer_json, {"chat_template": template})
     text = tok.apply_chat_template([{"role": "user", "content": "héllo <b>"}, *USER])
     assert text == '{"role": "user", "content": "héllo <b>"}4'
+
+
+def test_older_layouts_special_tokens_map_and_config_eos(tmp_path, tokenizer_json):
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>"}))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    tok = make_dir(tmp_path, tokenizer_json, {"add_bos_token": True})
+    assert tok.bos_token_id == 1 and tok.encode("hello")[0] == 1
+    assert tok.eos_token_ids == (2, 3)
+    with_generation = make_dir(tmp_path, tokenizer_json, {}, {"eos_token_id": 0})
+    assert with_generation.eos_token_ids == (0, 2)  # generation_config.json wins over config
