@@ -236,3 +236,25 @@ def test_random_corruption_is_always_a_model_load_error_or_a_tokenizer(tmp_path)
         except ModelLoadError:
             outcomes["refused"] += 1
     assert outcomes["refused"] > 0 and outcomes["ok"] > 0
+
+
+def test_convert_names_a_digit_splitting_pre_tokenizer(tmp_path):
+    """A SmolLM/StarCoder-style tokenizer.json (digits split apart, then GPT-2's regex) is
+    written as pre "smollm", so the lone GGUF tokenizes numbers as the model was trained."""
+    import json
+
+    from ultrafast.convert import convert_hf_to_gguf
+    from ultrafast.tokenizer import Tokenizer
+
+    src = tmp_path / "digits"
+    shutil.copytree(DEMO_MODEL_DIR, src, ignore=shutil.ignore_patterns("*.gguf"))
+    tok = json.loads((src / "tokenizer.json").read_text(encoding="utf-8"))
+    tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True}, tok["pre_tokenizer"]]}
+    (src / "tokenizer.json").write_text(json.dumps(tok), encoding="utf-8")
+    out = convert_hf_to_gguf(src, tmp_path / "digits.gguf")
+    assert read_gguf_metadata(out).get("tokenizer.ggml.pre") == "smollm"
+    text = "x = 12345 + 3.14159\n\n2026 items, 10 000 000 ok"
+    ids = Tokenizer.from_dir(src).encode(text, add_special_tokens=False)
+    assert Tokenizer.from_gguf(out).encode(text, add_special_tokens=False) == ids
+    assert len(ids) > len(Tokenizer.from_dir(DEMO_MODEL_DIR).encode(text, False))
