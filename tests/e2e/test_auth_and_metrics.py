@@ -1,7 +1,7 @@
-"""The real server with `--api-keys`: RELIABILITY B41, B45-B49, S1 (route census), S2 (no key in
-logs), S4 (prefix cache per tenant), S9 (no CORS, Host allow-list), S10 (loopback without keys),
-S12 (label cardinality), rate limits (429 + Retry-After), and /metrics after real traffic.
-Driven with the official openai client and raw httpx.
+"""The real server with `--api-keys`: docs/RELIABILITY.md B41, B45-B49, S1 (route census),
+S2 (no key in logs), S4 (prefix cache per tenant), S9 (no CORS, Host allow-list), S10 (loopback
+without keys), S12 (label cardinality), rate limits (429 + Retry-After), and /metrics after real
+traffic. Driven with the official openai client and raw httpx.
 """
 
 from __future__ import annotations
@@ -275,7 +275,8 @@ def test_realtime_websocket_needs_a_key_and_an_allowed_host(keyed):
 
 
 def test_s3_sessions_of_one_tenant_are_invisible_to_another(keyed):
-    """RELIABILITY S3 / B44: another tenant's conversation, response or chat session is 404."""
+    """docs/RELIABILITY.md S3 / B44: another tenant's conversation, response or chat session
+    is 404."""
     client = {name: openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEYS[name], max_retries=0)
               for name in ("acme", "beta")}
     conversation = client["acme"].conversations.create()

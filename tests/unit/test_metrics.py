@@ -1,5 +1,5 @@
 """server/metrics.py: engine step stats and request timings become the documented series, and label
-values stay in their fixed sets whatever the requests carry (RELIABILITY S12)."""
+values stay in their fixed sets whatever the requests carry (docs/RELIABILITY.md S12)."""
 
 from prometheus_client.parser import text_string_to_metric_families
 

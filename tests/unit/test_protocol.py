@@ -1,4 +1,4 @@
-"""Bad inputs of RELIABILITY.md 7a against the request models: exact status, type, code, param.
+"""Bad inputs of docs/RELIABILITY.md 7a against the request models: exact status, type, code, param.
 
 JSON-level rows (B1-B4, B16 NaN token, B27, B29, B30) live in test_json_body.py; B11 (unknown
 model) is answered by the app, which knows the served model. Positive cases at the end: every

@@ -1,6 +1,6 @@
-"""Tenants and keys (RELIABILITY B41, B45-B47, S2): keys file parsing, the auth decision for each
-bad credential, tier entitlements, token buckets, and committed priority capacity at admission
-and in the scheduler. The same rows run against the real server in tests/e2e/test_auth.py.
+"""Tenants and keys (docs/RELIABILITY.md B41, B45-B47, S2): keys file parsing, the auth decision
+for each bad credential, tier entitlements, token buckets, and committed priority capacity at
+admission and in the scheduler. The same rows run against the real server in tests/e2e/test_auth.py.
 """
 
 import asyncio
