@@ -14,9 +14,9 @@ from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.core.types import TokenLogprobs
 from ultrafast.model_files import ModelFiles, gguf_for, resolve_model
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.engine import EngineCore
-from ultrafast.runtime.draft_model import DraftModelProposer
-from ultrafast.runtime.spec import SpecConfig, Speculator
+from ultrafast.engine.core import EngineCore
+from ultrafast.engine.draft_model import DraftModelProposer
+from ultrafast.engine.speculation import SpecConfig, Speculator
 from ultrafast.tokenizer import StopStringMatcher, Tokenizer
 
 

@@ -105,14 +105,14 @@ class Request:
     first_scheduled_time_s: float | None = None  # when it first got a slot (queue wait ends)
     eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list = field(default_factory=list)  # runtime.sampler.TokenLogprobs per token
+    output_logprobs: list = field(default_factory=list)  # core.types.TokenLogprobs per token
     num_computed_tokens: int = 0  # tokens whose KV is in the slot
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.cached_tokens)
     num_preemptions: int = 0
     slot_id: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     sampling_seed: int = 0
-    # speculative decoding (runtime.spec proposes, the scheduler schedules and counts)
+    # speculative decoding (engine.speculation proposes, the scheduler schedules and counts)
     prediction_token_ids: list[int] = field(default_factory=list)  # client `prediction`
     spec_enabled: bool = False  # n-gram / draft-model drafts (a prediction is always used)
     draft: object = None  # core.types.Draft for the next decode step, consumed by schedule()

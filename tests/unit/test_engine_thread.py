@@ -8,7 +8,9 @@ import pytest
 from tests.unit.fake_executor import FakeExecutor, reference_tokens
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.engine import EngineCore, EngineThread, StepCostModel
+from ultrafast.engine.core import EngineCore
+from ultrafast.engine.step_costs import StepCostModel
+from ultrafast.engine.thread import EngineThread
 
 
 def start_engine(shaper_window_s=0.0, num_slots=4):

@@ -8,7 +8,7 @@ from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.executors.fake_exec import (FAULT_FATAL, FAULT_REQUEST, FAULT_STEP, FakeExecutor,
                                            FatalFault, fault_prompt, reference_tokens)
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.engine import EngineCore
+from ultrafast.engine.core import EngineCore
 from ultrafast.tokenizer import Tokenizer
 
 TOKENIZER_JSON = DEMO_MODEL_DIR / "tokenizer.json"

@@ -7,7 +7,7 @@ import pytest
 from tests.unit.fake_executor import FakeExecutor, prompt, reference_tokens, run_all
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.engine import EngineCore
+from ultrafast.engine.core import EngineCore
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 

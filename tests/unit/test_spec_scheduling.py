@@ -9,9 +9,9 @@ from tests.unit.fake_executor import (FakeExecutor, next_token, prompt, referenc
                                       run_all)
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.engine import EngineCore
-from ultrafast.runtime.draft_model import DraftModelProposer
-from ultrafast.runtime.spec import SpecConfig, Speculator
+from ultrafast.engine.core import EngineCore
+from ultrafast.engine.draft_model import DraftModelProposer
+from ultrafast.engine.speculation import SpecConfig, Speculator
 
 PRIORITY = ServiceTier.PRIORITY
 
@@ -175,7 +175,7 @@ def test_adaptive_k_grows_with_acceptance_and_shrinks_without():
 
 
 def test_best_draft_length_follows_acceptance_and_cost():
-    from ultrafast.runtime.spec import best_draft_length
+    from ultrafast.engine.speculation import best_draft_length
 
     ks = [best_draft_length(a, 16, 2e-3, 0.5e-3) for a in (0.1, 0.4, 0.6, 0.8, 0.95, 0.99)]
     assert ks == sorted(ks) and ks[0] == 0 and ks[-1] >= 12
@@ -258,7 +258,7 @@ def test_prediction_drafts_and_usage_counts():
 
 
 def test_prediction_aligner_follows_insertions_and_substitutions():
-    from ultrafast.runtime.spec import PredictionAligner
+    from ultrafast.engine.speculation import PredictionAligner
 
     prediction = list(range(100, 120))
     aligner = PredictionAligner(prediction)
@@ -277,7 +277,7 @@ def test_prediction_aligner_follows_insertions_and_substitutions():
 
 
 def test_ngram_index_finds_the_latest_earlier_occurrence():
-    from ultrafast.runtime.spec import NgramIndex
+    from ultrafast.engine.speculation import NgramIndex
 
     index = NgramIndex([1, 2, 3, 4, 9, 1, 2, 3, 5, 6], ngram_min=2, ngram_max=3)
     index.extend([1, 2, 3])
@@ -305,7 +305,7 @@ def test_a_failing_draft_model_costs_no_request():
 
 
 def test_measured_step_times_override_the_line_in_sizing_k():
-    from ultrafast.runtime.spec import best_draft_length
+    from ultrafast.engine.speculation import best_draft_length
 
     line = (2e-3, 0.5e-3)  # the line alone: 80% acceptance drafts several tokens
     assert best_draft_length(0.8, 8, *line) >= 3
@@ -323,7 +323,7 @@ def test_measured_step_times_override_the_line_in_sizing_k():
 
 
 def test_the_engine_times_lone_steps_by_their_width():
-    from ultrafast.runtime.engine import StepCostModel
+    from ultrafast.engine.step_costs import StepCostModel
 
     costs = StepCostModel()
     costs.observe(1, 1, 1.1e-3, pass_s=1.0e-3)
@@ -337,7 +337,7 @@ def test_the_engine_times_lone_steps_by_their_width():
 
 
 def test_no_retries_for_a_source_that_could_never_pay():
-    from ultrafast.runtime.spec import Speculator
+    from ultrafast.engine.speculation import Speculator
 
     class CostlyDraftModel:
         per_draft_s = 2e-3  # a draft costs more than the target's whole step
@@ -382,7 +382,7 @@ def _reference_lookup(tokens, k, ngram_min, ngram_max):
 def test_ngram_index_matches_brute_force_as_it_grows():
     import random
 
-    from ultrafast.runtime.spec import NgramIndex
+    from ultrafast.engine.speculation import NgramIndex
 
     rng = random.Random(7)
     for trial in range(30):
@@ -398,7 +398,7 @@ def test_ngram_index_matches_brute_force_as_it_grows():
 
 
 def test_a_conversations_next_turn_takes_over_the_previous_index():
-    from ultrafast.runtime.spec import NgramIndex, Speculator
+    from ultrafast.engine.speculation import NgramIndex, Speculator
 
     speculator = Speculator(SpecConfig(method="ngram", use_measured_costs=False))
     params = SamplingParams(temperature=0.0, max_tokens=50)

@@ -12,7 +12,7 @@ from tests.unit.fake_executor import FakeExecutor
 from ultrafast.config import ServerConfig, TierTargets
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.engine import EngineCore
+from ultrafast.engine.core import EngineCore
 from ultrafast.server.admission import Admission
 from ultrafast.server.auth import (HostAllowListMiddleware, RedactingFilter, allowed_hosts_for,
                                    authenticate, entitled_tier, take_request, take_tokens)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ultrafast.core.kv_pool import KVSlotPool
-from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
+from ultrafast.core.types import RequestOutput, ScheduledSeq, StepPlan, StepResult
 from ultrafast.request import Request, RequestStatus, ServiceTier
 
 
@@ -51,24 +51,6 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_prefill_chunk_tokens) < 1:
             raise ValueError("scheduler limits must be >= 1")
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (the engine forwards it to the caller)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    queue_time_s: float = 0.0  # arrival to first slot
-    num_accepted_prediction_tokens: int = 0  # so far, of drafts taken from the client prediction
-    num_rejected_prediction_tokens: int = 0
 
 
 class Scheduler:

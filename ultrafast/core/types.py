@@ -29,7 +29,7 @@ class ScheduledSeq:
     of an earlier owner, rejected drafts), then writes the KV of `token_ids` at
     `start_position ...`, and samples at the last `num_logits` of those positions.
     A decode with k draft tokens has token_ids = [last sampled token] + drafts and
-    num_logits = k + 1; the sampler verifies the drafts (runtime.spec.verify).
+    num_logits = k + 1; the sampler verifies the drafts (sampling.sampler.verify).
     """
 
     request_id: str
@@ -53,7 +53,7 @@ class ScheduledSeq:
 
 @dataclass
 class Draft:
-    """Draft tokens proposed for a request's next decode step (runtime.spec.propose)."""
+    """Draft tokens for a request's next decode step (engine.speculation.Speculator.propose)."""
 
     token_ids: list[int]
     probs: Any = None  # [k, vocab] draft-model probabilities, None for deterministic drafts
@@ -98,3 +98,21 @@ class StepResult:
     errors: dict[str, str] = field(default_factory=dict)  # a request that failed alone
     execute_time_s: float = 0.0  # forward pass
     sample_time_s: float = 0.0  # sampling on the logits
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (the engine forwards it to the caller)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    queue_time_s: float = 0.0  # arrival to first slot
+    num_accepted_prediction_tokens: int = 0  # so far, of drafts taken from the client prediction
+    num_rejected_prediction_tokens: int = 0

@@ -24,7 +24,7 @@ import uvicorn
 
 from ultrafast.config import EngineConfig, ServerConfig, default_session_store
 from ultrafast.llm import build_engine
-from ultrafast.runtime.engine import EngineThread
+from ultrafast.engine.thread import EngineThread
 from ultrafast.server.admission import Admission
 from ultrafast.server.app import ServerState, build_app
 from ultrafast.server.auth import RedactingFilter

@@ -1,9 +1,10 @@
-"""Speculative decoding: `propose()` drafts tokens for decoding requests, `verify()` checks them.
+"""Speculative decoding, the propose side: drafts for decoding requests, k adapted per request.
 
 The scheduler only sees "k draft tokens scheduled": a decode step feeds the last sampled token
-plus the drafts, the target's logits at those k+1 positions go to `verify()` (through the
-sampler), and the scheduler keeps the longest prefix of drafts the target agreed with plus the
-target's own next token. Rejected drafts' KV is dropped by the executor on the next step.
+plus the drafts, the target's logits at those k+1 positions go to `sampling.sampler.verify`
+(through `sample_plan`), and the scheduler keeps the longest prefix of drafts the target agreed
+with plus the target's own next token, and reports what it accepted to `Speculator.observe`.
+Rejected drafts' KV is dropped by the executor on the next step.
 
 Draft sources, in the order `auto` tries them per request:
 - the client's `prediction` (OpenAI predicted outputs), aligned to the output so far;
@@ -40,11 +41,8 @@ import collections
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from ultrafast.core.types import Draft, ScheduledSeq, StepPlan, TokenLogprobs
+from ultrafast.core.types import Draft, StepPlan
 from ultrafast.request import Request, ServiceTier
-from ultrafast.runtime.sampler import draw, logprobs_of, sample_one, target_probs, token_generator
 
 SPEC_METHODS = ("off", "ngram", "draft", "auto")
 
@@ -94,53 +92,6 @@ class SpecStats:
         keys = [source] if source else list(self.num_draft_tokens)
         drafted = sum(self.num_draft_tokens.get(k, 0) for k in keys)
         return sum(self.num_accepted_tokens.get(k, 0) for k in keys) / drafted if drafted else 0.0
-
-
-# ---- verify ---------------------------------------------------------------------------------
-
-
-def verify(seq: ScheduledSeq, logits: torch.Tensor) -> tuple[list[int], list[TokenLogprobs]]:
-    """Target tokens at the k+1 positions of a decode with k drafts, up to the first rejection.
-
-    `logits` [k+1, vocab] (raw, float32). Returns (tokens, logprobs): the accepted drafts, then
-    the correction (at the first rejected position) or the bonus token (all accepted). Position
-    j is processed with the penalties of the tokens accepted before it, and its randomness
-    comes from (seed, output index), as in plain decoding.
-    """
-    params = seq.sampling_params
-    drafts = seq.token_ids[seq.num_tokens - seq.num_logits + 1:]
-    tokens: list[int] = []
-    token_logprobs: list[TokenLogprobs] = []
-    for j in range(seq.num_logits):
-        raw = logits[j]
-        history = seq.output_token_ids + drafts[:j] if params.needs_penalties else []
-        index = seq.num_output_tokens + j
-        if j < len(drafts) and seq.draft_probs is not None and not params.greedy:
-            token = _rejection_sample(raw.clone(), seq, history, index, drafts[j],
-                                      seq.draft_probs[j])
-        else:
-            token = sample_one(raw.clone(), seq, history, index)
-        tokens.append(token)
-        if params.logprobs:
-            token_logprobs.append(logprobs_of(raw, token, params.top_logprobs))
-        if j < len(drafts) and token != drafts[j]:
-            break
-    return tokens, token_logprobs
-
-
-def _rejection_sample(logits: torch.Tensor, seq: ScheduledSeq, history: list[int], index: int,
-                      draft_token: int, q: torch.Tensor) -> int:
-    """Accept `draft_token` with probability min(1, p/q), else draw from norm(max(p - q, 0))."""
-    p = target_probs(logits, seq, history)
-    q = q.to(p.dtype)
-    generator = token_generator(seq.sampling_seed, index)
-    u = float(torch.rand((), generator=generator))
-    if u * float(q[draft_token]) < float(p[draft_token]):
-        return draft_token
-    residual = torch.clamp(p - q, min=0.0)
-    if float(residual.sum()) <= 0.0:  # p == q up to rounding: any draw from p is exact
-        residual = p
-    return draw(residual, generator)
 
 
 # ---- draft sources --------------------------------------------------------------------------
@@ -271,7 +222,7 @@ class Speculator:
     """propose() before each schedule, observe() after each update. Owned by the engine."""
 
     def __init__(self, config: SpecConfig, draft_model=None):
-        """draft_model: a runtime.draft_model.DraftModelProposer (needed by method draft)."""
+        """draft_model: an engine.draft_model.DraftModelProposer (needed by method draft)."""
         if config.method == "draft" and draft_model is None:
             raise ValueError("spec method 'draft' needs a draft model")
         self.config = config
