@@ -215,7 +215,7 @@ def test_priority_step_budget_caps_steps_but_keeps_priority_decodes():
     engine.add_request(Request("p", prompt(20, 4), SamplingParams(temperature=0.0, max_tokens=20),
                                tier=ServiceTier.PRIORITY))
     engine.step()
-    engine.scheduler.priority_step_token_budget = 5
+    engine.priority_token_budget = 5  # fixed: this engine has no ITL target to size it
     engine.add_request(Request("long", prompt(21, 60), GREEDY))
     for _ in range(4):
         engine.step()

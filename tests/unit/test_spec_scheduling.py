@@ -187,7 +187,7 @@ def test_priority_step_budget_still_bounds_steps_with_drafts():
     engine, executor, _ = make_engine(max_num_batched_tokens=64, max_prefill_chunk_tokens=64)
     engine.add_request(Request("p", prompt(20, 4), greedy(40), tier=PRIORITY))
     engine.step()
-    engine.scheduler.priority_step_token_budget = 3
+    engine.priority_token_budget = 3
     engine.priority_itl_target_s = None  # keep the budget fixed for the test
     engine.add_request(Request("long", prompt(21, 60), greedy(12)))
     for _ in range(6):
@@ -351,7 +351,6 @@ def test_no_retries_for_a_source_that_could_never_pay():
 
     spec = SpecConfig(method="auto", retry_after_steps=4)
     speculator = Speculator(spec, CostlyDraftModel())
-    speculator.step_costs = Costs()
     request = Request("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=500),
                       tier=PRIORITY)
     speculator.admit(request)
@@ -359,7 +358,7 @@ def test_no_retries_for_a_source_that_could_never_pay():
     assert state.sources == ("ngram", "draft")
     for source in state.sources:
         state.num_accepted[source], state.num_tried[source] = 0.0, 100.0  # nothing accepted
-    lengths = {source: [speculator._draft_length(state, source) for _ in range(40)]
+    lengths = {source: [speculator._draft_length(state, source, Costs()) for _ in range(40)]
                for source in state.sources}
     assert lengths["ngram"].count(1) == 10  # n-gram drafts are nearly free: retried every 4
     assert lengths["draft"].count(1) == 0 and set(lengths["draft"]) == {0}

@@ -67,6 +67,9 @@ class StepPlan:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     kv_copies: list[KVCopy] = field(default_factory=list)  # applied before the forward pass
     step_id: int = 0
+    # request id -> Draft.source of the drafts its seq carries (the executor ignores it;
+    # the scheduler reports acceptance per source from it)
+    draft_sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -116,3 +119,21 @@ class RequestOutput:
     queue_time_s: float = 0.0  # arrival to first slot
     num_accepted_prediction_tokens: int = 0  # so far, of drafts taken from the client prediction
     num_rejected_prediction_tokens: int = 0
+
+
+@dataclass
+class DraftVerification:
+    """How one request's drafts fared in one step (the speculator adapts k from it)."""
+
+    request_id: str
+    source: str  # Draft.source
+    num_drafts: int  # drafts scheduled (>= 1)
+    num_accepted: int  # of those, kept as output (a stop inside the drafts cuts the rest)
+
+
+@dataclass
+class StepOutcome:
+    """What `Scheduler.update` made of a step: per-request outputs and draft acceptance."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    verifications: list[DraftVerification] = field(default_factory=list)

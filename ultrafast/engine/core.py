@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 
 from ultrafast.core.kv_pool import KVSlotPool
 from ultrafast.core.scheduler import Scheduler, SchedulerConfig
-from ultrafast.core.types import RequestOutput, StepResult
+from ultrafast.core.types import Draft, RequestOutput, StepPlan, StepResult
+from ultrafast.engine.speculation import SpecStats, Speculator
 from ultrafast.engine.step_costs import StepCostModel
 from ultrafast.executors.base import Executor
 from ultrafast.request import Request, SamplingParams, ServiceTier
@@ -56,10 +57,10 @@ class EngineCore:
     """Synchronous engine: call `step()` until `has_work()` is False."""
 
     def __init__(self, executor: Executor, config: SchedulerConfig,
-                 priority_itl_target_s: float | None = None, speculator=None):
+                 priority_itl_target_s: float | None = None,
+                 speculator: Speculator | None = None):
         """priority_itl_target_s: None = no cap on steps carrying priority work, 0 = auto.
-        speculator: an engine.speculation.Speculator, or None for plain decoding (client
-        predictions are then ignored).
+        speculator: None for plain decoding (client predictions are then ignored).
         """
         if config.max_num_seqs > executor.num_slots:
             raise ValueError("max_num_seqs cannot exceed the executor's KV slots")
@@ -73,11 +74,14 @@ class EngineCore:
         self.last_stats: StepStats | None = None
         self.priority_itl_target_s = priority_itl_target_s
         self.costs = StepCostModel()
+        # tokens a step with priority work may hold (Scheduler.schedule); sized from `costs`
+        # after each step that had a priority request running, None = no cap
+        self.priority_token_budget: int | None = None
         self.speculator = speculator
 
     @property
-    def spec_stats(self):
-        """engine.speculation.SpecStats (drafted / accepted per source); None without drafting."""
+    def spec_stats(self) -> SpecStats | None:
+        """Drafted / accepted tokens per draft source; None without speculation."""
         return None if self.speculator is None else self.speculator.stats
 
     def warmup(self, num_prompt_tokens: int = 16) -> None:
@@ -121,18 +125,14 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def _propose(self) -> None:
-        running = self.scheduler.running
-        self.speculator.step_costs = self.costs  # k is sized by the measured step cost
-        try:
-            drafts = self.speculator.propose(running)
+    def _propose(self, speculator: Speculator) -> dict[str, Draft]:
+        try:  # k is sized by the measured step cost
+            return speculator.propose(self.scheduler.running, self.costs)
         except Exception:  # drafts are only a speed-up: a failing draft model costs no request
             log.exception("speculative drafting failed; this step decodes without drafts")
-            drafts = {}
-        for request in running:
-            request.draft = drafts.get(request.request_id)
+            return {}
 
-    def _one_pass(self, plan) -> bool:
+    def _one_pass(self, plan: StepPlan) -> bool:
         """Did the step run as one forward pass? A step whose lengths the executor ran as
         several passes costs a base per pass, which a line in tokens cannot fit."""
         return (not self.scheduler.config.one_pass_per_length
@@ -140,10 +140,11 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         tp = time.perf_counter()
+        drafts: dict[str, Draft] = {}
         if self.speculator is not None and self.scheduler.running:
-            self._propose()
+            drafts = self._propose(self.speculator)
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(drafts, self.priority_token_budget)
         t1 = time.perf_counter()
         if plan.seqs:
             try:
@@ -155,9 +156,11 @@ class EngineCore:
         else:
             result = StepResult()
         t2 = time.perf_counter()
-        outputs = self.scheduler.update(plan, result)
+        outcome = self.scheduler.update(plan, result)
+        outputs = outcome.outputs
         if self.speculator is not None:
-            self.speculator.observe(plan, [o.request_id for o in outputs if o.finished])
+            self.speculator.observe(outcome.verifications,
+                                    [o.request_id for o in outputs if o.finished])
         t3 = time.perf_counter()
         seqs = plan.seqs
         num_tokens = num_drafts = 0
@@ -173,7 +176,7 @@ class EngineCore:
             if target_s == 0:  # auto: stay within 1.2x of the idle inter-token time
                 target_s = self.costs.auto_itl_target_s()
             if target_s:  # the cap applies from the next step, to priority steps only
-                self.scheduler.priority_step_token_budget = self.costs.token_budget(target_s)
+                self.priority_token_budget = self.costs.token_budget(target_s)
         self.last_stats = StepStats(
             step_id=plan.step_id, num_seqs=len(seqs), num_tokens=num_tokens,
             num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,

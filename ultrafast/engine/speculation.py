@@ -41,7 +41,8 @@ import collections
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ultrafast.core.types import Draft, StepPlan
+from ultrafast.core.types import Draft, DraftVerification
+from ultrafast.engine.step_costs import StepCostModel
 from ultrafast.request import Request, ServiceTier
 
 SPEC_METHODS = ("off", "ngram", "draft", "auto")
@@ -233,7 +234,6 @@ class Speculator:
         # with the previous turn's tokens, and takes its index over instead of rebuilding it
         self._retired: collections.deque[tuple[str, NgramIndex]] = collections.deque(
             maxlen=MAX_RETIRED_INDEXES)
-        self.step_costs = None  # the engine's StepCostModel (base_s, per_token_s), set per step
 
     def admit(self, request: Request) -> None:
         """Decide once, when a request is added, whether it drafts from n-grams / the model."""
@@ -261,8 +261,10 @@ class Speculator:
             self._states[request.request_id] = state
         return state
 
-    def propose(self, running: list[Request]) -> dict[str, Draft]:
-        """Drafts for the running requests that will decode next step (at most k each)."""
+    def propose(self, running: list[Request],
+                step_costs: StepCostModel | None = None) -> dict[str, Draft]:
+        """Drafts for the running requests that will decode next step (at most k each);
+        `step_costs`, the engine's measured step times, sizes k."""
         out: dict[str, Draft] = {}
         model_wants: list[tuple[Request, int]] = []
         for request in running:
@@ -274,7 +276,7 @@ class Speculator:
             self._fold_new_output(state)
             room = request.sampling_params.max_tokens - request.num_output_tokens - 1
             for source in state.sources:
-                k = min(self._draft_length(state, source), room)
+                k = min(self._draft_length(state, source, step_costs), room)
                 if k <= 0:
                     continue
                 if source == "draft":
@@ -289,7 +291,8 @@ class Speculator:
             out.update(self.draft_model.propose(model_wants))
         return out
 
-    def _draft_length(self, state: _RequestState, source: str) -> int:
+    def _draft_length(self, state: _RequestState, source: str,
+                      step_costs: StepCostModel | None) -> int:
         """The k that maximises expected tokens per second; at 0, one draft is retried after
         `retry_after_steps` steps so a request whose text turns predictable gets drafts again."""
         cfg = self.config
@@ -301,10 +304,9 @@ class Speculator:
         # sized with the default costs, so a noisy measured fit cannot switch it off for good
         if cfg.use_measured_costs and state.request.sampling_params.seed is None \
                 and source != "prediction":
-            costs = self.step_costs
-            if costs is not None and costs.base_s and costs.per_token_s:
-                base_s, per_token_s = costs.base_s, costs.per_token_s
-                measured = costs.lone_pass_s
+            if step_costs is not None and step_costs.base_s and step_costs.per_token_s:
+                base_s, per_token_s = step_costs.base_s, step_costs.per_token_s
+                measured = step_costs.lone_pass_s
             if source == "draft":
                 extra_s = self.draft_model.per_draft_s
         costs = (cfg.max_draft_tokens, base_s, per_token_s, extra_s, measured)
@@ -331,20 +333,16 @@ class Speculator:
         if state.aligner is not None:
             state.aligner.advance(new, output)
 
-    def observe(self, plan: StepPlan, finished_ids: list[str]) -> None:
-        """Adapt k from the drafts verified in `plan`; forget finished requests."""
+    def observe(self, verifications: list[DraftVerification], finished_ids: list[str]) -> None:
+        """Adapt k from a step's verified drafts (`Scheduler.update`); forget finished
+        requests."""
         cfg = self.config
-        for seq in plan.seqs:
-            if seq.num_logits <= 1:
-                continue
-            state = self._states.get(seq.request_id)
+        for verified in verifications:
+            state = self._states.get(verified.request_id)
             if state is None:
                 continue
-            request = state.request
-            num_drafts, num_accepted = request.last_num_drafts, request.last_num_accepted
-            if not num_drafts:
-                continue
-            source = request.last_draft_source
+            source, num_drafts = verified.source, verified.num_drafts
+            num_accepted = verified.num_accepted
             self.stats.add(source, num_drafts, num_accepted)
             if source in state.num_tried:  # tried = accepted + the first rejected, if any
                 num_tried = num_accepted + (num_accepted < num_drafts)
@@ -352,7 +350,6 @@ class Speculator:
                                               + num_accepted)
                 state.num_tried[source] = (state.num_tried[source] * cfg.acceptance_decay
                                            + num_tried)
-            request.last_num_drafts = 0
         for request_id in finished_ids:
             self.release(request_id)
 
