@@ -37,8 +37,10 @@ def build_executor(config: EngineConfig, files: ModelFiles):
     if kind == "fake":  # load and fault tests: deterministic tokens, no weights
         from ultrafast.executors.fake_exec import FakeExecutor
 
-        return FakeExecutor(files.tokenizer_dir / "tokenizer.json", num_slots=config.num_slots,
-                            max_model_len=config.max_model_len, step_s=config.fake_step_s)
+        return FakeExecutor.for_tokenizer(files.tokenizer_dir / "tokenizer.json",
+                                          num_slots=config.num_slots,
+                                          max_model_len=config.max_model_len,
+                                          step_s=config.fake_step_s)
     if kind == "ggml":
         from ultrafast.executors.ggml_exec import GgmlExecutor
 

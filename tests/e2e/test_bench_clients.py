@@ -44,7 +44,7 @@ def test_lean_client_reports_http_errors(server):
 
 
 def test_handoff_rounds_deliver_every_token_both_ways():
-    from tests.unit.fake_executor import FakeExecutor
+    from ultrafast.executors.fake_exec import FakeExecutor
     from ultrafast.bench.overhead import handoff_rounds
     from ultrafast.core.scheduler import SchedulerConfig
     from ultrafast.engine.core import EngineCore

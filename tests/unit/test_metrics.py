@@ -3,10 +3,10 @@ values stay in their fixed sets whatever the requests carry (RELIABILITY S12).""
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.unit.fake_executor import FakeExecutor
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.engine.core import EngineCore
+from ultrafast.executors.fake_exec import FakeExecutor
 from ultrafast.server.metrics import ServerMetrics
 
 

@@ -4,10 +4,11 @@ import collections
 
 import pytest
 
-from tests.unit.fake_executor import FakeExecutor, prompt, reference_tokens, run_all
+from tests.unit.engine_driver import prompt, run_all
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.engine.core import EngineCore
+from ultrafast.executors.fake_exec import FakeExecutor, reference_tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 

@@ -5,13 +5,13 @@ model" is a second fake executor that agrees with the target always, never, or o
 hash-chosen part of the contexts. Whatever the drafts, the output must be the plain output.
 """
 
-from tests.unit.fake_executor import (FakeExecutor, next_token, prompt, reference_tokens,
-                                      run_all)
+from tests.unit.engine_driver import prompt, run_all
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.engine.core import EngineCore
 from ultrafast.engine.draft_model import DraftModelProposer
 from ultrafast.engine.speculation import SpecConfig, Speculator
+from ultrafast.executors.fake_exec import FakeExecutor, next_token, reference_tokens
 
 PRIORITY = ServiceTier.PRIORITY
 
@@ -35,7 +35,7 @@ class FakeDraft(FakeExecutor):
 
 
 def sometimes(context):
-    return next_token(context, 5) != 0  # agrees on ~80% of contexts
+    return next_token(context, range(5)) != 0  # agrees on ~80% of contexts
 
 
 def make_engine(agree=lambda c: True, num_slots=4, spec=None, **overrides):
@@ -217,8 +217,8 @@ class CopyingTarget(FakeExecutor):
         return result
 
     def _next(self, context):
-        if len(context) < 12 or next_token(context, 7) == 0:
-            return next_token(context, self.vocab_size)
+        if len(context) < 12 or next_token(context, range(7)) == 0:
+            return next_token(context, self.output_ids)
         return context[-12]
 
 
@@ -234,6 +234,7 @@ def test_ngram_drafts_are_verified_exactly():
                                   Request("b", text[3:], greedy(50), tier=PRIORITY)])
         outs.append(dict(out))
     assert outs[0] == outs[1]
+    assert [len(outs[1][rid]) for rid in "ab"] == [60, 50]  # no request failed
     stats = engine.spec_stats
     assert stats.num_draft_tokens["ngram"] > 0
     assert 0.5 < stats.acceptance_rate("ngram") < 1.0

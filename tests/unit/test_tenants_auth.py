@@ -8,11 +8,11 @@ import logging
 
 import pytest
 
-from tests.unit.fake_executor import FakeExecutor
 from ultrafast.config import ServerConfig, TierTargets
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.engine.core import EngineCore
+from ultrafast.executors.fake_exec import FakeExecutor
 from ultrafast.server.admission import Admission
 from ultrafast.server.auth import (HostAllowListMiddleware, RedactingFilter, allowed_hosts_for,
                                    authenticate, entitled_tier, take_request, take_tokens)
