@@ -59,8 +59,8 @@ class SpecConfig:
     prior_weight: float = 2.0  # ... worth this many observed draft tokens
     acceptance_decay: float = 0.9  # per verify step: older evidence fades
     retry_after_steps: int = 16  # k == 0: steps without drafts before one draft is retried
-    # step time ~ base + per_token * tokens, until the engine's own fit exists (f16 demo model,
-    # one thread: 2.3 ms for 1 token, 4.6 ms for 4)
+    # step time ~ base + per_token * tokens until the engine's own fit exists: a CPU's demo
+    # model order of magnitude, and what deterministic tests size k with
     default_step_base_s: float = 2.0e-3
     default_step_per_token_s: float = 0.5e-3
     use_measured_costs: bool = True  # False: always the defaults above (deterministic tests)
@@ -316,8 +316,8 @@ class Speculator:
             if state.idle_steps[source] >= cfg.retry_after_steps:
                 state.idle_steps[source] = 0
                 # retry only a source whose drafts could pay if nearly all were accepted: a
-                # draft model dearer per token than the target's own step never can (on the
-                # 2-core CPU, 1.3 ms a draft with its catch-up against a 1.1 ms step)
+                # draft model dearer per token than the target's own step never can (on a
+                # small CPU, a draft with its catch-up can cost more than a target step)
                 if best_draft_length(_RETRY_ACCEPTANCE, *costs):
                     return 1
         return k
