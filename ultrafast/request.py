@@ -6,6 +6,7 @@ The engine sees token ids only; text (stop strings, templates) stays in the HTTP
 from __future__ import annotations
 
 import enum
+import functools
 import random
 from dataclasses import dataclass, field
 
@@ -78,13 +79,16 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        # read for every sampled token: computed once (the dataclass is frozen)
-        object.__setattr__(self, "plain_greedy", self.greedy and not self.logit_bias
-                           and not self.needs_penalties and not self.logprobs)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @functools.cached_property  # read for every sampled token: computed once per params
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits or asks for them: one batch argmax."""
+        return (self.greedy and not self.logit_bias and not self.needs_penalties
+                and not self.logprobs)
 
     @property
     def needs_penalties(self) -> bool:
@@ -105,24 +109,20 @@ class Request:
     first_scheduled_time_s: float | None = None  # when it first got a slot (queue wait ends)
     eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list = field(default_factory=list)  # runtime.sampler.TokenLogprobs per token
+    output_logprobs: list = field(default_factory=list)  # core.types.TokenLogprobs per token
     num_computed_tokens: int = 0  # tokens whose KV is in the slot
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.cached_tokens)
     num_preemptions: int = 0
     slot_id: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     sampling_seed: int = 0
-    # speculative decoding (runtime.spec proposes, the scheduler schedules and counts)
+    # speculative decoding (engine.speculation proposes, the scheduler schedules and counts)
     prediction_token_ids: list[int] = field(default_factory=list)  # client `prediction`
     spec_enabled: bool = False  # n-gram / draft-model drafts (a prediction is always used)
-    draft: object = None  # core.types.Draft for the next decode step, consumed by schedule()
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_draft_tokens: int = 0
     num_accepted_prediction_tokens: int = 0  # usage.completion_tokens_details
     num_rejected_prediction_tokens: int = 0
-    last_num_drafts: int = 0  # the last verify step: drafts scheduled / accepted (adaptive k)
-    last_num_accepted: int = 0
-    last_draft_source: str = ""  # Draft.source of the last scheduled drafts
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -5,14 +5,16 @@ import time
 
 import pytest
 
-from tests.unit.fake_executor import FakeExecutor, reference_tokens
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.engine import EngineCore, EngineThread, StepCostModel
+from ultrafast.engine.core import EngineCore
+from ultrafast.engine.step_costs import StepCostModel
+from ultrafast.engine.thread import EngineThread
+from ultrafast.executors.fake_exec import FakeExecutor, reference_tokens
 
 
 def start_engine(shaper_window_s=0.0, num_slots=4):
-    executor = FakeExecutor(num_slots=num_slots, step_delay_s=0.002)
+    executor = FakeExecutor(num_slots=num_slots, step_s=0.002)
     core = EngineCore(executor, SchedulerConfig(max_num_seqs=num_slots, max_model_len=256))
     return EngineThread(core, shaper_window_s=shaper_window_s).start(), executor
 

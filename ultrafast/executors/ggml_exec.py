@@ -29,7 +29,7 @@ import llama_cpp
 
 from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
 from ultrafast.executors.llama_cpp_params import model_params as llama_model_params
-from ultrafast.runtime.sampler import sample_plan
+from ultrafast.sampling.sampler import sample_plan
 
 _LOG_LEVEL_ERROR = 3  # ggml_log_level
 _LOG_LEVEL_CONT = 5

@@ -18,7 +18,7 @@ from ultrafast.executors.torch_compiled import CompiledDecode, argmax_on_device,
 from ultrafast.model.attention import SeqSpan, SlotKVCache
 from ultrafast.model.llama import LlamaForCausalLM
 from ultrafast.model.loader import load_model, resolve_dtype
-from ultrafast.runtime.sampler import sample_plan
+from ultrafast.sampling.sampler import sample_plan
 
 
 def _default_device() -> str:

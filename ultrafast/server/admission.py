@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ultrafast.config import ServerConfig, TierTargets
 from ultrafast.request import ServiceTier
-from ultrafast.runtime.engine import StepCostModel
+from ultrafast.engine.step_costs import StepCostModel
 from ultrafast.server.errors import APIError
 
 

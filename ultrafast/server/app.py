@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from ultrafast.config import ServerConfig
 from ultrafast.request import ServiceTier
-from ultrafast.runtime.engine import EngineThread
+from ultrafast.engine.thread import EngineThread
 from ultrafast.server.admission import Admission
 from ultrafast.server import auth
 from ultrafast.server.guard import GuardConfig

@@ -21,9 +21,9 @@ import asyncio
 import collections
 from dataclasses import replace
 
-from ultrafast.core.scheduler import RequestOutput
+from ultrafast.core.types import RequestOutput
 from ultrafast.request import Request
-from ultrafast.runtime.engine import EngineThread
+from ultrafast.engine.thread import EngineThread
 
 
 class OutputBuffer:

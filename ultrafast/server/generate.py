@@ -15,7 +15,7 @@ from typing import AsyncIterator
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ultrafast.core.scheduler import RequestOutput
+from ultrafast.core.types import RequestOutput
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.server import openai_format as fmt
 from ultrafast.server.admission import Ticket

@@ -24,7 +24,7 @@ import uvicorn
 
 from ultrafast.config import EngineConfig, ServerConfig, default_session_store
 from ultrafast.llm import build_engine
-from ultrafast.runtime.engine import EngineThread
+from ultrafast.engine.thread import EngineThread
 from ultrafast.server.admission import Admission
 from ultrafast.server.app import ServerState, build_app
 from ultrafast.server.auth import RedactingFilter
@@ -144,8 +144,8 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
     admission = Admission(config, costs=core.costs)  # after warmup(), which resets the fit
     if api_keys is not None:  # committed capacity, at both admission and the KV slots
         admission.priority_reserved = api_keys.priority_seats(config.priority.max_in_flight)
-        core.scheduler.reserved_priority_seats = api_keys.priority_seats(
-            core.scheduler.config.max_num_seqs)
+        core.scheduler.set_reserved_priority_seats(api_keys.priority_seats(
+            core.scheduler.config.max_num_seqs))
     device = getattr(core.executor, "device", None)
     device_kind = "gpu" if getattr(device, "type", "cpu") == "cuda" else "cpu"
     alert_ms = config.alert_priority_itl_p99_ms
