@@ -98,7 +98,8 @@ def test_auth_rows(keyed, case):
 def test_b48_method_and_b49_unknown_path(keyed):
     r = httpx.get(keyed.url + CHAT)
     assert error_of(r)[:3] == (401, "authentication_error", "missing_api_key")
-    r = httpx.get(keyed.url + CHAT, headers=bearer("acme"))
+    # GET /v1/chat/completions lists stored completions: the method check uses completions
+    r = httpx.get(keyed.url + "/v1/completions", headers=bearer("acme"))
     assert error_of(r)[:3] == (405, "invalid_request_error", "method_not_allowed")
     assert r.headers["allow"] == "POST"
     r = httpx.get(keyed.url + "/v1/secret-admin")

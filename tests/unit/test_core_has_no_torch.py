@@ -1,4 +1,4 @@
-"""Style rule 1: core/, request.py and server/sessions.py never import torch (checked in a clean interpreter)."""
+"""Style rule 1: core/, request.py and server/sessions/ (the store) never import torch (checked in a clean interpreter)."""
 
 import subprocess
 import sys
@@ -11,7 +11,8 @@ class Block:
             raise ImportError('torch is blocked in this test')
 sys.meta_path.insert(0, Block())
 import ultrafast.request, ultrafast.core.types, ultrafast.core.kv_pool, ultrafast.core.scheduler
-import ultrafast.server.sessions
+import ultrafast.server.sessions.store, ultrafast.server.sessions.sqlite
+import ultrafast.server.sessions.redis
 assert 'torch' not in sys.modules
 print('ok')
 """
