@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 import orjson
 from starlette.requests import Request as HTTPRequest
@@ -29,7 +29,7 @@ from starlette.routing import Route
 from ultrafast.server.calls import CallInput, check_options, plain_params, prepare_call
 from ultrafast.server.errors import APIError, invalid_value, too_large, unsupported_parameter
 from ultrafast.server.generate import ChoiceDelta, GenerationRun, Ping
-from ultrafast.server.protocol_models import NAME_RE, _Strict
+from ultrafast.server.protocol_models import NAME_RE, _Strict, _by_json_type
 from ultrafast.server.sessions.chat_tokens import ChatMessage
 from ultrafast.server.sessions.conversations import (InputItem, check_metadata,
                                                      conversations_routes, items_to_messages,
@@ -58,12 +58,17 @@ class Reasoning(_Strict):
     generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None
 
 
+class StreamOptions(_Strict):
+    include_obfuscation: Optional[bool] = None  # no obfuscation padding is ever added
+
+
 class ResponsesRequest(_Strict):
     model: Optional[str] = None
-    input: Union[str, list[InputItem]]
+    input: _by_json_type(string=str, array=list[InputItem])  # type: ignore[valid-type]
     instructions: Optional[str] = None
     previous_response_id: Optional[str] = None
-    conversation: Optional[Union[str, ConversationRef]] = None
+    conversation: Optional[_by_json_type(  # type: ignore[valid-type]
+        string=str, object=ConversationRef)] = None
     store: bool = True
     stream: bool = False
     max_output_tokens: Optional[int] = None
@@ -83,8 +88,10 @@ class ResponsesRequest(_Strict):
     background: Optional[bool] = None  # only false
     max_tool_calls: Optional[int] = None
     reasoning: Optional[Reasoning] = None
-    safety_identifier: Optional[str] = None
+    safety_identifier: Optional[str] = None  # hints: accepted, not needed here
     prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    stream_options: Optional[StreamOptions] = None
 
     def conversation_id(self) -> str | None:
         c = self.conversation

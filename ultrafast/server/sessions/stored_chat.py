@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
@@ -35,6 +36,7 @@ def store_chat_completion(flow: SessionFlow, http: HTTPRequest, req: ChatComplet
     tenant = tenant_of(http)
     messages = req.messages_for_template()  # content parts joined, as the model saw them
     metadata = dict(req.metadata or {})
+    created_s = time.time()  # list order: the call's arrival, finer than `created` seconds
 
     async def commit(run: GenerationRun, reason: str | None) -> str | None:
         spec = run.spec
@@ -44,7 +46,7 @@ def store_chat_completion(flow: SessionFlow, http: HTTPRequest, req: ChatComplet
         body["metadata"] = metadata
         try:
             await flow.put_object(tenant, CHAT_COMPLETION, spec.request_id, StoredObject(
-                body, created_s=float(body["created"]), metadata=metadata, messages=messages))
+                body, created_s=created_s, metadata=metadata, messages=messages))
         except APIError:
             log.warning("stored chat completion %s not written: the store is unavailable",
                         spec.request_id)
