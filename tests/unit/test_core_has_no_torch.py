@@ -12,7 +12,7 @@ class Block:
 sys.meta_path.insert(0, Block())
 import ultrafast.request, ultrafast.core.types, ultrafast.core.kv_pool, ultrafast.core.scheduler
 import ultrafast.server.sessions.store, ultrafast.server.sessions.sqlite
-import ultrafast.server.sessions.redis
+import ultrafast.server.sessions.redis, ultrafast.server.sessions.backends
 assert 'torch' not in sys.modules
 print('ok')
 """

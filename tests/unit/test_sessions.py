@@ -11,9 +11,10 @@ import uuid
 import pytest
 
 from ultrafast.server.sessions.flow import SessionFlow
+from ultrafast.server.sessions.backends import open_store
 from ultrafast.server.sessions.store import (CHAT_COMPLETION, RESPONSE, SeqConflict,
                                              StoredObject, StoreUnavailable, TooManySessions,
-                                             Turn, open_store)
+                                             Turn)
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -181,7 +182,8 @@ def test_redis_outage_raises_unavailable_and_restart_keeps_each_turn_once(redis_
 
 def test_sqlite_history_survives_a_new_process(tmp_path):
     url = f"sqlite:///{tmp_path}/s.db"
-    code = ("import asyncio, sys\nfrom ultrafast.server.sessions.store import open_store, Turn\n"
+    code = ("import asyncio, sys\nfrom ultrafast.server.sessions.backends import open_store\n"
+            "from ultrafast.server.sessions.store import Turn\n"
             "async def main():\n    s = open_store(sys.argv[1])\n    await s.create('t', 'c')\n"
             "    await s.append('t', 'c', Turn('u0', 'user', 'kept'))\n    await s.close()\n"
             "asyncio.run(main())\n")

@@ -35,7 +35,7 @@ from ultrafast.server.tenants import load_api_keys
 from ultrafast.server.http_timeouts import protocol_class
 from ultrafast.server.protocol import Limits
 from ultrafast.server.sessions.flow import SessionFlow
-from ultrafast.server.sessions.store import open_store
+from ultrafast.server.sessions.backends import open_store
 from ultrafast.server.state import ServerState
 
 log = logging.getLogger("ultrafast")

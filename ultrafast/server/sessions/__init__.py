@@ -1,6 +1,7 @@
 """Server-side conversations: the session store and every API that reads or writes it.
 
-- store.py: the store interface, `Turn`, `StoredObject`; sqlite.py and redis.py, its backends.
+- store.py: the store interface, `Turn`, `StoredObject`; sqlite.py and redis.py, its backends,
+  chosen by URL in backends.py (`open_store`).
 - flow.py: `SessionFlow` (typed store calls with their errors in the OpenAI envelope, the
   assistant commit with retries) and `ChatSession` (chat completions with `session_id`).
 - chat_tokens.py: `ChatMessage`, and the prompt ids that reuse a stored answer's own ids.

@@ -13,7 +13,7 @@ Sessions expire `ttl_s` after their last write; each tenant holds at most
 client's data). Every backend failure is raised as `StoreUnavailable`, which the routes answer
 with 503 `session_store_unavailable`; nothing here blocks the event loop (SQLite runs on its own
 thread, Redis through redis-py's asyncio client). Never imports torch (DESIGN rule 1).
-The backends: sessions/sqlite.py, sessions/redis.py.
+The backends: sessions/sqlite.py, sessions/redis.py (`open_store` in sessions/backends.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from urllib.parse import urlparse
 
 DEFAULT_TTL_S = 30 * 24 * 3600.0  # OpenAI keeps stored responses 30 days
 DEFAULT_MAX_SESSIONS_PER_TENANT = 10_000
@@ -148,19 +147,3 @@ class SessionStore:
 
     async def close(self) -> None:
         pass
-
-
-def open_store(url: str, ttl_s: float = DEFAULT_TTL_S,
-               max_sessions_per_tenant: int = DEFAULT_MAX_SESSIONS_PER_TENANT) -> SessionStore:
-    config = StoreConfig(url, ttl_s, max_sessions_per_tenant)
-    scheme = urlparse(url).scheme
-    if scheme == "sqlite":
-        from ultrafast.server.sessions.sqlite import SQLiteStore
-        return SQLiteStore(config)
-    if scheme in ("redis", "rediss", "unix"):
-        from ultrafast.server.sessions.redis import RedisStore  # redis-py only when configured
-        return RedisStore(config)
-    raise ValueError(f"session store URL must be sqlite:///path or redis://host:port/db, "
-                     f"not {url!r}")
-
-
