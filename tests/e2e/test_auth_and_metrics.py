@@ -312,6 +312,24 @@ def test_s3_sessions_of_one_tenant_are_invisible_to_another(keyed):
         len(acme_items) + 2  # acme's own turn and answer, nothing of beta's
 
 
+def test_s3_stored_chat_completions_of_one_tenant_are_invisible_to_another(keyed):
+    client = {name: openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEYS[name], max_retries=0)
+              for name in ("acme", "beta")}
+    stored = client["acme"].chat.completions.create(model="demo-code", store=True,
+                                                    metadata={"who": "acme"},
+                                                    **BODY)
+    assert client["acme"].chat.completions.retrieve(stored.id).id == stored.id
+    beta = client["beta"]
+    for attempt in (lambda: beta.chat.completions.retrieve(stored.id),
+                    lambda: beta.chat.completions.delete(stored.id),
+                    lambda: beta.chat.completions.messages.list(stored.id)):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    assert list(beta.chat.completions.list(metadata={"who": "acme"})) == []
+    assert [c.id for c in client["acme"].chat.completions.list(
+        metadata={"who": "acme"})] == [stored.id]
+
+
 def test_s2_keys_never_reach_the_logs(keyed):  # stops the server: keep it last but one
     httpx.post(keyed.url + CHAT, headers={"Authorization": "Bearer leaked-in-logs?"}, json=BODY)
     keyed.stop()
