@@ -148,6 +148,10 @@ def test_realtime_turns_stream_and_barge_in_keeps_only_what_was_sent(srv):
 
         ws.send("not json")
         assert json.loads(ws.recv(timeout=30))["error"]["code"] == "invalid_json"
+        for options, code in (({"max_output_tokens": "8"}, "invalid_type"),
+                              ({"temperature": 9}, "invalid_value"), ("x", "invalid_type")):
+            ws.send(json.dumps({"type": "response.create", "response": options}))
+            assert json.loads(ws.recv(timeout=30))["error"]["code"] == code  # nothing generated
     items = httpx.get(f"{srv.url}/v1/conversations/{conversation}/items?order=asc",
                       timeout=30).json()["data"]
     assert [(i["role"], i["status"]) for i in items] == [
