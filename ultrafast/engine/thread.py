@@ -15,6 +15,7 @@ from typing import Callable
 
 from ultrafast.core.types import RequestOutput
 from ultrafast.engine.core import EngineCore, StepStats
+from ultrafast.engine.read_api import EngineReadAPI, build_snapshot, device_kind_of
 from ultrafast.request import Request, ServiceTier
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
 
 
-class EngineThread:
+class EngineThread(EngineReadAPI):
     """Runs an EngineCore on a daemon thread. Thread-safe `submit` and `abort`."""
 
     def __init__(self, core: EngineCore, on_stats: Callable[[StepStats], None] | None = None,
@@ -42,6 +43,11 @@ class EngineThread:
         self._warmup = False
         self._warmed = threading.Event()
         self.dead_reason: str | None = None
+        # read API (engine/read_api.py): the snapshot and the lock around pool changes
+        self.pool_lock = threading.Lock()
+        self.device_kind = device_kind_of(core.executor)
+        self._snapshot = build_snapshot(core, self.device_kind)
+        self._snapshot_s = time.monotonic()
 
     def start(self, warmup: bool = False, timeout_s: float = 600.0) -> "EngineThread":
         """Start the thread; with `warmup`, it first runs `core.warmup()` and this returns
@@ -74,22 +80,24 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.dead_reason is None
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, block: bool) -> bool:
+        """Handle every queued item; False if there was none."""
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             self._handle(*item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _handle(self, kind: str, payload, on_output: OutputCallback | None) -> None:
         if kind == "add":
             try:
-                self.core.add_request(payload)
+                with self.pool_lock:
+                    self.core.add_request(payload)
             except (ValueError, OverflowError) as exc:
                 on_output(RequestOutput(payload.request_id, [], finished=True,
                                         finish_reason="error", error=str(exc)))
@@ -100,19 +108,29 @@ class EngineThread:
             elif self._first_shaped_arrival_s is None:
                 self._first_shaped_arrival_s = time.monotonic()
         elif kind == "abort":
-            self.core.abort(payload)
+            with self.pool_lock:
+                self.core.abort(payload)
+        elif kind == "configure":
+            self._apply_settings(payload)
 
     def _run(self) -> None:
         try:
             if self._warmup:
-                self.core.warmup()
+                with self.pool_lock:
+                    self.core.warmup()
+            self._publish(force=True)
             self._warmed.set()
             while not self._stopping.is_set():
-                self._drain_inbox(block=not self.core.has_work())
+                handled = self._drain_inbox(block=not self.core.has_work())
                 if not self.core.has_work():
+                    if handled:
+                        self._publish(force=True)
                     continue
                 self._coalesce()
-                for output in self.core.step():
+                with self.pool_lock:
+                    outputs = self.core.step()
+                self._publish(force=not self.core.has_work())
+                for output in outputs:
                     callback = self._callbacks.get(output.request_id)
                     if output.finished:
                         self._callbacks.pop(output.request_id, None)

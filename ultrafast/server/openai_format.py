@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from ultrafast.core.types import TokenLogprobs
+from ultrafast.server.bridge import TokenLogprobs
 
 SYSTEM_FINGERPRINT = "ultrafast-0.1"
 
