@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ultrafast.core.types import KVCopy, ScheduledSeq, StepPlan, StepResult
+from ultrafast.executors.prompt_scoring import split_prompt_rows, wants_prompt_rows
 from ultrafast.executors.torch_compiled import CompiledDecode, argmax_on_device, resolve_mode
 from ultrafast.model.attention import SeqSpan, SlotKVCache
 from ultrafast.model.llama import LlamaForCausalLM
@@ -121,11 +122,14 @@ class TorchExecutor:
         return seqs, copies, errors
 
     def _inputs(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Flattened ids and positions, and the rows to sample, in one host->device copy."""
+        """Flattened ids and positions, and the rows to sample (after a sequence's prompt-scoring
+        rows, if any), in one host->device copy."""
         ids, positions, rows, offset = [], [], [], 0
         for seq in seqs:
             ids += seq.token_ids
             positions += range(seq.start_position, seq.start_position + seq.num_tokens)
+            if seq.num_prompt_logits:
+                rows += range(offset, offset + seq.num_prompt_logits)
             offset += seq.num_tokens
             rows += range(offset - seq.num_logits, offset)
         packed = torch.tensor(ids + positions + rows, dtype=torch.long)
@@ -149,11 +153,15 @@ class TorchExecutor:
                                        for s in seqs])
             hidden = self.model(input_ids, positions, attn)
             logits = self.model.compute_logits(hidden[rows])
+        prompt_logprobs = {}
+        if wants_prompt_rows(seqs):  # scored on the device; only the figures cross over
+            logits, prompt_logprobs = split_prompt_rows(seqs, logits)
         if not argmax_on_device(self.device, seqs):
             logits = logits.cpu()  # the sampler works on the host; this also waits for the GPU
         self.last_logits = logits
         t1 = time.perf_counter()
         result = sample_plan(seqs, logits)
+        result.prompt_logprobs = prompt_logprobs
         result.errors.update(errors)
         result.execute_time_s = t1 - t0
         result.sample_time_s = time.perf_counter() - t1
