@@ -165,7 +165,7 @@ async def prepare_run(http: HTTPRequest, state: ServerState, req, chat: bool,
     _check_ready(state)
     tenant = auth.tenant_of(http.scope)
     tier_param = "service_tier" if req.service_tier is not None else "priority"
-    tier, auto = auth.entitled_tier(tenant, req.tier(), req.requested_tier_name() == "auto",
+    tier, auto = auth.entitled_tier(tenant, req.tier(), req.tier_is_auto(),
                                     tier_param, state.auth_refused)
     auth.take_request(tenant, state.auth_refused)
     ticket = state.admission.reserve(tier, auto=auto, tenant=tenant.name)
