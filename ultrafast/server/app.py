@@ -29,6 +29,7 @@ from ultrafast.server.admission import Admission
 from ultrafast.server import auth
 from ultrafast.server.guard import GuardConfig
 from ultrafast.server.metrics import ServerMetrics
+from ultrafast.server.models_api import model_routes
 from ultrafast.server.tenants import ApiKeys
 from ultrafast.server.bridge import EngineBridge
 from ultrafast.server.chat_tokens import encode_chat
@@ -245,11 +246,6 @@ def build_app(state: ServerState) -> Starlette:
         return await _generate(http, state, parse_completion_request(body, state.limits),
                                chat=False)
 
-    async def models(http: HTTPRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": int(state.started_s),
-            "owned_by": "ultrafast", "max_model_len": state.max_model_len}]})
-
     async def health(http: HTTPRequest) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -291,7 +287,7 @@ def build_app(state: ServerState) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
+        *model_routes(state),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
