@@ -70,6 +70,10 @@ class GenerationRun:
         echo = spec.echo_texts or [""] * len(spec.prompts)
         self.choices = [fmt.ChoiceState(c, text=echo[self.choice_prompts[c]])
                         for c in range(num_choices)]
+        for choice in self.choices:  # echo: the generated text's offsets start after it
+            choice.echo_chars = len(choice.text)
+            if self.scores_prompt:
+                choice.prompt_token_ids = spec.prompts[self.choice_prompts[choice.index]]
         self.detoks = [tok.detokenizer(spec.prompts[self.choice_prompts[c]])
                        for c in range(num_choices)]
         self.matchers = [StopStringMatcher(spec.stops) for _ in range(num_choices)]
@@ -98,6 +102,8 @@ class GenerationRun:
         self.num_prediction_tokens[index] = (out.num_accepted_prediction_tokens,
                                              out.num_rejected_prediction_tokens)
         choice.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
         choice.token_ids.extend(out.new_token_ids)
         choice.logprobs.extend(out.new_logprobs)
         delta = self.detoks[index].push(out.new_token_ids)
@@ -200,6 +206,13 @@ class GenerationRun:
         self._completed = True
         return await self.on_complete(self, None)
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Completions `echo` + `logprobs`: the response lists the prompt's logprobs first."""
+        spec = self.spec
+        return (bool(spec.echo_texts) and spec.want_logprobs
+                and spec.params.prompt_logprobs is not None)
+
     # ---- non-streaming -----------------------------------------------------------------------
 
     def start(self) -> None:
@@ -265,15 +278,21 @@ class GenerationRun:
         writer = fmt.ChunkWriter(spec.request_id, spec.model_name, spec.tier.api_name, spec.chat,
                                  self.state.tokenizer.decode, spec.want_logprobs)
         try:
+            # with prompt logprobs, a choice's echo waits for its first output, which has them
+            echo_later = set(range(len(self.choices))) if self.scores_prompt else set()
             for choice in self.choices:
                 if spec.chat:
                     yield writer.role(choice.index)
-                elif spec.echo_texts:
-                    yield writer.delta(choice.index, spec.echo_texts[self.choice_prompts[
-                        choice.index]], [])
+                elif spec.echo_texts and choice.index not in echo_later:
+                    yield writer.echo(choice.index, spec.echo_texts[self.choice_prompts[
+                        choice.index]], None)
             pending = list(first)
             while True:
                 for index, text, logprobs, finish in pending:
+                    if index in echo_later and finish != "error":
+                        echo_later.discard(index)
+                        yield writer.echo(index, spec.echo_texts[self.choice_prompts[index]],
+                                          self.choices[index].prompt_part())
                     if index < 0:
                         yield b": ping\n\n"
                     elif finish == "error":
