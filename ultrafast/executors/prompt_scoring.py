@@ -22,6 +22,8 @@ def wants_prompt_rows(seqs: list[ScheduledSeq]) -> bool:
 def split_prompt_rows(seqs: list[ScheduledSeq], logits):
     """(the sampled rows only, for sample_plan; request id -> one TokenLogprobs per scored
     prompt token). `logits` is a torch tensor or a float32 numpy array, as the executor has it."""
+    if logits.shape[0] != sum(s.num_prompt_logits + s.num_logits for s in seqs):
+        raise ValueError("logits rows do not match the plan's scoring and sampled rows")
     scores: dict[str, list[TokenLogprobs]] = {}
     sampled_rows: list[int] = []
     row = 0
@@ -35,8 +37,6 @@ def split_prompt_rows(seqs: list[ScheduledSeq], logits):
         row += k
         sampled_rows.extend(range(row, row + seq.num_logits))
         row += seq.num_logits
-    if row != logits.shape[0]:
-        raise ValueError("logits rows do not match the plan's scoring and sampled rows")
     if isinstance(logits, np.ndarray):
         return logits[np.asarray(sampled_rows, dtype=np.intp)], scores
     return logits[torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)], scores
