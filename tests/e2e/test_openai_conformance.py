@@ -18,7 +18,8 @@ import torch
 from ultrafast.bench.server_process import ServerProcess
 from ultrafast.config import DEMO_MODEL_DIR
 
-PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    for arg in argv[1:]:\n        print(arg)\n"
+PROMPT = ("import os\nimport sys\n\n\ndef main(argv):\n"
+          "    for arg in argv[1:]:\n        print(arg)\n")
 # ggml serves the f16 GGUF with an f16 KV cache: its logprobs differ from float32 transformers
 # by about 1e-3 here; the torch executor runs float32 like the reference
 TOLERANCE = {"ggml": 2e-2, "torch": 1e-4}
@@ -218,7 +219,8 @@ def test_integral_floats_best_of_1_and_top_p_0(server):
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_type"
         assert r.json()["error"]["param"] == field
     r = post(server, "/v1/completions", {**body, "best_of": 3})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
+    assert "only accepted as 1" in r.json()["error"]["message"]
     greedy = post(server, "/v1/completions", {**body, "temperature": 0}).json()
     nucleus_0 = post(server, "/v1/completions", {**body, "top_p": 0, "seed": 5}).json()
     assert nucleus_0["choices"][0]["text"] == greedy["choices"][0]["text"]

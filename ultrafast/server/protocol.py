@@ -14,7 +14,8 @@ Choices where the spec left room (also asserted in tests/unit/test_protocol.py):
   B43) and then refused as `unsupported_parameter` unless `Limits.features` names them, so a
   server that has not wired a feature never silently ignores it. `prediction` is accepted
   always: it is a speed hint and never changes the output.
-- Completions `suffix` is `unsupported_parameter`; `best_of` is accepted only as 1.
+- Completions `suffix` is `unsupported_parameter`; `best_of` is accepted only as 1 (any other
+  value is `unknown_parameter`, B37).
 - OpenAI's hints (`safety_identifier`, `prompt_cache_key`, `prompt_cache_retention`,
   `reasoning_effort`, `verbosity`, `stream_options.include_obfuscation`) are accepted and
   validated; none changes the output (protocol_models.py says what each one does here).
@@ -313,11 +314,9 @@ def _check_completion(req: CompletionRequest, limits: Limits) -> None:
     _range(req.logprobs, "logprobs", 0, limits.max_top_logprobs)
     if req.suffix is not None:
         raise unsupported_parameter("suffix", "suffix (fill-in-the-middle) is not supported")
-    if req.best_of is not None and req.best_of < 1:
-        raise invalid_value("best_of", "best_of must be >= 1")
-    if req.best_of is not None and req.best_of != 1:
-        raise unsupported_parameter("best_of", "only best_of 1 is supported: each choice is "
-                                    "returned as sampled (ask for more with n)")
+    if req.best_of is not None and req.best_of != 1:  # B37: as if the field were unknown
+        raise bad_request("unknown_parameter", "best_of", "best_of is only accepted as 1: "
+                          "each choice is returned as sampled (ask for more with n)")
 
 
 # ---- entry points ---------------------------------------------------------------------------
