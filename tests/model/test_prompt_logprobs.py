@@ -83,3 +83,25 @@ def test_prompt_logprobs_equal_transformers(kind, tiny_llama_dir, tiny_llama_ggu
     # scoring the prompt changes nothing about the answer
     assert scored.output_token_ids == plain.output_token_ids
     assert score_only.output_token_ids == [] and outputs["score-only"][-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind", ["ggml", "torch"])
+def test_a_bad_scoring_request_fails_alone(kind, tiny_llama_dir, tiny_llama_gguf_f32):
+    from ultrafast.core.types import ScheduledSeq, StepPlan
+
+    executor = make_executor(kind, tiny_llama_dir, tiny_llama_gguf_f32)
+    params = SamplingParams(temperature=0.0, prompt_logprobs=1)
+    try:
+        result = executor.execute(StepPlan([
+            # 4 scoring rows, but the prompt has only 3 tokens after position 0
+            ScheduledSeq("past-prompt", 0, OTHER[:4], 0, 0, params, 0, 0, OTHER[:4],
+                         num_prompt_logits=4),
+            ScheduledSeq("too-many-rows", 1, OTHER[:3], 0, 1, params, 0, 0, OTHER,
+                         num_prompt_logits=3),
+            ScheduledSeq("fine", 2, OTHER[:5], 0, 1, params, 0, 0, OTHER[:5],
+                         num_prompt_logits=4)]))
+    finally:
+        executor.close()
+    assert set(result.errors) == {"past-prompt", "too-many-rows"}
+    assert [e.token_id for e in result.prompt_logprobs["fine"]] == OTHER[1:5]
+    assert len(result.sampled_token_ids["fine"]) == 1

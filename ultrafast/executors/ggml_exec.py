@@ -29,7 +29,7 @@ import llama_cpp
 
 from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
 from ultrafast.executors.llama_cpp_params import model_params as llama_model_params
-from ultrafast.executors.prompt_scoring import split_prompt_rows
+from ultrafast.executors.prompt_scoring import scoring_problem, split_prompt_rows
 from ultrafast.runtime.sampler import sample_plan
 
 _LOG_LEVEL_ERROR = 3  # ggml_log_level
@@ -193,7 +193,7 @@ class GgmlExecutor:
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             return f"token id {bad} out of range [0, {self.vocab_size})"
-        return None
+        return scoring_problem(seq) if seq.num_prompt_logits else None
 
     def execute(self, plan: StepPlan) -> StepResult:
         start_s = time.perf_counter()

@@ -15,6 +15,16 @@ import torch
 from ultrafast.core.types import ScheduledSeq, TokenLogprobs
 
 
+def scoring_problem(seq: ScheduledSeq) -> str | None:
+    """Why this sequence's scoring rows cannot be served (it alone fails), or None."""
+    k = seq.num_prompt_logits
+    if k < 0 or k + seq.num_logits > seq.num_tokens:
+        return f"bad step: {seq.num_tokens} tokens, {k} scoring rows, {seq.num_logits} sampled"
+    if k and seq.start_position + k >= len(seq.prompt_token_ids):
+        return "scoring rows reach past the prompt"
+    return None
+
+
 def wants_prompt_rows(seqs: list[ScheduledSeq]) -> bool:
     return any(s.num_prompt_logits for s in seqs)
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from ultrafast.core.types import KVCopy, ScheduledSeq, StepPlan, StepResult
-from ultrafast.executors.prompt_scoring import split_prompt_rows, wants_prompt_rows
+from ultrafast.executors.prompt_scoring import (scoring_problem, split_prompt_rows,
+                                                wants_prompt_rows)
 from ultrafast.executors.torch_compiled import CompiledDecode, argmax_on_device, resolve_mode
 from ultrafast.model.attention import SeqSpan, SlotKVCache
 from ultrafast.model.llama import LlamaForCausalLM
@@ -89,7 +90,7 @@ class TorchExecutor:
         if min(seq.token_ids) < 0 or max(seq.token_ids) >= self.vocab_size:  # C-speed check
             bad = next(t for t in seq.token_ids if not 0 <= t < self.vocab_size)
             return f"token id {bad} out of vocabulary (size {self.vocab_size})"
-        return None
+        return scoring_problem(seq) if seq.num_prompt_logits else None
 
     def _copy_problem(self, copy: KVCopy) -> str | None:
         slots_ok = all(0 <= s < self.num_slots for s in (copy.src_slot_id, copy.dst_slot_id))
