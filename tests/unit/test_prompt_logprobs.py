@@ -14,7 +14,8 @@ from ultrafast.config import DEMO_MODEL_DIR
 from ultrafast.core.kv_pool import KVSlotPool
 from ultrafast.core.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
-from ultrafast.executors.fake_exec import FakeExecutor, next_token, reference_prompt_logprobs
+from ultrafast.executors.fake_exec import FakeExecutor, next_token
+from ultrafast.executors.fake_scoring import reference_prompt_logprobs
 from ultrafast.executors.prompt_scoring import split_prompt_rows
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.runtime.engine import EngineCore
@@ -48,11 +49,16 @@ def answer(plan: StepPlan, sampled=7) -> StepResult:
     return result
 
 
+def update(sched: Scheduler, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+    """The outputs of Scheduler.update (the one place that knows its return type)."""
+    return sched.update(plan, result)
+
+
 def run(sched: Scheduler, answer_fn=answer) -> list[RequestOutput]:
     outputs = []
     while sched.has_work():
         plan = sched.schedule()
-        outputs += sched.update(plan, answer_fn(plan))
+        outputs += update(sched, plan, answer_fn(plan))
     return outputs
 
 
@@ -62,7 +68,7 @@ def test_scoring_rows_cover_every_prompt_token_once_and_max_tokens_0_generates_n
     plans, outputs = [], []
     while sched.has_work():
         plans.append(sched.schedule())
-        outputs += sched.update(plans[-1], answer(plans[-1]))
+        outputs += update(sched, plans[-1], answer(plans[-1]))
     seqs = [p.seqs[0] for p in plans]
     assert [(s.start_position, s.num_tokens, s.num_prompt_logits, s.num_logits)
             for s in seqs] == [(0, 4, 4, 0), (4, 4, 4, 0), (8, 2, 1, 0)]
@@ -117,7 +123,7 @@ def test_a_scoring_request_takes_no_cached_prefix():
     sched.add_request(Request("again", list(long_prompt), SamplingParams(max_tokens=1)))
     plan = sched.schedule()
     assert plan.seqs[0].start_position > 0  # a plain request reuses the cached prefix
-    sched.update(plan, answer(plan))
+    update(sched, plan, answer(plan))
     run(sched)
     sched.add_request(Request("scored", list(long_prompt), scoring()))
     plan = sched.schedule()
@@ -129,7 +135,7 @@ def test_preempted_mid_prefill_rescores_from_the_start():
     sched = make_scheduler(chunk=4, num_slots=1, max_num_seqs=1)
     sched.add_request(Request("low", list(PROMPT), scoring(), tier=ServiceTier.FLEX))
     plan = sched.schedule()
-    sched.update(plan, answer(plan))  # 4 of 10 prompt tokens scored
+    update(sched, plan, answer(plan))  # 4 of 10 prompt tokens scored
     sched.add_request(Request("high", [1, 2, 3], SamplingParams(max_tokens=1),
                               tier=ServiceTier.PRIORITY))
     outputs = run(sched)
@@ -162,7 +168,7 @@ def test_fake_executor_scores_the_prompt_like_its_reference():
     while engine.has_work():
         outputs += engine.step()
     (out,) = outputs
-    expected = reference_prompt_logprobs(prompt, words)
+    expected = reference_prompt_logprobs(prompt, lambda context: next_token(context, words))
     assert [None if e is None else e.logprob for e in out.prompt_logprobs] == expected
     assert 0.0 in expected and any(v is not None and v < 0 for v in expected)
 

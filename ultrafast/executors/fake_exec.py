@@ -6,10 +6,6 @@ fixed set of plain word tokens (never EOS or a special token). So a client that 
 ids can compute every token the server must send (`reference_tokens`), and any scheduler or
 streaming mistake (a lost, repeated or reordered token, a stale KV slot) changes the output.
 
-Prompt scoring (ScheduledSeq.num_prompt_logits): the fake model puts all probability on its
-next token, so a prompt token scores 0.0 where it equals that token and FAKE_MISS_LOGPROB
-elsewhere (`reference_prompt_logprobs`); its one alternative is that token, at 0.0.
-
 Each step sleeps `step_s` (a configurable engine speed, e.g. 20 ms = 50 tok/s per stream).
 
 Fault hook (the spec's "evil forward"): a prompt that starts with FAULT_MARKER, then a mode
@@ -26,12 +22,12 @@ import re
 import time
 from pathlib import Path
 
-from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
+from ultrafast.core.types import StepPlan, StepResult
+from ultrafast.executors.fake_scoring import score_prompt
 
 # Ids that no real prompt text tokenizes to in this order; only token-id prompts carry them.
 FAULT_MARKER = (3, 1, 4, 1, 5)
 FAULT_REQUEST, FAULT_STEP, FAULT_FATAL = 1, 2, 3
-FAKE_MISS_LOGPROB = -100.0  # a prompt token the fake model would not have produced
 
 
 class FatalFault(BaseException):
@@ -63,23 +59,6 @@ def reference_tokens(prompt: list[int], max_tokens: int, word_ids: list[int]) ->
         token = next_token(context, word_ids)
         out.append(token)
         context.append(token)
-    return out
-
-
-def reference_prompt_logprobs(prompt: list[int], word_ids: list[int]) -> list[float | None]:
-    """The logprob the fake model gives each prompt token (the first: None)."""
-    return [None] + [0.0 if prompt[i] == next_token(prompt[:i], word_ids) else FAKE_MISS_LOGPROB
-                     for i in range(1, len(prompt))]
-
-
-def _score_prompt(kv: list[int], seq: ScheduledSeq, word_ids: list[int]) -> list[TokenLogprobs]:
-    out = []
-    for j in range(seq.num_prompt_logits):
-        position = seq.start_position + j + 1  # the prompt token row j scores
-        predicted = next_token(kv[:position], word_ids)
-        token = seq.prompt_token_ids[position]
-        top = [(predicted, 0.0)] if seq.sampling_params.prompt_logprobs else []
-        out.append(TokenLogprobs(token, 0.0 if token == predicted else FAKE_MISS_LOGPROB, top))
     return out
 
 
@@ -130,8 +109,9 @@ class FakeExecutor:
                     raise RuntimeError("injected step fault")
                 result.errors[seq.request_id] = "injected fault"
                 continue
-            if seq.num_prompt_logits:
-                result.prompt_logprobs[seq.request_id] = _score_prompt(kv, seq, self.word_ids)
+            if seq.num_prompt_logits:  # prompt logprobs (executors/fake_scoring.py)
+                result.prompt_logprobs[seq.request_id] = score_prompt(
+                    kv, seq, lambda context: next_token(context, self.word_ids))
             if seq.num_logits:
                 n = len(kv)
                 result.sampled_token_ids[seq.request_id] = [
