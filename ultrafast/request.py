@@ -20,8 +20,11 @@ class ServiceTier(enum.IntEnum):
 
     @classmethod
     def parse(cls, name: str | None) -> "ServiceTier":
+        # OpenAI's `scale` (reserved capacity) and `fast` (its name for priority) are served
+        # on the priority lane; `auto` and `scale` may fall back (see server/auth.py)
         aliases = {None: cls.DEFAULT, "auto": cls.DEFAULT, "default": cls.DEFAULT,
-                   "flex": cls.FLEX, "priority": cls.PRIORITY, "ultrafast": cls.PRIORITY}
+                   "flex": cls.FLEX, "priority": cls.PRIORITY, "ultrafast": cls.PRIORITY,
+                   "fast": cls.PRIORITY, "scale": cls.PRIORITY}
         if name not in aliases:
             raise ValueError(f"unknown service tier {name!r}")
         return aliases[name]
@@ -63,10 +66,18 @@ class SamplingParams:
     top_logprobs: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Logprobs of the prompt's own tokens (completions `echo` + `logprobs`): None = off, else
+    # the number of top alternatives per position. Such a request may have max_tokens 0: it
+    # scores the prompt and generates nothing.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        scoring = self.prompt_logprobs is not None
         checks = [
-            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.max_tokens >= (0 if scoring else 1),
+             "max_tokens must be >= 1 (0 only when scoring the prompt)"),
+            (not scoring or 0 <= self.prompt_logprobs <= 20,
+             "prompt_logprobs must be in [0, 20]"),
             (0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be >= 0"),
@@ -88,7 +99,7 @@ class SamplingParams:
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes the logits or asks for them: one batch argmax."""
         return (self.greedy and not self.logit_bias and not self.needs_penalties
-                and not self.logprobs)
+                and not self.logprobs and self.prompt_logprobs is None)
 
     @property
     def needs_penalties(self) -> bool:
@@ -123,6 +134,10 @@ class Request:
     num_accepted_draft_tokens: int = 0
     num_accepted_prediction_tokens: int = 0  # usage.completion_tokens_details
     num_rejected_prediction_tokens: int = 0
+    # prompt logprobs (sampling_params.prompt_logprobs): entry i scores prompt token i (entry 0
+    # is None: nothing precedes it); handed out once, in the output that completes them
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -251,7 +251,8 @@ class Scheduler:
         return num
 
     def _allocate(self, request: Request):
-        return self.pool.allocate(request.request_id, request.all_token_ids, request.tenant)
+        return self.pool.allocate(request.request_id, request.all_token_ids, request.tenant,
+                                  reuse_prefix=not _scores_prompt(request))
 
     def _preempt_for(self, tier: ServiceTier) -> bool:
         """Free a slot for `tier` by preempting the newest running request of a lower tier."""
@@ -292,14 +293,18 @@ class Scheduler:
                 if draft.probs is not None:
                     draft_probs = draft.probs[:num_drafts]
                 plan.draft_sources[request.request_id] = draft.source
+        samples = start + n == request.num_tokens and request.sampling_params.max_tokens > 0
         plan.seqs.append(ScheduledSeq(
             request_id=request.request_id, slot_id=request.slot_id,
             token_ids=token_ids, start_position=start,
-            num_logits=1 + num_drafts if start + n == request.num_tokens else 0,
+            num_logits=1 + num_drafts if samples else 0,
             sampling_params=request.sampling_params, sampling_seed=request.sampling_seed,
             num_output_tokens=request.num_output_tokens,
             prompt_token_ids=request.prompt_token_ids, output_token_ids=request.output_token_ids,
-            draft_probs=draft_probs))
+            draft_probs=draft_probs,
+            # rows whose next token is a prompt token score it
+            num_prompt_logits=max(0, min(n, request.num_prompt_tokens - 1 - start))
+            if _scores_prompt(request) else 0))
         return n + num_drafts
 
     def update(self, plan: StepPlan, result: StepResult) -> StepOutcome:
@@ -309,16 +314,22 @@ class Scheduler:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            if seq.request_id in result.errors:
+            error = result.errors.get(seq.request_id)
+            if error is None and seq.num_prompt_logits:
+                error = _take_prompt_logprobs(request, seq, result)
+            if error is not None:
                 self._finish(request, RequestStatus.FINISHED_ERROR)
                 out = self._output(request, [], [])
-                out.error = result.errors[seq.request_id]
+                out.error = error
                 outputs.append(out)
                 continue
             if not seq.num_logits:
                 request.num_computed_tokens += seq.num_tokens
                 self.pool.commit(request.slot_id, request.all_token_ids,
                                  request.num_computed_tokens, request.tenant)
+                if request.num_computed_tokens == request.num_tokens:  # max_tokens 0: scored
+                    self._finish(request, RequestStatus.FINISHED_LENGTH)
+                    outputs.append(self._output(request, [], []))
                 continue
             sampled = result.sampled_token_ids[seq.request_id]
             num_drafts = seq.num_logits - 1
@@ -395,6 +406,11 @@ class Scheduler:
 
     def _output(self, request: Request, new_ids: list[int], new_logprobs: list) -> RequestOutput:
         finished = request.status.finished
+        prompt_logprobs = None
+        if _scores_prompt(request) and request.status != RequestStatus.FINISHED_ERROR:
+            entries = request.prompt_logprobs or [None]  # a one-token prompt scores nothing
+            if len(entries) == request.num_prompt_tokens:
+                prompt_logprobs, request.prompt_logprobs_sent = entries, True
         return RequestOutput(
             request_id=request.request_id, new_token_ids=new_ids,  # callers pass fresh lists
             new_logprobs=new_logprobs, finished=finished,
@@ -405,4 +421,27 @@ class Scheduler:
             queue_time_s=max(0.0, (request.first_scheduled_time_s or request.arrival_time_s)
                              - request.arrival_time_s),
             num_accepted_prediction_tokens=request.num_accepted_prediction_tokens,
-            num_rejected_prediction_tokens=request.num_rejected_prediction_tokens)
+            num_rejected_prediction_tokens=request.num_rejected_prediction_tokens,
+            prompt_logprobs=prompt_logprobs)
+
+
+def _scores_prompt(request: Request) -> bool:
+    """Does the request still need its prompt scored (prompt logprobs not yet handed out)?"""
+    return request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent
+
+
+def _take_prompt_logprobs(request: Request, seq: ScheduledSeq, result: StepResult) -> str | None:
+    """File a step's prompt-scoring rows under the positions they score; an error if missing.
+
+    A recompute (preemption) starts again from position 0 and overwrites what it scores."""
+    rows = result.prompt_logprobs.get(seq.request_id)
+    if rows is None or len(rows) != seq.num_prompt_logits:
+        return "the executor did not return the prompt logprobs"
+    entries = request.prompt_logprobs
+    del entries[seq.start_position + 1:]
+    if not entries:
+        entries.append(None)  # the first prompt token has nothing before it to score it
+    if len(entries) != seq.start_position + 1:
+        return "prompt logprobs skipped a position"
+    entries.extend(rows)
+    return None

@@ -45,6 +45,10 @@ class ScheduledSeq:
     # [k, vocab] probabilities the draft model drew the drafts from; None = deterministic drafts
     # (n-gram, prediction, greedy draft model). Opaque here: core never touches tensors.
     draft_probs: Any = None
+    # Prompt scoring: the first `num_prompt_logits` rows also return logits, and row j gives the
+    # logprob of the prompt token at start_position + j + 1 (StepResult.prompt_logprobs).
+    # Those rows come before the `num_logits` sampled rows; the two never overlap.
+    num_prompt_logits: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +102,8 @@ class StepResult:
     # (1 <= len <= num_logits), the scheduler keeps the matching prefix plus that one token
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # only if asked
+    # one entry per prompt-scoring row (ScheduledSeq.num_prompt_logits), in row order
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # a request that failed alone
     execute_time_s: float = 0.0  # forward pass
     sample_time_s: float = 0.0  # sampling on the logits
@@ -119,6 +125,9 @@ class RequestOutput:
     queue_time_s: float = 0.0  # arrival to first slot
     num_accepted_prediction_tokens: int = 0  # so far, of drafts taken from the client prediction
     num_rejected_prediction_tokens: int = 0
+    # once per request, when asked for (SamplingParams.prompt_logprobs): one entry per prompt
+    # token, the first None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ultrafast.core.types import StepPlan, StepResult
+from ultrafast.executors.fake_scoring import score_prompt
 
 # Ids that no real prompt text tokenizes to in this order; only token-id prompts carry them.
 FAULT_MARKER = (3, 1, 4, 1, 5)
@@ -140,6 +141,9 @@ class FakeExecutor:
                     raise RuntimeError("injected step fault")
                 result.errors[seq.request_id] = "injected fault"
                 continue
+            if seq.num_prompt_logits:  # prompt logprobs (executors/fake_scoring.py)
+                result.prompt_logprobs[seq.request_id] = score_prompt(
+                    kv, seq, lambda context: next_token(context, self.output_ids))
             if seq.num_logits:
                 n = len(kv)
                 result.sampled_token_ids[seq.request_id] = [

@@ -23,6 +23,7 @@ from ultrafast.server import auth
 from ultrafast.server.bridge import EngineBridge
 from ultrafast.server.calls import chat_call, chat_messages, completion_call, prepare_call
 from ultrafast.server.errors import APIError
+from ultrafast.server.models_api import model_routes
 from ultrafast.server.playground import playground_routes
 from ultrafast.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                        parse_chat_request, parse_completion_request)
@@ -84,11 +85,6 @@ def build_app(state: ServerState) -> Starlette:
         body = await read_json(http, state)
         return await _completion(http, state, parse_completion_request(body, state.limits))
 
-    async def models(http: HTTPRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": int(state.started_s),
-            "owned_by": "ultrafast", "max_model_len": state.max_model_len}]})
-
     async def health(http: HTTPRequest) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -130,7 +126,7 @@ def build_app(state: ServerState) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
+        *model_routes(state),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

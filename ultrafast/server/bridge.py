@@ -100,7 +100,8 @@ def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one (tokens in order, the later state)."""
     return replace(then, new_token_ids=first.new_token_ids + then.new_token_ids,
                    new_logprobs=first.new_logprobs + then.new_logprobs,
-                   queue_time_s=first.queue_time_s)
+                   queue_time_s=first.queue_time_s,
+                   prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs)
 
 
 class EngineBridge:

@@ -63,7 +63,7 @@ def chat_call(req: ChatCompletionRequest, vocab_size: int,
         max_tokens=req.requested_max_tokens(),
         messages=messages if messages is not None else chat_messages(req), model=req.model,
         n=req.n, stream=bool(req.stream), include_usage=req.include_usage(),
-        stops=req.stop_list(), tier=req.tier(), auto_tier=req.requested_tier_name() == "auto",
+        stops=req.stop_list(), tier=req.tier(), auto_tier=req.tier_is_auto(),
         prediction_text=req.prediction_text() or None,
         tier_param="service_tier" if req.service_tier is not None else "priority",
         max_tokens_param="max_completion_tokens" if req.max_completion_tokens is not None
@@ -76,7 +76,7 @@ def completion_call(req: CompletionRequest, vocab_size: int) -> CallInput:
         max_tokens=req.requested_max_tokens(),
         prompts=req.prompt_list(), model=req.model, n=req.n, stream=bool(req.stream),
         include_usage=req.include_usage(), stops=req.stop_list(), tier=req.tier(),
-        auto_tier=req.requested_tier_name() == "auto", echo=req.echo,
+        auto_tier=req.tier_is_auto(), echo=req.echo,
         tier_param="service_tier" if req.service_tier is not None else "priority",
         prompt_param="prompt")
 
@@ -153,9 +153,13 @@ async def prepare_call(state: ServerState, scope: dict, call: CallInput) -> Gene
         num_tokens_taken = auth.take_tokens(
             tenant, num_prompt_tokens + max_tokens * len(prompts) * call.n, state.auth_refused)
         try:
-            # admission predicts TTFT from the tokens left to prefill, not the cached history
-            num_new = await loop.run_in_executor(state.pool, _num_uncached, state, prompts,
-                                                 tenant.name)
+            # admission predicts TTFT from the tokens left to prefill, not the cached history;
+            # a scoring call (prompt logprobs) takes no cached prefix, so all of it
+            if params.prompt_logprobs is not None:
+                num_new = sum(len(p) for p in prompts)
+            else:
+                num_new = await loop.run_in_executor(state.pool, _num_uncached, state, prompts,
+                                                     tenant.name)
             state.admission.admit(ticket, num_new * call.n, auto)
         except APIError:
             _refund_tokens(tenant, num_tokens_taken, 0)

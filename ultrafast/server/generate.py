@@ -123,6 +123,10 @@ class GenerationRun:
         echo = spec.echo_texts or [""] * len(spec.prompts)
         self.choices = [fmt.ChoiceState(c, text=echo[self.choice_prompts[c]])
                         for c in range(num_choices)]
+        for choice in self.choices:  # echo: the generated text's offsets start after it
+            choice.echo_chars = len(choice.text)
+            if self.scores_prompt:
+                choice.prompt_token_ids = spec.prompts[self.choice_prompts[choice.index]]
         self.detoks = [tok.detokenizer(spec.prompts[self.choice_prompts[c]])
                        for c in range(num_choices)]
         self.matchers = [StopStringMatcher(spec.stops) for _ in range(num_choices)]
@@ -149,6 +153,13 @@ class GenerationRun:
         assert self._commit_hook is None, "a run commits once"
         self._commit_hook = hook
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Completions `echo` + `logprobs`: the response lists the prompt's logprobs first."""
+        spec = self.spec
+        return (bool(spec.echo_texts) and spec.want_logprobs
+                and spec.params.prompt_logprobs is not None)
+
     def _apply(self, index: int, out: RequestOutput) -> tuple[str, list, str | None]:
         """Fold one engine output into choice `index`; returns (text delta, logprobs, finish)."""
         choice = self.choices[index]
@@ -159,6 +170,8 @@ class GenerationRun:
         self.num_prediction_tokens[index] = (out.num_accepted_prediction_tokens,
                                              out.num_rejected_prediction_tokens)
         choice.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
         choice.token_ids.extend(out.new_token_ids)
         choice.logprobs.extend(out.new_logprobs)
         delta = self.detoks[index].push(out.new_token_ids)
@@ -337,13 +350,20 @@ class GenerationRun:
         writer = fmt.ChunkWriter(spec.request_id, spec.model_name, spec.tier.api_name, spec.chat,
                                  self.deps.tokenizer.decode, spec.want_logprobs)
         try:
+            # with prompt logprobs, a choice's echo waits for its first output, which has them
+            echo_later = set(range(len(self.choices))) if self.scores_prompt else set()
             for choice in self.choices:
                 if spec.chat:
                     yield writer.role(choice.index)
-                elif spec.echo_texts:
-                    yield writer.delta(choice.index, spec.echo_texts[self.choice_prompts[
-                        choice.index]], [])
+                elif spec.echo_texts and choice.index not in echo_later:
+                    yield writer.echo(choice.index, spec.echo_texts[self.choice_prompts[
+                        choice.index]], None)
             async for event in _chained(first, events):
+                if (isinstance(event, ChoiceDelta) and event.index in echo_later
+                        and event.finish != "error"):
+                    echo_later.discard(event.index)
+                    yield writer.echo(event.index, spec.echo_texts[self.choice_prompts[
+                        event.index]], self.choices[event.index].prompt_part())
                 if isinstance(event, Ping):
                     yield b": ping\n\n"
                 elif event.finish == "error":
