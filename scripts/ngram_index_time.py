@@ -1,5 +1,5 @@
 """First n-gram lookup of a long conversation's turn: a fresh index vs the previous turn's,
-taken over (runtime/spec.py). The lookup runs before the turn's second token.
+taken over (engine/speculation.py). The lookup runs before the turn's second token.
 
     .venv/bin/python scripts/ngram_index_time.py [HISTORY_TOKENS]
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ultrafast.request import Request, SamplingParams, ServiceTier  # noqa: E402
-from ultrafast.runtime.spec import SpecConfig, Speculator  # noqa: E402
+from ultrafast.engine.speculation import SpecConfig, Speculator  # noqa: E402
 
 
 def main() -> None:

@@ -57,7 +57,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.executor not in ("auto", "ggml", "torch", "fake"):
-            raise ValueError("executor must be auto, ggml or torch")
+            raise ValueError("executor must be auto, ggml, torch or fake (tests only)")
         if self.spec not in ("off", "ngram", "draft", "auto"):
             raise ValueError("spec must be off, ngram, draft or auto")
         bad = set(self.spec_tiers) - {"priority", "default", "flex"}

@@ -16,9 +16,9 @@ from ultrafast.model.kv_budget import check_kv_fits
 from ultrafast.model_files import (ModelFiles, gguf_for, load_tokenizer, resolve_model,
                                    tokenizer_fingerprint)
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.engine import EngineCore
-from ultrafast.runtime.draft_model import DraftModelProposer
-from ultrafast.runtime.spec import SpecConfig, Speculator
+from ultrafast.engine.core import EngineCore
+from ultrafast.engine.draft_model import DraftModelProposer
+from ultrafast.engine.speculation import SpecConfig, Speculator
 from ultrafast.tokenizer import StopStringMatcher, Tokenizer
 
 
@@ -39,8 +39,10 @@ def build_executor(config: EngineConfig, files: ModelFiles):
     if kind == "fake":  # load and fault tests: deterministic tokens, no weights
         from ultrafast.executors.fake_exec import FakeExecutor
 
-        return FakeExecutor(files.tokenizer_dir / "tokenizer.json", num_slots=config.num_slots,
-                            max_model_len=config.max_model_len, step_s=config.fake_step_s)
+        return FakeExecutor.for_tokenizer(files.tokenizer_dir / "tokenizer.json",
+                                          num_slots=config.num_slots,
+                                          max_model_len=config.max_model_len,
+                                          step_s=config.fake_step_s)
     if kind == "ggml":
         from ultrafast.executors.ggml_exec import GgmlExecutor
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ultrafast.config import cache_dir
-from ultrafast.model.errors import ModelLoadError
+from ultrafast.model.config import ModelLoadError
 from ultrafast.model.gguf_meta import read_gguf_metadata
 from ultrafast.tokenizer import Tokenizer
 

@@ -6,6 +6,7 @@ The engine sees token ids only; text (stop strings, templates) stays in the HTTP
 from __future__ import annotations
 
 import enum
+import functools
 import random
 from dataclasses import dataclass, field
 
@@ -19,8 +20,11 @@ class ServiceTier(enum.IntEnum):
 
     @classmethod
     def parse(cls, name: str | None) -> "ServiceTier":
+        # OpenAI's `scale` (reserved capacity) and `fast` (its name for priority) are served
+        # on the priority lane; `auto` and `scale` may fall back (see server/auth.py)
         aliases = {None: cls.DEFAULT, "auto": cls.DEFAULT, "default": cls.DEFAULT,
-                   "flex": cls.FLEX, "priority": cls.PRIORITY, "ultrafast": cls.PRIORITY}
+                   "flex": cls.FLEX, "priority": cls.PRIORITY, "ultrafast": cls.PRIORITY,
+                   "fast": cls.PRIORITY, "scale": cls.PRIORITY}
         if name not in aliases:
             raise ValueError(f"unknown service tier {name!r}")
         return aliases[name]
@@ -62,10 +66,18 @@ class SamplingParams:
     top_logprobs: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Logprobs of the prompt's own tokens (completions `echo` + `logprobs`): None = off, else
+    # the number of top alternatives per position. Such a request may have max_tokens 0: it
+    # scores the prompt and generates nothing.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        scoring = self.prompt_logprobs is not None
         checks = [
-            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.max_tokens >= (0 if scoring else 1),
+             "max_tokens must be >= 1 (0 only when scoring the prompt)"),
+            (not scoring or 0 <= self.prompt_logprobs <= 20,
+             "prompt_logprobs must be in [0, 20]"),
             (0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be >= 0"),
@@ -78,13 +90,16 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        # read for every sampled token: computed once (the dataclass is frozen)
-        object.__setattr__(self, "plain_greedy", self.greedy and not self.logit_bias
-                           and not self.needs_penalties and not self.logprobs)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @functools.cached_property  # read for every sampled token: computed once per params
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits or asks for them: one batch argmax."""
+        return (self.greedy and not self.logit_bias and not self.needs_penalties
+                and not self.logprobs and self.prompt_logprobs is None)
 
     @property
     def needs_penalties(self) -> bool:
@@ -105,24 +120,24 @@ class Request:
     first_scheduled_time_s: float | None = None  # when it first got a slot (queue wait ends)
     eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list = field(default_factory=list)  # runtime.sampler.TokenLogprobs per token
+    output_logprobs: list = field(default_factory=list)  # core.types.TokenLogprobs per token
     num_computed_tokens: int = 0  # tokens whose KV is in the slot
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.cached_tokens)
     num_preemptions: int = 0
     slot_id: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     sampling_seed: int = 0
-    # speculative decoding (runtime.spec proposes, the scheduler schedules and counts)
+    # speculative decoding (engine.speculation proposes, the scheduler schedules and counts)
     prediction_token_ids: list[int] = field(default_factory=list)  # client `prediction`
     spec_enabled: bool = False  # n-gram / draft-model drafts (a prediction is always used)
-    draft: object = None  # core.types.Draft for the next decode step, consumed by schedule()
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_draft_tokens: int = 0
     num_accepted_prediction_tokens: int = 0  # usage.completion_tokens_details
     num_rejected_prediction_tokens: int = 0
-    last_num_drafts: int = 0  # the last verify step: drafts scheduled / accepted (adaptive k)
-    last_num_accepted: int = 0
-    last_draft_source: str = ""  # Draft.source of the last scheduled drafts
+    # prompt logprobs (sampling_params.prompt_logprobs): entry i scores prompt token i (entry 0
+    # is None: nothing precedes it); handed out once, in the output that completes them
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -21,7 +21,7 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
-from ultrafast.model.errors import ModelLoadError
+from ultrafast.model.config import ModelLoadError
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""The real server with `--api-keys`: RELIABILITY B41, B45-B49, S1 (route census), S2 (no key in
-logs), S4 (prefix cache per tenant), S9 (no CORS, Host allow-list), S10 (loopback without keys),
-S12 (label cardinality), rate limits (429 + Retry-After), and /metrics after real traffic.
-Driven with the official openai client and raw httpx.
+"""The real server with `--api-keys`: docs/RELIABILITY.md B41, B45-B49, S1 (route census),
+S2 (no key in logs), S4 (prefix cache per tenant), S9 (no CORS, Host allow-list), S10 (loopback
+without keys), S12 (label cardinality), rate limits (429 + Retry-After), and /metrics after real
+traffic. Driven with the official openai client and raw httpx.
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def test_auth_rows(keyed, case):
 def test_b48_method_and_b49_unknown_path(keyed):
     r = httpx.get(keyed.url + CHAT)
     assert error_of(r)[:3] == (401, "authentication_error", "missing_api_key")
-    r = httpx.get(keyed.url + CHAT, headers=bearer("acme"))
+    # GET /v1/chat/completions lists stored completions: the method check uses completions
+    r = httpx.get(keyed.url + "/v1/completions", headers=bearer("acme"))
     assert error_of(r)[:3] == (405, "invalid_request_error", "method_not_allowed")
     assert r.headers["allow"] == "POST"
     r = httpx.get(keyed.url + "/v1/secret-admin")
@@ -275,7 +276,8 @@ def test_realtime_websocket_needs_a_key_and_an_allowed_host(keyed):
 
 
 def test_s3_sessions_of_one_tenant_are_invisible_to_another(keyed):
-    """RELIABILITY S3 / B44: another tenant's conversation, response or chat session is 404."""
+    """docs/RELIABILITY.md S3 / B44: another tenant's conversation, response or chat session
+    is 404."""
     client = {name: openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEYS[name], max_retries=0)
               for name in ("acme", "beta")}
     conversation = client["acme"].conversations.create()
@@ -309,6 +311,24 @@ def test_s3_sessions_of_one_tenant_are_invisible_to_another(keyed):
     assert alone.usage.prompt_tokens == fresh.usage.prompt_tokens < seed.usage.prompt_tokens
     assert len(client["acme"].conversations.items.list(conversation.id).data) == \
         len(acme_items) + 2  # acme's own turn and answer, nothing of beta's
+
+
+def test_s3_stored_chat_completions_of_one_tenant_are_invisible_to_another(keyed):
+    client = {name: openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEYS[name], max_retries=0)
+              for name in ("acme", "beta")}
+    stored = client["acme"].chat.completions.create(model="demo-code", store=True,
+                                                    metadata={"who": "acme"},
+                                                    **BODY)
+    assert client["acme"].chat.completions.retrieve(stored.id).id == stored.id
+    beta = client["beta"]
+    for attempt in (lambda: beta.chat.completions.retrieve(stored.id),
+                    lambda: beta.chat.completions.delete(stored.id),
+                    lambda: beta.chat.completions.messages.list(stored.id)):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    assert list(beta.chat.completions.list(metadata={"who": "acme"})) == []
+    assert [c.id for c in client["acme"].chat.completions.list(
+        metadata={"who": "acme"})] == [stored.id]
 
 
 def test_s2_keys_never_reach_the_logs(keyed):  # stops the server: keep it last but one

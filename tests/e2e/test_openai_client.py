@@ -146,7 +146,7 @@ def test_bad_inputs_over_http(server):
         assert_error(raw(server, {"messages": long}), 400, "context_length_exceeded", "messages")
     assert_error(raw(server, {"messages": msg, "max_tokens": 4000}), 400,
                  "context_length_exceeded", "max_tokens")
-    r = raw(server, b"", method="GET")
+    r = raw(server, b"", method="GET", path="/v1/completions")  # GET chat/completions: a list
     assert_error(r, 405, "method_not_allowed")
     assert r.headers["allow"] == "POST"
     assert httpx.get(server.url + "/health").status_code == 200

@@ -148,6 +148,10 @@ def test_realtime_turns_stream_and_barge_in_keeps_only_what_was_sent(srv):
 
         ws.send("not json")
         assert json.loads(ws.recv(timeout=30))["error"]["code"] == "invalid_json"
+        for options, code in (({"max_output_tokens": "8"}, "invalid_type"),
+                              ({"temperature": 9}, "invalid_value"), ("x", "invalid_type")):
+            ws.send(json.dumps({"type": "response.create", "response": options}))
+            assert json.loads(ws.recv(timeout=30))["error"]["code"] == code  # nothing generated
     items = httpx.get(f"{srv.url}/v1/conversations/{conversation}/items?order=asc",
                       timeout=30).json()["data"]
     assert [(i["role"], i["status"]) for i in items] == [
@@ -155,3 +159,24 @@ def test_realtime_turns_stream_and_barge_in_keeps_only_what_was_sent(srv):
         ("assistant", "incomplete")]
     assert items[1]["content"][0]["text"] == deltas
     assert items[3]["content"][0]["text"] == sent  # only what the client actually received
+
+
+def test_stored_chat_completions_on_redis_get_list_delete(srv):
+    made = [httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": f"def r{i}():"}], "max_tokens": 3,
+        "store": True, "metadata": {"suite": "redis"}}).json() for i in range(2)]
+    got = httpx.get(srv.url + f"/v1/chat/completions/{made[1]['id']}", timeout=30).json()
+    assert got["choices"][0]["message"]["content"] == made[1]["choices"][0]["message"]["content"]
+    listed = httpx.get(srv.url + "/v1/chat/completions", timeout=30,
+                       params={"metadata[suite]": "redis"}).json()
+    assert [c["id"] for c in listed["data"]] == [c["id"] for c in made]
+    messages = httpx.get(srv.url + f"/v1/chat/completions/{made[0]['id']}/messages",
+                         timeout=30).json()["data"]
+    assert [(m["role"], m["content"]) for m in messages] == [("user", "def r0():")]
+    assert httpx.delete(srv.url + f"/v1/chat/completions/{made[0]['id']}",
+                        timeout=30).json()["deleted"] is True
+    assert httpx.get(srv.url + f"/v1/chat/completions/{made[0]['id']}",
+                     timeout=30).status_code == 404
+    listed = httpx.get(srv.url + "/v1/chat/completions", timeout=30,
+                       params={"metadata[suite]": "redis"}).json()
+    assert [c["id"] for c in listed["data"]] == [made[1]["id"]]

@@ -13,7 +13,7 @@ from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.executors.ggml_exec import GgmlExecutor
 from ultrafast.executors.torch_exec import TorchExecutor
 from ultrafast.request import Request, SamplingParams
-from ultrafast.runtime.engine import EngineCore
+from ultrafast.engine.core import EngineCore
 from ultrafast.tokenizer import Tokenizer
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(argv):\n",

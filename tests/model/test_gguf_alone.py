@@ -15,7 +15,7 @@ import pytest
 
 from tests.model.gguf_files import require_smollm2, truncated_copy, write_vocab_gguf
 from ultrafast.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
-from ultrafast.model.errors import ModelLoadError
+from ultrafast.model.config import ModelLoadError
 from ultrafast.model.gguf_meta import read_gguf_metadata
 from ultrafast.model_files import (gguf_for, load_tokenizer, resolve_model,
                                    tokenizer_fingerprint)

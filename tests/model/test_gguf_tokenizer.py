@@ -17,7 +17,7 @@ import pytest
 
 from tests.model.gguf_files import require_smollm2, spm_vocab, write_vocab_gguf
 from ultrafast.config import REPO_ROOT
-from ultrafast.model.errors import ModelLoadError
+from ultrafast.model.config import ModelLoadError
 from ultrafast.model.gguf_meta import read_gguf_metadata
 from ultrafast.model.gguf_tokenizer import gguf_vocab
 from ultrafast.tokenizer import Tokenizer

@@ -15,9 +15,9 @@ from ultrafast.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR, EngineConfig
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.llm import build_engine
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.engine import EngineCore
-from ultrafast.runtime.draft_model import DraftModelProposer
-from ultrafast.runtime.spec import SpecConfig, Speculator
+from ultrafast.engine.core import EngineCore
+from ultrafast.engine.draft_model import DraftModelProposer
+from ultrafast.engine.speculation import SpecConfig, Speculator
 from ultrafast.tokenizer import Tokenizer
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(argv):\n",

@@ -3,7 +3,7 @@
 import asyncio
 import threading
 
-from ultrafast.core.scheduler import RequestOutput
+from ultrafast.core.types import RequestOutput
 from ultrafast.request import Request, SamplingParams
 from ultrafast.server.bridge import EngineBridge, OutputBuffer
 

@@ -5,14 +5,16 @@ import time
 
 import pytest
 
-from tests.unit.fake_executor import FakeExecutor, reference_tokens
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.engine import EngineCore, EngineThread, StepCostModel
+from ultrafast.engine.core import EngineCore
+from ultrafast.engine.step_costs import StepCostModel
+from ultrafast.engine.thread import EngineThread
+from ultrafast.executors.fake_exec import FakeExecutor, reference_tokens
 
 
 def start_engine(shaper_window_s=0.0, num_slots=4):
-    executor = FakeExecutor(num_slots=num_slots, step_delay_s=0.002)
+    executor = FakeExecutor(num_slots=num_slots, step_s=0.002)
     core = EngineCore(executor, SchedulerConfig(max_num_seqs=num_slots, max_model_len=256))
     return EngineThread(core, shaper_window_s=shaper_window_s).start(), executor
 
@@ -144,3 +146,93 @@ def test_warmup_leaves_the_engine_clean():
     core.warmup()
     assert executor.plans and not core.has_work() and core.pool.num_running == 0
     assert all(not s.hashes for s in core.pool.slots)  # no fake prefix left to match
+
+
+# ---- the read API the server uses (through server/bridge.py) --------------------------------
+
+def wait_for(predicate, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_snapshot_is_published_after_steps_and_counts_the_finished_work():
+    engine, _ = start_engine(num_slots=4)
+    try:
+        before = engine.snapshot()
+        assert before.num_kv_slots_total == 4 and before.max_model_len == 256
+        assert before.num_running == 0 and before.device_kind == "cpu"
+        assert not before.step_costs.measured
+        c = Collector()
+        engine.submit(Request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=6)), c)
+        assert c.done.wait(5)
+        snap = engine.snapshot()  # published before the finish was delivered
+        assert snap.step_id > before.step_id and snap.num_running == 0
+        assert snap.num_prefix_queries == 1 and snap.num_prefix_query_tokens == 2  # all but the last
+        assert snap.num_draft_tokens == {}  # no speculation: empty, SpecStats' names
+        with pytest.raises(Exception):
+            snap.num_kv_slots_total = 1  # frozen: readers share nothing mutable
+    finally:
+        engine.stop()
+
+
+def test_snapshot_shows_a_running_request_and_its_tier():
+    engine, _ = start_engine(num_slots=2)
+    try:
+        c = Collector()
+        engine.submit(Request("long", [1, 2], SamplingParams(temperature=0, max_tokens=100_000,
+                                                             ignore_eos=True),
+                              tier=ServiceTier.PRIORITY), c)
+        wait_for(lambda: engine.snapshot().num_running_by_tier[ServiceTier.PRIORITY] == 1)
+        assert engine.snapshot().num_kv_slots_running == 1
+        engine.abort("long")
+        assert c.done.wait(5)
+        wait_for(lambda: engine.snapshot().num_running == 0)
+    finally:
+        engine.stop()
+
+
+def test_step_cost_snapshot_predicts_from_the_fit_or_the_fallback():
+    from ultrafast.engine.read_api import StepCostSnapshot
+    assert StepCostSnapshot().predict_s(10, fallback=(0.01, 0.002)) == pytest.approx(0.03)
+    costs = StepCostModel()
+    for n in (1, 4, 16, 64, 2, 32):
+        costs.observe(num_seqs=1, num_tokens=n, elapsed_s=0.010 + 0.0005 * n)
+    snap = StepCostSnapshot.of(costs)
+    assert snap.measured and snap.predict_s(100) == pytest.approx(0.010 + 0.05)
+    costs.observe(1, 8, 5.0)  # the live model moves on; the snapshot does not
+    assert snap.predict_s(100) == pytest.approx(0.060)
+
+
+def test_cached_prefix_tokens_sees_a_finished_prompt_per_tenant():
+    engine, _ = start_engine(num_slots=2)
+    try:
+        prompt = list(range(1, 70))
+        c = Collector()
+        engine.submit(Request("a", prompt, SamplingParams(temperature=0, max_tokens=2),
+                              tenant="acme"), c)
+        assert c.done.wait(5)
+        wait_for(lambda: engine.snapshot().num_running == 0)
+        assert engine.cached_prefix_tokens(prompt + [5, 6], "acme") >= 64
+        assert engine.cached_prefix_tokens(prompt + [5, 6], "beta") == 0  # never across tenants
+    finally:
+        engine.stop()
+
+
+def test_configure_applies_on_the_engine_thread_before_the_next_step():
+    from ultrafast.engine.read_api import EngineSettings
+    engine, _ = start_engine(num_slots=2)
+    try:
+        applied_on = []
+        apply = engine._apply_settings
+        engine._apply_settings = lambda s: applied_on.append(
+            threading.current_thread().name) or apply(s)
+        engine.configure(EngineSettings(reserved_priority_seats={"acme": 1}))
+        c = Collector()
+        engine.submit(Request("r", [1], SamplingParams(temperature=0, max_tokens=1)), c)
+        assert c.done.wait(5)
+        assert applied_on == ["ultrafast-engine"]
+        assert engine.core.scheduler.reserved_priority_seats == {"acme": 1}
+    finally:
+        engine.stop()

@@ -8,14 +8,15 @@ from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.executors.fake_exec import (FAULT_FATAL, FAULT_REQUEST, FAULT_STEP, FakeExecutor,
                                            FatalFault, fault_prompt, reference_tokens)
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.engine import EngineCore
+from ultrafast.engine.core import EngineCore
 from ultrafast.tokenizer import Tokenizer
 
 TOKENIZER_JSON = DEMO_MODEL_DIR / "tokenizer.json"
 
 
 def engine(num_slots=2, chunk=4):
-    executor = FakeExecutor(TOKENIZER_JSON, num_slots=num_slots, max_model_len=128, step_s=0)
+    executor = FakeExecutor.for_tokenizer(TOKENIZER_JSON, num_slots=num_slots, max_model_len=128,
+                                          step_s=0)
     config = SchedulerConfig(max_num_seqs=num_slots, max_prefill_chunk_tokens=chunk,
                              max_model_len=128)
     return EngineCore(executor, config), executor
@@ -48,13 +49,13 @@ def test_batched_chunked_and_preempted_output_is_the_reference():
     for r in requests:
         assert out[r.request_id] == reference_tokens(r.prompt_token_ids,
                                                      r.sampling_params.max_tokens,
-                                                     executor.word_ids)
+                                                     executor.output_ids)
 
 
 def test_tokens_are_plain_words_that_decode_by_concatenation():
     _, executor = engine()
     tok = Tokenizer.from_dir(DEMO_MODEL_DIR)
-    ids = reference_tokens([5, 6, 7], 40, executor.word_ids)
+    ids = reference_tokens([5, 6, 7], 40, executor.output_ids)
     assert not set(ids) & set(tok.eos_token_ids)
     assert tok.decode(ids) == "".join(tok.decode([i]) for i in ids)
     assert len(set(ids)) > 10  # not a constant stream: a lost token would show
@@ -66,8 +67,8 @@ def test_request_fault_fails_only_the_marked_request_at_its_index():
     good = req("good", [40, 41, 42], 10)
     out, errors = run(core, [bad, good])
     assert set(errors) == {"bad"}
-    assert out["bad"] == reference_tokens(bad.prompt_token_ids, 3, executor.word_ids)
-    assert out["good"] == reference_tokens(good.prompt_token_ids, 10, executor.word_ids)
+    assert out["bad"] == reference_tokens(bad.prompt_token_ids, 3, executor.output_ids)
+    assert out["good"] == reference_tokens(good.prompt_token_ids, 10, executor.output_ids)
 
 
 def test_step_fault_fails_the_step_and_fatal_fault_escapes_the_engine():

@@ -1,4 +1,4 @@
-"""Strict JSON bodies (RELIABILITY.md 7a, B1-B5, B16, B27, B29, B30): exact status and code."""
+"""Strict JSON bodies (docs/RELIABILITY.md 7a, B1-B5, B16, B27, B29, B30): exact status and code."""
 
 import time
 

@@ -1,12 +1,12 @@
 """server/metrics.py: engine step stats and request timings become the documented series, and label
-values stay in their fixed sets whatever the requests carry (RELIABILITY S12)."""
+values stay in their fixed sets whatever the requests carry (docs/RELIABILITY.md S12)."""
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.unit.fake_executor import FakeExecutor
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.engine import EngineCore
+from ultrafast.engine.core import EngineCore
+from ultrafast.executors.fake_exec import FakeExecutor
 from ultrafast.server.metrics import ServerMetrics
 
 
@@ -64,7 +64,7 @@ def test_speculative_counts_are_read_from_the_engine_spec_stats():
     # before speculative decoding (or with it off): the series exist at zero
     assert value(metrics, "ultrafast_spec_draft_tokens_total", source="draft") == 0
 
-    class SpecStats:  # the shape of runtime/spec.py's cumulative counters
+    class SpecStats:  # the shape of engine/speculation.py's cumulative counters
         num_draft_tokens = {"draft": 40, "ngram": 10, "weird": 2}
         num_accepted_tokens = {"draft": 30, "ngram": 4}
 

@@ -1,4 +1,4 @@
-"""Bad inputs of RELIABILITY.md 7a against the request models: exact status, type, code, param.
+"""Bad inputs of docs/RELIABILITY.md 7a against the request models: exact status, type, code, param.
 
 JSON-level rows (B1-B4, B16 NaN token, B27, B29, B30) live in test_json_body.py; B11 (unknown
 model) is answered by the app, which knows the served model. Positive cases at the end: every
@@ -78,7 +78,7 @@ CHAT_CASES = {
     "B15 n zero": (chat(n=0), (400, IV, "n")),
     "B16 temperature": (chat(temperature=-1), (400, IV, "temperature")),
     "B16 temperature high": (chat(temperature=2.5), (400, IV, "temperature")),
-    "B17 top_p 0": (chat(top_p=0), (400, IV, "top_p")),
+    "B17 top_p negative": (chat(top_p=-0.1), (400, IV, "top_p")),
     "B17 top_p 1.5": (chat(top_p=1.5), (400, IV, "top_p")),
     "B17 top_k": (chat(top_k=-5), (400, IV, "top_k")),
     "B18 frequency": (chat(frequency_penalty=3), (400, IV, "frequency_penalty")),
@@ -197,6 +197,12 @@ COMPLETION_CASES = {
     "B26 huge prompt": ({"prompt": "x" * 1_000_001}, (413, "prompt_too_large", "prompt")),
     "B26 huge batch": ({"prompt": ["x" * 600_000] * 2}, (413, "prompt_too_large", "prompt")),
     "B37 best_of": ({"prompt": "x", "best_of": 2}, (400, "unknown_parameter", "best_of")),
+    "B37 best_of 0": ({"prompt": "x", "best_of": 0}, (400, "unknown_parameter", "best_of")),
+    "B12 max_tokens 0 without echo": ({"prompt": "x", "max_tokens": 0},
+                                      (400, IV, "max_tokens")),
+    "B12 max_tokens -1 with echo": ({"prompt": "x", "max_tokens": -1, "echo": True},
+                                    (400, IV, "max_tokens")),
+    "B14 logprobs 1.5": ({"prompt": "x", "logprobs": 1.5}, (400, IT, "logprobs")),
     "B38 chat fields": ({"prompt": "x", "messages": MSG}, (400, "unknown_parameter", "messages")),
     "suffix": ({"prompt": "x", "suffix": "y"}, (400, "unsupported_parameter", "suffix")),
 }
@@ -290,7 +296,7 @@ def test_full_completion_request_maps_to_sampling_params():
     assert p == SamplingParams(
         max_tokens=20, temperature=0.0, top_p=0.5, top_k=0, min_p=0.1, seed=2 ** 64 - 1,
         repetition_penalty=10.0, presence_penalty=2.0, frequency_penalty=-2.0,
-        logit_bias=((999, 100.0),), logprobs=True, top_logprobs=5)
+        logit_bias=((999, 100.0),), logprobs=True, top_logprobs=5, prompt_logprobs=5)
     assert p.greedy and req.tier() == ServiceTier.FLEX and req.echo and not req.stream
     assert req.prompt_list() == [[1, 2, 3], [4]] and req.stop_list() == ["END"]
 

@@ -7,7 +7,7 @@ import torch
 
 from ultrafast.core.types import ScheduledSeq
 from ultrafast.request import SamplingParams
-from ultrafast.runtime.sampler import filter_logits, sample_plan
+from ultrafast.sampling.sampler import filter_logits, sample_plan
 
 
 def seq(params, request_id="r", seed=1, num_output=0, outputs=(), prompt=(1,), num_logits=1):

@@ -4,10 +4,11 @@ import collections
 
 import pytest
 
-from tests.unit.fake_executor import FakeExecutor, prompt, reference_tokens, run_all
+from tests.unit.engine_driver import prompt, run_all
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.engine import EngineCore
+from ultrafast.engine.core import EngineCore
+from ultrafast.executors.fake_exec import FakeExecutor, reference_tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -215,7 +216,7 @@ def test_priority_step_budget_caps_steps_but_keeps_priority_decodes():
     engine.add_request(Request("p", prompt(20, 4), SamplingParams(temperature=0.0, max_tokens=20),
                                tier=ServiceTier.PRIORITY))
     engine.step()
-    engine.scheduler.priority_step_token_budget = 5
+    engine.priority_token_budget = 5  # fixed: this engine has no ITL target to size it
     engine.add_request(Request("long", prompt(21, 60), GREEDY))
     for _ in range(4):
         engine.step()

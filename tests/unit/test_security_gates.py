@@ -1,4 +1,4 @@
-"""RELIABILITY S5 grep gate: no unpickling, eval/exec, unsafe YAML, unsafe torch.load or an
+"""docs/RELIABILITY.md S5 grep gate: no unpickling, eval/exec, unsafe YAML, unsafe torch.load or an
 unsandboxed Jinja environment anywhere in the package or scripts. A new use fails CI."""
 
 import re

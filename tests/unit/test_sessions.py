@@ -10,9 +10,11 @@ import uuid
 
 import pytest
 
-from ultrafast.server.session_flow import SessionFlow
-from ultrafast.server.sessions import (SeqConflict, StoreUnavailable, TooManySessions, Turn,
-                                       open_store)
+from ultrafast.server.sessions.flow import SessionFlow
+from ultrafast.server.sessions.backends import open_store
+from ultrafast.server.sessions.store import (CHAT_COMPLETION, RESPONSE, SeqConflict,
+                                             StoredObject, StoreUnavailable, TooManySessions,
+                                             Turn)
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -109,15 +111,48 @@ def test_per_tenant_bound_and_ttl(store_url):
 
 def test_responses_records_round_trip_and_delete(store_url):
     tenant = _tenant()
+    stored = StoredObject({"id": "resp_1"}, created_s=5.0, session_id="conv_x", seq=3)
 
     async def body(store):
-        await store.put_response(tenant, "resp_1", {"id": "resp_1", "_seq": 3})
-        got = await store.get_response(tenant, "resp_1")
-        other = await store.get_response(_tenant(), "resp_1")
-        deleted = await store.delete_response(tenant, "resp_1")
-        return got, other, deleted, await store.get_response(tenant, "resp_1")
+        await store.put_object(tenant, RESPONSE, "resp_1", stored)
+        got = await store.get_object(tenant, RESPONSE, "resp_1")
+        other = await store.get_object(_tenant(), RESPONSE, "resp_1")
+        other_kind = await store.get_object(tenant, CHAT_COMPLETION, "resp_1")
+        deleted = await store.delete_object(tenant, RESPONSE, "resp_1")
+        return got, other, other_kind, deleted, await store.get_object(tenant, RESPONSE, "resp_1")
 
-    assert run(_with_store(store_url, body)) == ({"id": "resp_1", "_seq": 3}, None, True, None)
+    # the bookkeeping (session, seq) comes back beside the public body, never inside it
+    assert run(_with_store(store_url, body)) == (stored, None, None, True, None)
+
+
+def test_stored_objects_list_oldest_first_per_tenant_and_kind(store_url):
+    tenant = _tenant()
+
+    async def body(store):
+        for i, created in enumerate((30.0, 10.0, 20.0)):
+            await store.put_object(tenant, CHAT_COMPLETION, f"c{i}", StoredObject(
+                {"id": f"c{i}"}, created_s=created, metadata={"k": str(i)}))
+        await store.put_object(_tenant(), CHAT_COMPLETION, "c9", StoredObject({"id": "c9"}))
+        await store.put_object(tenant, RESPONSE, "r0", StoredObject({"id": "r0"}))
+        listed = [o.body["id"] for o in await store.list_objects(tenant, CHAT_COMPLETION)]
+        await store.delete_object(tenant, CHAT_COMPLETION, "c2")
+        after = [o.metadata for o in await store.list_objects(tenant, CHAT_COMPLETION)]
+        return listed, after
+
+    assert run(_with_store(store_url, body)) == (["c1", "c2", "c0"], [{"k": "1"}, {"k": "0"}])
+
+
+def test_session_metadata_is_replaced_and_a_missing_session_says_so(store_url):
+    tenant = _tenant()
+
+    async def body(store):
+        await store.create(tenant, "s", {"a": "1"})
+        updated = await store.set_metadata(tenant, "s", {"b": "2"})
+        got = await store.get(tenant, "s")
+        missing = await store.set_metadata(tenant, "nope", {"b": "2"})
+        return updated.metadata, got.metadata, missing
+
+    assert run(_with_store(store_url, body)) == ({"b": "2"}, {"b": "2"}, None)
 
 
 def test_redis_outage_raises_unavailable_and_restart_keeps_each_turn_once(redis_server):
@@ -147,7 +182,8 @@ def test_redis_outage_raises_unavailable_and_restart_keeps_each_turn_once(redis_
 
 def test_sqlite_history_survives_a_new_process(tmp_path):
     url = f"sqlite:///{tmp_path}/s.db"
-    code = ("import asyncio, sys\nfrom ultrafast.server.sessions import open_store, Turn\n"
+    code = ("import asyncio, sys\nfrom ultrafast.server.sessions.backends import open_store\n"
+            "from ultrafast.server.sessions.store import Turn\n"
             "async def main():\n    s = open_store(sys.argv[1])\n    await s.create('t', 'c')\n"
             "    await s.append('t', 'c', Turn('u0', 'user', 'kept'))\n    await s.close()\n"
             "asyncio.run(main())\n")

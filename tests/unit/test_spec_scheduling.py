@@ -5,13 +5,13 @@ model" is a second fake executor that agrees with the target always, never, or o
 hash-chosen part of the contexts. Whatever the drafts, the output must be the plain output.
 """
 
-from tests.unit.fake_executor import (FakeExecutor, next_token, prompt, reference_tokens,
-                                      run_all)
+from tests.unit.engine_driver import prompt, run_all
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.engine import EngineCore
-from ultrafast.runtime.draft_model import DraftModelProposer
-from ultrafast.runtime.spec import SpecConfig, Speculator
+from ultrafast.engine.core import EngineCore
+from ultrafast.engine.draft_model import DraftModelProposer
+from ultrafast.engine.speculation import SpecConfig, Speculator
+from ultrafast.executors.fake_exec import FakeExecutor, next_token, reference_tokens
 
 PRIORITY = ServiceTier.PRIORITY
 
@@ -35,7 +35,7 @@ class FakeDraft(FakeExecutor):
 
 
 def sometimes(context):
-    return next_token(context, 5) != 0  # agrees on ~80% of contexts
+    return next_token(context, range(5)) != 0  # agrees on ~80% of contexts
 
 
 def make_engine(agree=lambda c: True, num_slots=4, spec=None, **overrides):
@@ -175,7 +175,7 @@ def test_adaptive_k_grows_with_acceptance_and_shrinks_without():
 
 
 def test_best_draft_length_follows_acceptance_and_cost():
-    from ultrafast.runtime.spec import best_draft_length
+    from ultrafast.engine.speculation import best_draft_length
 
     ks = [best_draft_length(a, 16, 2e-3, 0.5e-3) for a in (0.1, 0.4, 0.6, 0.8, 0.95, 0.99)]
     assert ks == sorted(ks) and ks[0] == 0 and ks[-1] >= 12
@@ -187,7 +187,7 @@ def test_priority_step_budget_still_bounds_steps_with_drafts():
     engine, executor, _ = make_engine(max_num_batched_tokens=64, max_prefill_chunk_tokens=64)
     engine.add_request(Request("p", prompt(20, 4), greedy(40), tier=PRIORITY))
     engine.step()
-    engine.scheduler.priority_step_token_budget = 3
+    engine.priority_token_budget = 3
     engine.priority_itl_target_s = None  # keep the budget fixed for the test
     engine.add_request(Request("long", prompt(21, 60), greedy(12)))
     for _ in range(6):
@@ -217,8 +217,8 @@ class CopyingTarget(FakeExecutor):
         return result
 
     def _next(self, context):
-        if len(context) < 12 or next_token(context, 7) == 0:
-            return next_token(context, self.vocab_size)
+        if len(context) < 12 or next_token(context, range(7)) == 0:
+            return next_token(context, self.output_ids)
         return context[-12]
 
 
@@ -234,6 +234,7 @@ def test_ngram_drafts_are_verified_exactly():
                                   Request("b", text[3:], greedy(50), tier=PRIORITY)])
         outs.append(dict(out))
     assert outs[0] == outs[1]
+    assert [len(outs[1][rid]) for rid in "ab"] == [60, 50]  # no request failed
     stats = engine.spec_stats
     assert stats.num_draft_tokens["ngram"] > 0
     assert 0.5 < stats.acceptance_rate("ngram") < 1.0
@@ -258,7 +259,7 @@ def test_prediction_drafts_and_usage_counts():
 
 
 def test_prediction_aligner_follows_insertions_and_substitutions():
-    from ultrafast.runtime.spec import PredictionAligner
+    from ultrafast.engine.speculation import PredictionAligner
 
     prediction = list(range(100, 120))
     aligner = PredictionAligner(prediction)
@@ -277,7 +278,7 @@ def test_prediction_aligner_follows_insertions_and_substitutions():
 
 
 def test_ngram_index_finds_the_latest_earlier_occurrence():
-    from ultrafast.runtime.spec import NgramIndex
+    from ultrafast.engine.speculation import NgramIndex
 
     index = NgramIndex([1, 2, 3, 4, 9, 1, 2, 3, 5, 6], ngram_min=2, ngram_max=3)
     index.extend([1, 2, 3])
@@ -305,7 +306,7 @@ def test_a_failing_draft_model_costs_no_request():
 
 
 def test_measured_step_times_override_the_line_in_sizing_k():
-    from ultrafast.runtime.spec import best_draft_length
+    from ultrafast.engine.speculation import best_draft_length
 
     line = (2e-3, 0.5e-3)  # the line alone: 80% acceptance drafts several tokens
     assert best_draft_length(0.8, 8, *line) >= 3
@@ -323,7 +324,7 @@ def test_measured_step_times_override_the_line_in_sizing_k():
 
 
 def test_the_engine_times_lone_steps_by_their_width():
-    from ultrafast.runtime.engine import StepCostModel
+    from ultrafast.engine.step_costs import StepCostModel
 
     costs = StepCostModel()
     costs.observe(1, 1, 1.1e-3, pass_s=1.0e-3)
@@ -337,7 +338,7 @@ def test_the_engine_times_lone_steps_by_their_width():
 
 
 def test_no_retries_for_a_source_that_could_never_pay():
-    from ultrafast.runtime.spec import Speculator
+    from ultrafast.engine.speculation import Speculator
 
     class CostlyDraftModel:
         per_draft_s = 2e-3  # a draft costs more than the target's whole step
@@ -351,7 +352,6 @@ def test_no_retries_for_a_source_that_could_never_pay():
 
     spec = SpecConfig(method="auto", retry_after_steps=4)
     speculator = Speculator(spec, CostlyDraftModel())
-    speculator.step_costs = Costs()
     request = Request("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=500),
                       tier=PRIORITY)
     speculator.admit(request)
@@ -359,7 +359,7 @@ def test_no_retries_for_a_source_that_could_never_pay():
     assert state.sources == ("ngram", "draft")
     for source in state.sources:
         state.num_accepted[source], state.num_tried[source] = 0.0, 100.0  # nothing accepted
-    lengths = {source: [speculator._draft_length(state, source) for _ in range(40)]
+    lengths = {source: [speculator._draft_length(state, source, Costs()) for _ in range(40)]
                for source in state.sources}
     assert lengths["ngram"].count(1) == 10  # n-gram drafts are nearly free: retried every 4
     assert lengths["draft"].count(1) == 0 and set(lengths["draft"]) == {0}
@@ -382,7 +382,7 @@ def _reference_lookup(tokens, k, ngram_min, ngram_max):
 def test_ngram_index_matches_brute_force_as_it_grows():
     import random
 
-    from ultrafast.runtime.spec import NgramIndex
+    from ultrafast.engine.speculation import NgramIndex
 
     rng = random.Random(7)
     for trial in range(30):
@@ -398,7 +398,7 @@ def test_ngram_index_matches_brute_force_as_it_grows():
 
 
 def test_a_conversations_next_turn_takes_over_the_previous_index():
-    from ultrafast.runtime.spec import NgramIndex, Speculator
+    from ultrafast.engine.speculation import NgramIndex, Speculator
 
     speculator = Speculator(SpecConfig(method="ngram", use_measured_costs=False))
     params = SamplingParams(temperature=0.0, max_tokens=50)

@@ -10,8 +10,8 @@ import torch
 
 from ultrafast.core.types import ScheduledSeq
 from ultrafast.request import SamplingParams
-from ultrafast.runtime.sampler import sample_one, sample_plan
-from ultrafast.runtime.spec import verify
+from ultrafast.sampling.sampler import sample_one, sample_plan
+from ultrafast.sampling.sampler import verify
 
 P = np.array([0.05, 0.4, 0.1, 0.25, 0.15, 0.05])
 Q = np.array([0.3, 0.1, 0.3, 0.05, 0.05, 0.2])  # a bad draft: far from P

@@ -1,6 +1,6 @@
-"""Tenants and keys (RELIABILITY B41, B45-B47, S2): keys file parsing, the auth decision for each
-bad credential, tier entitlements, token buckets, and committed priority capacity at admission
-and in the scheduler. The same rows run against the real server in tests/e2e/test_auth.py.
+"""Tenants and keys (docs/RELIABILITY.md B41, B45-B47, S2): keys file parsing, the auth decision
+for each bad credential, tier entitlements, token buckets, and committed priority capacity at
+admission and in the scheduler. The same rows run against the real server in tests/e2e/test_auth.py.
 """
 
 import asyncio
@@ -8,11 +8,11 @@ import logging
 
 import pytest
 
-from tests.unit.fake_executor import FakeExecutor
 from ultrafast.config import ServerConfig, TierTargets
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.runtime.engine import EngineCore
+from ultrafast.engine.core import EngineCore
+from ultrafast.executors.fake_exec import FakeExecutor
 from ultrafast.server.admission import Admission
 from ultrafast.server.auth import (HostAllowListMiddleware, RedactingFilter, allowed_hosts_for,
                                    authenticate, entitled_tier, take_request, take_tokens)
@@ -189,7 +189,7 @@ def test_committed_priority_seats_at_admission():
 def test_committed_priority_seats_in_the_scheduler():
     engine = EngineCore(FakeExecutor(num_slots=4), SchedulerConfig(max_num_seqs=4,
                                                                    max_model_len=256))
-    engine.scheduler.reserved_priority_seats = {"acme": 2}
+    engine.scheduler.set_reserved_priority_seats({"acme": 2})
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
 
     def priority(i, tenant):
@@ -213,7 +213,7 @@ def test_blocked_priority_requests_preempt_nothing():
     a default request: it could not take the freed slot anyway (that would thrash)."""
     engine = EngineCore(FakeExecutor(num_slots=3), SchedulerConfig(max_num_seqs=3,
                                                                    max_model_len=256))
-    engine.scheduler.reserved_priority_seats = {"acme": 2}
+    engine.scheduler.set_reserved_priority_seats({"acme": 2})
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     for i in range(3):
         engine.add_request(Request(f"default-{i}", [5, 6, i], params, tier=ServiceTier.DEFAULT))

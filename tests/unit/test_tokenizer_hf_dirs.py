@@ -11,7 +11,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 from tokenizers import trainers
 
-from ultrafast.model.errors import ModelLoadError
+from ultrafast.model.config import ModelLoadError
 from ultrafast.tokenizer import ChatTemplateError, NoChatTemplateError, Tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -59,7 +59,7 @@ def _decode_rate(model, mode: str, prompt_len: int, num_decode: int, rounds: int
     from ultrafast.core.scheduler import SchedulerConfig
     from ultrafast.executors.torch_exec import TorchExecutor
     from ultrafast.request import Request, SamplingParams
-    from ultrafast.runtime.engine import EngineCore
+    from ultrafast.engine.core import EngineCore
 
     max_len = 1024
     executor = TorchExecutor(model, num_slots=1, max_model_len=max_len, device=device,

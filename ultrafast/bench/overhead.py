@@ -84,7 +84,7 @@ def handoff_rounds(engine, prompt_ids: list[int], max_tokens: int,
     it to its event loop; alternating rounds. The pair isolates what one cross-thread wake
     per token costs on this machine. Returns (kept tok/s, handed tok/s) per round."""
     from ultrafast.request import Request, SamplingParams
-    from ultrafast.runtime.engine import EngineThread
+    from ultrafast.engine.thread import EngineThread
 
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     consumer = threading.Thread(target=lambda: [f(o) for f, o in iter(inbox.get, None)],

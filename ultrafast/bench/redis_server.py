@@ -1,8 +1,9 @@
 """A real `redis-server` child on a free loopback port, in its own directory (tests, benchmarks).
 
 Never the default port and never the system's data: `--dir` is a temporary directory, AOF with
-`appendfsync always`, so a restart (`restart()`) keeps every acknowledged write, as RELIABILITY
-F7/F8 assume. `redis-server` comes from the project's setup (`make setup` installs it).
+`appendfsync always`, so a restart (`restart()`) keeps every acknowledged write, as
+docs/RELIABILITY.md F7/F8 assume. `redis-server` comes from the project's setup (`make setup`
+installs it).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class RedisServer:
         self.proc = None
 
     def crash(self) -> None:
-        """SIGKILL: no flush, no goodbye (RELIABILITY F8); only the AOF written so far stays."""
+        """SIGKILL: no flush, no goodbye (docs/RELIABILITY.md F8); only the AOF written so far
+        stays."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()

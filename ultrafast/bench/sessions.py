@@ -6,7 +6,7 @@
    resending the whole history. Reports turn N / turn 1 for both (target: at most 1.2x), and
    the floor: the executor's own forward pass over the same prefills with no server (llama.cpp's
    eval for the ggml executor, `--executor torch`: the torch executor's).
-2. Exactly once under a Redis restart (RELIABILITY L5): `--sessions` x `--turns` turns,
+2. Exactly once under a Redis restart (docs/RELIABILITY.md L5): `--sessions` x `--turns` turns,
    `--concurrency` at a time, against a real redis-server (AOF always) restarted once halfway.
    Clients retry a refused or broken call with the same Idempotency-Key; afterwards every
    session must hold each turn exactly once, in order. The run fails (exit 1) otherwise.

@@ -86,12 +86,21 @@ class KVSlotPool:
         """Slots a new request could take (empty or holding an evictable cached prefix)."""
         return self.num_slots - self.num_running
 
-    def allocate(self, request_id: str, token_ids: list[int], tenant: str) -> SlotAllocation | None:
+    def allocate(self, request_id: str, token_ids: list[int], tenant: str,
+                 reuse_prefix: bool = True) -> SlotAllocation | None:
         """A slot for a request about to compute `token_ids`, reusing the longest cached prefix.
 
         At least one token is always left to compute, so the request gets logits to sample from.
-        Returns None when every slot is running.
+        `reuse_prefix` False computes every token (a cached position has no logits to score the
+        prompt with). Returns None when every slot is running.
         """
+        if not reuse_prefix:
+            slot = self._pick_victim()
+            if slot is None:
+                return None
+            slot.owner, slot.hashes, slot.token_ids = request_id, [], token_ids
+            slot.num_computed, slot.tenant = 0, tenant
+            return SlotAllocation(slot.slot_id, 0, None)
         wanted = block_hashes(token_ids[:len(token_ids) - 1], tenant, self.block_size)
         best_idle, best_idle_len, best_busy, best_busy_len = None, 0, None, 0
         for slot in self.slots:

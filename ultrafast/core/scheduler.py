@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from ultrafast.core.kv_pool import KVSlotPool
-from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
+from ultrafast.core.types import (Draft, DraftVerification, RequestOutput, ScheduledSeq,
+                                  StepOutcome, StepPlan, StepResult)
 from ultrafast.request import Request, RequestStatus, ServiceTier
 
 
@@ -53,24 +55,6 @@ class SchedulerConfig:
             raise ValueError("scheduler limits must be >= 1")
 
 
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (the engine forwards it to the caller)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    queue_time_s: float = 0.0  # arrival to first slot
-    num_accepted_prediction_tokens: int = 0  # so far, of drafts taken from the client prediction
-    num_rejected_prediction_tokens: int = 0
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: KVSlotPool):
         self.config = config
@@ -82,15 +66,24 @@ class Scheduler:
         self.num_preemptions = 0
         self._step_id = 0
         self._finished_outputs: list[RequestOutput] = []  # aborts, reported on the next update
-        # Set by the engine from measured step costs: while a priority request is decoding, a
-        # step holds at most this many tokens, so long prefills cannot stretch its token gaps.
-        self.priority_step_token_budget: int | None = None
         # Committed capacity: tenant -> running seats kept for its priority requests; another
-        # tenant's priority request may not take the last unused ones (set by the server).
-        self.reserved_priority_seats: dict[str, int] = {}
+        # tenant's priority request may not take the last unused ones.
+        self._reserved_priority_seats: dict[str, int] = {}
         self._admissions_left = 0
+        self._planned_ids: set[str] = set()  # requests with a seq in the plan being built
 
     # ---- admission -------------------------------------------------------------------------
+
+    @property
+    def reserved_priority_seats(self) -> dict[str, int]:
+        return dict(self._reserved_priority_seats)
+
+    def set_reserved_priority_seats(self, seats: Mapping[str, int]) -> None:
+        """Committed priority seats per tenant. Call it from the engine's own thread (between
+        steps), like every other scheduler call."""
+        if any(n < 0 for n in seats.values()):
+            raise ValueError("reserved seats must be >= 0")
+        self._reserved_priority_seats = dict(seats)
 
     @property
     def num_waiting(self) -> int:
@@ -122,17 +115,25 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, drafts: Mapping[str, Draft] | None = None,
+                 priority_token_budget: int | None = None) -> StepPlan:
+        """The next step. `drafts`: request id -> draft tokens to verify in its decode this step
+        (for running requests; each is cut to fit the budget, the slot and max_tokens).
+        `priority_token_budget`: while a priority request is running alongside other work, a
+        step holds at most this many tokens (drafts included), so long prefills cannot stretch
+        its token gaps; the engine sizes it from measured step costs."""
         self._step_id += 1
         plan = StepPlan(step_id=self._step_id)
+        self._planned_ids = set()
+        drafts = drafts or {}
         waiting = self.waiting
         if waiting[ServiceTier.PRIORITY] or waiting[ServiceTier.DEFAULT]:
             self._make_room_for_waiting()
         budget = self.config.max_num_batched_tokens
-        if self.priority_step_token_budget is not None:
+        if priority_token_budget is not None:
             num_priority = sum(r.tier == ServiceTier.PRIORITY for r in self.running)
             if num_priority and self._priority_has_company():  # drafts count against it too
-                budget = max(min(budget, self.priority_step_token_budget), num_priority)
+                budget = max(min(budget, priority_token_budget), num_priority)
         self._admissions_left = self.config.max_admissions_per_step or 1 << 30
         # one walk over the running requests in phase order (see _PHASES), each phase by arrival
         running = self.running
@@ -142,7 +143,9 @@ class Scheduler:
         for rank, (tier, decoding) in enumerate(_PHASES):
             while i < n and _phase_rank(running[i]) == rank:
                 if budget > 0:
-                    budget -= self._schedule_chunk(plan, running[i], budget)
+                    request = running[i]
+                    budget -= self._schedule_chunk(plan, request, budget,
+                                                   drafts.get(request.request_id))
                 i += 1
             if not decoding and waiting[tier]:
                 budget = self._admit(plan, tier, budget)
@@ -208,13 +211,14 @@ class Scheduler:
             if request.first_scheduled_time_s is None:
                 request.first_scheduled_time_s = time.monotonic()
             self.running.append(request)
-            budget -= self._schedule_chunk(plan, request, budget)
+            budget -= self._schedule_chunk(plan, request, budget, None)  # no draft: it waited
         return budget
 
-    def _next_admissible(self, queue, tier: ServiceTier) -> Request | None:
+    def _next_admissible(self, queue: collections.deque[Request],
+                         tier: ServiceTier) -> Request | None:
         """The first waiting request that may start: priority requests of a tenant past its own
         committed seats leave the other tenants' unused committed seats free."""
-        if tier != ServiceTier.PRIORITY or not self.reserved_priority_seats:
+        if tier != ServiceTier.PRIORITY or not self._reserved_priority_seats:
             return queue[0]
         running = self._priority_running_by_tenant()
         return next((r for r in queue if self._may_take_priority_seat(r.tenant, running)), None)
@@ -227,7 +231,7 @@ class Scheduler:
         return running
 
     def _may_take_priority_seat(self, tenant: str, running: dict[str, int]) -> bool:
-        reserved = self.reserved_priority_seats
+        reserved = self._reserved_priority_seats
         if running.get(tenant, 0) < reserved.get(tenant, 0):
             return True
         unused_others = sum(max(0, n - running.get(t, 0)) for t, n in reserved.items()
@@ -237,7 +241,7 @@ class Scheduler:
     def _num_priority_wanting(self) -> int:
         """Waiting priority requests that could start, so blocked ones preempt nothing."""
         queue = self.waiting[ServiceTier.PRIORITY]
-        if not self.reserved_priority_seats:
+        if not self._reserved_priority_seats:
             return len(queue)
         running, num = self._priority_running_by_tenant(), 0
         for request in queue:
@@ -247,7 +251,8 @@ class Scheduler:
         return num
 
     def _allocate(self, request: Request):
-        return self.pool.allocate(request.request_id, request.all_token_ids, request.tenant)
+        return self.pool.allocate(request.request_id, request.all_token_ids, request.tenant,
+                                  reuse_prefix=not _scores_prompt(request))
 
     def _preempt_for(self, tier: ServiceTier) -> bool:
         """Free a slot for `tier` by preempting the newest running request of a lower tier."""
@@ -266,15 +271,15 @@ class Scheduler:
         return True
 
     def _in_plan(self, request: Request) -> bool:
-        return getattr(request, "_scheduled_step", -1) == self._step_id
+        return request.request_id in self._planned_ids
 
-    def _schedule_chunk(self, plan: StepPlan, request: Request, budget: int) -> int:
+    def _schedule_chunk(self, plan: StepPlan, request: Request, budget: int,
+                        draft: Draft | None) -> int:
         start = request.num_computed_tokens
         n = min(request.num_tokens - start, budget, self.config.max_prefill_chunk_tokens)
-        draft, request.draft = request.draft, None  # a draft is for this step only
         if n <= 0:
             return 0
-        request._scheduled_step = self._step_id  # type: ignore[attr-defined]
+        self._planned_ids.add(request.request_id)
         token_ids = request.token_slice(start, start + n)
         num_drafts, draft_probs = 0, None
         if draft is not None and start + n == request.num_tokens:  # a decode: drafts may ride
@@ -287,33 +292,44 @@ class Scheduler:
                 token_ids = token_ids + draft.token_ids[:num_drafts]
                 if draft.probs is not None:
                     draft_probs = draft.probs[:num_drafts]
-            request.last_draft_source = draft.source
+                plan.draft_sources[request.request_id] = draft.source
+        samples = start + n == request.num_tokens and request.sampling_params.max_tokens > 0
         plan.seqs.append(ScheduledSeq(
             request_id=request.request_id, slot_id=request.slot_id,
             token_ids=token_ids, start_position=start,
-            num_logits=1 + num_drafts if start + n == request.num_tokens else 0,
+            num_logits=1 + num_drafts if samples else 0,
             sampling_params=request.sampling_params, sampling_seed=request.sampling_seed,
             num_output_tokens=request.num_output_tokens,
             prompt_token_ids=request.prompt_token_ids, output_token_ids=request.output_token_ids,
-            draft_probs=draft_probs))
+            draft_probs=draft_probs,
+            # rows whose next token is a prompt token score it
+            num_prompt_logits=max(0, min(n, request.num_prompt_tokens - 1 - start))
+            if _scores_prompt(request) else 0))
         return n + num_drafts
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+    def update(self, plan: StepPlan, result: StepResult) -> StepOutcome:
         outputs, self._finished_outputs = self._finished_outputs, []
+        verifications: list[DraftVerification] = []
         for seq in plan.seqs:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            if seq.request_id in result.errors:
+            error = result.errors.get(seq.request_id)
+            if error is None and seq.num_prompt_logits:
+                error = _take_prompt_logprobs(request, seq, result)
+            if error is not None:
                 self._finish(request, RequestStatus.FINISHED_ERROR)
                 out = self._output(request, [], [])
-                out.error = result.errors[seq.request_id]
+                out.error = error
                 outputs.append(out)
                 continue
             if not seq.num_logits:
                 request.num_computed_tokens += seq.num_tokens
                 self.pool.commit(request.slot_id, request.all_token_ids,
                                  request.num_computed_tokens, request.tenant)
+                if request.num_computed_tokens == request.num_tokens:  # max_tokens 0: scored
+                    self._finish(request, RequestStatus.FINISHED_LENGTH)
+                    outputs.append(self._output(request, [], []))
                 continue
             sampled = result.sampled_token_ids[seq.request_id]
             num_drafts = seq.num_logits - 1
@@ -330,14 +346,16 @@ class Scheduler:
                 request, sampled[:num_accepted + 1],
                 logprobs[:num_accepted + 1] if logprobs else [])
             if num_drafts:
-                self._count_drafts(request, num_drafts, min(num_accepted, len(new_ids)))
+                verifications.append(self._count_drafts(
+                    request, plan.draft_sources.get(seq.request_id, ""), num_drafts,
+                    min(num_accepted, len(new_ids))))
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
             self.pool.commit(request.slot_id, request.all_token_ids,
                              request.num_computed_tokens, request.tenant)
             if status is not None:
                 self._finish(request, status)
             outputs.append(self._output(request, new_ids, new_logprobs))
-        return outputs
+        return StepOutcome(outputs, verifications)
 
     def _append_outputs(self, request: Request, new_ids: list[int], new_logprobs: list
                         ) -> tuple[list[int], list, RequestStatus | None]:
@@ -353,13 +371,14 @@ class Scheduler:
         return new_ids, new_logprobs, status
 
     @staticmethod
-    def _count_drafts(request: Request, num_drafts: int, num_accepted: int) -> None:
-        request.last_num_drafts, request.last_num_accepted = num_drafts, num_accepted
+    def _count_drafts(request: Request, source: str, num_drafts: int,
+                      num_accepted: int) -> DraftVerification:
         request.num_draft_tokens += num_drafts
         request.num_accepted_draft_tokens += num_accepted
-        if request.last_draft_source == "prediction":
+        if source == "prediction":
             request.num_accepted_prediction_tokens += num_accepted
             request.num_rejected_prediction_tokens += num_drafts - num_accepted
+        return DraftVerification(request.request_id, source, num_drafts, num_accepted)
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
@@ -387,6 +406,11 @@ class Scheduler:
 
     def _output(self, request: Request, new_ids: list[int], new_logprobs: list) -> RequestOutput:
         finished = request.status.finished
+        prompt_logprobs = None
+        if _scores_prompt(request) and request.status != RequestStatus.FINISHED_ERROR:
+            entries = request.prompt_logprobs or [None]  # a one-token prompt scores nothing
+            if len(entries) == request.num_prompt_tokens:
+                prompt_logprobs, request.prompt_logprobs_sent = entries, True
         return RequestOutput(
             request_id=request.request_id, new_token_ids=new_ids,  # callers pass fresh lists
             new_logprobs=new_logprobs, finished=finished,
@@ -397,4 +421,27 @@ class Scheduler:
             queue_time_s=max(0.0, (request.first_scheduled_time_s or request.arrival_time_s)
                              - request.arrival_time_s),
             num_accepted_prediction_tokens=request.num_accepted_prediction_tokens,
-            num_rejected_prediction_tokens=request.num_rejected_prediction_tokens)
+            num_rejected_prediction_tokens=request.num_rejected_prediction_tokens,
+            prompt_logprobs=prompt_logprobs)
+
+
+def _scores_prompt(request: Request) -> bool:
+    """Does the request still need its prompt scored (prompt logprobs not yet handed out)?"""
+    return request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent
+
+
+def _take_prompt_logprobs(request: Request, seq: ScheduledSeq, result: StepResult) -> str | None:
+    """File a step's prompt-scoring rows under the positions they score; an error if missing.
+
+    A recompute (preemption) starts again from position 0 and overwrites what it scores."""
+    rows = result.prompt_logprobs.get(seq.request_id)
+    if rows is None or len(rows) != seq.num_prompt_logits:
+        return "the executor did not return the prompt logprobs"
+    entries = request.prompt_logprobs
+    del entries[seq.start_position + 1:]
+    if not entries:
+        entries.append(None)  # the first prompt token has nothing before it to score it
+    if len(entries) != seq.start_position + 1:
+        return "prompt logprobs skipped a position"
+    entries.extend(rows)
+    return None

@@ -29,7 +29,7 @@ class ScheduledSeq:
     of an earlier owner, rejected drafts), then writes the KV of `token_ids` at
     `start_position ...`, and samples at the last `num_logits` of those positions.
     A decode with k draft tokens has token_ids = [last sampled token] + drafts and
-    num_logits = k + 1; the sampler verifies the drafts (runtime.spec.verify).
+    num_logits = k + 1; the sampler verifies the drafts (sampling.sampler.verify).
     """
 
     request_id: str
@@ -45,6 +45,10 @@ class ScheduledSeq:
     # [k, vocab] probabilities the draft model drew the drafts from; None = deterministic drafts
     # (n-gram, prediction, greedy draft model). Opaque here: core never touches tensors.
     draft_probs: Any = None
+    # Prompt scoring: the first `num_prompt_logits` rows also return logits, and row j gives the
+    # logprob of the prompt token at start_position + j + 1 (StepResult.prompt_logprobs).
+    # Those rows come before the `num_logits` sampled rows; the two never overlap.
+    num_prompt_logits: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -53,7 +57,7 @@ class ScheduledSeq:
 
 @dataclass
 class Draft:
-    """Draft tokens proposed for a request's next decode step (runtime.spec.propose)."""
+    """Draft tokens for a request's next decode step (engine.speculation.Speculator.propose)."""
 
     token_ids: list[int]
     probs: Any = None  # [k, vocab] draft-model probabilities, None for deterministic drafts
@@ -67,6 +71,9 @@ class StepPlan:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     kv_copies: list[KVCopy] = field(default_factory=list)  # applied before the forward pass
     step_id: int = 0
+    # request id -> Draft.source of the drafts its seq carries (the executor ignores it;
+    # the scheduler reports acceptance per source from it)
+    draft_sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -95,6 +102,47 @@ class StepResult:
     # (1 <= len <= num_logits), the scheduler keeps the matching prefix plus that one token
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # only if asked
+    # one entry per prompt-scoring row (ScheduledSeq.num_prompt_logits), in row order
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # a request that failed alone
     execute_time_s: float = 0.0  # forward pass
     sample_time_s: float = 0.0  # sampling on the logits
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (the engine forwards it to the caller)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    queue_time_s: float = 0.0  # arrival to first slot
+    num_accepted_prediction_tokens: int = 0  # so far, of drafts taken from the client prediction
+    num_rejected_prediction_tokens: int = 0
+    # once per request, when asked for (SamplingParams.prompt_logprobs): one entry per prompt
+    # token, the first None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class DraftVerification:
+    """How one request's drafts fared in one step (the speculator adapts k from it)."""
+
+    request_id: str
+    source: str  # Draft.source
+    num_drafts: int  # drafts scheduled (>= 1)
+    num_accepted: int  # of those, kept as output (a stop inside the drafts cuts the rest)
+
+
+@dataclass
+class StepOutcome:
+    """What `Scheduler.update` made of a step: per-request outputs and draft acceptance."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    verifications: list[DraftVerification] = field(default_factory=list)

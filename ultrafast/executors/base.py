@@ -2,7 +2,7 @@
 
 An executor owns the model weights and the KV of `num_slots` sequences of up to `max_model_len`
 tokens each. `execute(plan)` applies the plan's KV copies, runs one forward pass over every
-scheduled sequence, and samples at the requested positions with `runtime.sampler.sample_plan`.
+scheduled sequence, and samples at the requested positions with `sampling.sampler.sample_plan`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,23 @@
-"""A deterministic, tensor-free executor for load and fault tests (`serve --executor fake`).
+"""A deterministic, tensor-free executor for tests: unit tests, and load and fault tests through
+`serve --executor fake`.
 
-Testing only: it serves the real tokenizer's vocabulary but no model. Its "KV" is the token list
-held in each slot, and the next token is a hash of the whole sequence in the slot, drawn from a
-fixed set of plain word tokens (never EOS or a special token). So a client that knows the prompt
-ids can compute every token the server must send (`reference_tokens`), and any scheduler or
-streaming mistake (a lost, repeated or reordered token, a stale KV slot) changes the output.
+Testing only: no model. Its "KV" is the token list held in each slot, and the next token is a
+hash of the whole sequence in the slot, drawn from a fixed set of output ids. So a test that
+knows the prompt ids can compute every token the engine must produce (`reference_tokens`), and
+any scheduling or streaming mistake (a wrong position, a stale or missing KV entry, a bad prefix
+copy, a lost, repeated or reordered token) changes the output. Every sampling setting is ignored
+(the output is greedy-like).
 
-Each step sleeps `step_s` (a configurable engine speed, e.g. 20 ms = 50 tok/s per stream).
+Two alphabets: without a tokenizer, ids 0 .. vocab_size - 1 (unit tests); with one
+(`for_tokenizer`), the vocabulary's plain word tokens, never EOS or a special token, so any
+output decodes by concatenation.
 
-Fault hook (the spec's "evil forward"): a prompt that starts with FAULT_MARKER, then a mode
-and an output index k, fails in the step that would produce its output token k (k = 0: the
-prefill, before the first token). Modes: FAULT_REQUEST fails that request alone (the other
-requests of the step are unaffected); FAULT_STEP raises from execute(), failing the whole step;
-FAULT_FATAL raises a BaseException, which kills the engine thread (a dead engine).
+Fault hooks. A prompt that starts with FAULT_MARKER, then a mode and an output index k, fails
+in the step that would produce its output token k (k = 0: the prefill, before the first token).
+Modes: FAULT_REQUEST fails that request alone (the other requests of the step are unaffected);
+FAULT_STEP raises from execute(), failing the whole step; FAULT_FATAL raises a BaseException,
+which kills the engine thread (a dead engine). Unit tests can also fail a request by id
+(`fail_request_ids`).
 """
 
 from __future__ import annotations
@@ -20,17 +25,22 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ultrafast.core.types import StepPlan, StepResult
+from ultrafast.executors.fake_scoring import score_prompt
 
 # Ids that no real prompt text tokenizes to in this order; only token-id prompts carry them.
 FAULT_MARKER = (3, 1, 4, 1, 5)
 FAULT_REQUEST, FAULT_STEP, FAULT_FATAL = 1, 2, 3
 
+UNIT_VOCAB_SIZE = 97  # the tokenizer-free alphabet: ids 0 .. 96
+
 
 class FatalFault(BaseException):
     """Not an Exception: the engine's per-step handler does not catch it, so the thread dies."""
+
 
 _PLAIN_WORD = re.compile(r"^\u0120[a-z]{2,8}$")  # "Ġword": decodes to " word", no byte pieces
 
@@ -46,16 +56,18 @@ def plain_word_tokens(tokenizer_json: Path | str) -> list[int]:
     return ids
 
 
-def next_token(context: list[int], word_ids: list[int]) -> int:
+def next_token(context: list[int], output_ids: Sequence[int]) -> int:
+    """The token that follows `context`: a hash of all of it, picked from `output_ids`."""
     digest = hashlib.sha256(repr(context).encode()).digest()
-    return word_ids[int.from_bytes(digest[:4], "little") % len(word_ids)]
+    return output_ids[int.from_bytes(digest[:4], "little") % len(output_ids)]
 
 
-def reference_tokens(prompt: list[int], max_tokens: int, word_ids: list[int]) -> list[int]:
-    """The exact output of one request (every sampling setting is ignored: greedy-like)."""
+def reference_tokens(prompt: list[int], max_tokens: int,
+                     output_ids: Sequence[int] = range(UNIT_VOCAB_SIZE)) -> list[int]:
+    """The exact output of one request alone (no eos, no stop)."""
     context, out = list(prompt), []
     for _ in range(max_tokens):
-        token = next_token(context, word_ids)
+        token = next_token(context, output_ids)
         out.append(token)
         context.append(token)
     return out
@@ -74,25 +86,46 @@ def fault_prompt(mode: int, at_output: int, tail: list[int]) -> list[int]:
 
 
 class FakeExecutor:
-    def __init__(self, tokenizer_json: Path | str, num_slots: int = 8,
-                 max_model_len: int = 2048, step_s: float = 0.02):
-        from tokenizers import Tokenizer as HFTokenizer
-
-        self.word_ids = plain_word_tokens(tokenizer_json)
-        self.vocab_size = HFTokenizer.from_file(str(tokenizer_json)).get_vocab_size(True)
+    def __init__(self, num_slots: int = 4, max_model_len: int = 256,
+                 vocab_size: int = UNIT_VOCAB_SIZE, output_ids: Sequence[int] | None = None,
+                 step_s: float = 0.0, keep_plans: bool = True):
+        """output_ids: the ids outputs are drawn from (default: the whole vocabulary).
+        step_s: each step lasts at least this long (a simulated engine speed).
+        keep_plans: record every executed plan in `plans` (for tests' assertions)."""
         self.num_slots = num_slots
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.output_ids: Sequence[int] = range(vocab_size) if output_ids is None else output_ids
         self.step_s = step_s
+        self.keep_plans = keep_plans
+        self.plans: list[StepPlan] = []
+        self.fail_request_ids: set[str] = set()
         self.slots: list[list[int]] = [[] for _ in range(num_slots)]
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer_json: Path | str, num_slots: int = 8,
+                      max_model_len: int = 2048, step_s: float = 0.02) -> "FakeExecutor":
+        """Over a real tokenizer's vocabulary, emitting its plain word tokens (a server's
+        executor: no plan records)."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        vocab_size = HFTokenizer.from_file(str(tokenizer_json)).get_vocab_size(True)
+        return cls(num_slots, max_model_len, vocab_size, plain_word_tokens(tokenizer_json),
+                   step_s, keep_plans=False)
 
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
+        if self.keep_plans:
+            self.plans.append(plan)
         result = StepResult()
         for copy in plan.kv_copies:
             if len(self.slots[copy.src_slot_id]) < copy.num_tokens:
                 raise RuntimeError("prefix copy of KV that was never computed")
             self.slots[copy.dst_slot_id] = list(self.slots[copy.src_slot_id][:copy.num_tokens])
         for seq in plan.seqs:
+            if seq.request_id in self.fail_request_ids:
+                result.errors[seq.request_id] = "injected failure"
+                continue
             kv = self.slots[seq.slot_id]
             if len(kv) < seq.start_position:
                 raise RuntimeError("gap in the KV: a position was skipped")
@@ -108,10 +141,13 @@ class FakeExecutor:
                     raise RuntimeError("injected step fault")
                 result.errors[seq.request_id] = "injected fault"
                 continue
+            if seq.num_prompt_logits:  # prompt logprobs (executors/fake_scoring.py)
+                result.prompt_logprobs[seq.request_id] = score_prompt(
+                    kv, seq, lambda context: next_token(context, self.output_ids))
             if seq.num_logits:
                 n = len(kv)
                 result.sampled_token_ids[seq.request_id] = [
-                    next_token(kv[:n - seq.num_logits + 1 + j], self.word_ids)
+                    next_token(kv[:n - seq.num_logits + 1 + j], self.output_ids)
                     for j in range(seq.num_logits)]
         if self.step_s:
             time.sleep(max(0.0, self.step_s - (time.perf_counter() - started)))

@@ -29,7 +29,8 @@ import llama_cpp
 
 from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
 from ultrafast.executors.llama_cpp_params import model_params as llama_model_params
-from ultrafast.runtime.sampler import sample_plan
+from ultrafast.executors.prompt_scoring import scoring_problem, split_prompt_rows
+from ultrafast.sampling.sampler import sample_plan
 
 _LOG_LEVEL_ERROR = 3  # ggml_log_level
 _LOG_LEVEL_CONT = 5
@@ -192,7 +193,7 @@ class GgmlExecutor:
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             return f"token id {bad} out of range [0, {self.vocab_size})"
-        return None
+        return scoring_problem(seq) if seq.num_prompt_logits else None
 
     def execute(self, plan: StepPlan) -> StepResult:
         start_s = time.perf_counter()
@@ -200,7 +201,7 @@ class GgmlExecutor:
             self._copy_prefix(copy.src_slot_id, copy.dst_slot_id, copy.num_tokens)
         errors: dict[str, str] = {}
         ran: list[ScheduledSeq] = []
-        num_tokens = num_rows = 0
+        num_tokens = num_rows = num_scoring_rows = 0
         tokens, positions, seq_ids, flags = (self._tokens, self._positions, self._seq_ids,
                                              self._output_flags)
         for seq in plan.seqs:
@@ -217,7 +218,7 @@ class GgmlExecutor:
                 tokens[num_tokens] = seq.token_ids[0]
                 positions[num_tokens] = start
                 seq_ids[num_tokens] = seq.slot_id
-                flags[num_tokens] = seq.num_logits
+                flags[num_tokens] = seq.num_logits or seq.num_prompt_logits
             else:
                 end = num_tokens + n
                 tokens[num_tokens:end] = seq.token_ids
@@ -225,14 +226,22 @@ class GgmlExecutor:
                 seq_ids[num_tokens:end] = seq.slot_id
                 flags[num_tokens:end - seq.num_logits] = 0
                 flags[end - seq.num_logits:end] = 1
+                if seq.num_prompt_logits:  # prompt scoring: those rows' logits too
+                    flags[num_tokens:num_tokens + seq.num_prompt_logits] = 1
             num_tokens += n
             num_rows += seq.num_logits
+            num_scoring_rows += seq.num_prompt_logits
             ran.append(seq)
         if num_tokens:
             self._decode(num_tokens, ran)
-        logits = self.last_logits = self._logits_view(num_rows)  # a draft model's q reads it
+        logits = self._logits_view(num_rows + num_scoring_rows)
+        prompt_logprobs = {}
+        if num_scoring_rows:
+            logits, prompt_logprobs = split_prompt_rows(ran, logits)
+        self.last_logits = logits  # the sampled rows: a draft model's q reads them
         sampled_s = time.perf_counter()
         result = sample_plan(ran, logits) if num_rows else StepResult()
+        result.prompt_logprobs = prompt_logprobs
         result.errors.update(errors)
         result.execute_time_s = sampled_s - start_s
         result.sample_time_s = time.perf_counter() - sampled_s

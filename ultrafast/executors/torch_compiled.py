@@ -157,9 +157,9 @@ class CompiledDecode:
         self._step = self._eager_step
         if mode == "inductor":
             # On a CPU, freezing lets inductor treat the weights as constants and pre-pack
-            # them for oneDNN's matmuls (a packed copy beside the model's own): the demo
-            # model's compiled decode went from 147 to ~170 tok/s on the 2-core AVX2 machine
-            # (`ultrafast bench --peers ours-engine-torch,transformers --compile inductor`).
+            # them for oneDNN's matmuls (a packed copy beside the model's own), which made
+            # the demo model's compiled CPU decode faster (measure it with `ultrafast bench
+            # --peers ours-engine-torch,transformers --compile inductor`).
             # The KV cache, written by every step, is not folded. Not measured on CUDA: off.
             # It is inductor's process-wide setting (torch.compile's `options` did not reach
             # the freezing pass: the steps still ran aten::mm), and ours is the only compile.

@@ -14,11 +14,13 @@ from pathlib import Path
 import torch
 
 from ultrafast.core.types import KVCopy, ScheduledSeq, StepPlan, StepResult
+from ultrafast.executors.prompt_scoring import (scoring_problem, split_prompt_rows,
+                                                wants_prompt_rows)
 from ultrafast.executors.torch_compiled import CompiledDecode, argmax_on_device, resolve_mode
 from ultrafast.model.attention import SeqSpan, SlotKVCache
 from ultrafast.model.llama import LlamaForCausalLM
 from ultrafast.model.loader import load_model, resolve_dtype
-from ultrafast.runtime.sampler import sample_plan
+from ultrafast.sampling.sampler import sample_plan
 
 
 def _default_device() -> str:
@@ -88,7 +90,7 @@ class TorchExecutor:
         if min(seq.token_ids) < 0 or max(seq.token_ids) >= self.vocab_size:  # C-speed check
             bad = next(t for t in seq.token_ids if not 0 <= t < self.vocab_size)
             return f"token id {bad} out of vocabulary (size {self.vocab_size})"
-        return None
+        return scoring_problem(seq) if seq.num_prompt_logits else None
 
     def _copy_problem(self, copy: KVCopy) -> str | None:
         slots_ok = all(0 <= s < self.num_slots for s in (copy.src_slot_id, copy.dst_slot_id))
@@ -121,11 +123,14 @@ class TorchExecutor:
         return seqs, copies, errors
 
     def _inputs(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Flattened ids and positions, and the rows to sample, in one host->device copy."""
+        """Flattened ids and positions, and the rows to sample (after a sequence's prompt-scoring
+        rows, if any), in one host->device copy."""
         ids, positions, rows, offset = [], [], [], 0
         for seq in seqs:
             ids += seq.token_ids
             positions += range(seq.start_position, seq.start_position + seq.num_tokens)
+            if seq.num_prompt_logits:
+                rows += range(offset, offset + seq.num_prompt_logits)
             offset += seq.num_tokens
             rows += range(offset - seq.num_logits, offset)
         packed = torch.tensor(ids + positions + rows, dtype=torch.long)
@@ -149,11 +154,15 @@ class TorchExecutor:
                                        for s in seqs])
             hidden = self.model(input_ids, positions, attn)
             logits = self.model.compute_logits(hidden[rows])
+        prompt_logprobs = {}
+        if wants_prompt_rows(seqs):  # scored on the device; only the figures cross over
+            logits, prompt_logprobs = split_prompt_rows(seqs, logits)
         if not argmax_on_device(self.device, seqs):
             logits = logits.cpu()  # the sampler works on the host; this also waits for the GPU
         self.last_logits = logits
         t1 = time.perf_counter()
         result = sample_plan(seqs, logits)
+        result.prompt_logprobs = prompt_logprobs
         result.errors.update(errors)
         result.execute_time_s = t1 - t0
         result.sample_time_s = time.perf_counter() - t1

@@ -1,2 +1,2 @@
-"""`ultrafast loadtest`: load scenarios (L*) and fault injections (F*) of RELIABILITY.md 7b/7c
+"""`ultrafast loadtest`: load scenarios (L*) and fault injections (F*) of docs/RELIABILITY.md 7b/7c
 against the real server on loopback, each followed by the "nothing lost" checks."""

@@ -1,4 +1,4 @@
-"""The "nothing lost" checks of RELIABILITY.md, run after every load or fault scenario.
+"""The "nothing lost" checks of docs/RELIABILITY.md, run after every load or fault scenario.
 
 (i) every accepted call ended with exactly one terminal event and one [DONE], and no bytes
 followed; (ii) the text received is exactly the expected token sequence (the fake executor's

@@ -81,7 +81,7 @@ RUN_ORDER = ["L1", "L3", "L4", "B0", "F1", "F2", "F3", "F3b", "F12", "F15", "L2"
              "F5b"]
 
 
-# The spec's timing targets (RELIABILITY.md 7c/7b), evaluated on the full tier and reported
+# The spec's timing targets (docs/RELIABILITY.md 7c/7b), evaluated on the full tier and reported
 # beside the result; they never fail a run (timing on a shared box is not a verdict).
 TARGETS = {
     "L1": [("TTFT p99 < 300 ms", "ttft.p99_ms", 300), ("ITL p99 < 100 ms", "itl.p99_ms", 100),

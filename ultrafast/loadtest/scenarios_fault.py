@@ -1,4 +1,4 @@
-"""Fault injections of RELIABILITY.md 7b in the engine and the HTTP path (F1-F5, F10-F15)
+"""Fault injections of docs/RELIABILITY.md 7b in the engine and the HTTP path (F1-F5, F10-F15)
 against the real server (fake executor, so every byte the client must receive is known), each
 while canary streams run, each followed by the "nothing lost" checks. The faults of the session
 store and of retries (F6-F9, F16) are in scenarios_state.py.

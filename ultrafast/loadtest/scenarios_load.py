@@ -1,5 +1,5 @@
-"""Load scenarios L1-L7 of RELIABILITY.md 7c, and the irregular burst (many 1-token calls with an
-occasional 64-token call) with and without the request shaper.
+"""Load scenarios L1-L7 of docs/RELIABILITY.md 7c, and the irregular burst (many 1-token calls
+with an occasional 64-token call) with and without the request shaper.
 
 Sizes: the full tier uses the spec's numbers (32 streams, 256 tokens, 256-call bursts); the CI
 tier shrinks counts so the whole CI subset runs in about a minute on two cores. Every scenario

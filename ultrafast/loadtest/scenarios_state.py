@@ -1,4 +1,4 @@
-"""Scenarios whose state lives outside the engine (RELIABILITY 7b/7c): sessions on a real
+"""Scenarios whose state lives outside the engine (docs/RELIABILITY.md 7b/7c): sessions on a real
 redis-server (L5, F6-F9), tenants with quotas (L6) and Idempotency-Key retries (F16).
 
 Each scenario starts its own redis-server (AOF `always`, a temporary directory, a free loopback

@@ -11,6 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class ModelLoadError(ValueError):
+    """A model directory that cannot be loaded, with a message that says what to fix. Defined
+    here, below model/loader.py and quant/saved.py, so that both raise it without a cycle."""
+
+
 @dataclass(frozen=True)
 class ArchTraits:
     """What differs between the supported architectures; everything else is shared."""

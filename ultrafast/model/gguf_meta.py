@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from ultrafast.model.errors import ModelLoadError
+from ultrafast.model.config import ModelLoadError
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32

@@ -21,7 +21,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from ultrafast.model.errors import ModelLoadError
+from ultrafast.model.config import ModelLoadError
 from ultrafast.model.gguf_meta import GgufMetadata
 
 log = logging.getLogger(__name__)

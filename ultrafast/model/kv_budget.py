@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ultrafast.model.errors import ModelLoadError
+from ultrafast.model.config import ModelLoadError
 from ultrafast.model.gguf_meta import read_gguf_metadata
 
 _F16_BYTES = 2  # the ggml executor's default KV cache type

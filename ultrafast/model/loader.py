@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ultrafast.model.config import ModelConfig
-from ultrafast.model.errors import ModelLoadError
+from ultrafast.model.config import ModelConfig, ModelLoadError
 from ultrafast.model.llama import LlamaForCausalLM
 
 # buffers some older checkpoints carry that we compute ourselves
@@ -21,8 +20,6 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16}
-
-
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:

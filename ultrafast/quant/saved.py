@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ultrafast.model.config import ModelLoadError
 from ultrafast.model.llama import LlamaForCausalLM
 from ultrafast.quant.plan import EMBED, KEEP, LM_HEAD, apply_quantized
 from ultrafast.quant.tensors import INT4, INT8, QuantizedWeight, pack_nibbles, unpack_nibbles
@@ -77,8 +78,6 @@ def copy_model_files(source_dir: Path, out_dir: Path) -> None:
 
 
 def read_quant_config(model_dir: Path) -> dict:
-    from ultrafast.model.loader import ModelLoadError
-
     path = model_dir / QUANT_CONFIG
     try:
         config = json.loads(path.read_text())
@@ -104,8 +103,6 @@ def _quantized_weight(f, stem: str, qtype: str, in_features: int,
 def load_quantized_model(model_dir: Path, config, torch_dtype: torch.dtype,
                          device: torch.device) -> LlamaForCausalLM:
     """The model with Int8Linear/Int4Linear modules; kernels only on the CPU (see linear.py)."""
-    from ultrafast.model.loader import ModelLoadError
-
     qconfig = read_quant_config(model_dir)
     plan, group_size = qconfig["tensors"], int(qconfig.get("group_size", 32))
     with torch.device("meta"):

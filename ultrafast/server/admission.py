@@ -1,18 +1,19 @@
 """SLO-aware admission: per-tier capacity, and a time-to-first-token prediction for each arrival.
 
 Runs on the event loop only (single-threaded, so counts are exact under races). Step costs
-come from the engine's own online fit (`StepCostModel`, written by the engine thread): a
-priority request is refused at once with 429 when the prefill work ahead of it, at that
+come from the engine's own online fit, read as the frozen `StepCostSnapshot` the engine thread
+publishes (server/bridge.py), never the live model: a priority request is refused at once with 429 when the prefill work ahead of it, at that
 measured cost, would miss its target; `auto` requests fall back to the default tier instead. Capacity checks come before any tokenizing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ultrafast.config import ServerConfig, TierTargets
 from ultrafast.request import ServiceTier
-from ultrafast.runtime.engine import StepCostModel
+from ultrafast.server.bridge import StepCostSnapshot
 from ultrafast.server.errors import APIError
 
 
@@ -31,7 +32,8 @@ class Ticket:
 @dataclass
 class Admission:
     config: ServerConfig
-    costs: StepCostModel = field(default_factory=StepCostModel)  # the engine's own fit
+    # the engine's latest published fit (EngineThread.snapshot().step_costs)
+    step_costs: Callable[[], StepCostSnapshot] = StepCostSnapshot
     in_flight: dict = field(default_factory=lambda: {t: 0 for t in ServiceTier})
     pending_prefill_tokens: dict = field(default_factory=lambda: {t: 0 for t in ServiceTier})
     refused: dict = field(default_factory=dict)  # reason -> count, for metrics
@@ -80,10 +82,8 @@ class Admission:
     def predict_ttft_s(self, tier: ServiceTier, num_prompt_tokens: int) -> float:
         """Prefill work at or above this tier's precedence, plus one step, at measured rates."""
         ahead = sum(n for t, n in self.pending_prefill_tokens.items() if t <= tier)
-        base_s, per_token_s = self.costs.base_s, self.costs.per_token_s
-        if base_s is None or per_token_s is None:  # before the engine has measured anything
-            base_s, per_token_s = 0.01, 0.002
-        return base_s + (ahead + num_prompt_tokens) * per_token_s
+        # before the engine has measured anything, the snapshot falls back to fixed figures
+        return self.step_costs().predict_s(ahead + num_prompt_tokens)
 
     def admit(self, ticket: Ticket, num_prompt_tokens: int, auto: bool) -> Ticket:
         """After tokenizing: check the TTFT target; priority misses give 429 (auto: default)."""

@@ -13,6 +13,15 @@ one (the client then gets several tokens in one event), so the buffer holds at m
 `max_events` + n outputs and no more token ids than max_tokens. A client that reads nothing at
 all is cut by the connection's write-stall timeout (server/http_timeouts.py).
 Once the event loop is closed (forced shutdown), late engine outputs are dropped quietly.
+
+The import boundary (tests/unit/test_server_import_boundary.py): this is the only module of
+ultrafast/server/ that imports from ultrafast.core, .runtime, .engine, .executors or
+.sampling. The engine types the server needs are re-exported here (RequestOutput,
+TokenLogprobs, EngineThread, EngineSnapshot, StepCostSnapshot, EngineSettings); the request contract
+(Request, SamplingParams, ServiceTier) comes from ultrafast.request, which every layer shares.
+The server reads the engine only through EngineThread's read API: `snapshot()`,
+`cached_prefix_tokens()`, `configure()`, `alive`, `dead_reason`; moving the engine into its own
+process later replaces this module's imports and nothing else.
 """
 
 from __future__ import annotations
@@ -21,9 +30,26 @@ import asyncio
 import collections
 from dataclasses import replace
 
-from ultrafast.core.scheduler import RequestOutput
+from ultrafast.core.types import RequestOutput, TokenLogprobs
+from ultrafast.engine.core import EngineCore
+from ultrafast.engine.read_api import EngineSettings, EngineSnapshot, StepCostSnapshot
+from ultrafast.engine.thread import EngineThread
 from ultrafast.request import Request
-from ultrafast.runtime.engine import EngineThread
+
+__all__ = ["EngineBridge", "EngineSettings", "EngineSnapshot", "EngineThread", "Generation",
+           "OutputBuffer", "RequestOutput", "StepCostSnapshot", "TokenLogprobs", "merge_outputs",
+           "shutdown_engine", "start_engine"]
+
+
+def start_engine(core: EngineCore, shaper_window_s: float) -> EngineThread:
+    """The engine thread around a built EngineCore, warmed up on that thread (see
+    EngineThread.start): the server holds only the thread and its read API."""
+    return EngineThread(core, shaper_window_s=shaper_window_s).start(warmup=True)
+
+
+def shutdown_engine(engine: EngineThread) -> None:
+    engine.stop()
+    engine.core.executor.close()
 
 
 class OutputBuffer:
@@ -34,6 +60,7 @@ class OutputBuffer:
         self.num_merged = 0
         self._items: collections.deque[RequestOutput] = collections.deque()
         self._ready = asyncio.Event()
+        self._interrupted = False
 
     def qsize(self) -> int:
         return len(self._items)
@@ -51,19 +78,30 @@ class OutputBuffer:
         self._items.append(output)
         self._ready.set()
 
-    async def get(self) -> RequestOutput:
-        """Safe to cancel: nothing is taken before the wait ends."""
+    async def get(self) -> RequestOutput | None:
+        """The next output, or None when `interrupt()` ended the wait with nothing to deliver.
+        Safe to cancel: nothing is taken before the wait ends."""
         while not self._items:
+            if self._interrupted:
+                self._interrupted = False
+                return None
             self._ready.clear()
             await self._ready.wait()
         return self._items.popleft()
+
+    def interrupt(self) -> None:
+        """End a pending (or the next) `get()` at once, e.g. a barge-in that must not wait
+        for the engine's abort output."""
+        self._interrupted = True
+        self._ready.set()
 
 
 def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one (tokens in order, the later state)."""
     return replace(then, new_token_ids=first.new_token_ids + then.new_token_ids,
                    new_logprobs=first.new_logprobs + then.new_logprobs,
-                   queue_time_s=first.queue_time_s)
+                   queue_time_s=first.queue_time_s,
+                   prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs)
 
 
 class EngineBridge:
@@ -138,3 +176,8 @@ class Generation:
         for request_id in list(self.unfinished):
             self.bridge.abort(request_id)
         self.unfinished.clear()
+
+    def interrupt(self) -> None:
+        """Abort every choice and wake the consumer now: its wait returns None."""
+        self.abort_all()
+        self.queue.interrupt()

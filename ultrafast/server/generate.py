@@ -3,6 +3,14 @@
 The HTTP response starts only when the first token exists, so an error before that is a plain
 OpenAI error response, and the timing headers (queue wait, TTFT) are real. After the first
 byte, a failure becomes an SSE error event followed by [DONE].
+
+A run's life, in the order a front end calls it:
+  `start()` submits to the engine; `events()` yields `ChoiceDelta` / `Ping` until every choice
+  has ended; `conclude()` runs the session commit (if one was set with `set_commit`) and says
+  which error, if any, the call must end with (`run_error`, the one place that error is
+  built); `finish()` (always, in a `finally`) frees the engine requests, the admission ticket
+  and refunds unused rate-limit tokens. A run that `finish()`es before `conclude()` (the client
+  left) still commits what it generated, as incomplete, in the background.
 """
 
 from __future__ import annotations
@@ -10,19 +18,19 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable, Union
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ultrafast.core.scheduler import RequestOutput
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.server import openai_format as fmt
-from ultrafast.server.admission import Ticket
-from ultrafast.server.bridge import Generation
+from ultrafast.server.admission import Admission, Ticket
+from ultrafast.server.bridge import EngineBridge, Generation, RequestOutput
 from ultrafast.server.errors import APIError
-from ultrafast.server.guard import CONTENT_FILTER, GuardedChoice
-from ultrafast.tokenizer import StopStringMatcher
+from ultrafast.server.guard import CONTENT_FILTER, GuardConfig, GuardedChoice
+from ultrafast.server.metrics import ServerMetrics
+from ultrafast.tokenizer import StopStringMatcher, Tokenizer
 
 
 @dataclass
@@ -46,12 +54,57 @@ class GenerationSpec:
     prediction_token_ids: list[int] | None = None  # chat `prediction`: drafts for every choice
 
 
+@dataclass(frozen=True)
+class RunDeps:
+    """What a run uses of the server, and nothing more."""
+
+    bridge: EngineBridge
+    tokenizer: Tokenizer
+    admission: Admission
+    metrics: ServerMetrics
+    guard: GuardConfig | None  # None: text goes out as soon as it exists
+    runs: set  # the runs in flight, for the shutdown drain
+    ping_interval_s: float  # a Ping when no output came for this long
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """New output of one choice: text (after stop strings and the guard), its logprobs, and
+    the finish reason when the choice ended ("error": the engine failed it)."""
+
+    index: int
+    text: str
+    logprobs: list
+    finish: str | None = None
+
+
+@dataclass(frozen=True)
+class Ping:
+    """No output for a ping interval: streams send a keep-alive."""
+
+
+RunEvent = Union[ChoiceDelta, Ping]
+# the session commit: (run, None at a normal end / "client_disconnected") -> error code or None
+CommitHook = Callable[["GenerationRun", Union[str, None]], Awaitable[Union[str, None]]]
+
+ENGINE_FAILED = "engine_error"
+
+
+def run_error(code: str) -> APIError:
+    """The error a call ends with when its run failed: the engine failed a choice
+    (`engine_error`), or the answer could not be stored (the commit's code)."""
+    if code == ENGINE_FAILED:
+        return APIError(500, "the engine failed while generating", "server_error", code, None)
+    return APIError(503, "the answer could not be stored in the session store", "server_error",
+                    code, None, headers={"Retry-After": "1"})
+
+
 class GenerationRun:
-    def __init__(self, state, spec: GenerationSpec, ticket: Ticket):
-        self.state = state
+    def __init__(self, deps: RunDeps, spec: GenerationSpec, ticket: Ticket):
+        self.deps = deps
         self.spec = spec
         self.ticket = ticket
-        tok = state.tokenizer
+        tok = deps.tokenizer
         requests, self.choice_prompts = [], []
         for p, prompt in enumerate(spec.prompts):
             for i in range(spec.n):
@@ -66,10 +119,14 @@ class GenerationRun:
                                                                   or [])))
                 self.choice_prompts.append(p)
         num_choices = len(requests)
-        self.generation = Generation(state.bridge, requests)
+        self.generation = Generation(deps.bridge, requests)
         echo = spec.echo_texts or [""] * len(spec.prompts)
         self.choices = [fmt.ChoiceState(c, text=echo[self.choice_prompts[c]])
                         for c in range(num_choices)]
+        for choice in self.choices:  # echo: the generated text's offsets start after it
+            choice.echo_chars = len(choice.text)
+            if self.scores_prompt:
+                choice.prompt_token_ids = spec.prompts[self.choice_prompts[choice.index]]
         self.detoks = [tok.detokenizer(spec.prompts[self.choice_prompts[c]])
                        for c in range(num_choices)]
         self.matchers = [StopStringMatcher(spec.stops) for _ in range(num_choices)]
@@ -77,16 +134,31 @@ class GenerationRun:
         self.num_prediction_tokens = [(0, 0)] * num_choices  # (accepted, rejected) per choice
         self.first_token_s: float | None = None
         self.queue_time_s = 0.0
-        # Session commit (server/session_flow.py): awaited with reason None before the last
-        # event or the JSON body, or scheduled from finish() if the run ended early (client
-        # left); returns an error code when the commit could not be made.
-        self.on_complete = None
-        self._completed = False
-        self.timer = state.metrics.request_timer(spec.tier, spec.tenant, spec.arrival_s)
-        guard = state.guard  # None: text goes out as soon as it exists
+        self._commit_hook: CommitHook | None = None
+        self._committed = False
+        self.timer = deps.metrics.request_timer(spec.tier, spec.tenant, spec.arrival_s)
+        guard = deps.guard
         self.guarded = None if guard is None else [GuardedChoice(guard) for _ in self.choices]
-        self._released = [[len(c.text), 0] for c in self.choices]  # chars, logprobs sent
-        self.on_finish = []  # callbacks(run) when the call ends: rate-limit refunds
+        self._released_chars = [len(c.text) for c in self.choices]  # what the guard let out
+        self._released_logprobs = [0] * num_choices
+        self._on_finish: list[Callable[[GenerationRun], None]] = []  # rate-limit refunds
+
+    def on_finish(self, callback: Callable[["GenerationRun"], None]) -> None:
+        """Run `callback(run)` once when the call ends, whatever the reason."""
+        self._on_finish.append(callback)
+
+    def set_commit(self, hook: CommitHook) -> None:
+        """The session commit `conclude()` awaits (or `finish()` schedules, if the run ended
+        early). One per run."""
+        assert self._commit_hook is None, "a run commits once"
+        self._commit_hook = hook
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Completions `echo` + `logprobs`: the response lists the prompt's logprobs first."""
+        spec = self.spec
+        return (bool(spec.echo_texts) and spec.want_logprobs
+                and spec.params.prompt_logprobs is not None)
 
     def _apply(self, index: int, out: RequestOutput) -> tuple[str, list, str | None]:
         """Fold one engine output into choice `index`; returns (text delta, logprobs, finish)."""
@@ -98,6 +170,8 @@ class GenerationRun:
         self.num_prediction_tokens[index] = (out.num_accepted_prediction_tokens,
                                              out.num_rejected_prediction_tokens)
         choice.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
         choice.token_ids.extend(out.new_token_ids)
         choice.logprobs.extend(out.new_logprobs)
         delta = self.detoks[index].push(out.new_token_ids)
@@ -116,28 +190,27 @@ class GenerationRun:
             choice.finish_reason = finish
         return text, out.new_logprobs, finish
 
-    async def _outputs(self) -> AsyncIterator[tuple[int, str, list, str | None]]:
-        """(choice, text delta, logprobs, finish) per engine output; (-1, ...) = keep-alive.
+    async def events(self) -> AsyncIterator[RunEvent]:
+        """A ChoiceDelta per engine output, a Ping per quiet interval, until every choice ended.
 
         Waits on the queue itself: cancelling a `queue.get()` on timeout is harmless, while
         cancelling a generator would run its cleanup and abort the requests.
         """
         gen = self.generation
-        ping_s = self.state.config.sse_ping_interval_s
         while gen.unfinished:
             try:
-                out = await asyncio.wait_for(gen.queue.get(), timeout=ping_s)
+                out = await asyncio.wait_for(gen.queue.get(), timeout=self.deps.ping_interval_s)
             except asyncio.TimeoutError:
-                yield -1, "", [], None
+                yield Ping()
                 continue
-            if out.request_id not in gen.unfinished:
-                continue  # a choice we already ended (stop string), still draining
+            if out is None or out.request_id not in gen.unfinished:
+                continue  # interrupted, or a choice we already ended (stop string), draining
             if out.finished:
                 gen.unfinished.discard(out.request_id)
             if self.first_token_s is None and (out.new_token_ids or out.finished):
                 self.first_token_s = time.monotonic()
                 self.queue_time_s = out.queue_time_s
-                self.state.admission.first_token(self.ticket)
+                self.deps.admission.first_token(self.ticket)
             index = gen.index_of[out.request_id]
             text, logprobs, finish = self._apply(index, out)
             num_tokens = len(out.new_token_ids)
@@ -145,23 +218,24 @@ class GenerationRun:
                 text, logprobs, num_tokens, finish = await self._guard(
                     index, text, logprobs, num_tokens, finish)
             self.timer.output(index, num_tokens, out.queue_time_s)
-            yield index, text, logprobs, finish
+            yield ChoiceDelta(index, text, logprobs, finish)
 
     async def _guard(self, index: int, text: str, logprobs: list, num_tokens: int,
                      finish: str | None) -> tuple[str, list, int, str | None]:
         """Pass the choice's new text through its guard; on a hit, cut the choice there."""
-        choice, released = self.choices[index], self._released[index]
+        assert self.guarded is not None
+        choice = self.choices[index]
         text, logprobs, num_tokens, blocked = await self.guarded[index].push(
             text, logprobs, num_tokens, finish is not None)
         if blocked:  # the response keeps only what was released; the held text is dropped
-            choice.text = choice.text[:released[0]]
-            del choice.logprobs[released[1]:]
+            choice.text = choice.text[:self._released_chars[index]]
+            del choice.logprobs[self._released_logprobs[index]:]
             choice.finish_reason = CONTENT_FILTER
-            self.state.metrics.guard_cuts.inc()
+            self.deps.metrics.guard_cuts.inc()
             self.generation.abort(index)
             return "", [], 0, CONTENT_FILTER
-        released[0] += len(text)
-        released[1] += len(logprobs)
+        self._released_chars[index] += len(text)
+        self._released_logprobs[index] += len(logprobs)
         return text, logprobs, num_tokens, finish
 
     def usage(self) -> dict:
@@ -180,70 +254,81 @@ class GenerationRun:
                 "x-queue-wait-ms": f"{queue_ms:.1f}", "x-ttft-ms": f"{ttft_ms:.1f}",
                 "server-timing": f"queue;dur={queue_ms:.1f}, ttft;dur={ttft_ms:.1f}"}
 
-    def finish(self) -> None:
-        self.state.runs.discard(self)
-        self.generation.abort_all()
-        self.state.admission.release(self.ticket)
-        self.timer.finish(sum(len(p) for p in self.spec.prompts) * self.spec.n,
-                          sum(self.num_output_tokens))
-        callbacks, self.on_finish = self.on_finish, []
-        for callback in callbacks:
-            callback(self)
-        if self.on_complete is not None and not self._completed:
-            self._completed = True  # the client left: store what was generated, as incomplete
-            asyncio.ensure_future(self.on_complete(self, "client_disconnected"))
-
-    async def complete(self) -> str | None:
-        """Run the session commit (if any) once, at the normal end of the run."""
-        if self.on_complete is None or self._completed:
-            return None
-        self._completed = True
-        return await self.on_complete(self, None)
-
-    # ---- non-streaming -----------------------------------------------------------------------
+    # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.state.runs.add(self)
+        self.deps.runs.add(self)
         self.generation.start()
 
-    async def respond_json(self, http: HTTPRequest) -> Response:
-        self.start()
-        try:
-            collect = asyncio.ensure_future(self._collect())
-            while not collect.done():
-                done, _ = await asyncio.wait({collect}, timeout=0.25)
-                if not done and await http.is_disconnected():
-                    collect.cancel()  # the client left: abort, free the slots
-                    self.finish()
-                    return Response(status_code=499)
-            collect.result()
-            errors = [c.error for c in self.choices if c.error]
-            failed = None if errors else await self.complete()
-        finally:
-            self.finish()
-        if errors:
-            raise APIError(500, "the engine failed while generating", "server_error",
-                           "engine_error", None)
-        if failed:
-            raise APIError(503, "the answer could not be stored in the session store",
-                           "server_error", failed, None, headers={"Retry-After": "1"})
-        build = fmt.chat_response if self.spec.chat else fmt.completion_response
-        body = build(self.spec.request_id, self.spec.model_name, self.spec.tier.api_name,
-                     self.choices, self.usage(), self.state.tokenizer.decode,
-                     self.spec.want_logprobs)
-        return JSONResponse(body, headers=self.timing_headers())
+    async def commit(self) -> str | None:
+        """Run the session commit (if any) once, at the normal end of the run: None, or the
+        error code of a commit that could not be made."""
+        if self._commit_hook is None or self._committed:
+            return None
+        self._committed = True
+        return await self._commit_hook(self, None)
 
-    async def _collect(self) -> None:
-        async for _ in self._outputs():
+    async def conclude(self) -> APIError | None:
+        """After the last event: commit, and the error the call must end with, if any."""
+        if any(c.error for c in self.choices):
+            return run_error(ENGINE_FAILED)  # nothing is committed for a failed run
+        failed = await self.commit()
+        return None if failed is None else run_error(failed)
+
+    def finish(self) -> None:
+        """Always, once the call ends: free the engine requests and the admission seat."""
+        self.deps.runs.discard(self)
+        self.generation.abort_all()
+        self.deps.admission.release(self.ticket)
+        self.timer.finish(sum(len(p) for p in self.spec.prompts) * self.spec.n,
+                          sum(self.num_output_tokens))
+        callbacks, self._on_finish = self._on_finish, []
+        for callback in callbacks:
+            callback(self)
+        if self._commit_hook is not None and not self._committed:
+            self._committed = True  # the client left: store what was generated, as incomplete
+            asyncio.ensure_future(self._commit_hook(self, "client_disconnected"))
+
+    async def collect(self, http: HTTPRequest) -> bool:
+        """Run to the end without streaming; False if the client left first (the run is then
+        finished: its slots are free). Polls the connection, since nothing is written."""
+        self.start()
+        collect = asyncio.ensure_future(self._drain())
+        while not collect.done():
+            done, _ = await asyncio.wait({collect}, timeout=0.25)
+            if not done and await http.is_disconnected():
+                collect.cancel()  # the client left: abort, free the slots
+                self.finish()
+                return False
+        collect.result()
+        return True
+
+    async def _drain(self) -> None:
+        async for _ in self.events():
             pass
 
-    # ---- streaming ---------------------------------------------------------------------------
+    # ---- chat / completions responses --------------------------------------------------------
+
+    async def respond_json(self, http: HTTPRequest) -> Response:
+        try:
+            if not await self.collect(http):
+                return Response(status_code=499)
+            error = await self.conclude()
+        finally:
+            self.finish()
+        if error is not None:
+            raise error
+        build = fmt.chat_response if self.spec.chat else fmt.completion_response
+        body = build(self.spec.request_id, self.spec.model_name, self.spec.tier.api_name,
+                     self.choices, self.usage(), self.deps.tokenizer.decode,
+                     self.spec.want_logprobs)
+        return JSONResponse(body, headers=self.timing_headers())
 
     async def respond_stream(self) -> Response:
         """Wait for the first token (errors before it are plain HTTP errors), then stream."""
         self.start()
-        events = self._outputs().__aiter__()
-        first: list = []
+        events = self.events().__aiter__()
+        first: list[RunEvent] = []
         try:
             # Headers wait for the first token (so they carry real timings), unless it takes
             # longer than a ping interval: then the stream starts with a keep-alive comment.
@@ -253,45 +338,54 @@ class GenerationRun:
         except BaseException:
             self.finish()
             raise
-        if first and first[0][0] >= 0 and first[0][3] == "error" and len(self.choices) == 1:
+        head = first[0] if first else None
+        if isinstance(head, ChoiceDelta) and head.finish == "error" and len(self.choices) == 1:
             self.finish()
-            raise APIError(500, "the engine failed before the first token", "server_error",
-                           "engine_error", None)
+            raise run_error(ENGINE_FAILED)
         return StreamingResponse(self._sse(first, events), media_type="text/event-stream",
                                  headers={**self.timing_headers(), "cache-control": "no-cache"})
 
-    async def _sse(self, first: list, events) -> AsyncIterator[bytes]:
+    async def _sse(self, first: list[RunEvent], events) -> AsyncIterator[bytes]:
         spec = self.spec
         writer = fmt.ChunkWriter(spec.request_id, spec.model_name, spec.tier.api_name, spec.chat,
-                                 self.state.tokenizer.decode, spec.want_logprobs)
+                                 self.deps.tokenizer.decode, spec.want_logprobs)
         try:
+            # with prompt logprobs, a choice's echo waits for its first output, which has them
+            echo_later = set(range(len(self.choices))) if self.scores_prompt else set()
             for choice in self.choices:
                 if spec.chat:
                     yield writer.role(choice.index)
-                elif spec.echo_texts:
-                    yield writer.delta(choice.index, spec.echo_texts[self.choice_prompts[
-                        choice.index]], [])
-            pending = list(first)
-            while True:
-                for index, text, logprobs, finish in pending:
-                    if index < 0:
-                        yield b": ping\n\n"
-                    elif finish == "error":
-                        yield fmt.error_event("the engine failed while generating")
-                        yield fmt.SSE_DONE
-                        return
-                    elif text or logprobs or finish:
-                        yield writer.delta(index, text, logprobs, finish)
-                try:
-                    pending = [await events.__anext__()]
-                except StopAsyncIteration:
-                    break
-            failed = await self.complete()
-            if failed:
-                yield fmt.error_event("the answer could not be stored in the session store",
-                                      code=failed)
+                elif spec.echo_texts and choice.index not in echo_later:
+                    yield writer.echo(choice.index, spec.echo_texts[self.choice_prompts[
+                        choice.index]], None)
+            async for event in _chained(first, events):
+                if (isinstance(event, ChoiceDelta) and event.index in echo_later
+                        and event.finish != "error"):
+                    echo_later.discard(event.index)
+                    yield writer.echo(event.index, spec.echo_texts[self.choice_prompts[
+                        event.index]], self.choices[event.index].prompt_part())
+                if isinstance(event, Ping):
+                    yield b": ping\n\n"
+                elif event.finish == "error":
+                    break  # conclude() below names the failure
+                elif event.text or event.logprobs or event.finish:
+                    yield writer.delta(event.index, event.text, event.logprobs, event.finish)
+            error = await self.conclude()
+            if error is not None:
+                yield fmt.error_event(error.message, code=error.code)
+                if error.code == ENGINE_FAILED:
+                    yield fmt.SSE_DONE
+                    return
             if spec.include_usage:
                 yield writer.usage(self.usage())
             yield fmt.SSE_DONE
         finally:
             self.finish()
+
+
+async def _chained(first: list[RunEvent], rest) -> AsyncIterator[RunEvent]:
+    for event in first:
+        yield event
+    async for event in rest:
+        yield event
+

@@ -1,7 +1,7 @@
 """Prometheus metrics for `/metrics`: the only module that imports prometheus_client.
 
-Sources: the engine's `StepStats` (one per step, on the engine thread), its `EngineOccupancy`
-(read when scraped), each API call's timings (`RequestTimer`, on the event loop), and counters
+Sources: the engine's `StepStats` (one per step, on the engine thread), the `EngineSnapshot` it
+publishes (queues, slots, cache counters; read when scraped, server/bridge.py), each API call's timings (`RequestTimer`, on the event loop), and counters
 the server keeps itself (admission and auth refusals, read at scrape time).
 
 Hot paths stay cheap: per step and per token, values go into plain-Python `_Buckets` (a bisect
@@ -14,10 +14,9 @@ refusal reasons) or from the tenants configured in the API-keys file; anything e
 into "other". No request field (model, user, session id) ever becomes a label.
 
 Speculative decoding: drafted / accepted tokens per draft source are read at scrape time from
-the engine's cumulative `SpecStats` (`EngineCore.spec_stats`, with `num_draft_tokens` and
-`num_accepted_tokens` dicts keyed by source). serve.py reads it with `getattr(core,
-"spec_stats", None)`, so the series exist (at zero) before the speculative engine lands and
-need no change here when it does.
+any object with `num_draft_tokens` and `num_accepted_tokens` dicts keyed by source: the
+engine's snapshot in the server (empty without speculation, so the series exist at zero), or
+a `SpecStats` directly.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from ultrafast.request import ServiceTier
 
 TIERS = tuple(t.api_name for t in ServiceTier)
 STEP_PHASES = ("schedule", "execute", "sample", "update")
-SPEC_SOURCES = ("ngram", "prediction", "draft")  # runtime/spec.py's draft sources
+SPEC_SOURCES = ("ngram", "prediction", "draft")  # engine/speculation.py's draft sources
 REFUSAL_REASONS = ("queue_full", "slo_unattainable", "rate_limit_requests", "rate_limit_tokens",
                    "missing_api_key", "invalid_api_key", "tenant_disabled",
                    "priority_not_allowed", "scope_not_allowed", "other")
@@ -127,11 +126,11 @@ class ServerMetrics:
         self._in_flight_source = read
 
     def set_spec_source(self, read: Callable[[], object]) -> None:
-        """Returns the engine's cumulative SpecStats, or None without speculative decoding."""
+        """Returns cumulative draft counters per source (the engine snapshot), or None."""
         self._spec_source = read
 
     def set_occupancy_source(self, read: Callable[[], object]) -> None:
-        """Returns the engine's EngineOccupancy now (called at scrape time)."""
+        """Returns the engine's latest EngineSnapshot (or EngineOccupancy), at scrape time."""
         self._occupancy_source = read
 
     def on_step(self, stats) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from ultrafast.core.types import TokenLogprobs
+from ultrafast.server.bridge import TokenLogprobs
 
 SYSTEM_FINGERPRINT = "ultrafast-0.1"
 
@@ -27,6 +27,16 @@ class ChoiceState:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # completions `echo` + `logprobs`: the echoed prompt's ids and their logprobs (the first
+    # entry None), and the echoed text's length, where the generated tokens' offsets start
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    echo_chars: int = 0
+
+    def prompt_part(self) -> tuple[list[int], list] | None:
+        if self.prompt_token_ids is None or self.prompt_logprobs is None:
+            return None
+        return self.prompt_token_ids, self.prompt_logprobs
 
 
 def sse(payload: dict | str) -> bytes:
@@ -62,15 +72,37 @@ def chat_logprobs(decode, logprobs: list[TokenLogprobs]) -> dict:
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(decode, logprobs: list[TokenLogprobs], text_offset: int = 0) -> dict:
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for lp in logprobs:
-        text = decode([lp.token_id])
+def completion_logprobs(decode, logprobs: list[TokenLogprobs], text_offset: int = 0,
+                        prompt: tuple[list[int], list] | None = None) -> dict:
+    """Legacy completions logprobs. `text_offset`: where the first generated token starts in
+    the choice's text. `prompt` (echo): the prompt's ids and logprobs, listed first, their
+    offsets counted from 0; the first prompt token has no logprob (null entries).
+
+    `top_logprobs` maps each alternative's text to its logprob; with `logprobs: 0` it holds
+    the chosen token alone (OpenAI: the chosen token's logprob is always returned)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict | None] = []
+    offsets: list[int] = []
+
+    def add(token_id: int, lp: TokenLogprobs | None, offset: int) -> int:
+        text = decode([token_id])
         tokens.append(text)
-        token_logprobs.append(lp.logprob)
-        top.append({decode([t]): v for t, v in lp.top} if lp.top else None)
-        offsets.append(text_offset)
-        text_offset += len(text)
+        offsets.append(offset)
+        if lp is None:
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            token_logprobs.append(lp.logprob)
+            top.append({decode([t]): v for t, v in lp.top} if lp.top else {text: lp.logprob})
+        return offset + len(text)
+
+    if prompt is not None:
+        offset = 0
+        for token_id, lp in zip(*prompt):
+            offset = add(token_id, lp, offset)
+    for lp in logprobs:
+        text_offset = add(lp.token_id, lp, text_offset)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
             "text_offset": offsets}
 
@@ -97,7 +129,8 @@ def completion_response(request_id: str, model: str, tier: str, choices: list[Ch
     body = _envelope(request_id, "text_completion", model, tier, int(time.time()))
     body["choices"] = [{
         "index": c.index, "text": c.text,
-        "logprobs": completion_logprobs(decode, c.logprobs) if want_logprobs else None,
+        "logprobs": completion_logprobs(decode, c.logprobs, c.echo_chars, c.prompt_part())
+        if want_logprobs else None,
         "finish_reason": c.finish_reason} for c in choices]
     body["usage"] = usage_dict
     return body
@@ -113,6 +146,7 @@ class ChunkWriter:
         self.want_logprobs = want_logprobs
         self.base = _envelope(request_id, "chat.completion.chunk" if chat else "text_completion",
                               model, tier, int(time.time()))
+        self._text_offsets: dict[int, int] = {}  # choice -> chars of text sent so far
 
     def _event(self, choices: list[dict], usage_dict: dict | None = None) -> bytes:
         body = dict(self.base)
@@ -135,10 +169,26 @@ class ChunkWriter:
                       "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text,
-                      "logprobs": completion_logprobs(self.decode, logprobs)
+                      "logprobs": self._completion_logprobs(index, logprobs)
                       if self.want_logprobs and logprobs else None,
                       "finish_reason": finish_reason}
         return self._event([choice])
+
+    def _completion_logprobs(self, index: int, logprobs: list[TokenLogprobs]) -> dict:
+        """Offsets continue from the choice's earlier chunks (and its echo)."""
+        offset = self._text_offsets.get(index, 0)
+        out = completion_logprobs(self.decode, logprobs, offset)
+        self._text_offsets[index] = offset + sum(len(t) for t in out["tokens"])
+        return out
+
+    def echo(self, index: int, text: str, prompt: tuple[list[int], list] | None) -> bytes:
+        """A completion's echoed prompt, with the prompt's logprobs when they were asked for;
+        the generated tokens' offsets count on from its end."""
+        self._text_offsets[index] = len(text)
+        logprobs = (completion_logprobs(self.decode, [], 0, prompt)
+                    if self.want_logprobs and prompt is not None else None)
+        return self._event([{"index": index, "text": text, "logprobs": logprobs,
+                             "finish_reason": None}])
 
     def usage(self, usage_dict: dict) -> bytes:
         return self._event([], usage_dict)

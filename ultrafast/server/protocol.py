@@ -14,7 +14,15 @@ Choices where the spec left room (also asserted in tests/unit/test_protocol.py):
   B43) and then refused as `unsupported_parameter` unless `Limits.features` names them, so a
   server that has not wired a feature never silently ignores it. `prediction` is accepted
   always: it is a speed hint and never changes the output.
-- Completions `suffix` is `unsupported_parameter`.
+- Completions `suffix` is `unsupported_parameter`; `best_of` is accepted only as 1 (any other
+  value is `unknown_parameter`, B37).
+- OpenAI's hints (`safety_identifier`, `prompt_cache_key`, `prompt_cache_retention`,
+  `reasoning_effort`, `verbosity`, `stream_options.include_obfuscation`) are accepted and
+  validated; none changes the output (protocol_models.py says what each one does here).
+- An integer field takes an integral float (`n: 2.0`); `2.5` is `invalid_type`.
+- `top_p: 0` is greedy. `service_tier` takes OpenAI's whole enum: `fast` is priority, `scale`
+  behaves as `auto` (the best tier the key may use now); the response names the tier served.
+- Completions `max_tokens: 0` is allowed with `echo` (score the prompt, generate nothing).
 - `max_completion_tokens` wins over `max_tokens` when both are sent.
 - Text content parts are joined with "\\n" (as vLLM does).
 """
@@ -36,9 +44,13 @@ from ultrafast.server.errors import (bad_request, from_validation_error, invalid
 from ultrafast.server.protocol_models import (ChatCompletionRequest, CompletionRequest,
                                               ContentPart, Limits, MAX_METADATA_KEY,
                                               MAX_METADATA_PAIRS, MAX_METADATA_VALUE,
-                                              MAX_MODEL_NAME_CHARS, MEDIA_PART_TYPES, Message,
-                                              NAME_RE, OPTIONAL_FEATURES, ResponseFormat,
-                                              ToolChoiceFunction, _Common,
+                                              MAX_MODEL_NAME_CHARS,
+                                              MAX_PROMPT_CACHE_KEY_CHARS,
+                                              MAX_SAFETY_IDENTIFIER_CHARS, MEDIA_PART_TYPES,
+                                              Message, NAME_RE, OPTIONAL_FEATURES,
+                                              PROMPT_CACHE_RETENTIONS, REASONING_EFFORTS,
+                                              ResponseFormat, ToolChoiceFunction, VERBOSITIES,
+                                              _Common,
                                               _MESSAGE_SHAPE, _TOKEN_ID, _UNION_TAGS)
 
 
@@ -57,15 +69,19 @@ def _require_feature(name: str, limits: Limits) -> None:
 
 
 def _check_common(req: _Common, limits: Limits) -> None:
+    scores_prompt = getattr(req, "echo", False)  # completions: max_tokens 0 scores the prompt
     for name in ("max_tokens", "max_completion_tokens"):
         value = getattr(req, name, None)
-        if value is not None and not 1 <= value <= limits.max_tokens_cap:
-            raise invalid_value(name, f"{name} must be between 1 and {limits.max_tokens_cap} "
-                                f"(the cap for this key)")
+        low = 0 if scores_prompt and name == "max_tokens" else 1
+        if value is not None and not low <= value <= limits.max_tokens_cap:
+            raise invalid_value(name, f"{name} must be between {low} and "
+                                f"{limits.max_tokens_cap} (the cap for this key)"
+                                + (", or 0 with echo: true to score the prompt only"
+                                   if value == 0 and hasattr(req, "echo") else ""))
     if req.model is not None and len(req.model) > MAX_MODEL_NAME_CHARS:
         raise invalid_value("model", f"model names are at most {MAX_MODEL_NAME_CHARS} chars")
     _range(req.temperature, "temperature", 0.0, 2.0)
-    _range(req.top_p, "top_p", 0.0, 1.0, low_open=True)
+    _range(req.top_p, "top_p", 0.0, 1.0)
     if req.top_k is not None and req.top_k < -1:
         raise invalid_value("top_k", "top_k must be -1 or 0 (off), or a positive count")
     _range(req.min_p, "min_p", 0.0, 1.0)
@@ -80,6 +96,7 @@ def _check_common(req: _Common, limits: Limits) -> None:
     if req.stream_options is not None and not req.stream:
         raise invalid_value("stream_options", "stream_options is only allowed with stream: true")
     _check_tier(req)
+    _check_hints(req)
     if req.metadata is not None:
         if len(req.metadata) > MAX_METADATA_PAIRS or any(
                 len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
@@ -112,6 +129,20 @@ def _check_logit_bias(bias: dict[str, Any], limits: Limits) -> None:
             raise invalid_value("logit_bias", "logit_bias values must be in [-100, 100]")
 
 
+def _check_hints(req: _Common) -> None:
+    for name, cap in (("safety_identifier", MAX_SAFETY_IDENTIFIER_CHARS),
+                      ("prompt_cache_key", MAX_PROMPT_CACHE_KEY_CHARS)):
+        value = getattr(req, name)
+        if value is not None and not 1 <= len(value) <= cap:
+            raise invalid_value(name, f"{name} must be 1 to {cap} characters")
+    for name, allowed in (("prompt_cache_retention", PROMPT_CACHE_RETENTIONS),
+                          ("reasoning_effort", REASONING_EFFORTS),
+                          ("verbosity", VERBOSITIES)):
+        value = getattr(req, name)
+        if value is not None and value not in allowed:
+            raise invalid_value(name, f"{name} must be one of {', '.join(allowed)}")
+
+
 def _check_tier(req: _Common) -> None:
     tiers = {}
     for name in ("service_tier", "priority"):
@@ -121,8 +152,8 @@ def _check_tier(req: _Common) -> None:
         try:
             tiers[name] = ServiceTier.parse(value if isinstance(value, str) else "?")
         except ValueError:
-            raise invalid_value(name, f"{name} must be one of auto, default, flex, priority, "
-                                "ultrafast") from None
+            raise invalid_value(name, f"{name} must be one of auto, default, flex, scale, "
+                                "priority, fast, ultrafast") from None
     if len(set(tiers.values())) > 1:
         raise invalid_value("priority", "priority and service_tier disagree")
 
@@ -283,6 +314,9 @@ def _check_completion(req: CompletionRequest, limits: Limits) -> None:
     _range(req.logprobs, "logprobs", 0, limits.max_top_logprobs)
     if req.suffix is not None:
         raise unsupported_parameter("suffix", "suffix (fill-in-the-middle) is not supported")
+    if req.best_of is not None and req.best_of != 1:  # B37: as if the field were unknown
+        raise bad_request("unknown_parameter", "best_of", "best_of is only accepted as 1: "
+                          "each choice is returned as sampled (ask for more with n)")
 
 
 # ---- entry points ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
 from ultrafast.request import SamplingParams, ServiceTier
 
@@ -20,6 +20,14 @@ MEDIA_PART_TYPES = frozenset({"image_url", "input_image", "image", "input_audio"
                               "video_url", "file", "input_file"})
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 MAX_MODEL_NAME_CHARS = 256  # the name is echoed in a 404; keep that small
+MAX_SAFETY_IDENTIFIER_CHARS = 128  # OpenAI's documented limit
+MAX_PROMPT_CACHE_KEY_CHARS = 1024
+# OpenAI's hint values (openai-python's types); a model without reasoning ignores them
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+VERBOSITIES = ("low", "medium", "high")
+PROMPT_CACHE_RETENTIONS = ("in_memory", "in-memory", "24h")
+# `auto` and `scale` take the best tier the key may use now (scale: OpenAI's reserved capacity)
+AUTO_TIER_NAMES = ("auto", "scale")
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def _integral_float_to_int(value: Any) -> Any:
+    """JSON has one number type: OpenAI's API takes `2.0` where an integer is expected."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer field: an int, or a float with no fractional part (`2.5` and `true` are refused)
+Int = Annotated[int, BeforeValidator(_integral_float_to_int)]
+
+
 class ContentPart(BaseModel):
     # Extra keys pass pydantic only so media parts reach the check that names them (B39).
     model_config = ConfigDict(extra="allow", strict=True)
@@ -101,6 +120,9 @@ class Message(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # OpenAI pads stream events with random characters against length side channels; this
+    # server adds no padding, so the flag is accepted and has nothing to turn off
+    include_obfuscation: Optional[bool] = None
 
 
 class Prediction(_Strict):
@@ -145,14 +167,14 @@ class _Common(_Strict):
     """Fields both endpoints share, and what they turn into for the engine."""
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
+    max_tokens: Optional[Int] = None
     temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
+    top_p: Optional[float] = None  # 0 means greedy (only the most likely token is left)
+    top_k: Optional[Int] = None
     min_p: Optional[float] = None
-    n: int = 1
+    n: Int = 1
     stop: Optional[_by_json_type(string=str, array=list[str])] = None
-    seed: Optional[int] = None
+    seed: Optional[Int] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
@@ -165,12 +187,25 @@ class _Common(_Strict):
     ignore_eos: bool = False
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
+    # OpenAI's hints, accepted and validated; none changes the output. `prompt_cache_key`
+    # stays on the request as a routing hint: one server's prefix cache already matches
+    # prompts by content (per tenant), so here it changes nothing; a router in front of
+    # several servers may send the calls that share a key to the same one.
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
 
     def requested_tier_name(self) -> str | None:
         return self.service_tier if self.service_tier is not None else self.priority
 
     def tier(self) -> ServiceTier:
         return ServiceTier.parse(self.requested_tier_name())
+
+    def tier_is_auto(self) -> bool:
+        """May the served tier fall back (auth, admission) from the one the name maps to?"""
+        return self.requested_tier_name() in AUTO_TIER_NAMES
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -184,31 +219,38 @@ class _Common(_Strict):
     def _logprobs(self) -> tuple[bool, int]:
         return False, 0
 
+    def _prompt_logprobs(self, max_tokens: int) -> int | None:
+        return None
+
     def sampling_params(self, vocab_size: int, default_max_tokens: int) -> SamplingParams:
         """`default_max_tokens` is used when the client sent no limit; the server picks it
         (min of the per-key cap and the context left after the prompt)."""
         requested = self.requested_max_tokens()
+        max_tokens = default_max_tokens if requested is None else requested
         top_k = self.top_k if self.top_k is not None and 0 < self.top_k < vocab_size else 0
         logprobs, top_logprobs = self._logprobs()
         bias = sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+        temperature = 1.0 if self.temperature is None else self.temperature
+        top_p = 1.0 if self.top_p is None else self.top_p
+        if top_p == 0.0:  # a nucleus of probability 0 holds just the most likely token
+            temperature, top_p = 0.0, 1.0
         return SamplingParams(
-            max_tokens=default_max_tokens if requested is None else requested,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=self.min_p or 0.0, seed=self.seed,
             repetition_penalty=1.0 if self.repetition_penalty is None
             else self.repetition_penalty,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=tuple((k, v) for k, v in bias if k < vocab_size),
-            logprobs=logprobs, top_logprobs=top_logprobs, ignore_eos=self.ignore_eos)
+            logprobs=logprobs, top_logprobs=top_logprobs, ignore_eos=self.ignore_eos,
+            prompt_logprobs=self._prompt_logprobs(max_tokens))
 
 
 class ChatCompletionRequest(_Common):
     messages: list[Message]
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: Optional[Int] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Int] = None
     prediction: Optional[Prediction] = None
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[Tool]] = None
@@ -251,12 +293,19 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: Any  # str | list[str] | list[int] | list[list[int]], checked by hand (B24)
-    logprobs: Optional[int] = None  # number of top alternatives, 0..20
+    logprobs: Optional[Int] = None  # number of top alternatives, 0..20
     echo: bool = False
     suffix: Optional[str] = None
+    best_of: Optional[Int] = None  # only 1: each choice is returned as sampled
 
     def _logprobs(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0
+
+    def _prompt_logprobs(self, max_tokens: int) -> int | None:
+        """`echo` with `logprobs` scores the prompt too; `max_tokens` 0 scores it only."""
+        if self.echo and (self.logprobs is not None or max_tokens == 0):
+            return self.logprobs or 0
+        return None
 
     def prompt_list(self) -> list:
         """One entry per prompt: a string, or a list of token ids."""

@@ -24,18 +24,19 @@ import uvicorn
 
 from ultrafast.config import EngineConfig, ServerConfig, default_session_store
 from ultrafast.llm import build_engine
-from ultrafast.runtime.engine import EngineThread
 from ultrafast.server.admission import Admission
-from ultrafast.server.app import ServerState, build_app
+from ultrafast.server.app import build_app
 from ultrafast.server.auth import RedactingFilter
+from ultrafast.server.bridge import EngineSettings, shutdown_engine, start_engine
 from ultrafast.server.guard import (AllGuards, ClassifierGuard, GuardConfig, PatternGuard,
                                     load_score_function)
 from ultrafast.server.metrics import ServerMetrics
 from ultrafast.server.tenants import load_api_keys
 from ultrafast.server.http_timeouts import protocol_class
 from ultrafast.server.protocol import Limits
-from ultrafast.server.session_flow import SessionFlow
-from ultrafast.server.sessions import open_store
+from ultrafast.server.sessions.flow import SessionFlow
+from ultrafast.server.sessions.backends import open_store
+from ultrafast.server.state import ServerState
 
 log = logging.getLogger("ultrafast")
 
@@ -139,23 +140,25 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
     guard = build_guard(config)  # bad files fail before the model loads
     core, tokenizer, files = build_engine(engine_config,
                                           priority_itl_target_s=config.priority.itl_ms / 1000)
-    # warm up on the engine thread, which then serves: see EngineThread.start
-    engine = EngineThread(core, shaper_window_s=config.shaper_window_ms / 1000).start(warmup=True)
-    admission = Admission(config, costs=core.costs)  # after warmup(), which resets the fit
+    # warm up on the engine thread, which then serves: see EngineThread.start. From here the
+    # server sees the engine only through its read API (server/bridge.py).
+    engine = start_engine(core, shaper_window_s=config.shaper_window_ms / 1000)
+    del core
+    snapshot = engine.snapshot()
+    admission = Admission(config, step_costs=lambda: engine.snapshot().step_costs)
     if api_keys is not None:  # committed capacity, at both admission and the KV slots
         admission.priority_reserved = api_keys.priority_seats(config.priority.max_in_flight)
-        core.scheduler.reserved_priority_seats = api_keys.priority_seats(
-            core.scheduler.config.max_num_seqs)
-    device = getattr(core.executor, "device", None)
-    device_kind = "gpu" if getattr(device, "type", "cpu") == "cuda" else "cpu"
+        engine.configure(EngineSettings(
+            reserved_priority_seats=api_keys.priority_seats(snapshot.max_num_seqs)))
+    device_kind = snapshot.device_kind
     alert_ms = config.alert_priority_itl_p99_ms
     if alert_ms is None:
         alert_ms = 2.0 if device_kind == "gpu" else 0.0
     metrics = ServerMetrics(tenants=api_keys.tenants if api_keys else (),
                             device_kind=device_kind, alert_priority_itl_p99_s=alert_ms / 1000)
-    # the speculative engine's cumulative counters, where it exists (see server/metrics.py)
-    metrics.set_spec_source(lambda: getattr(core, "spec_stats", None))
-    metrics.set_occupancy_source(core.occupancy)
+    # queues, slots, cache and speculation counters: the engine's published snapshot
+    metrics.set_spec_source(engine.snapshot)
+    metrics.set_occupancy_source(engine.snapshot)
     engine.on_stats = metrics.on_step
     limits = Limits(vocab_size=tokenizer.vocab_size, max_tokens_cap=config.max_tokens_cap,
                     features=frozenset({"session_id"}))
@@ -163,7 +166,7 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
                        config.max_sessions_per_tenant)
     return ServerState(config=config, engine=engine, tokenizer=tokenizer,
                        model_name=config.served_model_name or files.name,
-                       max_model_len=core.scheduler.config.max_model_len, limits=limits,
+                       max_model_len=snapshot.max_model_len, limits=limits,
                        admission=admission, metrics=metrics, api_keys=api_keys, guard=guard,
                        sessions=SessionFlow(store, config.session_commit_grace_s,
                                             config.served_model_name or files.name))
@@ -206,8 +209,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         server.run()
     finally:
         unwatch_gc()
-        state.engine.stop()
-        state.engine.core.executor.close()
+        shutdown_engine(state.engine)
     return server.exit_code
 
 

@@ -18,22 +18,38 @@ content, or a tokenizer that merges across the pieces, falls back safely).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 
 _SENTINEL = "\ue000{}\ue001"  # private-use code points: never in a template's own text
 _SPLIT = re.compile("\ue000([0-9]+)\ue001")
 
 
-def encode_plain(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(public_messages(messages))
+@dataclass
+class ChatMessage:
+    """One message of a chat prompt, the one form it travels in from a front end (or the
+    session store) to the template."""
+
+    role: str
+    content: str
+    # an answer this model generated: the exact ids it was generated as (reused, see above)
+    token_ids: list[int] | None = None
+    extra: dict = field(default_factory=dict)  # name, tool_calls, tool_call_id: template only
+
+    def for_template(self) -> dict:
+        return {"role": self.role, "content": self.content, **self.extra}
+
+
+def encode_plain(tokenizer, messages: list[ChatMessage]) -> list[int]:
+    text = tokenizer.apply_chat_template(template_messages(messages))
     return tokenizer.encode(text, False)
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of the chat prompt; `_token_ids` on a message are its content's ids."""
-    spliced = [i for i, m in enumerate(messages) if m.get("_token_ids")]
+def encode_chat(tokenizer, messages: list[ChatMessage]) -> list[int]:
+    """Token ids of the chat prompt; a message's `token_ids` are its content's ids."""
+    spliced = [i for i, m in enumerate(messages) if m.token_ids]
     if not spliced:
         return encode_plain(tokenizer, messages)
-    public = public_messages(messages)
+    public = template_messages(messages)
     marked = [{**m, "content": _SENTINEL.format(i)} if i in spliced else m
               for i, m in enumerate(public)]
     pieces = _SPLIT.split(tokenizer.apply_chat_template(marked))  # text, index, text, ...
@@ -44,7 +60,7 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
         if text:
             ids += tokenizer.encode(text, False)
         if k < len(spliced):
-            ids += list(messages[spliced[k]]["_token_ids"])
+            ids += list(messages[spliced[k]].token_ids or ())
     expected = tokenizer.apply_chat_template(public)
     if tokenizer.decode(ids, skip_special_tokens=False) != expected:
         return encode_plain(tokenizer, messages)
@@ -62,5 +78,5 @@ def answer_token_ids(tokenizer, token_ids: list[int], text: str) -> list[int] | 
     return ids
 
 
-def public_messages(messages: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith("_")} for m in messages]
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    return [m.for_template() for m in messages]

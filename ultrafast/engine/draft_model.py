@@ -5,7 +5,7 @@ Before drafting, each request's draft KV catches up on the tokens it has not see
 the target's accepted tokens); rejected drafts are dropped by starting the next feed at the
 first wrong position (the executor trims the slot there). All requests draft in one batch per
 draft position. Greedy requests draft greedily (q one-hot); sampled requests draw from the
-draft model's own processed distribution and hand q to `runtime.spec.verify`.
+draft model's own processed distribution and hand q to `sampling.sampler.verify`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from ultrafast.core.types import Draft, ScheduledSeq, StepPlan
 from ultrafast.request import Request, SamplingParams
-from ultrafast.runtime.sampler import _mix_seed, draw, target_probs
+from ultrafast.sampling.sampler import _mix_seed, draw, target_probs
 
 _DRAFT_SEED_SALT = 0x5DEECE66D  # the draft model's draws use other generators than the target's
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ultrafast.server import openai_format as fmt
-from ultrafast.server.sessions import Turn
+from ultrafast.server.protocol import ChatCompletionRequest
+from ultrafast.server.sessions.store import Turn
+from ultrafast.tokenizer import Tokenizer
 
 REPLAY_HEADERS = {"idempotent-replayed": "true"}
 
 
-def replay_response(state, req, turn: Turn) -> Response:
+def replay_response(model_name: str, tokenizer: Tokenizer, req: ChatCompletionRequest,
+                    turn: Turn) -> Response:
     """What the first attempt answered: choice 0 holds the stored text. Nothing was generated
     for this call, so its usage counts no prompt tokens and the stored answer's tokens."""
     tier = req.tier().api_name
@@ -26,13 +29,13 @@ def replay_response(state, req, turn: Turn) -> Response:
                              finish_reason="stop" if turn.status == "completed" else "length")
     usage = fmt.usage(0, len(turn.token_ids or ()), 0)
     if not req.stream:
-        body = fmt.chat_response(request_id, state.model_name, tier, [choice], usage,
-                                 state.tokenizer.decode, False)
+        body = fmt.chat_response(request_id, model_name, tier, [choice], usage,
+                                 tokenizer.decode, False)
         return JSONResponse(body, headers=REPLAY_HEADERS)
 
     async def events():
-        writer = fmt.ChunkWriter(request_id, state.model_name, tier, True,
-                                 state.tokenizer.decode, False)
+        writer = fmt.ChunkWriter(request_id, model_name, tier, True,
+                                 tokenizer.decode, False)
         yield writer.role(0)
         if choice.text:
             yield writer.delta(0, choice.text, [])

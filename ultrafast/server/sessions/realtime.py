@@ -22,13 +22,15 @@ import uuid
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ultrafast.server.chat_tokens import answer_token_ids, public_messages
-from ultrafast.server.conversations_api import InputItem, items_to_messages, validate
-from ultrafast.server.errors import APIError
-from ultrafast.server.protocol import parse_chat_request
+from ultrafast.server.calls import CallInput, check_options, plain_params, prepare_call
+from ultrafast.server.errors import APIError, invalid_type
+from ultrafast.server.generate import ChoiceDelta, GenerationRun
 from ultrafast.server.protocol_models import NAME_RE
-from ultrafast.server.session_flow import tenant_of, turns_to_messages
-from ultrafast.server.sessions import Turn
+from ultrafast.server.sessions.chat_tokens import ChatMessage
+from ultrafast.server.sessions.conversations import InputItem, validate
+from ultrafast.server.sessions.flow import SessionFlow, assistant_turn, tenant_of, turns_to_messages
+from ultrafast.server.sessions.store import Turn
+from ultrafast.server.state import ServerState
 
 MAX_MESSAGE_BYTES = 1024 * 1024
 
@@ -40,14 +42,15 @@ def _error(code: str, message: str, event_id: str | None = None) -> dict:
 
 
 class RealtimeConnection:
-    def __init__(self, state, ws: WebSocket, tenant: str, session_id: str):
+    def __init__(self, state: ServerState, flow: SessionFlow, ws: WebSocket, tenant: str,
+                 session_id: str):
         self.state = state
-        self.flow = state.sessions
+        self.flow = flow
         self.ws = ws
         self.tenant = tenant
         self.session_id = session_id
         self.task: asyncio.Task | None = None  # the response being generated
-        self.run = None
+        self.run: GenerationRun | None = None
         self.sent_text = ""  # what the client has actually received of the current response
         self.cancelled = False
         self.closed = False
@@ -66,7 +69,7 @@ class RealtimeConnection:
             item = validate(InputItem, event.get("item"))
             turn = Turn(event.get("event_id") or uuid.uuid4().hex, item.role, item.text())
             turn.turn_id = "rt-" + str(turn.turn_id)[:64]
-            stored = await self.flow.call("append", self.tenant, self.session_id, turn)
+            stored = await self.flow.append(self.tenant, self.session_id, turn)
             await self.send({"type": "conversation.item.created",
                              "item": {"id": f"msg_{stored.turn_id}", "type": "message",
                                       "role": stored.role, "status": stored.status,
@@ -83,43 +86,52 @@ class RealtimeConnection:
         else:
             await self.send(_error("invalid_event", f"unknown event type {str(kind)[:40]!r}"))
 
-    async def _start(self, options: dict) -> None:
-        from ultrafast.server.app import prepare_run
-
-        turns = await self.flow.call("turns", self.tenant, self.session_id)
+    async def _start(self, options: object) -> None:
+        if not isinstance(options, dict):
+            raise invalid_type("response", "response must be a JSON object")
+        max_tokens, temperature, top_p = (options.get(k) for k in (
+            "max_output_tokens", "temperature", "top_p"))
+        for name, value, kinds in (("max_output_tokens", max_tokens, (int,)),
+                                   ("temperature", temperature, (int, float)),
+                                   ("top_p", top_p, (int, float))):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+                raise invalid_type(f"response.{name}", f"{name} must be a number")
+        tier, auto = check_options(self.state.limits, temperature=temperature, top_p=top_p,
+                                   max_tokens=max_tokens, max_tokens_param="max_output_tokens",
+                                   service_tier=options.get("service_tier"))
+        turns = await self.flow.turns(self.tenant, self.session_id)
         messages = turns_to_messages(turns, self.flow.model_name)
-        if options.get("instructions"):
-            messages = [{"role": "system", "content": options["instructions"]}] + messages
+        instructions = options.get("instructions")
+        if isinstance(instructions, str) and instructions:
+            messages = [ChatMessage("system", instructions)] + messages
         if not messages:
             raise APIError(400, "the conversation is empty: create an item first",
                            "invalid_request_error", "invalid_value", None)
-        req = parse_chat_request({"messages": public_messages(messages), "stream": True,
-                                  "max_tokens": options.get("max_output_tokens"),
-                                  "temperature": options.get("temperature"),
-                                  "top_p": options.get("top_p"),
-                                  "service_tier": options.get("service_tier")},
-                                 self.state.limits)
         response_id = "resp_" + uuid.uuid4().hex
-        self.run = await prepare_run(self.ws, self.state, req, True, messages,
-                                     request_id=response_id)
+        run = await prepare_call(self.state, self.ws.scope, CallInput(
+            chat=True, params=plain_params(temperature, top_p), max_tokens=max_tokens,
+            messages=messages, stream=True, tier=tier, auto_tier=auto, request_id=response_id,
+            prompt_param="conversation", max_tokens_param="max_output_tokens"))
+        self.run = run
         self.sent_text, self.cancelled = "", False
-        self.task = asyncio.ensure_future(self._generate(self.run, response_id))
+        self.task = asyncio.ensure_future(self._generate(run, response_id))
 
-    async def _generate(self, run, response_id: str) -> None:
+    async def _generate(self, run: GenerationRun, response_id: str) -> None:
         run.start()
         try:
             await self.send({"type": "response.created",
                              "response": {"id": response_id, "object": "realtime.response",
                                           "status": "in_progress", "output": []}})
-            async for index, text, _, finish in run._outputs():
+            async for event in run.events():
                 if self.cancelled:
                     break
-                if index >= 0 and text:
-                    await self.send({"type": "response.output_text.delta",
-                                     "response_id": response_id, "delta": text})
-                    self.sent_text += text
-                if finish == "error":
-                    break
+                if isinstance(event, ChoiceDelta):
+                    if event.text:
+                        await self.send({"type": "response.output_text.delta",
+                                         "response_id": response_id, "delta": event.text})
+                        self.sent_text += event.text
+                    if event.finish == "error":
+                        break
         finally:
             run.finish()
         choice = run.choices[0]
@@ -127,10 +139,7 @@ class RealtimeConnection:
                   "completed" if choice.finish_reason in ("stop", "length") else "incomplete")
         # barge-in keeps only what the client received; otherwise the whole answer
         text = self.sent_text if self.cancelled else choice.text
-        turn = Turn(f"{response_id}-a", "assistant", text,
-                    status="completed" if status == "completed" else "incomplete",
-                    response_id=response_id, model=run.spec.model_name,
-                    token_ids=answer_token_ids(self.state.tokenizer, choice.token_ids, text))
+        turn = assistant_turn(run, f"{response_id}-a", text, status == "completed", response_id)
         stored = await self.flow.commit(self.tenant, self.session_id, turn)
         await self.send({"type": "response.done", "response": {
             "id": response_id, "object": "realtime.response", "status": status,
@@ -141,11 +150,10 @@ class RealtimeConnection:
 
     async def cancel(self) -> None:
         """Barge-in: abort the engine request now; the delta loop stops before sending more."""
-        if self.task is None or self.task.done():
+        if self.task is None or self.task.done() or self.run is None:
             return
         self.cancelled = True
-        self.run.generation.abort_all()
-        self.run.generation.queue.put_nowait(_WAKE)  # end the loop's wait at once
+        self.run.generation.interrupt()  # aborts, and ends the loop's wait at once
         await self.task
 
     async def close(self) -> None:
@@ -153,44 +161,35 @@ class RealtimeConnection:
             await self.cancel()
 
 
-class _Wake:
-    """A non-output put on a generation's queue so a waiting loop sees `cancelled` at once."""
-
-    request_id = None
-    finished = False
-    new_token_ids: list = []
-
-
-_WAKE = _Wake()
-
-
-async def _open_session(state, ws: WebSocket, tenant: str) -> str | None:
+async def _open_session(flow: SessionFlow, ws: WebSocket, tenant: str) -> str | None:
     conversation_id = ws.query_params.get("conversation")
-    flow = state.sessions
     if conversation_id is None:
         conversation_id = "conv_" + uuid.uuid4().hex
-        await flow.call("create", tenant, conversation_id)
-    elif not NAME_RE.fullmatch(conversation_id) or await flow.call(
-            "get", tenant, conversation_id) is None:
+        await flow.create(tenant, conversation_id)
+    elif not NAME_RE.fullmatch(conversation_id) or await flow.get(
+            tenant, conversation_id) is None:
         await ws.send_text(json.dumps(_error("conversation_not_found", "conversation not found")))
         await ws.close(code=1008)
         return None
     return conversation_id
 
 
-def realtime_routes(state) -> list[WebSocketRoute]:
+def realtime_routes(state: ServerState) -> list[WebSocketRoute]:
+    flow = state.sessions
+    assert flow is not None
+
     async def realtime(ws: WebSocket) -> None:
         await ws.accept()
         tenant = tenant_of(ws)
         try:
-            session_id = await _open_session(state, ws, tenant)
+            session_id = await _open_session(flow, ws, tenant)
         except APIError as exc:
             await ws.send_text(json.dumps(_error(exc.code or "error", exc.message)))
             await ws.close(code=1011)
             return
         if session_id is None:
             return
-        conn = RealtimeConnection(state, ws, tenant, session_id)
+        conn = RealtimeConnection(state, flow, ws, tenant, session_id)
         await conn.send({"type": "session.created",
                          "session": {"id": session_id, "object": "realtime.session",
                                      "model": state.model_name, "conversation": session_id}})

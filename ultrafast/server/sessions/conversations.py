@@ -3,30 +3,31 @@
 A conversation is a session: chat completions reach the same history with `session_id`, the
 Responses API with `conversation`. Items are the stored turns in OpenAI's message-item shape
 (user text as `input_text`, assistant text as `output_text`). Input items (here and in the
-Responses API's `input`) are validated strictly: text content only, known fields only.
+Responses API's `input`) are validated strictly: text content only, known fields only, and
+a refusal names the exact item path (`input[2].content[0].text`).
+`POST /v1/conversations/{id}` replaces the conversation's metadata.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Literal, Optional, Union
+from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ultrafast.server.errors import APIError, from_validation_error, invalid_value
+from ultrafast.server.errors import from_validation_error, invalid_value
 from ultrafast.server.protocol_models import (MAX_METADATA_KEY, MAX_METADATA_PAIRS,
-                                              MAX_METADATA_VALUE, NAME_RE)
-from ultrafast.server.session_flow import not_found, tenant_of
-from ultrafast.server.sessions import Turn
+                                              MAX_METADATA_VALUE, NAME_RE, _UNION_TAGS,
+                                              _Strict, _by_json_type)
+from ultrafast.server.sessions.chat_tokens import ChatMessage
+from ultrafast.server.sessions.flow import not_found, tenant_of
+from ultrafast.server.sessions.store import Turn
+from ultrafast.server.state import ServerState, read_json
 
 MAX_ITEMS_PER_CALL = 1024
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(_Strict):
@@ -38,7 +39,7 @@ class TextPart(_Strict):
 class InputItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, list[TextPart]]
+    content: _by_json_type(string=str, array=list[TextPart])  # type: ignore[valid-type]
     id: Optional[str] = None  # echoed items from a previous output
     status: Optional[str] = None
 
@@ -51,6 +52,10 @@ class InputItem(_Strict):
 class CreateConversation(_Strict):
     items: Optional[list[InputItem]] = None
     metadata: Optional[dict[str, str]] = None
+
+
+class UpdateConversation(_Strict):
+    metadata: dict[str, str]  # required, as in OpenAI's API: the whole new metadata
 
 
 class AddItems(_Strict):
@@ -66,8 +71,8 @@ def validate(model: type[BaseModel], body: dict):
             raise invalid_value(name, f"{name} has at most {MAX_ITEMS_PER_CALL} entries")
     try:
         return model.model_validate(body)
-    except ValidationError as exc:
-        raise from_validation_error(exc, body) from None
+    except ValidationError as exc:  # union members are tagged by JSON type: exact item paths
+        raise from_validation_error(exc, body, _UNION_TAGS) from None
 
 
 def check_metadata(metadata: dict | None) -> dict:
@@ -79,15 +84,16 @@ def check_metadata(metadata: dict | None) -> dict:
     return metadata
 
 
-def items_to_messages(items: list[InputItem]) -> list[dict]:
-    return [{"role": item.role, "content": item.text()} for item in items]
+def items_to_messages(items: list[InputItem]) -> list[ChatMessage]:
+    return [ChatMessage(item.role, item.text()) for item in items]
 
 
 def turn_to_item(turn: Turn) -> dict:
     part = "output_text" if turn.role == "assistant" else "input_text"
-    content = {"type": part, "text": turn.content}
+    content: dict = {"type": part, "text": turn.content}
     if part == "output_text":
         content["annotations"] = []
+        content["logprobs"] = []  # a list, as in OpenAI's items; none are stored
     return {"type": "message", "id": f"msg_{turn.turn_id}", "status": turn.status,
             "role": turn.role, "content": [content]}
 
@@ -108,13 +114,14 @@ def _path_id(http: HTTPRequest) -> str:
     return conversation_id
 
 
-def conversations_routes(state, read_json) -> list[Route]:
+def conversations_routes(state: ServerState) -> list[Route]:
     flow = state.sessions
+    assert flow is not None
 
     async def create(http: HTTPRequest) -> Response:
         req = validate(CreateConversation, await read_json(http, state))
         tenant, conversation_id = tenant_of(http), new_conversation_id()
-        info = await flow.call("create", tenant, conversation_id, check_metadata(req.metadata))
+        info = await flow.create(tenant, conversation_id, check_metadata(req.metadata))
         if req.items:
             await flow.append_turns(tenant, conversation_id, items_to_messages(req.items),
                                     f"{conversation_id}-init")
@@ -122,21 +129,30 @@ def conversations_routes(state, read_json) -> list[Route]:
 
     async def get(http: HTTPRequest) -> Response:
         conversation_id = _path_id(http)
-        info = await flow.call("get", tenant_of(http), conversation_id)
+        info = await flow.get(tenant_of(http), conversation_id)
         if info is None:
             raise not_found("conversation", None)
         return JSONResponse(conversation_object(conversation_id, info.created_s, info.metadata))
 
     async def delete(http: HTTPRequest) -> Response:
         conversation_id = _path_id(http)
-        if not await flow.call("delete", tenant_of(http), conversation_id):
+        if not await flow.delete(tenant_of(http), conversation_id):
             raise not_found("conversation", None)
         return JSONResponse({"id": conversation_id, "object": "conversation.deleted",
                              "deleted": True})
 
+    async def update(http: HTTPRequest) -> Response:
+        conversation_id = _path_id(http)
+        req = validate(UpdateConversation, await read_json(http, state))
+        info = await flow.set_metadata(tenant_of(http), conversation_id,
+                                       check_metadata(req.metadata))
+        if info is None:
+            raise not_found("conversation", None)
+        return JSONResponse(conversation_object(conversation_id, info.created_s, info.metadata))
+
     async def list_items(http: HTTPRequest) -> Response:
         conversation_id, tenant = _path_id(http), tenant_of(http)
-        if await flow.call("get", tenant, conversation_id) is None:
+        if await flow.get(tenant, conversation_id) is None:
             raise not_found("conversation", None)
         order = http.query_params.get("order", "desc")
         limit_text = http.query_params.get("limit", "20")
@@ -144,7 +160,7 @@ def conversations_routes(state, read_json) -> list[Route]:
             raise invalid_value("order", "order must be asc or desc")
         if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
             raise invalid_value("limit", "limit must be an integer in [1, 100]")
-        items = [turn_to_item(t) for t in await flow.call("turns", tenant, conversation_id)]
+        items = [turn_to_item(t) for t in await flow.turns(tenant, conversation_id)]
         if order == "desc":
             items.reverse()
         after = http.query_params.get("after")
@@ -160,7 +176,7 @@ def conversations_routes(state, read_json) -> list[Route]:
     async def add_items(http: HTTPRequest) -> Response:
         conversation_id, tenant = _path_id(http), tenant_of(http)
         req = validate(AddItems, await read_json(http, state))
-        if await flow.call("get", tenant, conversation_id) is None:
+        if await flow.get(tenant, conversation_id) is None:
             raise not_found("conversation", None)
         key = http.headers.get("idempotency-key") or uuid.uuid4().hex
         turns = await flow.append_turns(tenant, conversation_id, items_to_messages(req.items),
@@ -173,6 +189,7 @@ def conversations_routes(state, read_json) -> list[Route]:
     return [
         Route("/v1/conversations", create, methods=["POST"]),
         Route("/v1/conversations/{conversation_id}", get, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}", update, methods=["POST"]),
         Route("/v1/conversations/{conversation_id}", delete, methods=["DELETE"]),
         Route("/v1/conversations/{conversation_id}/items", list_items, methods=["GET"]),
         Route("/v1/conversations/{conversation_id}/items", add_items, methods=["POST"]),

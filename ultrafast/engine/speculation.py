@@ -1,9 +1,10 @@
-"""Speculative decoding: `propose()` drafts tokens for decoding requests, `verify()` checks them.
+"""Speculative decoding, the propose side: drafts for decoding requests, k adapted per request.
 
 The scheduler only sees "k draft tokens scheduled": a decode step feeds the last sampled token
-plus the drafts, the target's logits at those k+1 positions go to `verify()` (through the
-sampler), and the scheduler keeps the longest prefix of drafts the target agreed with plus the
-target's own next token. Rejected drafts' KV is dropped by the executor on the next step.
+plus the drafts, the target's logits at those k+1 positions go to `sampling.sampler.verify`
+(through `sample_plan`), and the scheduler keeps the longest prefix of drafts the target agreed
+with plus the target's own next token, and reports what it accepted to `Speculator.observe`.
+Rejected drafts' KV is dropped by the executor on the next step.
 
 Draft sources, in the order `auto` tries them per request:
 - the client's `prediction` (OpenAI predicted outputs), aligned to the output so far;
@@ -40,11 +41,9 @@ import collections
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from ultrafast.core.types import Draft, ScheduledSeq, StepPlan, TokenLogprobs
+from ultrafast.core.types import Draft, DraftVerification
+from ultrafast.engine.step_costs import StepCostModel
 from ultrafast.request import Request, ServiceTier
-from ultrafast.runtime.sampler import draw, logprobs_of, sample_one, target_probs, token_generator
 
 SPEC_METHODS = ("off", "ngram", "draft", "auto")
 
@@ -60,8 +59,8 @@ class SpecConfig:
     prior_weight: float = 2.0  # ... worth this many observed draft tokens
     acceptance_decay: float = 0.9  # per verify step: older evidence fades
     retry_after_steps: int = 16  # k == 0: steps without drafts before one draft is retried
-    # step time ~ base + per_token * tokens, until the engine's own fit exists (f16 demo model,
-    # one thread: 2.3 ms for 1 token, 4.6 ms for 4)
+    # step time ~ base + per_token * tokens until the engine's own fit exists: a CPU's demo
+    # model order of magnitude, and what deterministic tests size k with
     default_step_base_s: float = 2.0e-3
     default_step_per_token_s: float = 0.5e-3
     use_measured_costs: bool = True  # False: always the defaults above (deterministic tests)
@@ -94,53 +93,6 @@ class SpecStats:
         keys = [source] if source else list(self.num_draft_tokens)
         drafted = sum(self.num_draft_tokens.get(k, 0) for k in keys)
         return sum(self.num_accepted_tokens.get(k, 0) for k in keys) / drafted if drafted else 0.0
-
-
-# ---- verify ---------------------------------------------------------------------------------
-
-
-def verify(seq: ScheduledSeq, logits: torch.Tensor) -> tuple[list[int], list[TokenLogprobs]]:
-    """Target tokens at the k+1 positions of a decode with k drafts, up to the first rejection.
-
-    `logits` [k+1, vocab] (raw, float32). Returns (tokens, logprobs): the accepted drafts, then
-    the correction (at the first rejected position) or the bonus token (all accepted). Position
-    j is processed with the penalties of the tokens accepted before it, and its randomness
-    comes from (seed, output index), as in plain decoding.
-    """
-    params = seq.sampling_params
-    drafts = seq.token_ids[seq.num_tokens - seq.num_logits + 1:]
-    tokens: list[int] = []
-    token_logprobs: list[TokenLogprobs] = []
-    for j in range(seq.num_logits):
-        raw = logits[j]
-        history = seq.output_token_ids + drafts[:j] if params.needs_penalties else []
-        index = seq.num_output_tokens + j
-        if j < len(drafts) and seq.draft_probs is not None and not params.greedy:
-            token = _rejection_sample(raw.clone(), seq, history, index, drafts[j],
-                                      seq.draft_probs[j])
-        else:
-            token = sample_one(raw.clone(), seq, history, index)
-        tokens.append(token)
-        if params.logprobs:
-            token_logprobs.append(logprobs_of(raw, token, params.top_logprobs))
-        if j < len(drafts) and token != drafts[j]:
-            break
-    return tokens, token_logprobs
-
-
-def _rejection_sample(logits: torch.Tensor, seq: ScheduledSeq, history: list[int], index: int,
-                      draft_token: int, q: torch.Tensor) -> int:
-    """Accept `draft_token` with probability min(1, p/q), else draw from norm(max(p - q, 0))."""
-    p = target_probs(logits, seq, history)
-    q = q.to(p.dtype)
-    generator = token_generator(seq.sampling_seed, index)
-    u = float(torch.rand((), generator=generator))
-    if u * float(q[draft_token]) < float(p[draft_token]):
-        return draft_token
-    residual = torch.clamp(p - q, min=0.0)
-    if float(residual.sum()) <= 0.0:  # p == q up to rounding: any draw from p is exact
-        residual = p
-    return draw(residual, generator)
 
 
 # ---- draft sources --------------------------------------------------------------------------
@@ -271,7 +223,7 @@ class Speculator:
     """propose() before each schedule, observe() after each update. Owned by the engine."""
 
     def __init__(self, config: SpecConfig, draft_model=None):
-        """draft_model: a runtime.draft_model.DraftModelProposer (needed by method draft)."""
+        """draft_model: an engine.draft_model.DraftModelProposer (needed by method draft)."""
         if config.method == "draft" and draft_model is None:
             raise ValueError("spec method 'draft' needs a draft model")
         self.config = config
@@ -282,7 +234,6 @@ class Speculator:
         # with the previous turn's tokens, and takes its index over instead of rebuilding it
         self._retired: collections.deque[tuple[str, NgramIndex]] = collections.deque(
             maxlen=MAX_RETIRED_INDEXES)
-        self.step_costs = None  # the engine's StepCostModel (base_s, per_token_s), set per step
 
     def admit(self, request: Request) -> None:
         """Decide once, when a request is added, whether it drafts from n-grams / the model."""
@@ -310,8 +261,10 @@ class Speculator:
             self._states[request.request_id] = state
         return state
 
-    def propose(self, running: list[Request]) -> dict[str, Draft]:
-        """Drafts for the running requests that will decode next step (at most k each)."""
+    def propose(self, running: list[Request],
+                step_costs: StepCostModel | None = None) -> dict[str, Draft]:
+        """Drafts for the running requests that will decode next step (at most k each);
+        `step_costs`, the engine's measured step times, sizes k."""
         out: dict[str, Draft] = {}
         model_wants: list[tuple[Request, int]] = []
         for request in running:
@@ -323,7 +276,7 @@ class Speculator:
             self._fold_new_output(state)
             room = request.sampling_params.max_tokens - request.num_output_tokens - 1
             for source in state.sources:
-                k = min(self._draft_length(state, source), room)
+                k = min(self._draft_length(state, source, step_costs), room)
                 if k <= 0:
                     continue
                 if source == "draft":
@@ -338,7 +291,8 @@ class Speculator:
             out.update(self.draft_model.propose(model_wants))
         return out
 
-    def _draft_length(self, state: _RequestState, source: str) -> int:
+    def _draft_length(self, state: _RequestState, source: str,
+                      step_costs: StepCostModel | None) -> int:
         """The k that maximises expected tokens per second; at 0, one draft is retried after
         `retry_after_steps` steps so a request whose text turns predictable gets drafts again."""
         cfg = self.config
@@ -350,10 +304,9 @@ class Speculator:
         # sized with the default costs, so a noisy measured fit cannot switch it off for good
         if cfg.use_measured_costs and state.request.sampling_params.seed is None \
                 and source != "prediction":
-            costs = self.step_costs
-            if costs is not None and costs.base_s and costs.per_token_s:
-                base_s, per_token_s = costs.base_s, costs.per_token_s
-                measured = costs.lone_pass_s
+            if step_costs is not None and step_costs.base_s and step_costs.per_token_s:
+                base_s, per_token_s = step_costs.base_s, step_costs.per_token_s
+                measured = step_costs.lone_pass_s
             if source == "draft":
                 extra_s = self.draft_model.per_draft_s
         costs = (cfg.max_draft_tokens, base_s, per_token_s, extra_s, measured)
@@ -363,8 +316,8 @@ class Speculator:
             if state.idle_steps[source] >= cfg.retry_after_steps:
                 state.idle_steps[source] = 0
                 # retry only a source whose drafts could pay if nearly all were accepted: a
-                # draft model dearer per token than the target's own step never can (on the
-                # 2-core CPU, 1.3 ms a draft with its catch-up against a 1.1 ms step)
+                # draft model dearer per token than the target's own step never can (on a
+                # small CPU, a draft with its catch-up can cost more than a target step)
                 if best_draft_length(_RETRY_ACCEPTANCE, *costs):
                     return 1
         return k
@@ -380,20 +333,16 @@ class Speculator:
         if state.aligner is not None:
             state.aligner.advance(new, output)
 
-    def observe(self, plan: StepPlan, finished_ids: list[str]) -> None:
-        """Adapt k from the drafts verified in `plan`; forget finished requests."""
+    def observe(self, verifications: list[DraftVerification], finished_ids: list[str]) -> None:
+        """Adapt k from a step's verified drafts (`Scheduler.update`); forget finished
+        requests."""
         cfg = self.config
-        for seq in plan.seqs:
-            if seq.num_logits <= 1:
-                continue
-            state = self._states.get(seq.request_id)
+        for verified in verifications:
+            state = self._states.get(verified.request_id)
             if state is None:
                 continue
-            request = state.request
-            num_drafts, num_accepted = request.last_num_drafts, request.last_num_accepted
-            if not num_drafts:
-                continue
-            source = request.last_draft_source
+            source, num_drafts = verified.source, verified.num_drafts
+            num_accepted = verified.num_accepted
             self.stats.add(source, num_drafts, num_accepted)
             if source in state.num_tried:  # tried = accepted + the first rejected, if any
                 num_tried = num_accepted + (num_accepted < num_drafts)
@@ -401,7 +350,6 @@ class Speculator:
                                               + num_accepted)
                 state.num_tried[source] = (state.num_tried[source] * cfg.acceptance_decay
                                            + num_tried)
-            request.last_num_drafts = 0
         for request_id in finished_ids:
             self.release(request_id)
 

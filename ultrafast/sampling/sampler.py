@@ -1,4 +1,5 @@
-"""Turn logits into tokens: greedy, temperature, top-k, top-p, min-p, penalties, logit bias, logprobs.
+"""Turn logits into tokens: greedy, temperature, top-k, top-p, min-p, penalties, logit bias,
+logprobs, and the verification of speculative drafts (rejection sampling is sampling).
 
 Randomness is explicit and stateless: the token at output index i of a request is drawn with a
 generator seeded from (request seed, i). So a seeded request gives the same text alone or in a
@@ -101,6 +102,50 @@ def logprobs_of(raw: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
     return TokenLogprobs(token_id, float(logprobs[token_id]), top)
 
 
+def verify(seq: ScheduledSeq, logits: torch.Tensor) -> tuple[list[int], list[TokenLogprobs]]:
+    """Target tokens at the k+1 positions of a decode with k drafts, up to the first rejection.
+
+    `logits` [k+1, vocab] (raw, float32). Returns (tokens, logprobs): the accepted drafts, then
+    the correction (at the first rejected position) or the bonus token (all accepted). Position
+    j is processed with the penalties of the tokens accepted before it, and its randomness
+    comes from (seed, output index), as in plain decoding.
+    """
+    params = seq.sampling_params
+    drafts = seq.token_ids[seq.num_tokens - seq.num_logits + 1:]
+    tokens: list[int] = []
+    token_logprobs: list[TokenLogprobs] = []
+    for j in range(seq.num_logits):
+        raw = logits[j]
+        history = seq.output_token_ids + drafts[:j] if params.needs_penalties else []
+        index = seq.num_output_tokens + j
+        if j < len(drafts) and seq.draft_probs is not None and not params.greedy:
+            token = _rejection_sample(raw.clone(), seq, history, index, drafts[j],
+                                      seq.draft_probs[j])
+        else:
+            token = sample_one(raw.clone(), seq, history, index)
+        tokens.append(token)
+        if params.logprobs:
+            token_logprobs.append(logprobs_of(raw, token, params.top_logprobs))
+        if j < len(drafts) and token != drafts[j]:
+            break
+    return tokens, token_logprobs
+
+
+def _rejection_sample(logits: torch.Tensor, seq: ScheduledSeq, history: list[int], index: int,
+                      draft_token: int, q: torch.Tensor) -> int:
+    """Accept `draft_token` with probability min(1, p/q), else draw from norm(max(p - q, 0))."""
+    p = target_probs(logits, seq, history)
+    q = q.to(p.dtype)
+    generator = token_generator(seq.sampling_seed, index)
+    u = float(torch.rand((), generator=generator))
+    if u * float(q[draft_token]) < float(p[draft_token]):
+        return draft_token
+    residual = torch.clamp(p - q, min=0.0)
+    if float(residual.sum()) <= 0.0:  # p == q up to rounding: any draw from p is exact
+        residual = p
+    return draw(residual, generator)
+
+
 def sample_plan(seqs: list[ScheduledSeq], logits) -> StepResult:
     """Sample every requested position. `logits` is [sum(num_logits), vocab] in plan order:
     a torch tensor, or a float32 numpy array (the ggml executor's zero-copy view)."""
@@ -109,7 +154,8 @@ def sample_plan(seqs: list[ScheduledSeq], logits) -> StepResult:
     if logits.shape[0] != sum(s.num_logits for s in wanted):
         raise ValueError("logits rows do not match the plan")
     if all(s.sampling_params.plain_greedy for s in wanted):  # one argmax for the whole batch
-        # numpy's argmax on the zero-copy view costs ~100 us less per step than torch's
+        # numpy's argmax on the zero-copy view skips torch's per-call overhead, which is a
+        # visible part of a CPU decode step's host time (scripts/host_step_time.py)
         if isinstance(logits, np.ndarray):
             ids = logits.argmax(-1).tolist()
         elif logits.device.type == "cpu" and logits.dtype == torch.float32:
@@ -125,8 +171,6 @@ def sample_plan(seqs: list[ScheduledSeq], logits) -> StepResult:
     row = 0
     for seq in wanted:
         if seq.num_logits > 1:  # drafts to verify
-            from ultrafast.runtime.spec import verify  # spec builds on this module
-
             tokens, token_logprobs = verify(seq, logits[row:row + seq.num_logits])
         else:
             raw = logits[row]

@@ -1,0 +1,187 @@
+"""The synchronous step loop: propose drafts -> schedule -> execute -> update -> observe.
+
+The engine sees token ids only. `EngineCore` owns the scheduler, the KV slot pool, the step
+cost model and the speculator; `engine.thread.EngineThread` runs it for the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+from ultrafast.core.kv_pool import KVSlotPool
+from ultrafast.core.scheduler import Scheduler, SchedulerConfig
+from ultrafast.core.types import Draft, RequestOutput, StepPlan, StepResult
+from ultrafast.engine.speculation import SpecStats, Speculator
+from ultrafast.engine.step_costs import StepCostModel
+from ultrafast.executors.base import Executor
+from ultrafast.request import Request, SamplingParams, ServiceTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """One step's numbers, for metrics (only server/metrics.py turns them into Prometheus)."""
+
+    step_id: int
+    num_seqs: int
+    num_tokens: int
+    num_running: int
+    num_waiting: int
+    schedule_time_s: float
+    execute_time_s: float
+    sample_time_s: float
+    update_time_s: float
+    propose_time_s: float = 0.0  # speculative drafting before the step (draft model, lookups)
+    num_draft_tokens: int = 0  # drafts scheduled in this step
+
+
+@dataclass
+class EngineOccupancy:
+    """Queues, slots and cache counts, for metrics. `EngineCore.occupancy()` only counts, so
+    the metrics scrape may call it from the event loop: a value may be one step old."""
+
+    num_waiting_by_tier: tuple[int, ...]  # indexed by ServiceTier value
+    num_running_by_tier: tuple[int, ...]
+    num_kv_slots_running: int  # slots owned by a running request
+    num_kv_slots_total: int
+    num_prefix_queries: int  # cumulative: prefix-cache lookups
+    num_prefix_query_tokens: int  # cumulative: prompt tokens looked up
+    num_prefix_hit_tokens: int  # cumulative: tokens served from the cache
+    num_preemptions: int = 0  # cumulative: running requests preempted for a higher tier
+
+
+class EngineCore:
+    """Synchronous engine: call `step()` until `has_work()` is False."""
+
+    def __init__(self, executor: Executor, config: SchedulerConfig,
+                 priority_itl_target_s: float | None = None,
+                 speculator: Speculator | None = None):
+        """priority_itl_target_s: None = no cap on steps carrying priority work, 0 = auto.
+        speculator: None for plain decoding (client predictions are then ignored).
+        """
+        if config.max_num_seqs > executor.num_slots:
+            raise ValueError("max_num_seqs cannot exceed the executor's KV slots")
+        if config.max_model_len > executor.max_model_len:
+            raise ValueError("max_model_len cannot exceed the executor's slot length")
+        self.executor = executor
+        config = replace(config, one_pass_per_length=config.one_pass_per_length
+                         or getattr(executor, "one_pass_per_length", False))
+        self.pool = KVSlotPool(executor.num_slots)
+        self.scheduler = Scheduler(config, self.pool)
+        self.last_stats: StepStats | None = None
+        self.priority_itl_target_s = priority_itl_target_s
+        self.costs = StepCostModel()
+        # tokens a step with priority work may hold (Scheduler.schedule); sized from `costs`
+        # after each step that had a priority request running, None = no cap
+        self.priority_token_budget: int | None = None
+        self.speculator = speculator
+
+    @property
+    def spec_stats(self) -> SpecStats | None:
+        """Drafted / accepted tokens per draft source; None without speculation."""
+        return None if self.speculator is None else self.speculator.stats
+
+    def warmup(self, num_prompt_tokens: int = 16) -> None:
+        """Run a short prefill and decode before serving: the first pass of a fresh executor
+        allocates its compute graph and would otherwise land on the first client's TTFT."""
+        prompt = [i % self.executor.vocab_size for i in range(1, num_prompt_tokens + 1)]
+        self.add_request(Request("warmup", prompt, SamplingParams(  # priority: drafting warms too
+            temperature=0.0, max_tokens=4, ignore_eos=True), tier=ServiceTier.PRIORITY))
+        while self.has_work():
+            self.step()
+        self.pool.reset_cache()
+        self.costs = StepCostModel()  # learn from real traffic, not from the cold first pass
+
+    def add_request(self, request: Request) -> None:
+        for token in request.prompt_token_ids:
+            if not 0 <= token < self.executor.vocab_size:
+                raise ValueError(f"token id {token} is out of vocabulary "
+                                 f"(size {self.executor.vocab_size})")
+        if self.speculator is not None:
+            self.speculator.admit(request)
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def occupancy(self) -> EngineOccupancy:
+        sched, pool = self.scheduler, self.pool
+        running = [0, 0, 0]  # ServiceTier values 0..2
+        for request in sched.running:
+            running[request.tier] += 1
+        waiting = sched.waiting
+        return EngineOccupancy(
+            num_waiting_by_tier=(len(waiting[ServiceTier.PRIORITY]),
+                                 len(waiting[ServiceTier.DEFAULT]), len(waiting[ServiceTier.FLEX])),
+            num_running_by_tier=tuple(running), num_kv_slots_running=pool.num_running,
+            num_kv_slots_total=pool.num_slots, num_prefix_queries=pool.num_prefix_queries,
+            num_prefix_query_tokens=pool.num_prefix_query_tokens,
+            num_prefix_hit_tokens=pool.num_prefix_hit_tokens,
+            num_preemptions=sched.num_preemptions)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _propose(self, speculator: Speculator) -> dict[str, Draft]:
+        try:  # k is sized by the measured step cost
+            return speculator.propose(self.scheduler.running, self.costs)
+        except Exception:  # drafts are only a speed-up: a failing draft model costs no request
+            log.exception("speculative drafting failed; this step decodes without drafts")
+            return {}
+
+    def _one_pass(self, plan: StepPlan) -> bool:
+        """Did the step run as one forward pass? A step whose lengths the executor ran as
+        several passes costs a base per pass, which a line in tokens cannot fit."""
+        return (not self.scheduler.config.one_pass_per_length
+                or len({s.num_tokens for s in plan.seqs}) == 1)
+
+    def step(self) -> list[RequestOutput]:
+        tp = time.perf_counter()
+        drafts: dict[str, Draft] = {}
+        if self.speculator is not None and self.scheduler.running:
+            drafts = self._propose(self.speculator)
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule(drafts, self.priority_token_budget)
+        t1 = time.perf_counter()
+        if plan.seqs:
+            try:
+                result = self.executor.execute(plan)
+            except Exception as exc:  # the whole step failed: fail its requests, keep serving
+                log.exception("step %d failed", plan.step_id)
+                error = f"engine step failed: {type(exc).__name__}"
+                result = StepResult(errors={s.request_id: error for s in plan.seqs})
+        else:
+            result = StepResult()
+        t2 = time.perf_counter()
+        outcome = self.scheduler.update(plan, result)
+        outputs = outcome.outputs
+        if self.speculator is not None:
+            self.speculator.observe(outcome.verifications,
+                                    [o.request_id for o in outputs if o.finished])
+        t3 = time.perf_counter()
+        seqs = plan.seqs
+        num_tokens = num_drafts = 0
+        for seq in seqs:
+            num_tokens += len(seq.token_ids)
+            num_drafts += seq.num_logits - 1 if seq.num_logits > 1 else 0
+        if seqs and self._one_pass(plan):
+            pass_s = result.execute_time_s + result.sample_time_s
+            self.costs.observe(len(seqs), num_tokens, pass_s + t0 - tp, pass_s)
+        if seqs and self.priority_itl_target_s is not None and any(
+                r.tier == ServiceTier.PRIORITY for r in self.scheduler.running):
+            target_s = self.priority_itl_target_s
+            if target_s == 0:  # auto: stay within 1.2x of the idle inter-token time
+                target_s = self.costs.auto_itl_target_s()
+            if target_s:  # the cap applies from the next step, to priority steps only
+                self.priority_token_budget = self.costs.token_budget(target_s)
+        self.last_stats = StepStats(
+            step_id=plan.step_id, num_seqs=len(seqs), num_tokens=num_tokens,
+            num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
+            schedule_time_s=t1 - t0, execute_time_s=result.execute_time_s,
+            sample_time_s=result.sample_time_s, update_time_s=t3 - t2, propose_time_s=t0 - tp,
+            num_draft_tokens=num_drafts)
+        return outputs
+

@@ -1,0 +1,156 @@
+"""The engine's read API for the server (reached through server/bridge.py only).
+
+The server never touches EngineCore, its scheduler or its KV pool: it reads an immutable
+snapshot the engine thread publishes, asks for cached prefixes under a lock, and changes
+settings through the inbox. Moving the engine to its own process then changes bridge.py only.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from ultrafast.engine.core import EngineCore
+from ultrafast.engine.step_costs import StepCostModel
+from ultrafast.executors.base import Executor
+
+
+SNAPSHOT_MAX_AGE_S = 0.02  # a busy engine republishes at most this stale; idle: at once
+
+
+@dataclass(frozen=True)
+class StepCostSnapshot:
+    """The step-cost fit's coefficients at one moment (None: not measured yet)."""
+
+    base_s: float | None = None
+    per_token_s: float | None = None
+    per_seq_s: float = 0.0
+    single_decode_s: float | None = None  # one sequence, one token: the idle inter-token time
+
+    @property
+    def measured(self) -> bool:
+        return self.base_s is not None and self.per_token_s is not None
+
+    def predict_s(self, num_tokens: int, fallback: tuple[float, float] = (0.01, 0.002)) -> float:
+        """One step holding `num_tokens` tokens of one sequence; before any measurement, the
+        `fallback` (base_s, per_token_s) stands in."""
+        base_s, per_token_s = ((self.base_s, self.per_token_s) if self.measured else fallback)
+        return base_s + num_tokens * per_token_s  # type: ignore[operator]
+
+    @classmethod
+    def of(cls, costs: StepCostModel) -> "StepCostSnapshot":
+        return cls(costs.base_s, costs.per_token_s, costs.per_seq_s, costs.single_decode_s)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the server may know of the engine, as of one step. Field names match
+    EngineOccupancy's, so metrics reads either."""
+
+    step_id: int = -1  # the last step run (-1: none yet)
+    num_waiting_by_tier: tuple[int, ...] = (0, 0, 0)  # indexed by ServiceTier value
+    num_running_by_tier: tuple[int, ...] = (0, 0, 0)
+    num_kv_slots_running: int = 0
+    num_kv_slots_total: int = 0
+    num_prefix_queries: int = 0  # cumulative counters from here down
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    step_costs: StepCostSnapshot = StepCostSnapshot()
+    # speculative decoding, per draft source (empty without speculation)
+    spec_draft_tokens: tuple[tuple[str, int], ...] = ()
+    spec_accepted_tokens: tuple[tuple[str, int], ...] = ()
+    device_kind: str = "cpu"  # "cpu" or "gpu"
+    max_model_len: int = 0  # the scheduler's limits, fixed at start
+    max_num_seqs: int = 0
+
+    @property
+    def num_running(self) -> int:
+        return sum(self.num_running_by_tier)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(self.num_waiting_by_tier)
+
+    @property
+    def num_draft_tokens(self) -> dict[str, int]:  # SpecStats' names, for metrics
+        return dict(self.spec_draft_tokens)
+
+    @property
+    def num_accepted_tokens(self) -> dict[str, int]:
+        return dict(self.spec_accepted_tokens)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Settings the server may change while serving; None leaves a setting as it is."""
+
+    reserved_priority_seats: dict[str, int] | None = None  # tenant -> committed KV seats
+
+
+def device_kind_of(executor: Executor) -> str:
+    device = getattr(executor, "device", None)
+    return "gpu" if getattr(device, "type", "cpu") == "cuda" else "cpu"
+
+
+def build_snapshot(core: EngineCore, device_kind: str) -> EngineSnapshot:
+    """On the engine thread: copy every figure out, so readers share nothing mutable."""
+    occ = core.occupancy()
+    spec = core.spec_stats
+    return EngineSnapshot(
+        step_id=core.last_stats.step_id if core.last_stats is not None else -1,
+        num_waiting_by_tier=occ.num_waiting_by_tier, num_running_by_tier=occ.num_running_by_tier,
+        num_kv_slots_running=occ.num_kv_slots_running, num_kv_slots_total=occ.num_kv_slots_total,
+        num_prefix_queries=occ.num_prefix_queries,
+        num_prefix_query_tokens=occ.num_prefix_query_tokens,
+        num_prefix_hit_tokens=occ.num_prefix_hit_tokens, num_preemptions=occ.num_preemptions,
+        step_costs=StepCostSnapshot.of(core.costs),
+        spec_draft_tokens=tuple(sorted(spec.num_draft_tokens.items())) if spec else (),
+        spec_accepted_tokens=tuple(sorted(spec.num_accepted_tokens.items())) if spec else (),
+        device_kind=device_kind, max_model_len=core.scheduler.config.max_model_len,
+        max_num_seqs=core.scheduler.config.max_num_seqs)
+
+
+class EngineReadAPI:
+    """Mixed into EngineThread: the snapshot, the cached-prefix lookup and `configure`.
+
+    The prefix lookup takes `pool_lock`, which the engine thread holds while it runs a step
+    or handles an inbox item (the only times the KV pool changes). A lookup so waits at most
+    one step, which costs the caller nothing: its request could not join before that step
+    ends anyway. A published copy of every slot's block hashes would instead cost each step
+    a copy of the whole pool index for a lookup made once per API call."""
+
+    core: EngineCore
+    pool_lock: threading.Lock
+    device_kind: str
+    _snapshot: EngineSnapshot
+    _snapshot_s: float
+    _inbox: queue.SimpleQueue
+
+    def snapshot(self) -> EngineSnapshot:
+        """The latest published snapshot (any thread; a plain attribute read)."""
+        return self._snapshot
+
+    def cached_prefix_tokens(self, token_ids: list[int], tenant: str) -> int:
+        """Leading tokens of `token_ids` some KV slot holds for `tenant` now (any thread)."""
+        with self.pool_lock:
+            return self.core.pool.num_cached_prefix_tokens(token_ids, tenant)
+
+    def configure(self, settings: EngineSettings) -> None:
+        """Applied on the engine thread before its next step (any thread)."""
+        self._inbox.put(("configure", settings, None))
+
+    def _apply_settings(self, settings: EngineSettings) -> None:
+        if settings.reserved_priority_seats is not None:
+            self.core.scheduler.set_reserved_priority_seats(dict(settings.reserved_priority_seats))
+
+    def _publish(self, force: bool) -> None:
+        """Engine thread, after a step: a fresh snapshot when the engine went idle, when
+        forced, or when the last one is older than SNAPSHOT_MAX_AGE_S (a busy engine's
+        per-step cost stays one clock read)."""
+        now = time.monotonic()
+        if force or now - self._snapshot_s >= SNAPSHOT_MAX_AGE_S:
+            self._snapshot = build_snapshot(self.core, self.device_kind)
+            self._snapshot_s = now

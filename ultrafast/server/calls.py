@@ -1,0 +1,210 @@
+"""One call pipeline for every API: a typed `CallInput` in, an admitted `GenerationRun` out.
+
+Each front end only translates its own wire format into a `CallInput`: chat completions and
+completions (`chat_call`, `completion_call`, from the validated protocol models), the Responses
+API and the Realtime WebSocket (sessions/responses.py, sessions/realtime.py, which build it
+from their own fields and join the stored history into `messages` first). From here the work
+is the same for all, in this order: model and readiness checks, tier entitlement, the
+tenant's request budget, tier capacity (503 before any tokenizing), template + tokenize off
+the event loop (a stored answer keeps its own ids, chat_tokens.py), the context check,
+the tenant's token budget, SLO admission from the tokens left to prefill (429 for a priority
+call that would miss its target), then the run (generate.py), not yet started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ultrafast.request import SamplingParams, ServiceTier
+from ultrafast.server import auth
+from ultrafast.server.sessions.chat_tokens import ChatMessage, encode_chat
+from ultrafast.server.errors import APIError, invalid_value
+from ultrafast.server.generate import GenerationRun, GenerationSpec
+from ultrafast.server.protocol import ChatCompletionRequest, CompletionRequest, Limits
+from ultrafast.server.state import ServerState, check_model, check_ready
+
+
+@dataclass
+class CallInput:
+    """One generation call in the server's terms, built by a front end. Param names say which
+    of the front end's own fields an error must name (`max_output_tokens`, `input`)."""
+
+    chat: bool  # chat template over `messages`, else `prompts` as they are
+    params: SamplingParams  # its max_tokens is replaced here (`max_tokens` below, or the room)
+    max_tokens: int | None = None  # the client's limit, None: the context left, capped
+    messages: list[ChatMessage] = field(default_factory=list)  # history + new turn(s)
+    prompts: list[Any] = field(default_factory=list)  # completions: str or token-id lists
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    stops: list[str] = field(default_factory=list)
+    tier: ServiceTier = ServiceTier.DEFAULT
+    auto_tier: bool = False  # "auto": priority when it can be had, else default
+    echo: bool = False  # completions: the prompt text leads each choice
+    prediction_text: str | None = None  # chat `prediction`: drafts for the engine
+    request_id: str | None = None  # the front end's id for the call (e.g. resp_...)
+    tier_param: str = "service_tier"
+    prompt_param: str = "messages"
+    max_tokens_param: str = "max_tokens"
+
+
+# ---- chat completions / completions: from their validated protocol models -------------------
+
+def chat_call(req: ChatCompletionRequest, vocab_size: int,
+              messages: list[ChatMessage] | None = None) -> CallInput:
+    """`messages` replaces the request's own (a session's history joined with the new turn)."""
+    return CallInput(
+        chat=True, params=req.sampling_params(vocab_size, 1),
+        max_tokens=req.requested_max_tokens(),
+        messages=messages if messages is not None else chat_messages(req), model=req.model,
+        n=req.n, stream=bool(req.stream), include_usage=req.include_usage(),
+        stops=req.stop_list(), tier=req.tier(), auto_tier=req.tier_is_auto(),
+        prediction_text=req.prediction_text() or None,
+        tier_param="service_tier" if req.service_tier is not None else "priority",
+        max_tokens_param="max_completion_tokens" if req.max_completion_tokens is not None
+        else "max_tokens")
+
+
+def completion_call(req: CompletionRequest, vocab_size: int) -> CallInput:
+    return CallInput(
+        chat=False, params=req.sampling_params(vocab_size, 1),
+        max_tokens=req.requested_max_tokens(),
+        prompts=req.prompt_list(), model=req.model, n=req.n, stream=bool(req.stream),
+        include_usage=req.include_usage(), stops=req.stop_list(), tier=req.tier(),
+        auto_tier=req.tier_is_auto(), echo=req.echo,
+        tier_param="service_tier" if req.service_tier is not None else "priority",
+        prompt_param="prompt")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[ChatMessage]:
+    return [ChatMessage(m["role"], m["content"],
+                        extra={k: v for k, v in m.items() if k not in ("role", "content")})
+            for m in req.messages_for_template()]
+
+
+# ---- the other front ends: their own field names, the same limits ----------------------------
+
+def check_options(limits: Limits, *, temperature: float | None, top_p: float | None,
+                  max_tokens: int | None, max_tokens_param: str,
+                  service_tier: object = None) -> tuple[ServiceTier, bool]:
+    """Ranges of the sampling fields the Responses and Realtime APIs carry, named as they
+    name them; returns the requested tier and whether it was "auto"."""
+    if max_tokens is not None and not 1 <= max_tokens <= limits.max_tokens_cap:
+        raise invalid_value(max_tokens_param, f"{max_tokens_param} must be between 1 and "
+                            f"{limits.max_tokens_cap} (the cap for this key)")
+    if temperature is not None and not 0.0 <= temperature <= 2.0:
+        raise invalid_value("temperature", "temperature must be in [0.0, 2.0]")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise invalid_value("top_p", "top_p must be in (0.0, 1.0]")
+    if service_tier is None:
+        return ServiceTier.DEFAULT, False
+    try:
+        tier = ServiceTier.parse(service_tier if isinstance(service_tier, str) else "?")
+    except ValueError:
+        raise invalid_value("service_tier", "service_tier must be one of auto, default, flex, "
+                            "priority, ultrafast") from None
+    return tier, service_tier == "auto"
+
+
+def plain_params(temperature: float | None, top_p: float | None) -> SamplingParams:
+    return SamplingParams(max_tokens=1, temperature=1.0 if temperature is None else temperature,
+                          top_p=1.0 if top_p is None else top_p)
+
+
+# ---- the pipeline ------------------------------------------------------------------------------
+
+async def prepare_call(state: ServerState, scope: dict, call: CallInput) -> GenerationRun:
+    """Check, tokenize and admit one call; the run is not started (the caller starts it, and
+    must `finish()` it). `scope` is the HTTP or WebSocket scope (its tenant)."""
+    arrival_s = time.monotonic()
+    request_id = call.request_id or ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex[:24]
+    check_model(state, call.model)
+    check_ready(state)
+    tenant = auth.tenant_of(scope)
+    tier, auto = auth.entitled_tier(tenant, call.tier, call.auto_tier, call.tier_param,
+                                    state.auth_refused)
+    auth.take_request(tenant, state.auth_refused)
+    ticket = state.admission.reserve(tier, auto=auto, tenant=tenant.name)
+    try:
+        loop = asyncio.get_running_loop()
+        tok = state.tokenizer
+        prediction_ids: list[int] | None = None
+        echo: list[str] | None = None
+        if call.chat:
+            prompts = [await loop.run_in_executor(state.pool, encode_chat, tok, call.messages)]
+            if call.prediction_text:  # predicted outputs: the engine drafts from these ids
+                prediction_ids = await loop.run_in_executor(
+                    state.pool, tok.encode, call.prediction_text, False)
+        else:
+            prompts = await loop.run_in_executor(state.pool, _completion_prompts, tok,
+                                                 call.prompts)
+            echo = [tok.decode(p) for p in prompts] if call.echo else None
+        if not prompts or not all(prompts):
+            raise APIError(400, "the prompt is empty", "invalid_request_error", "invalid_value",
+                           call.prompt_param)
+        max_tokens = _resolve_max_tokens(state, call, max(len(p) for p in prompts))
+        params = replace(call.params, max_tokens=max_tokens)
+        num_prompt_tokens = sum(len(p) for p in prompts) * call.n
+        num_tokens_taken = auth.take_tokens(
+            tenant, num_prompt_tokens + max_tokens * len(prompts) * call.n, state.auth_refused)
+        try:
+            # admission predicts TTFT from the tokens left to prefill, not the cached history;
+            # a scoring call (prompt logprobs) takes no cached prefix, so all of it
+            if params.prompt_logprobs is not None:
+                num_new = sum(len(p) for p in prompts)
+            else:
+                num_new = await loop.run_in_executor(state.pool, _num_uncached, state, prompts,
+                                                     tenant.name)
+            state.admission.admit(ticket, num_new * call.n, auto)
+        except APIError:
+            _refund_tokens(tenant, num_tokens_taken, 0)
+            raise
+        spec = GenerationSpec(
+            request_id=request_id, model_name=state.model_name, prompts=prompts, params=params,
+            n=call.n, tier=ticket.tier, stops=call.stops, chat=call.chat, stream=call.stream,
+            include_usage=call.include_usage, want_logprobs=params.logprobs, echo_texts=echo,
+            arrival_s=arrival_s, prediction_token_ids=prediction_ids, tenant=tenant.name)
+        run = GenerationRun(state.run_deps(), spec, ticket)
+        if num_tokens_taken:
+            run.on_finish(lambda r: _refund_tokens(
+                tenant, num_tokens_taken, num_prompt_tokens + sum(r.num_output_tokens)))
+        return run
+    except BaseException:
+        state.admission.release(ticket)
+        raise
+
+
+def _resolve_max_tokens(state: ServerState, call: CallInput, num_prompt: int) -> int:
+    room = state.max_model_len - num_prompt
+    if room <= 0:
+        raise APIError(400, f"the prompt has {num_prompt} tokens but this model's context is "
+                       f"{state.max_model_len} tokens", "invalid_request_error",
+                       "context_length_exceeded", call.prompt_param)
+    if call.max_tokens is None:
+        return min(room, state.config.max_tokens_cap)
+    if call.max_tokens > room:
+        raise APIError(400, f"{call.max_tokens_param}={call.max_tokens} plus the prompt's "
+                       f"{num_prompt} tokens exceeds this model's context of "
+                       f"{state.max_model_len} tokens", "invalid_request_error",
+                       "context_length_exceeded", call.max_tokens_param)
+    return call.max_tokens
+
+
+def _num_uncached(state: ServerState, prompts: list[list[int]], tenant: str) -> int:
+    engine = state.engine
+    return sum(len(p) - engine.cached_prefix_tokens(p, tenant) for p in prompts)
+
+
+def _refund_tokens(tenant: auth.Tenant, num_taken: int, num_used: int) -> None:
+    """Give back the reserved tokens a call did not use (max_tokens is an upper bound)."""
+    if tenant.token_bucket is not None and num_taken > num_used:
+        tenant.token_bucket.give_back(num_taken - num_used)
+
+
+def _completion_prompts(tokenizer, prompts: list[Any]) -> list[list[int]]:
+    return [p if isinstance(p, list) else tokenizer.encode(p) for p in prompts]

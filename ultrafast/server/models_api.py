@@ -1,0 +1,39 @@
+"""`GET /v1/models` and `GET /v1/models/{model}`: the one model this server serves.
+
+A model id may hold slashes (`org/name`), so the retrieve route takes the rest of the path.
+An unknown id is a 404 in OpenAI's error shape that names the id asked for.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ultrafast.server.errors import APIError, quote
+from ultrafast.server.protocol_models import MAX_MODEL_NAME_CHARS
+
+
+def model_object(state) -> dict:
+    return {"id": state.model_name, "object": "model", "created": int(state.started_s),
+            "owned_by": "ultrafast", "max_model_len": state.max_model_len}
+
+
+def model_not_found(name: str, served: str) -> APIError:
+    # the type and code the chat and completions routes give for an unknown `model`
+    return APIError(404, f"the model {quote(name, MAX_MODEL_NAME_CHARS)} does not exist; this "
+                    f"server has {served!r}", "not_found_error", "model_not_found", "model")
+
+
+def model_routes(state) -> list[Route]:
+    async def list_models(http: HTTPRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [model_object(state)]})
+
+    async def retrieve_model(http: HTTPRequest) -> Response:
+        name = http.path_params["model"]
+        if name != state.model_name:
+            raise model_not_found(name, state.model_name)
+        return JSONResponse(model_object(state))
+
+    return [Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", retrieve_model, methods=["GET"])]

@@ -1,0 +1,381 @@
+"""OpenAI's Responses API: `POST /v1/responses`, `GET`/`DELETE /v1/responses/{id}`.
+
+The client sends only its new `input`; the history comes from the session store, found through
+`previous_response_id` (the chain of stored responses) or `conversation` (a Conversations API
+id). `instructions` apply to this call only, as in OpenAI's API, and are never stored. A stored
+response records the session and the seq of its answer beside its body (never in it), so a
+reply to an older response forks the history (a new session holding the turns up to it)
+instead of mixing two branches. The request is translated into a `CallInput` (server/calls.py)
+and runs the same pipeline as a chat completion; only the output shape and the stream's event
+names (`response.created` ... `response.completed`) differ. Errors name Responses fields
+(`input[1].content[0].text`, `max_output_tokens`).
+
+Defaults OpenAI's client sends back (the ones a response body itself carries) are accepted:
+`text.format` text, `tools: []`, `tool_choice` auto/none, `include: []`, `top_logprobs: 0`,
+`background: false`, `max_tool_calls`, `reasoning` (this model does not reason: ignored).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional
+
+import orjson
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ultrafast.server.calls import CallInput, check_options, plain_params, prepare_call
+from ultrafast.server.errors import APIError, invalid_value, too_large, unsupported_parameter
+from ultrafast.server.generate import ChoiceDelta, GenerationRun, Ping
+from ultrafast.server.protocol_models import NAME_RE, _Strict, _by_json_type
+from ultrafast.server.sessions.chat_tokens import ChatMessage
+from ultrafast.server.sessions.conversations import (InputItem, check_metadata,
+                                                     conversations_routes, items_to_messages,
+                                                     new_conversation_id, validate)
+from ultrafast.server.sessions.flow import SessionFlow, not_found, tenant_of, turns_to_messages
+from ultrafast.server.sessions.store import RESPONSE, SeqConflict, StoredObject, Turn
+from ultrafast.server.state import ServerState, read_json
+
+
+class ConversationRef(_Strict):
+    id: str
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class TextOptions(_Strict):
+    format: Optional[TextFormat] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+
+
+class Reasoning(_Strict):
+    effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None
+    generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None
+
+
+class StreamOptions(_Strict):
+    include_obfuscation: Optional[bool] = None  # no obfuscation padding is ever added
+
+
+class ResponsesRequest(_Strict):
+    model: Optional[str] = None
+    input: _by_json_type(string=str, array=list[InputItem])  # type: ignore[valid-type]
+    instructions: Optional[str] = None
+    previous_response_id: Optional[str] = None
+    conversation: Optional[_by_json_type(  # type: ignore[valid-type]
+        string=str, object=ConversationRef)] = None
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    service_tier: Any = None
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    truncation: Optional[Literal["disabled"]] = None
+    parallel_tool_calls: Optional[bool] = None
+    # defaults a response carries, accepted when a client sends them back
+    text: Optional[TextOptions] = None
+    tools: Optional[list[Any]] = None  # only [] (no tools on this server)
+    tool_choice: Optional[Literal["auto", "none"]] = None
+    include: Optional[list[str]] = None  # only []
+    top_logprobs: Optional[int] = None  # only 0
+    background: Optional[bool] = None  # only false
+    max_tool_calls: Optional[int] = None
+    reasoning: Optional[Reasoning] = None
+    safety_identifier: Optional[str] = None  # hints: accepted, not needed here
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    stream_options: Optional[StreamOptions] = None
+
+    def conversation_id(self) -> str | None:
+        c = self.conversation
+        return c.id if isinstance(c, ConversationRef) else c
+
+    def new_messages(self) -> list[ChatMessage]:
+        if isinstance(self.input, str):
+            return [ChatMessage("user", self.input)]
+        return items_to_messages(self.input)
+
+
+def check_request(req: ResponsesRequest, state: ServerState) -> None:
+    """What pydantic cannot say, in the Responses API's own field names."""
+    limits = state.limits
+    if isinstance(req.input, list) and not req.input:
+        raise invalid_value("input", "input must not be empty")
+    num_chars = len(req.instructions or "") + sum(len(m.content) for m in req.new_messages())
+    if num_chars > limits.max_prompt_chars:
+        raise too_large("prompt_too_large", "input",
+                        f"the input exceeds {limits.max_prompt_chars} characters")
+    if req.tools:
+        raise unsupported_parameter("tools", "tools are not available on this server")
+    if req.include:
+        raise unsupported_parameter("include", "include is not available on this server")
+    if req.top_logprobs:
+        raise unsupported_parameter("top_logprobs", "top_logprobs is not available with the "
+                                    "Responses API on this server")
+    if req.background:
+        raise unsupported_parameter("background", "background responses are not available")
+    if req.max_tool_calls is not None and req.max_tool_calls < 0:
+        raise invalid_value("max_tool_calls", "max_tool_calls must be >= 0")
+    if req.previous_response_id is not None and req.conversation is not None:
+        raise invalid_value("conversation", "send previous_response_id or conversation, not "
+                            "both")
+    check_metadata(req.metadata)
+
+
+def _usage(chat_usage: dict) -> dict:
+    cached = chat_usage["prompt_tokens_details"]["cached_tokens"]
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            # written: the prompt tokens prefilled now, whose KV the cache then holds
+            "input_tokens_details": {"cached_tokens": cached,
+                                     "cache_write_tokens": chat_usage["prompt_tokens"] - cached},
+            "output_tokens": chat_usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+class ResponseBuilder:
+    """The response object and its stream events, for one call."""
+
+    def __init__(self, response_id: str, req: ResponsesRequest, model: str, tier: str):
+        self.response_id = response_id
+        self.item_id = "msg_" + response_id.removeprefix("resp_")
+        self.req = req
+        self.model = model
+        self.tier = tier
+        self.created_s = time.time()
+        self.sequence_number = 0
+
+    def body(self, status: str, text: str = "", usage: dict | None = None,
+             finish_reason: str | None = None, error: dict | None = None) -> dict:
+        output = []
+        if status not in ("in_progress", "failed"):
+            output = [self.message_item("completed" if status == "completed" else "incomplete",
+                                        text)]
+        conversation_id = self.req.conversation_id()
+        req = self.req
+        body = {
+            "id": self.response_id, "object": "response", "created_at": int(self.created_s),
+            "status": status, "model": self.model, "output": output, "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if finish_reason == "length" else None,
+            "instructions": req.instructions, "metadata": req.metadata or {},
+            "previous_response_id": req.previous_response_id,
+            "conversation": {"id": conversation_id} if conversation_id else None,
+            "store": req.store, "background": False, "max_output_tokens": req.max_output_tokens,
+            "max_tool_calls": req.max_tool_calls, "temperature": req.temperature,
+            "top_p": req.top_p, "top_logprobs": 0, "parallel_tool_calls": False,
+            "tool_choice": req.tool_choice or "auto", "tools": [],
+            "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "reasoning": {"effort": None, "summary": None},
+            "service_tier": self.tier, "usage": _usage(usage) if usage else None}
+        if req.user is not None:  # never "user": null
+            body["user"] = req.user
+        return body
+
+    def message_item(self, status: str, text: str | None) -> dict:
+        content = [] if text is None else [self.text_part(text)]
+        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",
+                "content": content}
+
+    @staticmethod
+    def text_part(text: str) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def event(self, name: str, **fields) -> bytes:
+        payload = {"type": name, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+    def where(self) -> dict:
+        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+
+    def final(self, run: GenerationRun, commit_failed: str | None = None) -> dict:
+        choice = run.choices[0]
+        body = self.body(final_status(run), choice.text, run.usage(), choice.finish_reason)
+        if commit_failed:
+            body["error"] = {"code": commit_failed, "message": "the answer could not be stored"}
+        return body
+
+
+def final_status(run: GenerationRun) -> str:
+    return "completed" if run.choices[0].finish_reason == "stop" else "incomplete"
+
+
+class History:
+    """Where this call's turns come from and go to."""
+
+    def __init__(self, session_id: str | None, turns: list[Turn], expect_seq: int | None):
+        self.session_id = session_id
+        self.turns = turns
+        self.expect_seq = expect_seq  # the seq the new input must get (None: any)
+
+
+async def resolve_history(flow: SessionFlow, tenant: str, req: ResponsesRequest) -> History:
+    if req.previous_response_id is not None:
+        prev = await flow.get_object(tenant, RESPONSE, req.previous_response_id)
+        if prev is None or prev.session_id is None or prev.seq is None:
+            raise not_found("previous_response", "previous_response_id")
+        turns = await flow.turns(tenant, prev.session_id, prev.seq)
+        return History(prev.session_id, turns, len(turns))
+    conversation_id = req.conversation_id()
+    if conversation_id is not None:
+        if not NAME_RE.fullmatch(conversation_id):
+            raise not_found("conversation", "conversation")
+        turns = await flow.history(tenant, conversation_id, create=False, param="conversation")
+        return History(conversation_id, turns, None)
+    if not req.store:
+        return History(None, [], None)
+    session_id = "conv_" + uuid.uuid4().hex  # the chain's own session, never shown
+    await flow.create(tenant, session_id)
+    return History(session_id, [], 0)
+
+
+def call_input(req: ResponsesRequest, state: ServerState, messages: list[ChatMessage],
+               response_id: str) -> CallInput:
+    tier, auto = check_options(state.limits, temperature=req.temperature, top_p=req.top_p,
+                               max_tokens=req.max_output_tokens,
+                               max_tokens_param="max_output_tokens",
+                               service_tier=req.service_tier)
+    return CallInput(chat=True, params=plain_params(req.temperature, req.top_p),
+                     max_tokens=req.max_output_tokens, messages=messages, model=req.model,
+                     stream=req.stream, tier=tier, auto_tier=auto, request_id=response_id,
+                     prompt_param="input", max_tokens_param="max_output_tokens")
+
+
+async def store_input(flow: SessionFlow, tenant: str, history: History,
+                      new: list[ChatMessage], response_id: str) -> str:
+    """Persist the input; a reply to a response that is no longer the tip forks the session."""
+    assert history.session_id is not None
+    try:
+        await flow.append_turns(tenant, history.session_id, new, response_id,
+                                history.expect_seq)
+        return history.session_id
+    except SeqConflict:
+        fork_id = new_conversation_id()
+        await flow.branch(tenant, history.session_id, history.turns, fork_id)
+        await flow.append_turns(tenant, fork_id, new, response_id, len(history.turns))
+        return fork_id
+
+
+class ResponseCommit:
+    """The run's commit: the assistant turn, then the response object beside its session and
+    seq. Both store writes go through SessionFlow (its retries and error mapping)."""
+
+    def __init__(self, flow: SessionFlow, tenant: str, session_id: str, builder: ResponseBuilder):
+        self.flow, self.tenant, self.session_id, self.builder = flow, tenant, session_id, builder
+
+    async def __call__(self, run: GenerationRun, reason: str | None) -> str | None:
+        response_id = self.builder.response_id
+        stored = await self.flow.commit_answer(run, reason, self.tenant, self.session_id,
+                                               f"{response_id}-a", response_id)
+        obj = StoredObject(self.builder.final(run), created_s=self.builder.created_s,
+                           session_id=self.session_id if stored is not None else None,
+                           seq=stored.seq if stored is not None else None)
+        try:
+            await self.flow.put_object(self.tenant, RESPONSE, response_id, obj)
+        except APIError:  # the store is down (503 mapped by SessionFlow)
+            return "session_commit_failed"
+        return None if stored is not None else "session_commit_failed"
+
+
+def responses_routes(state: ServerState) -> list[Route]:
+    flow = state.sessions
+    assert flow is not None
+
+    async def create(http: HTTPRequest) -> Response:
+        req = validate(ResponsesRequest, await read_json(http, state))
+        check_request(req, state)
+        tenant = tenant_of(http)
+        response_id = "resp_" + uuid.uuid4().hex
+        new = req.new_messages()
+        history = await resolve_history(flow, tenant, req)
+        system = [ChatMessage("system", req.instructions)] if req.instructions else []
+        messages = system + turns_to_messages(history.turns, flow.model_name) + new
+        run = await prepare_call(state, http.scope, call_input(req, state, messages,
+                                                                response_id))
+        builder = ResponseBuilder(response_id, req, state.model_name, run.spec.tier.api_name)
+        try:
+            if history.session_id is not None and req.store:
+                session_id = await store_input(flow, tenant, history, new, response_id)
+                run.set_commit(ResponseCommit(flow, tenant, session_id, builder))
+        except BaseException:
+            run.finish()
+            raise
+        if req.stream:
+            return StreamingResponse(_stream(run, builder), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache",
+                                              "x-request-id": response_id})
+        return await _respond_json(http, run, builder)
+
+    async def get(http: HTTPRequest) -> Response:
+        obj = await flow.get_object(tenant_of(http), RESPONSE, http.path_params["response_id"])
+        if obj is None:
+            raise not_found("response", None)
+        return JSONResponse(obj.body)
+
+    async def delete(http: HTTPRequest) -> Response:
+        response_id = http.path_params["response_id"]
+        if not await flow.delete_object(tenant_of(http), RESPONSE, response_id):
+            raise not_found("response", None)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    return [
+        Route("/v1/responses", create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", get, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete, methods=["DELETE"]),
+        *conversations_routes(state),
+    ]
+
+
+async def _respond_json(http: HTTPRequest, run: GenerationRun, builder: ResponseBuilder
+                        ) -> Response:
+    try:
+        if not await run.collect(http):
+            return Response(status_code=499)
+        error = await run.conclude()
+    finally:
+        run.finish()
+    if error is not None:
+        raise error
+    return JSONResponse(builder.final(run), headers=run.timing_headers())
+
+
+async def _stream(run: GenerationRun, b: ResponseBuilder):
+    run.start()
+    try:
+        yield b.event("response.created", response=b.body("in_progress"))
+        yield b.event("response.in_progress", response=b.body("in_progress"))
+        yield b.event("response.output_item.added", output_index=0,
+                      item=b.message_item("in_progress", None))
+        yield b.event("response.content_part.added", part=b.text_part(""), **b.where())
+        async for event in run.events():
+            if isinstance(event, Ping):
+                yield b": ping\n\n"
+            elif isinstance(event, ChoiceDelta) and event.finish == "error":
+                break
+            elif event.text:
+                yield b.event("response.output_text.delta", delta=event.text, logprobs=[],
+                              **b.where())
+        error = await run.conclude()
+        if error is not None and error.status >= 500 and run.choices[0].error:
+            yield b.event("response.failed", response=b.body(
+                "failed", error={"code": "server_error", "message": error.message}))
+            return
+        choice = run.choices[0]
+        status = final_status(run)
+        yield b.event("response.output_text.done", text=choice.text, logprobs=[], **b.where())
+        yield b.event("response.content_part.done", part=b.text_part(choice.text), **b.where())
+        yield b.event("response.output_item.done", output_index=0,
+                      item=b.message_item(status, choice.text))
+        body = b.final(run, error.code if error is not None else None)
+        yield b.event("response.completed" if status == "completed" else "response.incomplete",
+                      response=body)
+    finally:
+        run.finish()

@@ -1,0 +1,101 @@
+"""The server's shared state and the checks every route makes first (body, model, readiness).
+
+Below the routes (app.py) and the front ends (chat/completions, sessions/), so each of them
+imports it plainly: nothing here imports a front end.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from starlette.requests import ClientDisconnect, Request as HTTPRequest
+from starlette.responses import JSONResponse
+
+from ultrafast.config import ServerConfig
+from ultrafast.server.admission import Admission
+from ultrafast.server.bridge import EngineBridge, EngineThread
+from ultrafast.server.errors import APIError
+from ultrafast.server.generate import RunDeps
+from ultrafast.server.guard import GuardConfig
+from ultrafast.server.json_body import check_content_type, parse_json_body
+from ultrafast.server.metrics import ServerMetrics
+from ultrafast.server.protocol import Limits
+from ultrafast.server.sessions.flow import SessionFlow
+from ultrafast.server.tenants import ApiKeys
+from ultrafast.tokenizer import Tokenizer
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    engine: EngineThread  # read through its read API only (server/bridge.py)
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    limits: Limits
+    admission: Admission
+    bridge: EngineBridge | None = None  # made on startup, when the event loop exists
+    draining: bool = False
+    started_s: float = field(default_factory=time.time)
+    pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="ultrafast-tokenize"))
+    runs: set = field(default_factory=set)  # GenerationRuns in flight, for the drain
+    sessions: SessionFlow | None = None  # server-side conversations (sessions/flow.py)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    api_keys: ApiKeys | None = None  # None: no auth, loopback only
+    guard: GuardConfig | None = None  # None: output goes out unfiltered
+    auth_refused: dict = field(default_factory=dict)  # reason -> count, for metrics
+
+    def run_deps(self) -> RunDeps:
+        assert self.bridge is not None, "the bridge is made when the app starts"
+        return RunDeps(bridge=self.bridge, tokenizer=self.tokenizer, admission=self.admission,
+                       metrics=self.metrics, guard=self.guard, runs=self.runs,
+                       ping_interval_s=self.config.sse_ping_interval_s)
+
+    def abort_everything(self) -> None:
+        """Drain timeout: every unfinished choice ends with finish_reason "abort"."""
+        for run in list(self.runs):
+            run.generation.abort_from_server()
+
+
+def error_response(error: APIError, request_id: str) -> JSONResponse:
+    return JSONResponse(error.to_dict(), status_code=error.status,
+                        headers={**error.headers, "x-request-id": request_id})
+
+
+async def read_json(http: HTTPRequest, state: ServerState) -> dict:
+    check_content_type(http.headers.get("content-type"))
+    limit = state.config.max_body_bytes
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body is larger than {limit} bytes", "invalid_request_error",
+                       "payload_too_large", None)
+    chunks, size = [], 0
+    try:
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:  # chunked bodies are counted as they arrive, never buffered past
+                raise APIError(413, f"request body is larger than {limit} bytes",
+                               "invalid_request_error", "payload_too_large", None)
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left, or the body timed out (408 already sent)
+        raise APIError(408, "the request body did not arrive in full", "invalid_request_error",
+                       "request_timeout", None) from None
+    return parse_json_body(b"".join(chunks), max_bytes=limit)
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server has "
+                       f"{state.model_name!r}", "not_found_error", "model_not_found", "model")
+
+
+def check_ready(state: ServerState) -> None:
+    if not state.engine.alive:  # first: a dead engine also starts the shutdown (exit 2)
+        raise APIError(503, "the engine is not running", "server_error", "engine_dead", None,
+                       headers={"Retry-After": "5"})
+    if state.draining:
+        raise APIError(503, "the server is shutting down", "overloaded_error",
+                       "server_shutting_down", None, headers={"Retry-After": "5"})
