@@ -201,8 +201,8 @@ def _ratio(result: dict, peer: dict | None) -> str:
 
 
 def main(args) -> int:
-    spec = tuple(m.strip() for m in (getattr(args, "spec", "") or "").split(",") if m.strip())
-    report = run_decode_bench(args.model, num_new=args.new_tokens, rounds=args.rounds or 3,
+    spec = tuple(m.strip() for m in (args.spec or "").split(",") if m.strip())
+    report = run_decode_bench(args.model, num_new=args.new_tokens, rounds=args.rounds,
                               threads=args.threads, gguf_type=args.gguf_type,
-                              gguf_paths=getattr(args, "gguf", None), spec=spec)
+                              gguf_paths=args.gguf, spec=spec)
     return write_report(report, args.out, markdown(report))

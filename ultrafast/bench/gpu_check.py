@@ -191,7 +191,7 @@ def main(args) -> int:
     def left_s() -> float:
         return budget_s - (time.monotonic() - started)
 
-    prompt_len, num_decode = args.prompt_tokens or 128, args.decode_tokens
+    prompt_len, num_decode = args.prompt_tokens, args.decode_tokens
     report: dict = {"environment": _environment(), "prompt_tokens": prompt_len,
                     "decode_tokens": num_decode, "modes": {}}
     if report["environment"].get("cuda"):
@@ -208,7 +208,7 @@ def main(args) -> int:
                 continue
             try:
                 report["modes"][mode] = _decode_rate(model, mode, prompt_len, num_decode,
-                                                     rounds=max(1, args.rounds or 3))
+                                                     rounds=max(1, args.rounds))
             except Exception as exc:  # noqa: BLE001 - report and carry on with the next mode
                 report["modes"][mode] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
             print(f"[{time.monotonic() - started:.0f} s] {mode}: {report['modes'][mode]}",

@@ -91,8 +91,8 @@ def metrics_cpu_cost_us(num: int = 20000) -> dict:
 
 
 def main(args) -> int:
-    patterns = Path(getattr(args, "guard_patterns", None) or EXAMPLE_PATTERNS)
-    hold_back = getattr(args, "hold_back_tokens", 4)
+    patterns = Path(args.guard_patterns or EXAMPLE_PATTERNS)
+    hold_back = args.hold_back_tokens
     configs = _configs(hold_back, patterns)
     raw = {name: ([], [], []) for name in configs}
     for round_index in range(args.rounds):

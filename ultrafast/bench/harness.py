@@ -1,4 +1,4 @@
-"""`ultrafast bench` (suite `run`): ours vs peers on one model, in one invocation, side by side.
+"""`ultrafast bench harness` (or bare `ultrafast bench`): ours vs peers on one model, side by side.
 
 For every concurrency level (default 1, 4, 16) every runner (see `peers.py`) gets the same
 prompts (distinct per stream and per round, so no prefix cache helps anyone), generates the
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ultrafast.bench.peers import (Batch, EngineRunner, LlamaCppRunner, ServerRunner,
                                    TransformersRunner, VllmRunner)
-from ultrafast.bench.tiers import serve_default_threads
+from ultrafast.cli_serve import serve_default_threads
 from ultrafast.model_files import gguf_for, resolve_model
 
 PROMPT_TEXT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
@@ -203,7 +203,7 @@ def run_harness(model: str, max_tokens: int = 128, rounds: int = 3,
     from ultrafast.tokenizer import Tokenizer
 
     # the server keeps one core for its event loop and the clients, as `serve` does by default
-    # (kernel threads spinning on every core slow HTTP streaming several-fold on 2 cores)
+    # (kernel threads spinning on every core starve it and slow HTTP streaming)
     server_threads = threads or serve_default_threads()
     threads = threads or len(os.sched_getaffinity(0))
     cuda = _gpu_available()

@@ -1,4 +1,4 @@
-"""The outputs of `ultrafast bench` (suite `run`): JSON, Markdown tables and the latency PNG,
+"""The outputs of `ultrafast bench harness`: JSON, Markdown tables and the latency PNG,
 plus the command's entry point."""
 
 from __future__ import annotations
@@ -83,10 +83,9 @@ def main(args) -> int:
     if not concurrency or min(concurrency) < 1:
         raise ValueError("--concurrency takes positive integers, e.g. 1,4,16")
     peers = [p.strip() for p in args.peers.split(",")] if args.peers else None
-    rounds = 3 if args.rounds is None else args.rounds  # main's --rounds defaults to None
-    report = run_harness(args.model, max_tokens=args.new_tokens, rounds=rounds,
+    report = run_harness(args.model, max_tokens=args.new_tokens, rounds=args.rounds,
                          concurrency=concurrency, peers=peers, threads=args.threads,
-                         prompt_tokens=args.prompt_tokens or 32, executor=args.executor,
+                         prompt_tokens=args.prompt_tokens, executor=args.executor,
                          compile=args.compile, gguf_type=args.gguf_type,
                          with_roofline=args.roofline)
     write_outputs(report, args.out)

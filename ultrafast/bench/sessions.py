@@ -271,7 +271,7 @@ def _median(runs: list[list[float]], k: int) -> float:
 def main(args) -> int:
     from ultrafast.bench.redis_server import RedisServer
     from ultrafast.bench.server_process import DEMO_MODEL_DIR, ServerProcess
-    from ultrafast.bench.tiers import serve_default_threads
+    from ultrafast.cli_serve import serve_default_threads
     from ultrafast.model_files import gguf_for, resolve_model
 
     redis = RedisServer()

@@ -17,6 +17,7 @@ import httpx
 from ultrafast.bench.overhead import markdown as overhead_markdown, run_overhead_bench
 from ultrafast.bench.report import write_report
 from ultrafast.bench.server_process import ServerProcess
+from ultrafast.cli_serve import serve_default_threads
 from ultrafast.progress import Progress
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
@@ -133,12 +134,6 @@ def run_tier_bench(model: str, num_slots: int = 4, probes: int = 8, max_tokens: 
             "streaming": streaming}
 
 
-def serve_default_threads() -> int:
-    from ultrafast.executors.ggml_exec import physical_cores
-
-    return max(1, physical_cores() - 1)  # what `ultrafast serve` uses without --threads
-
-
 def markdown(report: dict) -> str:
     t, s = report["tiers"], report["streaming"]
     i, lo = t["idle"], t["loaded"]
@@ -159,5 +154,5 @@ def markdown(report: dict) -> str:
 
 def main(args) -> int:
     report = run_tier_bench(args.model, num_slots=args.num_slots,
-                            probes=args.probes, rounds=args.rounds or 10, threads=args.threads)
+                            probes=args.probes, rounds=args.rounds, threads=args.threads)
     return write_report(report, args.out, markdown(report))
