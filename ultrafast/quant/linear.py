@@ -10,11 +10,10 @@ reference path, and `kernel` says which one runs. Measured limits of the kernels
 out_features % 16 == 0 (it raises otherwise); int8 in bf16 crashes on K = 70, so int8 runs the
 kernel only for in_features % 32 == 0.
 
-Measured on the 2-core AVX2 machine (no AVX-512, so torch falls back to generic loops; one
-thread, a 1024x384 weight): the int8 kernel takes ~0.8 ms for one row but ~450 ms for 256 rows,
-where dequantize + F.linear takes ~4 ms (fp32 F.linear: ~0.1 ms per row). So the kernel only
-serves batches of up to `max_kernel_rows` rows (decode steps); prefill chunks and perplexity
-windows take the dequantize path. On this CPU the fast path for quantized weights is the ggml
+On a CPU without AVX-512 torch's int8 kernel falls back to generic loops: cheap for one row,
+but for a few hundred rows far slower than dequantize + F.linear. So the kernel only serves
+batches of up to `max_kernel_rows` rows (decode steps); prefill chunks and perplexity windows
+take the dequantize path. On this CPU the fast path for quantized weights is the ggml
 executor on a GGUF (`gguf_export`); the torch modules are the reference and the GPU-ready path.
 """
 
