@@ -123,7 +123,8 @@ def _hf_tensors(model_dir: Path):
                 yield name, f.get_tensor(name)
 
 
-def _encode(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[np.ndarray, object]:
+def _encode(data: np.ndarray, qtype: gguf.GGMLQuantizationType
+            ) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
     """(array, raw_dtype for GGUFWriter.add_tensor). 1-D tensors (norms, biases) stay f32."""
     if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
         return data.astype(np.float32), None
@@ -156,7 +157,7 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict, name: str) -> None:
         raise ValueError(f"unsupported rope_type {rope['rope_type']!r}")
 
 
-def _token_text(token: str | dict) -> str | None:
+def _token_text(token: str | dict | None) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 

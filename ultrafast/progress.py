@@ -46,7 +46,7 @@ class Progress:
         isatty = getattr(self.stream, "isatty", None)
         self.tty = bool(isatty and isatty())
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

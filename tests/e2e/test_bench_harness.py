@@ -23,7 +23,7 @@ def test_bench_run_quick_mode_writes_json_markdown_png(tmp_path):
     assert set(report["results"]["1"]) == set(report["runners"])
     assert "llama.cpp" not in report["results"]["2"]  # no batching: concurrency 1 only
     for level, by_runner in report["results"].items():
-        for name, r in by_runner.items():
+        for r in by_runner.values():
             assert r["num_streams"] == int(level) and r["num_tokens"] == 8 * int(level)
             assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p90"] <= r["ttft_ms"]["p99"]
             assert 0 < r["itl_ms"]["p50"] <= r["itl_ms"]["p99"] and r["tok_s"] > 0

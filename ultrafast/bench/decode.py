@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from ultrafast.bench.report import write_report
@@ -26,7 +28,17 @@ class RunResult:
     acceptance: float | None = None  # speculative runners: accepted / drafted tokens
 
 
-def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind, spec="off"):
+# a runner: run() -> (time to first token, first-to-last token time) in seconds, and close()
+Runner = tuple[Callable[[], tuple[float, float]], Callable[[], None]]
+
+
+def _round_times(start: float, first: float | None, last: float | None) -> tuple[float, float]:
+    if first is None or last is None:
+        raise RuntimeError("the runner generated no token")
+    return first - start, last - first
+
+
+def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind, spec="off") -> Runner:
     """Our engine; with `spec` other than off, a priority request with speculative decoding."""
     from ultrafast.config import EngineConfig
     from ultrafast.llm import build_engine
@@ -46,13 +58,14 @@ def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind, spec="off"):
         engine.pool.reset_cache()  # each round prefills from scratch, like the peers
         start = time.perf_counter()
         engine.add_request(Request(f"bench-{counter[0]}", list(prompt_ids), params, tier=tier))
-        first = last = None
+        first: float | None = None
+        last: float | None = None
         while engine.has_work():
             for out in engine.step():
                 if out.new_token_ids:
                     last = time.perf_counter()
                     first = first or last
-        return first - start, last - first
+        return _round_times(start, first, last)
 
     def close() -> None:
         engine.executor.close()
@@ -63,7 +76,7 @@ def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind, spec="off"):
     return run, close
 
 
-def _llama_cpp(gguf, prompt_ids, num_new, threads):
+def _llama_cpp(gguf, prompt_ids, num_new, threads) -> Runner:
     from ultrafast.executors.llama_cpp_params import open_llama
 
     llm = open_llama(str(gguf), n_ctx=len(prompt_ids) + num_new + 8,
@@ -73,7 +86,8 @@ def _llama_cpp(gguf, prompt_ids, num_new, threads):
     def run() -> tuple[float, float]:
         llm.reset()
         start = time.perf_counter()
-        first = last = None
+        first: float | None = None
+        last: float | None = None
         n = 0
         for _ in llm.generate(list(prompt_ids), top_k=1, temp=0.0, repeat_penalty=1.0,
                               reset=True):
@@ -82,12 +96,12 @@ def _llama_cpp(gguf, prompt_ids, num_new, threads):
             n += 1
             if n >= num_new:
                 break
-        return first - start, last - first
+        return _round_times(start, first, last)
 
     return run, llm.close
 
 
-def _transformers(hf_dir, prompt_ids, num_new, threads):
+def _transformers(hf_dir, prompt_ids, num_new, threads) -> Runner:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -128,7 +142,7 @@ def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, ro
     tokenizer = Tokenizer.from_dir(files.tokenizer_dir)
     text = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
     prompt_ids = (tokenizer.encode(text) * 8)[:prompt_tokens]
-    makers = {
+    makers: dict[str, Callable[[], Runner]] = {
         "ultrafast-ggml": lambda: _ours(files, gguf, prompt_ids, num_new, threads, "ggml"),
         "ultrafast-torch": lambda: _ours(files, gguf, prompt_ids, num_new, threads, "torch"),
         "llama.cpp": lambda: _llama_cpp(gguf, prompt_ids, num_new, threads),
@@ -136,23 +150,21 @@ def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, ro
     }
     extra_peers = [f"ultrafast-ggml-spec-{m}" for m in spec]
     for method in spec:
-        makers[f"ultrafast-ggml-spec-{method}"] = (
-            lambda m=method: _ours(files, gguf, prompt_ids, num_new, threads, "ggml", m))
+        makers[f"ultrafast-ggml-spec-{method}"] = partial(
+            _ours, files, gguf, prompt_ids, num_new, threads, "ggml", method)
     if gguf_paths:  # per file: ours plain and speculative vs llama.cpp; transformers fp32 once
         extra_peers = []
         for path in gguf_paths:
             stem = Path(path).stem
-            makers[f"ultrafast-ggml[{stem}]"] = (
-                lambda p=path: _ours(files, p, prompt_ids, num_new, threads, "ggml"))
-            makers[f"llama.cpp[{stem}]"] = lambda p=path: _llama_cpp(p, prompt_ids, num_new,
-                                                                     threads)
+            makers[f"ultrafast-ggml[{stem}]"] = partial(
+                _ours, files, path, prompt_ids, num_new, threads, "ggml")
+            makers[f"llama.cpp[{stem}]"] = partial(_llama_cpp, path, prompt_ids, num_new, threads)
             for method in spec:
-                makers[f"ultrafast-ggml-spec-{method}[{stem}]"] = (
-                    lambda p=path, m=method: _ours(files, p, prompt_ids, num_new, threads,
-                                                   "ggml", m))
+                makers[f"ultrafast-ggml-spec-{method}[{stem}]"] = partial(
+                    _ours, files, path, prompt_ids, num_new, threads, "ggml", method)
             extra_peers += [f"ultrafast-ggml[{stem}]", f"llama.cpp[{stem}]",
                            *(f"ultrafast-ggml-spec-{m}[{stem}]" for m in spec)]
-        peers = ["transformers"] if "transformers" in peers else []
+        peers = ("transformers",) if "transformers" in peers else ()
         gguf = Path(gguf_paths[0])
     peers = tuple(peers) + tuple(extra_peers)
     runners = {name: makers[name]() for name in peers}

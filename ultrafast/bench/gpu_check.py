@@ -34,7 +34,7 @@ def _environment() -> dict:
         import torch
     except ImportError:
         return {"torch": None, "cuda": False, "why": "torch is not installed on this machine"}
-    env = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
+    env: dict[str, object] = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
            "cuda": torch.cuda.is_available()}
     if not env["cuda"]:
         env["why"] = (f"torch {torch.__version__} sees no CUDA device (built for CUDA "
@@ -78,8 +78,9 @@ def _decode_rate(model, mode: str, prompt_len: int, num_decode: int, rounds: int
         while core.has_work():
             if any(o.new_token_ids for o in core.step()):
                 stamps.append(time.perf_counter())
-                if i and len(stamps) > 1:
-                    exec_s += core.last_stats.execute_time_s + core.last_stats.sample_time_s
+                stats = core.last_stats
+                if i and len(stamps) > 1 and stats is not None:
+                    exec_s += stats.execute_time_s + stats.sample_time_s
                     num_steps += 1
         if i == 0:
             warmup_s = time.perf_counter() - start
@@ -134,8 +135,12 @@ def _transformers_rate(model, prompt_len: int, num_decode: int, shape: dict = LL
 
 
 def _roofline(prompt_len: int, num_decode: int) -> dict:
-    from ultrafast.bench.roofline import (count_weight_params, kv_bytes_per_position,
-                                          measure_bandwidth_gb_s, roofline)
+    from ultrafast.bench.roofline import (
+        count_weight_params,
+        kv_bytes_per_position,
+        measure_bandwidth_gb_s,
+        roofline,
+    )
     from ultrafast.model.config import ModelConfig
 
     config = ModelConfig.from_hf(LLAMA_1B_SHAPE)

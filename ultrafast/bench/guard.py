@@ -94,7 +94,7 @@ def main(args) -> int:
     patterns = Path(args.guard_patterns or EXAMPLE_PATTERNS)
     hold_back = args.hold_back_tokens
     configs = _configs(hold_back, patterns)
-    raw = {name: ([], [], []) for name in configs}
+    raw: dict[str, tuple[list, list, list]] = {name: ([], [], []) for name in configs}
     for round_index in range(args.rounds):
         order = list(configs) if round_index % 2 == 0 else list(reversed(configs))
         for name in order:

@@ -20,9 +20,16 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
-from ultrafast.bench.peers import (Batch, EngineRunner, LlamaCppRunner, ServerRunner,
-                                   TransformersRunner, VllmRunner)
+from ultrafast.bench.peers import (
+    Batch,
+    EngineRunner,
+    LlamaCppRunner,
+    ServerRunner,
+    TransformersRunner,
+    VllmRunner,
+)
 from ultrafast.cli_serve import serve_default_threads
 from ultrafast.model_files import gguf_for, resolve_model
 
@@ -72,6 +79,12 @@ def build_runners(names: list[str], files, gguf: Path, opts: dict) -> tuple[dict
     """Runner objects by name, and {name: why it was skipped} for those that could not start."""
     hf_dir = str(files.hf_dir) if files.hf_dir else None
     ours_model = str(files.hf_dir or gguf)
+
+    def hf() -> str:  # the runners that read it start only when it exists (checked below)
+        if hf_dir is None:
+            raise ValueError("needs an HF directory")
+        return hf_dir
+
     common = dict(num_slots=opts["num_slots"], max_model_len=opts["max_model_len"],
                   threads=opts["threads"], compile=opts["compile"])
     makers = {
@@ -82,9 +95,9 @@ def build_runners(names: list[str], files, gguf: Path, opts: dict) -> tuple[dict
         "ours-server": lambda: ServerRunner("ours-server", ours_model, opts["executor"],
                                             **{**common, "threads": opts["server_threads"]}),
         "llama.cpp": lambda: LlamaCppRunner(str(gguf), opts["max_model_len"], opts["threads"]),
-        "transformers": lambda: TransformersRunner(hf_dir, opts["threads"], "cpu"),
-        "transformers-cuda": lambda: TransformersRunner(hf_dir, opts["threads"], "cuda"),
-        "vllm": lambda: VllmRunner(hf_dir, opts["max_model_len"]),
+        "transformers": lambda: TransformersRunner(hf(), opts["threads"], "cpu"),
+        "transformers-cuda": lambda: TransformersRunner(hf(), opts["threads"], "cuda"),
+        "vllm": lambda: VllmRunner(hf(), opts["max_model_len"]),
     }
     runners, skipped = {}, {}
     for name in names:
@@ -174,8 +187,12 @@ def _decode_profile(name: str, executor: str, cuda: bool, gguf_type: str) -> tup
 
 
 def _add_roofline(report: dict, files, gguf_type: str, cuda: bool) -> None:
-    from ultrafast.bench.roofline import (count_weight_params, kv_bytes_per_position,
-                                          measure_bandwidth_gb_s, roofline)
+    from ultrafast.bench.roofline import (
+        count_weight_params,
+        kv_bytes_per_position,
+        measure_bandwidth_gb_s,
+        roofline,
+    )
     from ultrafast.model.loader import read_config
 
     config = read_config(files.hf_dir)
@@ -213,13 +230,13 @@ def run_harness(model: str, max_tokens: int = 128, rounds: int = 3,
     base_ids = (tokenizer.encode(PROMPT_TEXT) * 16)[:max(1, prompt_tokens - 2)]
     vocab_size = tokenizer.vocab_size
     names = peers or default_peers(cuda)
-    concurrency = sorted(set(concurrency))
-    opts = {"num_slots": max(concurrency), "max_model_len": prompt_tokens + max_tokens + 16,
+    levels = sorted(set(concurrency))
+    opts = {"num_slots": max(levels), "max_model_len": prompt_tokens + max_tokens + 16,
             "threads": threads, "server_threads": server_threads, "compile": compile,
             "executor": executor}
     runners, skipped = build_runners(names, files, gguf, opts)
     try:
-        results = measure(runners, concurrency, base_ids, vocab_size, max_tokens, rounds,
+        results = measure(runners, levels, base_ids, vocab_size, max_tokens, rounds,
                           skipped)
     finally:
         for runner in runners.values():
@@ -228,9 +245,9 @@ def run_harness(model: str, max_tokens: int = 128, rounds: int = 3,
              "concurrency 1 only",
              "ours-server": f"ours-server: default tier, admission TTFT target raised to 600 s so "
              f"that no stream is refused; {server_threads} kernel thread(s) (the serve default)"}
-    report = {"model": files.name, "gguf": gguf.name, "threads": threads, "cuda": cuda,
+    report: dict[str, Any] = {"model": files.name, "gguf": gguf.name, "threads": threads, "cuda": cuda,
               "executor": executor, "compile": compile, "max_tokens": max_tokens,
-              "prompt_tokens": len(base_ids) + 2, "rounds": rounds, "concurrency": concurrency,
+              "prompt_tokens": len(base_ids) + 2, "rounds": rounds, "concurrency": levels,
               "runners": list(runners), "skipped": skipped,
               "notes": {n: v for n, v in notes.items() if n in runners},
               "results": results, "ratios": {c: ratios(level) for c, level in results.items()}}

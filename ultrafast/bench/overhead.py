@@ -91,7 +91,8 @@ def handoff_rounds(engine, prompt_ids: list[int], max_tokens: int,
                                 daemon=True)
     consumer.start()
     thread = EngineThread(engine).start()
-    kept, handed = [], []
+    kept: list[float] = []
+    handed: list[float] = []
     try:
         for i in range(2 * rounds + 1):  # round 0 warms the thread up, then alternate
             to_thread = i % 2 == 0
@@ -104,10 +105,13 @@ def handoff_rounds(engine, prompt_ids: list[int], max_tokens: int,
                 if output.finished:
                     done.set()
 
+            def hand_over(output, record=record) -> None:
+                inbox.put((record, output))
+
             engine.pool.reset_cache()  # the engine thread is idle between rounds
             thread.submit(Request(f"handoff{i}", prompt_ids, SamplingParams(
                 temperature=0.0, max_tokens=max_tokens, ignore_eos=True)),
-                (lambda o, record=record: inbox.put((record, o))) if to_thread else record)
+                hand_over if to_thread else record)
             if not done.wait(120):
                 raise RuntimeError("the engine thread did not finish a benchmark round")
             if i:

@@ -213,7 +213,9 @@ class TransformersRunner:
             torch.set_num_threads(threads)
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         self.device = device
-        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
+        # transformers types `.to` through a decorator that drops the bound self
+        self.model = model.to(device).eval()  # type: ignore[arg-type]
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> Batch:
         torch = self.torch

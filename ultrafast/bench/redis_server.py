@@ -23,10 +23,11 @@ class RedisServerMissing(RuntimeError):
 
 class RedisServer:
     def __init__(self, data_dir: str | Path | None = None, port: int | None = None):
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
+        binary = shutil.which("redis-server")
+        if binary is None:
             raise RedisServerMissing("redis-server is not installed: run `make setup` (it "
                                      "apt-installs redis-server)")
+        self.binary = binary
         self._own_dir = data_dir is None
         self.dir = Path(data_dir or tempfile.mkdtemp(prefix="ultrafast-redis-"))
         self.port = port or free_port()

@@ -33,7 +33,8 @@ class ServerProcess:
         deadline = time.monotonic() + startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()[-2000:]}")
+                output = self.proc.stdout.read() if self.proc.stdout else ""
+                raise RuntimeError(f"server exited: {output[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return

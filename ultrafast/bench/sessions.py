@@ -45,7 +45,9 @@ def _stream_chat(client: httpx.Client, body: dict) -> tuple[float, str, dict]:
     import json
 
     started = time.perf_counter()
-    first_s, parts, usage = None, [], {}
+    first_s: float | None = None
+    parts: list[str] = []
+    usage: dict = {}
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
@@ -77,7 +79,7 @@ def ttft_by_turn(base_url: str, num_turns: int, turn_tokens: int, new_tokens: in
     history: list[dict] = []
     ttfts = []
     with httpx.Client(base_url=base_url, timeout=300) as client:
-        for k, text in enumerate(texts):
+        for text in texts:
             new = {"role": "user", "content": text}
             body = {"max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
                     "service_tier": "priority"}
@@ -242,7 +244,9 @@ def check_exactly_once(base_url: str, run: ConversationRun) -> dict:
         for session_id in run.session_ids:
             items, after = [], None
             while True:
-                params = {"order": "asc", "limit": 100, **({"after": after} if after else {})}
+                params: dict[str, str | int] = {"order": "asc", "limit": 100}
+                if after:
+                    params["after"] = after
                 page = client.get(f"/v1/conversations/{session_id}/items", params=params).json()
                 items += page["data"]
                 if not page["has_more"]:
@@ -341,7 +345,7 @@ def main(args) -> int:
 
 
 def markdown(report: dict, num_turns: int) -> str:
-    rows = ["| client | TTFT turn 1 (ms) | TTFT turn %d (ms) | ratio (target <= 1.2) |" % num_turns,
+    rows = [f"| client | TTFT turn 1 (ms) | TTFT turn {num_turns} (ms) | ratio (target <= 1.2) |",
             "|---|---|---|---|"]
     for mode, t in report["ttft"].items():
         rows.append(f"| {mode} | {t['turn_1_ms']:.1f} | {t[f'turn_{num_turns}_ms']:.1f} | "

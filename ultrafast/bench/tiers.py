@@ -14,7 +14,8 @@ import time
 
 import httpx
 
-from ultrafast.bench.overhead import markdown as overhead_markdown, run_overhead_bench
+from ultrafast.bench.overhead import markdown as overhead_markdown
+from ultrafast.bench.overhead import run_overhead_bench
 from ultrafast.bench.report import write_report
 from ultrafast.bench.server_process import ServerProcess
 from ultrafast.cli_serve import serve_default_threads
@@ -82,7 +83,7 @@ async def tier_scenario(url: str, num_slots: int, probes: int, max_tokens: int) 
         progress.update(phase="warm-up")
         idle = await probe(client, "priority", probes, max_tokens)
         progress.update(phase="idle")
-        stop, done = asyncio.Event(), []
+        stop, done = asyncio.Event(), list[int]()
         load_task = asyncio.create_task(load(client, num_slots - 1, stop, done))
         await wait_running(client, num_slots - 1)
         loaded = await probe(client, "priority", probes, max_tokens)

@@ -11,6 +11,7 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from ultrafast.loadtest.invariants import check_fds_back
 class Scenario:
     name: str
     title: str
-    run: object  # async (ctx, result) -> None
+    run: Callable[[Context, Result], Awaitable[None]]
     in_ci: bool = False
     external_ok: bool = False  # meaningful against a server started by someone else (--url)
 
@@ -83,7 +84,7 @@ RUN_ORDER = ["L1", "L3", "L4", "B0", "F1", "F2", "F3", "F3b", "F12", "F15", "L2"
 
 # The spec's timing targets (RELIABILITY.md 7c/7b), evaluated on the full tier and reported
 # beside the result; they never fail a run (timing on a shared box is not a verdict).
-TARGETS = {
+TARGETS: dict[str, list[tuple[str, str, float]]] = {
     "L1": [("TTFT p99 < 300 ms", "ttft.p99_ms", 300), ("ITL p99 < 100 ms", "itl.p99_ms", 100),
            ("server CPU < 1.6 cores", "server_cpu_cores", 1.6)],
     "L2": [("rejection p99 < 50 ms", "rejection_latency.p99_ms", 50)],
@@ -98,9 +99,9 @@ TARGETS = {
 
 
 def targets(result: Result) -> list[dict]:
-    rows = []
+    rows: list[dict] = []
     for label, path, limit in TARGETS.get(result.name, []):
-        value = result.metrics
+        value: object = result.metrics
         for key in path.split("."):
             value = value.get(key) if isinstance(value, dict) else None
         if isinstance(value, (int, float)):

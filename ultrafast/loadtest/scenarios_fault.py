@@ -12,14 +12,29 @@ import subprocess
 import time
 
 from ultrafast.executors.fake_exec import FAULT_FATAL, FAULT_REQUEST, FAULT_STEP, fault_prompt
-from ultrafast.loadtest.client import (http_request_bytes, metric_total, open_raw,
-                                       parse_raw_sse, plain_call, raw_call_then_leave,
-                                       stream_call)
+from ultrafast.loadtest.client import (
+    http_request_bytes,
+    metric_total,
+    open_raw,
+    parse_raw_sse,
+    plain_call,
+    raw_call_then_leave,
+    stream_call,
+)
 from ultrafast.loadtest.harness import Context, Result, ServerSpec
-from ultrafast.loadtest.invariants import (check_content, check_rejection, check_terminal,
-                                           percentiles_ms)
-from ultrafast.loadtest.scenarios_load import (checked_stream, client_for, fake_body,
-                                               finish_checks, overload_burst)
+from ultrafast.loadtest.invariants import (
+    check_content,
+    check_rejection,
+    check_terminal,
+    percentiles_ms,
+)
+from ultrafast.loadtest.scenarios_load import (
+    checked_stream,
+    client_for,
+    fake_body,
+    finish_checks,
+    overload_burst,
+)
 
 FAULT_SERVER = ServerSpec(num_slots=4, fake_step_ms=20.0)
 

@@ -13,10 +13,17 @@ import random
 
 import httpx
 
-from ultrafast.loadtest.client import stream_call
+from ultrafast.loadtest.client import CallRecord, stream_call
 from ultrafast.loadtest.harness import Context, Result, ServerSpec
-from ultrafast.loadtest.invariants import (MemoryWatch, check_content, check_rejection,
-                                           check_terminal, cpu_s, percentiles_ms, wait_at_rest)
+from ultrafast.loadtest.invariants import (
+    MemoryWatch,
+    check_content,
+    check_rejection,
+    check_terminal,
+    cpu_s,
+    percentiles_ms,
+    wait_at_rest,
+)
 
 LIMITS = httpx.Limits(max_connections=2000, max_keepalive_connections=64)
 
@@ -63,7 +70,7 @@ async def l1_steady(ctx: Context, result: Result) -> None:
     srv = ctx.server(ServerSpec(num_slots=streams, fake_step_ms=20.0))
     budget = ctx.budget(max_requests=ctx.size(10_000, 3 * streams), duration_s=180)
     mem = MemoryWatch(srv.pid, 20.0)
-    records = []
+    records: list[CallRecord] = []
     async with client_for(srv.url) as client:
         cpu0 = cpu_s(srv.pid) if srv.pid else None
         progress = ctx.progress("L1 steady", budget.max_requests)
@@ -208,7 +215,7 @@ async def l7_demo_model(ctx: Context, result: Result) -> None:
     srv = ctx.server(demo_spec(shaper_window_ms="2"))
     budget = ctx.budget(max_requests=ctx.size(10_000, 8), duration_s=120)
     mem = MemoryWatch(srv.pid, 20.0)  # the bar for every run (the spec says 50)
-    records = []
+    records: list[CallRecord] = []
     async with client_for(srv.url) as client:
         baselines = {p: await ctx.demo_baseline(client, p, tokens) for p in DEMO_PROMPTS}
         progress = ctx.progress("L7 demo model", budget.max_requests)
@@ -246,7 +253,7 @@ async def irregular_burst(ctx: Context, result: Result) -> None:
             mem.warm()  # after the baselines: the model has run every prompt once
             for _ in range(rounds):
                 budget = ctx.budget(max_requests=num_calls)
-                calls = []
+                calls: list[asyncio.Task[CallRecord]] = []
                 while budget.more():
                     i = len(calls)
                     n = 64 if i % 16 == 0 else 1

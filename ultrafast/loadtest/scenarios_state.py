@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from ultrafast.bench.redis_server import RedisServer
-from ultrafast.bench.sessions import (ConversationRun, check_exactly_once, run_conversations)
+from ultrafast.bench.sessions import ConversationRun, check_exactly_once, run_conversations
 from ultrafast.loadtest.client import CallRecord, metric_total, plain_call, stream_call
 from ultrafast.loadtest.harness import Context, Result, ServerSpec
 from ultrafast.loadtest.invariants import check_rejection, check_terminal, percentiles_ms
@@ -390,7 +390,7 @@ async def f9_redis_slow(ctx: Context, result: Result) -> None:
             if after.status != 200:
                 result.fail([f"session call once Redis was fast again: {after.status}"])
             result.metrics.update(
-                session_latency=percentiles_ms([r.latency_s for r in slow]),
+                session_latency=percentiles_ms([r.latency_s for r in slow if r.latency_s is not None]),
                 answered={str(s): sum(r.status == s for r in slow) for s in (200, 503)},
                 redis_connections_max=proxy.max_open,
                 quotas="token buckets live in the server process, so a slow Redis cannot "

@@ -189,7 +189,7 @@ def cmd_quantize(args) -> int:
         quantized = quantize_model(model, plan, args.group_size, args.zero_point)
         save_quantized(model, plan, quantized, model_dir, torch_dir, meta)
         print(f"wrote {torch_dir} (load it like any model directory)")
-    if torch_dir is None:  # the plan and its measurements, beside the GGUF
+    if torch_dir is None and gguf_path is not None:  # the plan and its measurements, beside the GGUF
         plan_path = gguf_path.with_suffix(".plan.json")
         plan_path.write_text(json.dumps({**meta, "tensors": plan}, indent=1))
     counts = {t: list(plan.values()).count(t) for t in sorted(set(plan.values()))}

@@ -19,6 +19,7 @@ import torch
 from ultrafast.corpus import stdlib_split
 from ultrafast.model.attention import SeqSpan, SlotKVCache
 
+
 def _read_texts(paths: list[Path], max_chars: int | None = None) -> list[str]:
     texts, total = [], 0
     for path in paths:

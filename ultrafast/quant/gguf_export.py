@@ -71,7 +71,10 @@ def _file_type(plan: dict[str, str], zero_point: bool) -> gguf.LlamaFileType:
 
 
 def gguf_tensor_name(hf_name: str) -> str:
-    return "output.weight" if hf_name == LM_HEAD else convert._gguf_name(hf_name)
+    name = "output.weight" if hf_name == LM_HEAD else convert._gguf_name(hf_name)
+    if name is None:
+        raise ValueError(f"{hf_name} has no GGUF tensor")
+    return name
 
 
 def export_gguf(model_dir: str | Path, out_path: str | Path, plan: dict[str, str],

@@ -52,6 +52,9 @@ class _QuantLinear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize(self.quantized_weight(), self.compute_dtype)
 
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def _reference(self, x2: torch.Tensor) -> torch.Tensor:
         return F.linear(x2, self.dequantized_weight().to(x2.device))
 
@@ -72,6 +75,9 @@ class _QuantLinear(nn.Module):
 class Int8Linear(_QuantLinear):
     """Symmetric per-output-channel int8 weights; activations stay in `dtype`."""
 
+    qweight: torch.Tensor  # buffers, declared for the type checker
+    scales: torch.Tensor
+
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.float32):
         super().__init__(qw, bias, dtype)
@@ -91,6 +97,12 @@ class Int8Linear(_QuantLinear):
 
 class Int4Linear(_QuantLinear):
     """Group-wise int4 weights (q4_0 or q4_1 semantics, see tensors.py)."""
+
+    codes: torch.Tensor  # buffers, declared for the type checker
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    kernel_weight: torch.Tensor
+    kernel_scales_zeros: torch.Tensor
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.float32):

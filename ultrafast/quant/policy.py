@@ -24,7 +24,15 @@ import torch
 from torch import nn
 
 from ultrafast.quant.evaluate import torch_nll
-from ultrafast.quant.plan import INT4, INT8, KEEP, fake_quantized, num_params, weight_names
+from ultrafast.quant.plan import (
+    INT4,
+    INT8,
+    KEEP,
+    fake_quantized,
+    get_weight,
+    num_params,
+    weight_names,
+)
 from ultrafast.quant.tensors import dequantize, quantize
 
 
@@ -60,7 +68,7 @@ def int4_weights(model: nn.Module, names: list[str], group_size: int,
     """The reference dequantization of each named weight's int4 version."""
     out = {}
     for name in names:
-        weight = model.get_submodule(name.rsplit(".", 1)[0]).weight
+        weight = get_weight(model, name)
         out[name] = dequantize(quantize(weight, INT4, group_size, zero_point), weight.dtype)
     return out
 
@@ -103,7 +111,7 @@ def hybrid_plan(model: nn.Module, token_windows: list[list[int]], group_size: in
         plan[name] = keep_type
         used += size
         if keep_type == INT8:  # evaluate what will run: the int8 dequantization
-            weight = model.get_submodule(name.rsplit(".", 1)[0]).weight
+            weight = get_weight(model, name)
             fake8[name] = dequantize(quantize(weight, INT8), weight.dtype)
         with fake_quantized(model, {**fake8, **{n: fake[n] for n, t in plan.items()
                                                 if t == INT4}}):
