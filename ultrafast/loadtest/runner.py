@@ -15,8 +15,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ultrafast.loadtest import scenarios_client as c
 from ultrafast.loadtest import scenarios_fault as f
 from ultrafast.loadtest import scenarios_load as s
+from ultrafast.loadtest import scenarios_redis as rd
 from ultrafast.loadtest import scenarios_state as st
 from ultrafast.loadtest.harness import Context, Result
 from ultrafast.loadtest.invariants import check_fds_back
@@ -44,7 +46,7 @@ SCENARIOS = [
              external_ok=True),
     Scenario("IRR", "irregular burst: 1-token calls + every 16th 64 tokens, shaper on/off",
              s.irregular_burst, in_ci=True),
-    Scenario("B0", "malformed and oversized bodies mid-load", f.b0_bad_inputs, in_ci=True),
+    Scenario("B0", "malformed and oversized bodies mid-load", c.b0_bad_inputs, in_ci=True),
     Scenario("F1", "client disconnect mid-stream (FIN, RST) and before the first token",
              f.f1_disconnect, in_ci=True),
     Scenario("F2", "client disconnect of a non-streaming call", f.f2_disconnect_plain,
@@ -54,20 +56,20 @@ SCENARIOS = [
     Scenario("F4", "fatal engine failure (the engine thread dies)", f.f4_fatal, in_ci=True),
     Scenario("F5", "SIGTERM under load (drain)", f.f5_sigterm, in_ci=True),
     Scenario("F5b", "a second SIGTERM during the drain exits at once", f.f5b_second_signal),
-    Scenario("F6", "Redis down before a session request", st.f6_redis_down, in_ci=True),
+    Scenario("F6", "Redis down before a session request", rd.f6_redis_down, in_ci=True),
     Scenario("F7", "Redis restart mid-stream (link reset, then a Redis restart)",
-             st.f7_redis_restart_mid_stream, in_ci=True),
-    Scenario("F8", "kill -9 redis right after an acknowledged turn", st.f8_redis_killed,
+             rd.f7_redis_restart_mid_stream, in_ci=True),
+    Scenario("F8", "kill -9 redis right after an acknowledged turn", rd.f8_redis_killed,
              in_ci=True),
-    Scenario("F9", "Redis slow (2 s added per exchange)", st.f9_redis_slow, in_ci=True),
+    Scenario("F9", "Redis slow (2 s added per exchange)", rd.f9_redis_slow, in_ci=True),
     Scenario("F10", "KV cache full: waiting, preemption, unservable prompt", f.f10_kv_full,
              in_ci=True),
     Scenario("F11", "queue full: burst of 4x capacity", f.f11_queue_full, in_ci=True),
-    Scenario("F12", "slow / stalled reader", f.f12_slow_reader, in_ci=True),
+    Scenario("F12", "slow / stalled reader", c.f12_slow_reader, in_ci=True),
     Scenario("F12b", "stalled reader that never resumes (write-stall timeout)",
-             f.f12b_stalled_reader, in_ci=True),
+             c.f12b_stalled_reader, in_ci=True),
     Scenario("F13", "slowloris headers, a stalled body, the per-IP connection cap",
-             f.f13_slowloris, in_ci=True),
+             c.f13_slowloris, in_ci=True),
     Scenario("F14", "SSE ping while waiting > 15 s", f.f14_ping),
     Scenario("F15", "near-cap and over-cap prompts in parallel", f.f15_huge_prompts,
              in_ci=True),
