@@ -28,8 +28,10 @@ def cmd_keys(args: argparse.Namespace) -> int:
     else:
         keys = load_api_keys(args.key)
         for tenant in keys.tenants.values():
-            print(f"{tenant.name}: tiers {sorted(t.api_name for t in tenant.tiers)}, "
-                  f"{sum(1 for _, t, _ in keys.by_hash.values() if t is tenant)} key(s)")
+            print(
+                f"{tenant.name}: tiers {sorted(t.api_name for t in tenant.tiers)}, "
+                f"{sum(1 for _, t, _ in keys.by_hash.values() if t is tenant)} key(s)"
+            )
     return 0
 
 
@@ -48,24 +50,37 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def add_loadtest_parser(sub: Any) -> None:
-    lt = sub.add_parser("loadtest", help="load scenarios and fault injections against real "
-                        "servers on loopback, with the nothing-lost checks (JSON + Markdown)")
+    lt = sub.add_parser(
+        "loadtest",
+        help="load scenarios and fault injections against real "
+        "servers on loopback, with the nothing-lost checks (JSON + Markdown)",
+    )
     lt.add_argument("--scenario", default="all", help="L1,F3,... or ci or all")
-    lt.add_argument("--tier", choices=["full", "ci"], default="full",
-                    help="full: the reliability cases' sizes; ci: short runs")
+    lt.add_argument(
+        "--tier",
+        choices=["full", "ci"],
+        default="full",
+        help="full: the reliability cases' sizes; ci: short runs",
+    )
     lt.add_argument("--duration-s", type=float, default=180.0, help="cap per scenario")
     lt.add_argument("--max-requests", type=int, default=10_000, help="cap per scenario")
-    lt.add_argument("--url", default=None, help="an already running loopback server "
-                    "(default: start one per scenario)")
+    lt.add_argument(
+        "--url",
+        default=None,
+        help="an already running loopback server (default: start one per scenario)",
+    )
     lt.add_argument("--out", default="runs/loadtest.json", help="JSON report (+ .md beside)")
     lt.set_defaults(func=cmd_loadtest)
 
 
 def add_keys_parser(sub: Any) -> None:
     keys = sub.add_parser("keys", help="API keys: make one, hash one, check a keys file")
-    keys.add_argument("action", choices=["new", "hash", "check"],
-                      help="new: random key + its sha256; hash KEY (or stdin): the sha256 to "
-                      "put in the keys file; check FILE: parse a keys file")
+    keys.add_argument(
+        "action",
+        choices=["new", "hash", "check"],
+        help="new: random key + its sha256; hash KEY (or stdin): the sha256 to "
+        "put in the keys file; check FILE: parse a keys file",
+    )
     keys.add_argument("key", nargs="?", default=None, help="hash: the key; check: the file")
     keys.set_defaults(func=cmd_keys)
 
@@ -83,9 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="ultrafast", description="Low-latency LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add_command in (add_generate_parser, add_serve_parser, add_bench_parser,
-                        add_loadtest_parser, add_keys_parser, add_convert_parser,
-                        add_quant_parsers):  # quantize, eval-ppl
+    for add_command in (
+        add_generate_parser,
+        add_serve_parser,
+        add_bench_parser,
+        add_loadtest_parser,
+        add_keys_parser,
+        add_convert_parser,
+        add_quant_parsers,
+    ):  # quantize, eval-ppl
         add_command(sub)
     return parser
 

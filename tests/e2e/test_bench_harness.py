@@ -11,10 +11,31 @@ from ultrafast.config import DEMO_MODEL_DIR
 def test_bench_run_quick_mode_writes_json_markdown_png(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "ultrafast.cli", "bench", "--model", str(DEMO_MODEL_DIR),
-         "--max-tokens", "8", "--rounds", "1", "--concurrency", "1,2", "--prompt-tokens", "12",
-         "--threads", "1", "--roofline", "--out", str(out)],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "ultrafast.cli",
+            "bench",
+            "--model",
+            str(DEMO_MODEL_DIR),
+            "--max-tokens",
+            "8",
+            "--rounds",
+            "1",
+            "--concurrency",
+            "1,2",
+            "--prompt-tokens",
+            "12",
+            "--threads",
+            "1",
+            "--roofline",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["skipped"] == {}

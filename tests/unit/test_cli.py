@@ -7,12 +7,25 @@ import pytest
 
 
 def ultrafast(*args):
-    return subprocess.run([sys.executable, "-m", "ultrafast.cli", *args], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "ultrafast.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
-@pytest.mark.parametrize("command", [[], ["generate"], ["serve"], ["bench"], ["bench", "decode"],
-                                     ["convert"], ["loadtest"], ["keys"], ["quantize"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        [],
+        ["generate"],
+        ["serve"],
+        ["bench"],
+        ["bench", "decode"],
+        ["convert"],
+        ["loadtest"],
+        ["keys"],
+        ["quantize"],
+    ],
+)
 def test_help(command):
     done = ultrafast(*command, "--help")
     assert done.returncode == 0 and "usage: ultrafast" in done.stdout
@@ -30,8 +43,19 @@ def test_convert_refuses_a_non_model_directory(tmp_path):
 
 
 def test_spec_flags(tmp_path):
-    done = ultrafast("generate", "def f(x):", "--max-tokens", "12", "--spec", "ngram",
-                     "--spec-tiers", "priority,default", "--threads", "1", "--stats")
+    done = ultrafast(
+        "generate",
+        "def f(x):",
+        "--max-tokens",
+        "12",
+        "--spec",
+        "ngram",
+        "--spec-tiers",
+        "priority,default",
+        "--threads",
+        "1",
+        "--stats",
+    )
     assert done.returncode == 0, done.stderr
     assert "spec ngram:" in done.stderr and "drafts accepted" in done.stderr
     done = ultrafast("generate", "x", "--spec-tiers", "turbo")
@@ -55,13 +79,16 @@ def test_every_bench_suite_has_its_own_help(suite, capsys):
     assert text.startswith(f"usage: ultrafast bench {suite}") and "--out" in text
 
 
-@pytest.mark.parametrize("argv, refused", [
-    (["bench", "tiers", "--gguf", "x.gguf"], "--gguf"),  # decode's option
-    (["bench", "decode", "--turns", "3"], "--turns"),  # sessions'
-    (["bench", "gpu", "--peers", "transformers"], "--peers"),  # harness'
-    (["bench", "sessions", "--roofline"], "--roofline"),  # harness'
-    (["bench", "nosuch"], "nosuch"),
-])
+@pytest.mark.parametrize(
+    "argv, refused",
+    [
+        (["bench", "tiers", "--gguf", "x.gguf"], "--gguf"),  # decode's option
+        (["bench", "decode", "--turns", "3"], "--turns"),  # sessions'
+        (["bench", "gpu", "--peers", "transformers"], "--peers"),  # harness'
+        (["bench", "sessions", "--roofline"], "--roofline"),  # harness'
+        (["bench", "nosuch"], "nosuch"),
+    ],
+)
 def test_a_suite_refuses_another_suites_options(argv, refused, capsys):
     from ultrafast.cli import parse_args
 
@@ -72,8 +99,15 @@ def test_a_suite_refuses_another_suites_options(argv, refused, capsys):
     assert "unrecognized arguments" in err or "invalid choice" in err
 
 
-@pytest.mark.parametrize("argv", [["bench"], ["bench", "--roofline", "--rounds", "3"],
-                                  ["bench", "run"], ["bench", "harness", "--concurrency", "1"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench"],
+        ["bench", "--roofline", "--rounds", "3"],
+        ["bench", "run"],
+        ["bench", "harness", "--concurrency", "1"],
+    ],
+)
 def test_bench_without_a_suite_is_the_harness(argv):
     from ultrafast.bench import harness_report
     from ultrafast.cli import parse_args
@@ -88,14 +122,18 @@ def test_bench_without_a_suite_is_the_harness(argv):
 DOCUMENTED_BENCH_COMMANDS = [
     ("--roofline", "harness"),
     ("--roofline --rounds 3", "harness"),
-    ("--peers ours-engine-torch,transformers --concurrency 1 --compile inductor --rounds 3",
-     "harness"),
-    ("--model M --max-tokens 8 --rounds 1 --concurrency 1,2 --prompt-tokens 12 --threads 1 "
-     "--roofline --out r.json", "harness"),
+    (
+        "--peers ours-engine-torch,transformers --concurrency 1 --compile inductor --rounds 3",
+        "harness",
+    ),
+    (
+        "--model M --max-tokens 8 --rounds 1 --concurrency 1,2 --prompt-tokens 12 --threads 1 "
+        "--roofline --out r.json",
+        "harness",
+    ),
     ("decode", "decode"),
     ("decode --spec ngram,draft,auto", "decode"),
-    ("decode --rounds 5 --new-tokens 128 --spec ngram,auto --gguf a.gguf --gguf b.gguf",
-     "decode"),
+    ("decode --rounds 5 --new-tokens 128 --spec ngram,auto --gguf a.gguf --gguf b.gguf", "decode"),
     ("tiers", "tiers"),
     ("tiers --probes 32", "tiers"),
     ("tiers --probes 32 --rounds 30", "tiers"),
@@ -127,8 +165,13 @@ def test_a_suite_reads_only_options_its_subcommand_has(suite):
     args = parse_args(["bench", suite])
     source = importlib.import_module(args.func.module).__file__
     tree = ast.parse(open(source).read())
-    read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
-            and isinstance(node.value, ast.Name) and node.value.id == "args"}
+    read = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "args"
+    }
     assert read and read <= set(vars(args)), read - set(vars(args))
 
 
@@ -148,9 +191,21 @@ def test_engine_flags_reach_the_config():
     from ultrafast.cli import parse_args
     from ultrafast.cli_serve import engine_options, server_config
 
-    args = parse_args(["serve", "--max-draft-tokens", "3", "--num-slots", "2",
-                       "--spec-tiers", "priority, default", "--session-ttl-s", "60",
-                       "--priority-ttft-ms", "90"])
+    args = parse_args(
+        [
+            "serve",
+            "--max-draft-tokens",
+            "3",
+            "--num-slots",
+            "2",
+            "--spec-tiers",
+            "priority, default",
+            "--session-ttl-s",
+            "60",
+            "--priority-ttft-ms",
+            "90",
+        ]
+    )
     options = engine_options(args)
     assert options["max_draft_tokens"] == 3 and options["num_slots"] == 2
     assert options["max_num_seqs"] == 2 and options["spec_tiers"] == ("priority", "default")

@@ -44,10 +44,15 @@ def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind, spec="off") 
     from ultrafast.llm import build_engine
     from ultrafast.request import Request, SamplingParams, ServiceTier
 
-    config = EngineConfig(model=str(gguf if executor_kind == "ggml" else files.hf_dir),
-                          executor=executor_kind, num_slots=1, max_num_seqs=1,
-                          max_model_len=len(prompt_ids) + num_new + 8, n_threads=threads,
-                          spec=spec)
+    config = EngineConfig(
+        model=str(gguf if executor_kind == "ggml" else files.hf_dir),
+        executor=executor_kind,
+        num_slots=1,
+        max_num_seqs=1,
+        max_model_len=len(prompt_ids) + num_new + 8,
+        n_threads=threads,
+        spec=spec,
+    )
     engine, tokenizer, _ = build_engine(config)
     params = SamplingParams(temperature=0.0, max_tokens=num_new, ignore_eos=True)
     tier = ServiceTier.PRIORITY if spec != "off" else ServiceTier.DEFAULT
@@ -79,9 +84,15 @@ def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind, spec="off") 
 def _llama_cpp(gguf, prompt_ids, num_new, threads) -> Runner:
     from ultrafast.executors.llama_cpp_params import open_llama
 
-    llm = open_llama(str(gguf), n_ctx=len(prompt_ids) + num_new + 8,
-                          n_threads=threads, n_threads_batch=threads, n_batch=512,
-                          verbose=False, logits_all=False)
+    llm = open_llama(
+        str(gguf),
+        n_ctx=len(prompt_ids) + num_new + 8,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=512,
+        verbose=False,
+        logits_all=False,
+    )
 
     def run() -> tuple[float, float]:
         llm.reset()
@@ -89,8 +100,7 @@ def _llama_cpp(gguf, prompt_ids, num_new, threads) -> Runner:
         first: float | None = None
         last: float | None = None
         n = 0
-        for _ in llm.generate(list(prompt_ids), top_k=1, temp=0.0, repeat_penalty=1.0,
-                              reset=True):
+        for _ in llm.generate(list(prompt_ids), top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
             last = time.perf_counter()
             first = first or last
             n += 1
@@ -112,8 +122,7 @@ def _transformers(hf_dir, prompt_ids, num_new, threads) -> Runner:
     def generate(n: int) -> float:
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=0)
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         return time.perf_counter() - start
 
     def run() -> tuple[float, float]:
@@ -123,11 +132,17 @@ def _transformers(hf_dir, prompt_ids, num_new, threads) -> Runner:
     return run, lambda: None
 
 
-def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, rounds: int = 3,
-                     threads: int | None = None, peers: tuple[str, ...] = (
-                         "ultrafast-ggml", "llama.cpp", "ultrafast-torch", "transformers"),
-                     gguf_type: str = "f16", gguf_paths: list[str] | None = None,
-                     spec: tuple[str, ...] = ()) -> dict:
+def run_decode_bench(
+    model: str,
+    num_new: int = 128,
+    prompt_tokens: int = 32,
+    rounds: int = 3,
+    threads: int | None = None,
+    peers: tuple[str, ...] = ("ultrafast-ggml", "llama.cpp", "ultrafast-torch", "transformers"),
+    gguf_type: str = "f16",
+    gguf_paths: list[str] | None = None,
+    spec: tuple[str, ...] = (),
+) -> dict:
     """gguf_paths: compare these GGUF files instead (our ggml executor, plain and with each
     `spec` method, and llama.cpp on each file, runners named `...[file stem]`; transformers
     fp32 stays as the common reference).
@@ -151,19 +166,25 @@ def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, ro
     extra_peers = [f"ultrafast-ggml-spec-{m}" for m in spec]
     for method in spec:
         makers[f"ultrafast-ggml-spec-{method}"] = partial(
-            _ours, files, gguf, prompt_ids, num_new, threads, "ggml", method)
+            _ours, files, gguf, prompt_ids, num_new, threads, "ggml", method
+        )
     if gguf_paths:  # per file: ours plain and speculative vs llama.cpp; transformers fp32 once
         extra_peers = []
         for path in gguf_paths:
             stem = Path(path).stem
             makers[f"ultrafast-ggml[{stem}]"] = partial(
-                _ours, files, path, prompt_ids, num_new, threads, "ggml")
+                _ours, files, path, prompt_ids, num_new, threads, "ggml"
+            )
             makers[f"llama.cpp[{stem}]"] = partial(_llama_cpp, path, prompt_ids, num_new, threads)
             for method in spec:
                 makers[f"ultrafast-ggml-spec-{method}[{stem}]"] = partial(
-                    _ours, files, path, prompt_ids, num_new, threads, "ggml", method)
-            extra_peers += [f"ultrafast-ggml[{stem}]", f"llama.cpp[{stem}]",
-                           *(f"ultrafast-ggml-spec-{m}[{stem}]" for m in spec)]
+                    _ours, files, path, prompt_ids, num_new, threads, "ggml", method
+                )
+            extra_peers += [
+                f"ultrafast-ggml[{stem}]",
+                f"llama.cpp[{stem}]",
+                *(f"ultrafast-ggml-spec-{m}[{stem}]" for m in spec),
+            ]
         peers = ("transformers",) if "transformers" in peers else ()
         gguf = Path(gguf_paths[0])
     peers = tuple(peers) + tuple(extra_peers)
@@ -184,27 +205,44 @@ def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, ro
     for name, runs in samples.items():
         decode_s = statistics.median(d for _, d in runs)
         stats = getattr(runners[name][0], "spec_stats", None)
-        results[name] = asdict(RunResult(name, (num_new - 1) / decode_s,
-                                         1000 * statistics.median(t for t, _ in runs),
-                                         stats.acceptance_rate() if stats else None))
-    return {"model": files.name, "gguf": gguf.name, "threads": threads, "new_tokens": num_new,
-            "prompt_tokens": len(prompt_ids), "rounds": rounds, "results": results}
+        results[name] = asdict(
+            RunResult(
+                name,
+                (num_new - 1) / decode_s,
+                1000 * statistics.median(t for t, _ in runs),
+                stats.acceptance_rate() if stats else None,
+            )
+        )
+    return {
+        "model": files.name,
+        "gguf": gguf.name,
+        "threads": threads,
+        "new_tokens": num_new,
+        "prompt_tokens": len(prompt_ids),
+        "rounds": rounds,
+        "results": results,
+    }
 
 
 def markdown(report: dict) -> str:
     res = report["results"]
-    lines = [f"model `{report['model']}` ({report['gguf']}), batch 1, {report['prompt_tokens']} "
-             f"prompt tokens, {report['new_tokens']} new tokens, {report['threads']} threads, "
-             f"median of {report['rounds']} interleaved rounds", "",
-             "| runner | decode tok/s | TTFT ms | vs llama.cpp | vs transformers | accepted |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"model `{report['model']}` ({report['gguf']}), batch 1, {report['prompt_tokens']} "
+        f"prompt tokens, {report['new_tokens']} new tokens, {report['threads']} threads, "
+        f"median of {report['rounds']} interleaved rounds",
+        "",
+        "| runner | decode tok/s | TTFT ms | vs llama.cpp | vs transformers | accepted |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in res.items():
-        peer = "llama.cpp" + name[name.index("["):] if "[" in name else "llama.cpp"
+        peer = "llama.cpp" + name[name.index("[") :] if "[" in name else "llama.cpp"
         vs_llama = _ratio(r, res.get(peer))  # "-": no llama.cpp run of the same file
         vs_hf = _ratio(r, res.get("transformers"))
         accepted = "" if r.get("acceptance") is None else f"{r['acceptance']:.0%}"
-        lines.append(f"| {name} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.1f} | "
-                     f"{vs_llama} | {vs_hf} | {accepted} |")
+        lines.append(
+            f"| {name} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.1f} | "
+            f"{vs_llama} | {vs_hf} | {accepted} |"
+        )
     return "\n".join(lines)
 
 
@@ -214,7 +252,13 @@ def _ratio(result: dict, peer: dict | None) -> str:
 
 def main(args) -> int:
     spec = tuple(m.strip() for m in (args.spec or "").split(",") if m.strip())
-    report = run_decode_bench(args.model, num_new=args.new_tokens, rounds=args.rounds,
-                              threads=args.threads, gguf_type=args.gguf_type,
-                              gguf_paths=args.gguf, spec=spec)
+    report = run_decode_bench(
+        args.model,
+        num_new=args.new_tokens,
+        rounds=args.rounds,
+        threads=args.threads,
+        gguf_type=args.gguf_type,
+        gguf_paths=args.gguf,
+        spec=spec,
+    )
     return write_report(report, args.out, markdown(report))

@@ -23,6 +23,7 @@ async def f12_slow_reader(ctx: Context, result: Result) -> None:
     stall_s = ctx.size(10.0, 2.0)
     tokens = 120
     async with client_for(srv.url) as client:
+
         async def fault():
             body, expected = fake_body(ctx, tokens)
             reader, writer = await open_raw(srv.url, rcvbuf_bytes=4096)
@@ -40,8 +41,11 @@ async def f12_slow_reader(ctx: Context, result: Result) -> None:
         await finish_checks(ctx, client, result)
 
 
-SLOW_CLIENT_SERVER = ServerSpec(num_slots=4, fake_step_ms=20.0, extra=(
-    "--header-timeout-s", "2", "--body-timeout-s", "2", "--max-connections-per-ip", "48"))
+SLOW_CLIENT_SERVER = ServerSpec(
+    num_slots=4,
+    fake_step_ms=20.0,
+    extra=("--header-timeout-s", "2", "--body-timeout-s", "2", "--max-connections-per-ip", "48"),
+)
 
 
 async def f13_slowloris(ctx: Context, result: Result) -> None:
@@ -50,6 +54,7 @@ async def f13_slowloris(ctx: Context, result: Result) -> None:
     srv = ctx.server(SLOW_CLIENT_SERVER)
     drip_s = ctx.size(12.0, 5.0)  # longer than the 2 s timeouts of this server
     async with client_for(srv.url) as client:
+
         async def dribble_head() -> bytes:
             reader, writer = await open_raw(srv.url)
             answer = asyncio.create_task(_read_all(reader, drip_s + 2.0))
@@ -70,7 +75,7 @@ async def f13_slowloris(ctx: Context, result: Result) -> None:
         async def stall_body() -> bytes:
             reader, writer = await open_raw(srv.url)
             full = http_request_bytes(srv.url, {"prompt": [5, 6], "max_tokens": 1})
-            writer.write(full[:full.index(b"\r\n\r\n") + 4 + 5])  # head + 5 bytes of body
+            writer.write(full[: full.index(b"\r\n\r\n") + 4 + 5])  # head + 5 bytes of body
             await writer.drain()
             answer = await _read_all(reader, drip_s)
             writer.close()
@@ -82,8 +87,7 @@ async def f13_slowloris(ctx: Context, result: Result) -> None:
         head_answer, body_answer = await with_canaries(ctx, client, result, fault)
         result.num_requests += 2
         if not head_answer.startswith(b"HTTP/1.1 408"):
-            result.fail([f"dribbled headers: no 408 within {drip_s:.0f} s "
-                         f"({head_answer[:40]!r})"])
+            result.fail([f"dribbled headers: no 408 within {drip_s:.0f} s ({head_answer[:40]!r})"])
         if not body_answer.startswith(b"HTTP/1.1 408") or b"request_timeout" not in body_answer:
             result.fail([f"stalled body: no 408 request_timeout ({body_answer[:60]!r})"])
         result.metrics["connection_cap"] = await _over_the_cap(srv.url, 48, result)
@@ -123,20 +127,29 @@ async def _over_the_cap(url: str, cap: int, result: Result) -> dict:
         result.fail([f"{len(held)} connections from one address, none refused (cap {cap})"])
     for answer in refused:
         if not answer.startswith(b"HTTP/1.1 429") or b"too_many_connections" not in answer:
-            result.fail([f"a connection over the cap got {answer[:60]!r}, want 429 "
-                         f"too_many_connections"])
+            result.fail(
+                [f"a connection over the cap got {answer[:60]!r}, want 429 too_many_connections"]
+            )
     return {"opened": len(held), "refused": len(refused), "cap": cap}
 
 
 async def f12b_stalled_reader(ctx: Context, result: Result) -> None:
     """A reader that never resumes: once the server's buffers are full for the write-stall
     timeout (2 s here), the connection is aborted and its KV slots are freed."""
-    srv = ctx.server(ServerSpec(num_slots=8, fake_step_ms=2.0,
-                                extra=("--write-stall-timeout-s", "2")), fresh=True)
+    srv = ctx.server(
+        ServerSpec(num_slots=8, fake_step_ms=2.0, extra=("--write-stall-timeout-s", "2")),
+        fresh=True,
+    )
     try:
         async with client_for(srv.url) as client:
-            body = {"prompt": ctx.fake_prompt(), "max_tokens": 2000, "ignore_eos": True,
-                    "stream": True, "n": 8, "logprobs": 5}  # about 10 MB of events
+            body = {
+                "prompt": ctx.fake_prompt(),
+                "max_tokens": 2000,
+                "ignore_eos": True,
+                "stream": True,
+                "n": 8,
+                "logprobs": 5,
+            }  # about 10 MB of events
             reader, writer = await open_raw(srv.url, rcvbuf_bytes=4096)
             writer.write(http_request_bytes(srv.url, body))
             await writer.drain()
@@ -144,8 +157,12 @@ async def f12b_stalled_reader(ctx: Context, result: Result) -> None:
             started, deadline = time.monotonic(), time.monotonic() + ctx.size(60.0, 30.0)
             while "the client read nothing" not in srv.log_tail(20000):
                 if time.monotonic() > deadline:
-                    result.fail(["the stalled reader was never cut (no write-stall abort in "
-                                 "the server log)"])
+                    result.fail(
+                        [
+                            "the stalled reader was never cut (no write-stall abort in "
+                            "the server log)"
+                        ]
+                    )
                     break
                 await asyncio.sleep(0.2)
             result.metrics["cut_after_s"] = round(time.monotonic() - started, 1)
@@ -159,26 +176,43 @@ async def f12b_stalled_reader(ctx: Context, result: Result) -> None:
         srv.stop()
 
 
-BAD_BODIES = [b"{not json", b"[]", b'{"prompt": "x", "max_tokens": -1}',
-              b'{"prompt": "x", "temperature": "hot"}', b'{"prompt": [99999999]}',
-              b'{"prompt": "x", "n": 1000}', b"\xff\xfe garbage", b'{"prompt": "x"' + b" " * 10]
+BAD_BODIES = [
+    b"{not json",
+    b"[]",
+    b'{"prompt": "x", "max_tokens": -1}',
+    b'{"prompt": "x", "temperature": "hot"}',
+    b'{"prompt": [99999999]}',
+    b'{"prompt": "x", "n": 1000}',
+    b"\xff\xfe garbage",
+    b'{"prompt": "x"' + b" " * 10,
+]
 
 
 async def b0_bad_inputs(ctx: Context, result: Result) -> None:
     """Malformed and oversized bodies mid-load: each gets the error envelope, canaries exact."""
     srv = ctx.server(FAULT_SERVER)
     async with client_for(srv.url) as client:
+
         async def fault():
             for raw in BAD_BODIES + [b'{"prompt": "' + b"a" * (5 << 20) + b'"}']:
-                r = await client.post("/v1/completions", content=raw,
-                                      headers={"content-type": "application/json"})
+                r = await client.post(
+                    "/v1/completions", content=raw, headers={"content-type": "application/json"}
+                )
                 result.num_requests += 1
-                body = r.json() if r.headers.get("content-type", "").startswith(
-                    "application/json") else {}
+                body = (
+                    r.json()
+                    if r.headers.get("content-type", "").startswith("application/json")
+                    else {}
+                )
                 if not 400 <= r.status_code < 500 or set(body.get("error", {})) != {
-                        "message", "type", "param", "code"}:
-                    result.fail([f"bad body {raw[:24]!r}: status {r.status_code}, not a 4xx "
-                                 f"error envelope"])
+                    "message",
+                    "type",
+                    "param",
+                    "code",
+                }:
+                    result.fail(
+                        [f"bad body {raw[:24]!r}: status {r.status_code}, not a 4xx error envelope"]
+                    )
 
         await with_canaries(ctx, client, result, fault)
         await finish_checks(ctx, client, result)

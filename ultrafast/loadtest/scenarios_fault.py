@@ -39,11 +39,14 @@ from ultrafast.loadtest.scenarios_load import (
 FAULT_SERVER = ServerSpec(num_slots=4, fake_step_ms=20.0)
 
 
-async def with_canaries(ctx, client, result: Result, fault, num_canaries: int = 4,
-                        tokens: int = 48):
+async def with_canaries(
+    ctx, client, result: Result, fault, num_canaries: int = 4, tokens: int = 48
+):
     """Run `fault()` while canary streams are in flight; canaries must finish exact."""
-    canaries = [asyncio.create_task(checked_stream(ctx, client, result, tokens, "default",
-                                                   "canary")) for _ in range(num_canaries)]
+    canaries = [
+        asyncio.create_task(checked_stream(ctx, client, result, tokens, "default", "canary"))
+        for _ in range(num_canaries)
+    ]
     await asyncio.sleep(0.2)
     value = await fault()
     recs = await asyncio.gather(*canaries)
@@ -55,14 +58,21 @@ async def f1_disconnect(ctx: Context, result: Result) -> None:
     """Client leaves mid-stream (FIN and RST) and before the first token: slots freed."""
     srv = ctx.server(FAULT_SERVER)
     async with client_for(srv.url) as client:
+
         async def fault():
-            body = {"prompt": ctx.fake_prompt(), "max_tokens": 200, "ignore_eos": True,
-                    "stream": True}
+            body = {
+                "prompt": ctx.fake_prompt(),
+                "max_tokens": 200,
+                "ignore_eos": True,
+                "stream": True,
+            }
             await raw_call_then_leave(srv.url, body, read_bytes=600, rst=False)
-            await raw_call_then_leave(srv.url, {**body, "prompt": ctx.fake_prompt()},
-                                      read_bytes=600, rst=True)
-            await raw_call_then_leave(srv.url, {**body, "prompt": ctx.fake_prompt()},
-                                      read_bytes=0, rst=True)  # gone before any byte
+            await raw_call_then_leave(
+                srv.url, {**body, "prompt": ctx.fake_prompt()}, read_bytes=600, rst=True
+            )
+            await raw_call_then_leave(
+                srv.url, {**body, "prompt": ctx.fake_prompt()}, read_bytes=0, rst=True
+            )  # gone before any byte
             await checked_stream(ctx, client, result, 200, "default", "httpx-cancel", 3)
             result.num_requests += 3
 
@@ -76,6 +86,7 @@ async def f2_disconnect_plain(ctx: Context, result: Result) -> None:
     """A non-streaming call whose client leaves: the server notices and frees the slot."""
     srv = ctx.server(FAULT_SERVER)
     async with client_for(srv.url) as client:
+
         async def fault():
             body = {"prompt": ctx.fake_prompt(), "max_tokens": 300, "ignore_eos": True}
             reader, writer = await open_raw(srv.url)
@@ -93,21 +104,51 @@ async def f3_request_fault(ctx: Context, result: Result) -> None:
     """One request fails inside the engine (mid-stream, and before its first token): only it."""
     srv = ctx.server(FAULT_SERVER)
     async with client_for(srv.url) as client:
+
         async def fault():
             tail = ctx.fake_prompt()
-            mid = await stream_call(client, {"prompt": fault_prompt(FAULT_REQUEST, 5, tail),
-                                             "max_tokens": 40, "ignore_eos": True}, "fault-mid")
-            early = await stream_call(client, {"prompt": fault_prompt(FAULT_REQUEST, 0, tail),
-                                               "max_tokens": 40, "ignore_eos": True},
-                                      "fault-early")
-            plain = await plain_call(client, {"prompt": fault_prompt(FAULT_REQUEST, 3, tail),
-                                              "max_tokens": 40, "ignore_eos": True}, "fault-plain")
+            mid = await stream_call(
+                client,
+                {
+                    "prompt": fault_prompt(FAULT_REQUEST, 5, tail),
+                    "max_tokens": 40,
+                    "ignore_eos": True,
+                },
+                "fault-mid",
+            )
+            early = await stream_call(
+                client,
+                {
+                    "prompt": fault_prompt(FAULT_REQUEST, 0, tail),
+                    "max_tokens": 40,
+                    "ignore_eos": True,
+                },
+                "fault-early",
+            )
+            plain = await plain_call(
+                client,
+                {
+                    "prompt": fault_prompt(FAULT_REQUEST, 3, tail),
+                    "max_tokens": 40,
+                    "ignore_eos": True,
+                },
+                "fault-plain",
+            )
             result.num_requests += 3
-            if mid.status != 200 or mid.num_error_events != 1 or mid.num_done != 1 \
-                    or mid.finish_reasons or mid.bytes_after_done:
-                result.fail([f"mid-stream fault: want 200 then one SSE error event and [DONE], "
-                             f"got status {mid.status}, {mid.num_error_events} error events, "
-                             f"{mid.num_done} [DONE], finish {mid.finish_reasons}"])
+            if (
+                mid.status != 200
+                or mid.num_error_events != 1
+                or mid.num_done != 1
+                or mid.finish_reasons
+                or mid.bytes_after_done
+            ):
+                result.fail(
+                    [
+                        f"mid-stream fault: want 200 then one SSE error event and [DONE], "
+                        f"got status {mid.status}, {mid.num_error_events} error events, "
+                        f"{mid.num_done} [DONE], finish {mid.finish_reasons}"
+                    ]
+                )
             result.fail(check_rejection(early, 500, "engine_error", retry_after=False))
             result.fail(check_rejection(plain, 500, "engine_error", retry_after=False))
 
@@ -120,8 +161,15 @@ async def f3b_step_fault(ctx: Context, result: Result) -> None:
     """A whole step raises: its requests fail cleanly, the engine keeps serving."""
     srv = ctx.server(FAULT_SERVER)
     async with client_for(srv.url) as client:
-        rec = await stream_call(client, {"prompt": fault_prompt(FAULT_STEP, 4, ctx.fake_prompt()),
-                                         "max_tokens": 30, "ignore_eos": True}, "step-fault")
+        rec = await stream_call(
+            client,
+            {
+                "prompt": fault_prompt(FAULT_STEP, 4, ctx.fake_prompt()),
+                "max_tokens": 30,
+                "ignore_eos": True,
+            },
+            "step-fault",
+        )
         result.num_requests += 1
         if rec.status == 200 and rec.num_terminal != 1:
             result.fail([f"step fault: {rec.num_terminal} terminal events"])
@@ -134,20 +182,29 @@ async def f4_fatal(ctx: Context, result: Result) -> None:
     srv = ctx.server(FAULT_SERVER, fresh=True)
     try:
         async with client_for(srv.url) as client:
-            inflight = [asyncio.create_task(stream_call(client, fake_body(ctx, 200)[0], "victim"))
-                        for _ in range(3)]
+            inflight = [
+                asyncio.create_task(stream_call(client, fake_body(ctx, 200)[0], "victim"))
+                for _ in range(3)
+            ]
             await asyncio.sleep(0.3)
             t0 = time.monotonic()
-            killer = await stream_call(client, {"prompt": fault_prompt(FAULT_FATAL, 2,
-                                                                       ctx.fake_prompt()),
-                                                "max_tokens": 20, "ignore_eos": True}, "fatal")
+            killer = await stream_call(
+                client,
+                {
+                    "prompt": fault_prompt(FAULT_FATAL, 2, ctx.fake_prompt()),
+                    "max_tokens": 20,
+                    "ignore_eos": True,
+                },
+                "fatal",
+            )
             recs = await asyncio.wait_for(asyncio.gather(*inflight), timeout=10)
             result.metrics["terminal_after_fatal_ms"] = round(1000 * (time.monotonic() - t0), 1)
             result.num_requests += 4
             for rec in recs + [killer]:
                 if rec.status == 200 and rec.num_terminal != 1:
-                    result.fail([f"{rec.tag}: {rec.num_terminal} terminal events after the "
-                                 f"engine died"])
+                    result.fail(
+                        [f"{rec.tag}: {rec.num_terminal} terminal events after the engine died"]
+                    )
             # the 2 s target is reported by the runner (TARGETS); a hang fails the wait_for above
             ready = await client.get("/ready")
             if ready.status_code != 503:
@@ -156,8 +213,10 @@ async def f4_fatal(ctx: Context, result: Result) -> None:
             result.fail(check_rejection(after, 503, "engine_dead"))
             await asyncio.sleep(1.0)
             if srv.alive:
-                result.gaps.append("F4: the process keeps running with a dead engine (503 on "
-                                   "every call) instead of exiting != 0 or restarting it")
+                result.gaps.append(
+                    "F4: the process keeps running with a dead engine (503 on "
+                    "every call) instead of exiting != 0 or restarting it"
+                )
     finally:
         srv.stop()
 
@@ -165,8 +224,10 @@ async def f4_fatal(ctx: Context, result: Result) -> None:
 async def f5_sigterm(ctx: Context, result: Result) -> None:
     """SIGTERM under load: short streams finish, long ones end with "abort", exit 0."""
     drain_s = ctx.size(10.0, 2.0)
-    srv = ctx.server(ServerSpec(num_slots=8, fake_step_ms=20.0,
-                                extra=("--drain-timeout-s", str(drain_s))), fresh=True)
+    srv = ctx.server(
+        ServerSpec(num_slots=8, fake_step_ms=20.0, extra=("--drain-timeout-s", str(drain_s))),
+        fresh=True,
+    )
     if srv.pid is None:
         result.status, result.gaps = "skipped", ["needs a server the loadtest started"]
         return
@@ -193,8 +254,9 @@ async def f5_sigterm(ctx: Context, result: Result) -> None:
                 result.fail(check_terminal(rec, allowed_finish=("abort",)))
                 if not expected.startswith(rec.text):
                     result.fail(["long call: the text before the abort is not exact"])
-        code = await asyncio.get_running_loop().run_in_executor(None, _wait_quietly, srv.proc,
-                                                                drain_s + 20)
+        code = await asyncio.get_running_loop().run_in_executor(
+            None, _wait_quietly, srv.proc, drain_s + 20
+        )
         if code != 0:
             result.fail([f"exit status {code} after the drain, want 0"])
     finally:
@@ -211,12 +273,15 @@ def _wait_quietly(proc, timeout_s: float) -> int | None:
 
 async def f5b_second_signal(ctx: Context, result: Result) -> None:
     """A second SIGTERM during the drain stops the server at once; every stream still ends."""
-    srv = ctx.server(ServerSpec(num_slots=4, fake_step_ms=20.0,
-                                extra=("--drain-timeout-s", "60")), fresh=True)
+    srv = ctx.server(
+        ServerSpec(num_slots=4, fake_step_ms=20.0, extra=("--drain-timeout-s", "60")), fresh=True
+    )
     try:
         async with client_for(srv.url) as client:
-            tasks = [asyncio.create_task(stream_call(client, fake_body(ctx, 1000)[0], "long"))
-                     for _ in range(3)]
+            tasks = [
+                asyncio.create_task(stream_call(client, fake_body(ctx, 1000)[0], "long"))
+                for _ in range(3)
+            ]
             await asyncio.sleep(0.5)
             srv.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
@@ -224,16 +289,17 @@ async def f5b_second_signal(ctx: Context, result: Result) -> None:
             srv.proc.send_signal(signal.SIGTERM)
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, _wait_quietly, srv.proc, 30.0)
-            result.metrics["exit_after_second_signal_ms"] = round(
-                1000 * (time.monotonic() - t0), 1)
+            result.metrics["exit_after_second_signal_ms"] = round(1000 * (time.monotonic() - t0), 1)
             recs = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)  # none hangs
             result.num_requests += 3
             result.metrics["streams_cut"] = cut = sum(r.num_terminal == 0 for r in recs)
             result.metrics["exit_status"] = srv.proc.returncode
             if cut:  # the spec allows "abort at once"; the invariant (i) would want an event
-                result.gaps.append(f"F5b: the second signal cut {cut} streams without a "
-                                   f"terminal event (no finish_reason \"abort\"), exit status "
-                                   f"{srv.proc.returncode}")
+                result.gaps.append(
+                    f"F5b: the second signal cut {cut} streams without a "
+                    f'terminal event (no finish_reason "abort"), exit status '
+                    f"{srv.proc.returncode}"
+                )
             if srv.proc.returncode is None:  # the target (at once) is reported by the runner
                 result.fail(["the server still runs 30 s after the second signal"])
     finally:
@@ -249,17 +315,24 @@ async def f10_kv_full(ctx: Context, result: Result) -> None:
 
         async def priority_later():  # once the default calls hold both slots
             await asyncio.sleep(0.3)
-            return await asyncio.gather(*(checked_stream(ctx, client, result, 10, "priority",
-                                                         "priority") for _ in range(2)))
+            return await asyncio.gather(
+                *(checked_stream(ctx, client, result, 10, "priority", "priority") for _ in range(2))
+            )
 
         await asyncio.gather(*calls, priority_later())
-        result.metrics["preemptions"] = num = \
+        result.metrics["preemptions"] = num = (
             await metric_total(client, "ultrafast_preemptions") - before
+        )
         if num < 1:
-            result.fail(["priority calls found both slots busy, yet ultrafast_preemptions_total "
-                         "did not grow"])
-        too_long = await plain_call(client, {"prompt": ctx.fake_prompt(300), "max_tokens": 4},
-                                    "unservable")
+            result.fail(
+                [
+                    "priority calls found both slots busy, yet ultrafast_preemptions_total "
+                    "did not grow"
+                ]
+            )
+        too_long = await plain_call(
+            client, {"prompt": ctx.fake_prompt(300), "max_tokens": 4}, "unservable"
+        )
         result.num_requests += 1
         result.fail(check_rejection(too_long, 400, "context_length_exceeded", retry_after=False))
         await finish_checks(ctx, client, result)
@@ -275,8 +348,9 @@ async def f14_ping(ctx: Context, result: Result) -> None:
     """A stream waiting > 15 s for its first token gets `: ping` comments meanwhile."""
     srv = ctx.server(ServerSpec(num_slots=1, fake_step_ms=20.0))
     async with client_for(srv.url) as client:
-        blocker = asyncio.create_task(checked_stream(ctx, client, result, 900, "default",
-                                                     "blocker"))  # 18 s on the only slot
+        blocker = asyncio.create_task(
+            checked_stream(ctx, client, result, 900, "default", "blocker")
+        )  # 18 s on the only slot
         await asyncio.sleep(0.3)
         body, expected = fake_body(ctx, 4)
         waiting = await stream_call(client, body, "waiting")
@@ -293,23 +367,29 @@ async def f15_huge_prompts(ctx: Context, result: Result) -> None:
     """Near-cap prompts (and over-cap ones) in parallel while canaries stream: all exact."""
     srv = ctx.server(FAULT_SERVER)
     async with client_for(srv.url) as client:
+
         async def fault():
             unit = " alpha beta"
             per_unit = len(ctx.tokenizer.encode(unit * 10)) / 10
             near = unit * int((2048 - 64) / per_unit)  # just under the 2048-token context
             over = "x = 1\n" * ctx.size(150_000, 30_000)  # tokenized, then refused 400
-            calls = [plain_call(client, {"prompt": near, "max_tokens": 4}, "near-cap")
-                     for _ in range(ctx.size(8, 3))]
-            calls += [plain_call(client, {"prompt": over, "max_tokens": 4}, "over-cap")
-                      for _ in range(ctx.size(8, 2))]
+            calls = [
+                plain_call(client, {"prompt": near, "max_tokens": 4}, "near-cap")
+                for _ in range(ctx.size(8, 3))
+            ]
+            calls += [
+                plain_call(client, {"prompt": over, "max_tokens": 4}, "over-cap")
+                for _ in range(ctx.size(8, 2))
+            ]
             recs = await asyncio.gather(*calls)
             result.num_requests += len(recs)
             for rec in recs:
                 if rec.tag == "near-cap" and rec.status != 200:
                     result.fail([f"near-cap prompt: status {rec.status} {rec.error}"])
                 if rec.tag == "over-cap":
-                    result.fail(check_rejection(rec, 400, "context_length_exceeded",
-                                                retry_after=False))
+                    result.fail(
+                        check_rejection(rec, 400, "context_length_exceeded", retry_after=False)
+                    )
 
         await with_canaries(ctx, client, result, fault, tokens=96)
         await finish_checks(ctx, client, result)

@@ -31,6 +31,7 @@ from ultrafast.loadtest.tcp_proxy import TcpProxy
 
 # ---- F6: Redis down before a session request --------------------------------------------------
 
+
 async def f6_redis_down(ctx: Context, result: Result) -> None:
     redis = RedisServer()
     srv = await start_server(ctx, session_spec(redis.url))
@@ -51,18 +52,31 @@ async def f6_redis_down(ctx: Context, result: Result) -> None:
                     await asyncio.sleep(0.02)
 
             refused, stateless, _ = await asyncio.gather(
-                asyncio.gather(*(session_turn(client, f"f6-down-{i}", 0, tag="redis-down")
-                                 for i in range(num_refused))),
-                asyncio.gather(*(checked_stream(ctx, client, result, 16, "default",
-                                                "stateless") for _ in range(4))),
-                probe_health())
+                asyncio.gather(
+                    *(
+                        session_turn(client, f"f6-down-{i}", 0, tag="redis-down")
+                        for i in range(num_refused)
+                    )
+                ),
+                asyncio.gather(
+                    *(
+                        checked_stream(ctx, client, result, 16, "default", "stateless")
+                        for _ in range(4)
+                    )
+                ),
+                probe_health(),
+            )
             result.num_requests += 1 + num_refused
             for rec in refused:
                 result.fail(check_rejection(rec, 503, "session_store_unavailable"))
             ready = (await client.get("/ready")).json()
             if ready.get("session_store") != "degraded":
-                result.fail([f"/ready says session_store={ready.get('session_store')!r} while "
-                             f"Redis is down, want 'degraded'"])
+                result.fail(
+                    [
+                        f"/ready says session_store={ready.get('session_store')!r} while "
+                        f"Redis is down, want 'degraded'"
+                    ]
+                )
             await asyncio.to_thread(redis.start)
             after = await until_ok(client, "f6-kept", 1)
             result.num_requests += 1
@@ -76,7 +90,8 @@ async def f6_redis_down(ctx: Context, result: Result) -> None:
             result.metrics.update(
                 rejection_latency=percentiles_ms([r.latency_s for r in refused]),
                 health_during_outage=percentiles_ms(health),
-                stateless_ok=sum(r.status == 200 for r in stateless))
+                stateless_ok=sum(r.status == 200 for r in stateless),
+            )
             result.metrics["stored"] = await exactly_once(srv.url, {"f6-kept": [0, 1]}, result)
             await finish_checks(ctx, client, result)
     finally:
@@ -85,6 +100,7 @@ async def f6_redis_down(ctx: Context, result: Result) -> None:
 
 
 # ---- F7: Redis restart mid-stream (link reset, then a server restart) -------------------------
+
 
 async def f7_redis_restart_mid_stream(ctx: Context, result: Result) -> None:
     num_sessions, max_tokens = ctx.size(8, 3), 100
@@ -101,8 +117,10 @@ async def f7_redis_restart_mid_stream(ctx: Context, result: Result) -> None:
                     result.fail([f"{sid} turn 0: {rec.status} {rec.error}"])
 
             async def round_with(k: int, fault) -> None:
-                streams = [asyncio.create_task(session_turn(client, sid, k, max_tokens, True,
-                                                            f"turn-{k}")) for sid in sessions]
+                streams = [
+                    asyncio.create_task(session_turn(client, sid, k, max_tokens, True, f"turn-{k}"))
+                    for sid in sessions
+                ]
                 await asyncio.sleep(0.5)  # user turns stored, streams running
                 await fault()
                 for rec in await asyncio.gather(*streams):
@@ -118,7 +136,8 @@ async def f7_redis_restart_mid_stream(ctx: Context, result: Result) -> None:
             await round_with(2, restart_redis)
             result.num_requests += 3 * num_sessions
             result.metrics["stored"] = await exactly_once(
-                srv.url, {sid: [0, 1, 2] for sid in sessions}, result)
+                srv.url, {sid: [0, 1, 2] for sid in sessions}, result
+            )
             await finish_checks(ctx, client, result)
     finally:
         srv.stop()
@@ -127,6 +146,7 @@ async def f7_redis_restart_mid_stream(ctx: Context, result: Result) -> None:
 
 
 # ---- F8: kill -9 Redis right after acknowledged turns -----------------------------------------
+
 
 async def f8_redis_killed(ctx: Context, result: Result) -> None:
     num_sessions = ctx.size(16, 4)
@@ -141,17 +161,25 @@ async def f8_redis_killed(ctx: Context, result: Result) -> None:
                     result.fail([f"{sid} turn 0: {rec.status} {rec.error}"])
             # a stream's 200 means its user turn is stored: kill Redis right then
             body = turn_body(sessions[0], 1, 60)
-            async with client.stream("POST", CHAT, json={**body, "stream": True},
-                                     headers=key_of(sessions[0], 1)) as r:
+            async with client.stream(
+                "POST", CHAT, json={**body, "stream": True}, headers=key_of(sessions[0], 1)
+            ) as r:
                 redis.crash()
                 await asyncio.sleep(0.5)
                 await asyncio.to_thread(redis.start)
                 text = [line async for line in r.aiter_lines() if line.startswith("data: ")]
             result.num_requests += num_sessions + 1
-            if r.status_code != 200 or text[-1] != "data: [DONE]" or \
-                    any('"error"' in line for line in text):
-                result.fail([f"stream across the crash: status {r.status_code}, last event "
-                             f"{text[-1] if text else None!r}"])
+            if (
+                r.status_code != 200
+                or text[-1] != "data: [DONE]"
+                or any('"error"' in line for line in text)
+            ):
+                result.fail(
+                    [
+                        f"stream across the crash: status {r.status_code}, last event "
+                        f"{text[-1] if text else None!r}"
+                    ]
+                )
             sent = {sid: [0] for sid in sessions}
             sent[sessions[0]] = [0, 1]
             result.metrics["stored"] = await exactly_once(srv.url, sent, result)
@@ -162,6 +190,7 @@ async def f8_redis_killed(ctx: Context, result: Result) -> None:
 
 
 # ---- F9: Redis slow (2 s added per exchange) --------------------------------------------------
+
 
 async def f9_redis_slow(ctx: Context, result: Result) -> None:
     num_calls = ctx.size(32, 8)
@@ -176,31 +205,46 @@ async def f9_redis_slow(ctx: Context, result: Result) -> None:
                 result.fail([f"session call with Redis fast: {first.status}"])
             proxy.delay_s = 2.0
             slow, stateless = await asyncio.gather(
-                asyncio.gather(*(session_turn(client, f"f9-slow-{i}", 0, tag="redis-slow")
-                                 for i in range(num_calls))),
-                asyncio.gather(*(checked_stream(ctx, client, result, 16, "default",
-                                                "stateless") for _ in range(4))))
+                asyncio.gather(
+                    *(
+                        session_turn(client, f"f9-slow-{i}", 0, tag="redis-slow")
+                        for i in range(num_calls)
+                    )
+                ),
+                asyncio.gather(
+                    *(
+                        checked_stream(ctx, client, result, 16, "default", "stateless")
+                        for _ in range(4)
+                    )
+                ),
+            )
             result.num_requests += 1 + num_calls
             deadline_s = 3 * STORE_TIMEOUT_S + 2.0  # the store's timeouts, not a hang
             for rec in slow:
                 if rec.status != 200:
                     result.fail(check_rejection(rec, 503, "session_store_unavailable"))
                 if rec.latency_s is None or rec.latency_s > deadline_s:
-                    result.fail([f"a session call took {rec.latency_s} s with Redis slow "
-                                 f"(deadline {deadline_s} s)"])
+                    result.fail(
+                        [
+                            f"a session call took {rec.latency_s} s with Redis slow "
+                            f"(deadline {deadline_s} s)"
+                        ]
+                    )
             if proxy.max_open > 64:
-                result.fail([f"{proxy.max_open} connections to Redis at once; the pool "
-                             f"allows 64"])
+                result.fail([f"{proxy.max_open} connections to Redis at once; the pool allows 64"])
             proxy.delay_s = 0.0
             after = await until_ok(client, "f9-kept", 1)
             if after.status != 200:
                 result.fail([f"session call once Redis was fast again: {after.status}"])
             result.metrics.update(
-                session_latency=percentiles_ms([r.latency_s for r in slow if r.latency_s is not None]),
+                session_latency=percentiles_ms(
+                    [r.latency_s for r in slow if r.latency_s is not None]
+                ),
                 answered={str(s): sum(r.status == s for r in slow) for s in (200, 503)},
                 redis_connections_max=proxy.max_open,
                 quotas="token buckets live in the server process, so a slow Redis cannot "
-                       "slow them or open them (no fail-open/closed choice to make)")
+                "slow them or open them (no fail-open/closed choice to make)",
+            )
             stored = {"f9-kept": [0, 1]}
             stored.update({f"f9-slow-{i}": [0] for i, r in enumerate(slow) if r.status == 200})
             result.metrics["stored"] = await exactly_once(srv.url, stored, result)

@@ -31,8 +31,11 @@ STORE_TIMEOUT_S = 2.0  # the store's per-call timeout (StoreConfig.timeout_s)
 
 
 def session_spec(store_url: str, step_ms: float = 5.0, *extra: str) -> ServerSpec:
-    return ServerSpec(num_slots=8, fake_step_ms=step_ms,
-                      extra=("--session-store", store_url, "--default-queue", "64", *extra))
+    return ServerSpec(
+        num_slots=8,
+        fake_step_ms=step_ms,
+        extra=("--session-store", store_url, "--default-queue", "64", *extra),
+    )
 
 
 async def start_server(ctx: Context, spec: ServerSpec):
@@ -41,17 +44,22 @@ async def start_server(ctx: Context, spec: ServerSpec):
 
 
 def turn_body(session_id: str, k: int, max_tokens: int = 8) -> dict:
-    return {"messages": [{"role": "user", "content": f"# {session_id} turn {k}\ndef f{k}(x):"}],
-            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-            "session_id": session_id}
+    return {
+        "messages": [{"role": "user", "content": f"# {session_id} turn {k}\ndef f{k}(x):"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "session_id": session_id,
+    }
 
 
 def key_of(session_id: str, k: int) -> dict:
     return {"Idempotency-Key": f"{session_id}-t{k}"}
 
 
-async def session_turn(client, session_id: str, k: int, max_tokens: int = 8,
-                       stream: bool = False, tag: str = "session") -> CallRecord:
+async def session_turn(
+    client, session_id: str, k: int, max_tokens: int = 8, stream: bool = False, tag: str = "session"
+) -> CallRecord:
     body = turn_body(session_id, k, max_tokens)
     if stream:
         return await stream_call(client, body, tag, path=CHAT, headers=key_of(session_id, k))
@@ -61,8 +69,9 @@ async def session_turn(client, session_id: str, k: int, max_tokens: int = 8,
 async def exactly_once(url: str, sent: dict[str, list[int]], result: Result) -> dict:
     """Each session holds exactly the sent turns (user + assistant), once each, in order."""
     run = ConversationRun(list(sent))
-    run.sent = {sid: [turn_body(sid, k)["messages"][0]["content"] for k in ks]
-                for sid, ks in sent.items()}
+    run.sent = {
+        sid: [turn_body(sid, k)["messages"][0]["content"] for k in ks] for sid, ks in sent.items()
+    }
     check = await asyncio.to_thread(check_exactly_once, url, run)
     expected = 2 * sum(len(ks) for ks in sent.values())
     if check["num_turns_found"] != expected:
@@ -96,15 +105,23 @@ async def until_ok(client, session_id: str, k: int, within_s: float = 15.0) -> C
 
 # ---- L5: sessions x turns on real Redis with one restart --------------------------------------
 
+
 async def l5_sessions(ctx: Context, result: Result) -> None:
     num_sessions, num_turns, concurrency = ctx.size(200, 8), ctx.size(20, 4), ctx.size(16, 4)
     redis = RedisServer()
     srv = await start_server(ctx, session_spec(redis.url))
     try:
         run = await asyncio.to_thread(
-            run_conversations, srv.url, num_sessions, num_turns, concurrency, 8,
-            restart=redis.restart, restart_after_turns=num_sessions * num_turns // 2,
-            session_prefix="l5")
+            run_conversations,
+            srv.url,
+            num_sessions,
+            num_turns,
+            concurrency,
+            8,
+            restart=redis.restart,
+            restart_after_turns=num_sessions * num_turns // 2,
+            session_prefix="l5",
+        )
         check = await asyncio.to_thread(check_exactly_once, srv.url, run)
         expected = 2 * num_sessions * num_turns
         result.num_requests += num_sessions * num_turns + run.num_retries
@@ -113,11 +130,17 @@ async def l5_sessions(ctx: Context, result: Result) -> None:
         result.fail(check["problems"])
         if run.num_restarts != 1:
             result.fail(["Redis was not restarted during the run"])
-        result.metrics.update(sessions=num_sessions, turns=num_turns, concurrency=concurrency,
-                              expected_turns=expected, found_turns=check["num_turns_found"],
-                              retried_calls=run.num_retries, refused_503=run.num_503,
-                              turns_done_when_redis_was_back=run.num_turns_before_restart_end,
-                              elapsed_s=round(run.elapsed_s, 1))
+        result.metrics.update(
+            sessions=num_sessions,
+            turns=num_turns,
+            concurrency=concurrency,
+            expected_turns=expected,
+            found_turns=check["num_turns_found"],
+            retried_calls=run.num_retries,
+            refused_503=run.num_503,
+            turns_done_when_redis_was_back=run.num_turns_before_restart_end,
+            elapsed_s=round(run.elapsed_s, 1),
+        )
         async with client_for(srv.url) as client:
             await finish_checks(ctx, client, result)
     finally:
@@ -132,22 +155,33 @@ TENANT_KEYS = {name: f"uf-loadtest-{name}-key" for name in ("flood", "calm", "ed
 
 def write_keys_file(directory: Path) -> Path:
     """flood and calm: 10 requests/s each; edge: a bucket of 5 that barely refills."""
+
     def tenant(name, **extra):
         return {"name": name, "keys": [{"sha256": hash_key(TENANT_KEYS[name])}], **extra}
 
     path = directory / "api-keys.json"
-    path.write_text(json.dumps({"tenants": [
-        tenant("flood", requests_per_s=10, burst_s=1),
-        tenant("calm", requests_per_s=10, burst_s=1),
-        tenant("edge", requests_per_s=0.002, burst_s=2500),
-        tenant("ops", scopes=["admin"], tiers=["priority", "default", "flex"])]}))
+    path.write_text(
+        json.dumps(
+            {
+                "tenants": [
+                    tenant("flood", requests_per_s=10, burst_s=1),
+                    tenant("calm", requests_per_s=10, burst_s=1),
+                    tenant("edge", requests_per_s=0.002, burst_s=2500),
+                    tenant("ops", scopes=["admin"], tiers=["priority", "default", "flex"]),
+                ]
+            }
+        )
+    )
     return path
 
 
 def tenant_client(url: str, name: str) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120, connect=30),
-                             limits=LIMITS, headers={"Authorization": f"Bearer "
-                                                                      f"{TENANT_KEYS[name]}"})
+    return httpx.AsyncClient(
+        base_url=url,
+        timeout=httpx.Timeout(120, connect=30),
+        limits=LIMITS,
+        headers={"Authorization": f"Bearer {TENANT_KEYS[name]}"},
+    )
 
 
 async def paced(rate_per_s: float, duration_s: float, call) -> list:
@@ -163,23 +197,32 @@ async def l6_tenants(ctx: Context, result: Result) -> None:
     solo_s, flood_s = ctx.size(20.0, 3.0), ctx.size(40.0, 5.0)
     with tempfile.TemporaryDirectory(prefix="ultrafast-l6-") as tmp:
         keys = write_keys_file(Path(tmp))
-        srv = await start_server(ctx, ServerSpec(num_slots=8, fake_step_ms=10.0,
-                                                 extra=("--api-keys", str(keys))))
+        srv = await start_server(
+            ctx, ServerSpec(num_slots=8, fake_step_ms=10.0, extra=("--api-keys", str(keys)))
+        )
     try:
-        async with tenant_client(srv.url, "flood") as flood, \
-                tenant_client(srv.url, "calm") as calm, \
-                tenant_client(srv.url, "edge") as edge, tenant_client(srv.url, "ops") as ops:
+        async with (
+            tenant_client(srv.url, "flood") as flood,
+            tenant_client(srv.url, "calm") as calm,
+            tenant_client(srv.url, "edge") as edge,
+            tenant_client(srv.url, "ops") as ops,
+        ):
+
             def calm_call():  # 50% of calm's quota, streamed and checked token for token
                 return checked_stream(ctx, calm, result, 16, "default", "calm")
 
             def flood_call():  # 10x flood's quota
-                return plain_call(flood, {"prompt": ctx.fake_prompt(), "max_tokens": 4,
-                                          "ignore_eos": True}, "flood")
+                return plain_call(
+                    flood,
+                    {"prompt": ctx.fake_prompt(), "max_tokens": 4, "ignore_eos": True},
+                    "flood",
+                )
 
             solo = await paced(5, solo_s, calm_call)
             flood_started = time.monotonic()
-            flooded, calm_loaded = await asyncio.gather(paced(100, flood_s, flood_call),
-                                                        paced(5, flood_s, calm_call))
+            flooded, calm_loaded = await asyncio.gather(
+                paced(100, flood_s, flood_call), paced(5, flood_s, calm_call)
+            )
             span_s = time.monotonic() - flood_started  # every flood call arrived within it
             result.num_requests += len(flooded)
             admitted = [r for r in flooded if r.status == 200]
@@ -188,15 +231,22 @@ async def l6_tenants(ctx: Context, result: Result) -> None:
                     result.fail(check_rejection(rec, 429, "rate_limit_exceeded"))
             most = 10 * span_s + 10 + 1  # refill over the span + one full bucket (+ rounding)
             if not 0.5 * (10 * flood_s + 10) <= len(admitted) <= most:
-                result.fail([f"flood tenant: {len(admitted)} of {len(flooded)} admitted in "
-                             f"{span_s:.1f} s; its quota allows at most {most:.0f}"])
+                result.fail(
+                    [
+                        f"flood tenant: {len(admitted)} of {len(flooded)} admitted in "
+                        f"{span_s:.1f} s; its quota allows at most {most:.0f}"
+                    ]
+                )
             solo_ttft = percentiles_ms([r.ttft_s for r in solo if r.ttft_s])
             loaded_ttft = percentiles_ms([r.ttft_s for r in calm_loaded if r.ttft_s])
             result.metrics.update(
-                flood_sent=len(flooded), flood_admitted=len(admitted),
-                calm_calls=len(solo) + len(calm_loaded), calm_ttft_solo=solo_ttft,
+                flood_sent=len(flooded),
+                flood_admitted=len(admitted),
+                calm_calls=len(solo) + len(calm_loaded),
+                calm_ttft_solo=solo_ttft,
                 calm_ttft_during_flood=loaded_ttft,
-                calm_ttft_p99_ratio=round(loaded_ttft["p99_ms"] / solo_ttft["p99_ms"], 3))
+                calm_ttft_p99_ratio=round(loaded_ttft["p99_ms"] / solo_ttft["p99_ms"], 3),
+            )
             await _quota_edge(ctx, edge, result)
             await finish_checks(ctx, ops, result)
     finally:
@@ -205,6 +255,7 @@ async def l6_tenants(ctx: Context, result: Result) -> None:
 
 async def _quota_edge(ctx: Context, edge, result: Result) -> None:
     """A bucket of 5: 4 calls leave one request; 100 in parallel then admit exactly 1."""
+
     def call():
         return plain_call(edge, {"prompt": ctx.fake_prompt(), "max_tokens": 1}, "edge")
 
@@ -225,6 +276,7 @@ async def _quota_edge(ctx: Context, edge, result: Result) -> None:
 
 # ---- F16: a retry with the same Idempotency-Key -----------------------------------------------
 
+
 async def f16_idempotent_retry(ctx: Context, result: Result) -> None:
     redis = RedisServer()
     srv = await start_server(ctx, session_spec(redis.url, 20.0))
@@ -232,15 +284,17 @@ async def f16_idempotent_retry(ctx: Context, result: Result) -> None:
         async with client_for(srv.url) as client:
             # 1. the client gives up after 0.3 s (the server sees it leave) and retries
             try:
-                await client.post(CHAT, json=turn_body("f16-a", 0, 60),
-                                  headers=key_of("f16-a", 0), timeout=0.3)
+                await client.post(
+                    CHAT, json=turn_body("f16-a", 0, 60), headers=key_of("f16-a", 0), timeout=0.3
+                )
                 result.fail(["the first call was meant to time out on the client"])
             except httpx.TimeoutException:
                 pass
             retry = await _retry_past_409(client, "f16-a", 0)
             tokens_before = await metric_total(client, "ultrafast_generation_tokens")
-            again = await plain_call(client, turn_body("f16-a", 0, 60), "replay", CHAT,
-                                     key_of("f16-a", 0))
+            again = await plain_call(
+                client, turn_body("f16-a", 0, 60), "replay", CHAT, key_of("f16-a", 0)
+            )
             tokens_after = await metric_total(client, "ultrafast_generation_tokens")
             for rec in (retry, again):
                 if rec.status != 200 or rec.headers.get("idempotent-replayed") != "true":
@@ -261,7 +315,8 @@ async def f16_idempotent_retry(ctx: Context, result: Result) -> None:
                 result.fail(["the replayed stream differs from the first call's answer"])
             result.num_requests += 6
             result.metrics["stored"] = await exactly_once(
-                srv.url, {"f16-a": [0], "f16-b": [0]}, result)
+                srv.url, {"f16-a": [0], "f16-b": [0]}, result
+            )
             await finish_checks(ctx, client, result)
     finally:
         srv.stop()

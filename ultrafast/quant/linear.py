@@ -40,8 +40,9 @@ class _QuantLinear(nn.Module):
         self.in_features, self.out_features = qw.in_features, qw.out_features
         self.qtype, self.group_size = qw.qtype, qw.group_size
         self.compute_dtype = dtype
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype),
-                                                           requires_grad=False)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        )
         self.use_kernel = True
         self.max_kernel_rows = 1  # see the module docstring: larger batches dequantize
         self.kernel = "reference"
@@ -60,16 +61,19 @@ class _QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        kernel = (self.use_kernel and self.kernel != "reference"
-                  and x2.shape[0] <= self.max_kernel_rows)
+        kernel = (
+            self.use_kernel and self.kernel != "reference" and x2.shape[0] <= self.max_kernel_rows
+        )
         y = self._kernel(x2) if kernel else self._reference(x2)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"qtype={self.qtype}, group_size={self.group_size}, kernel={self.kernel}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"qtype={self.qtype}, group_size={self.group_size}, kernel={self.kernel}"
+        )
 
 
 class Int8Linear(_QuantLinear):
@@ -78,14 +82,21 @@ class Int8Linear(_QuantLinear):
     qweight: torch.Tensor  # buffers, declared for the type checker
     scales: torch.Tensor
 
-    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        qw: QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__(qw, bias, dtype)
         self.register_buffer("qweight", qw.codes.contiguous())
         self.register_buffer("scales", qw.scales.to(dtype))
         # the bf16 kernel segfaults on odd row lengths (K = 70), a probe cannot catch that
-        if self.in_features % 32 == 0 and hasattr(torch.ops.aten, "_weight_int8pack_mm") and \
-                _probe(self._kernel, self.in_features, dtype, self.qweight.device):
+        if (
+            self.in_features % 32 == 0
+            and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+            and _probe(self._kernel, self.in_features, dtype, self.qweight.device)
+        ):
             self.kernel = "aten._weight_int8pack_mm"
 
     def quantized_weight(self) -> QuantizedWeight:
@@ -104,8 +115,12 @@ class Int4Linear(_QuantLinear):
     kernel_weight: torch.Tensor
     kernel_scales_zeros: torch.Tensor
 
-    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        qw: QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__(qw, bias, dtype)
         self.padded_in_features = qw.codes.shape[1]
         self.register_buffer("codes", qw.codes.contiguous())  # the reference path's input
@@ -123,24 +138,30 @@ class Int4Linear(_QuantLinear):
         # [num_groups, N, 2]; q4_0 has zero 0, q4_1's "q * d + min" is zero = min + 8 * d
         d = qw.scales.float()
         zero = torch.zeros_like(d) if qw.mins is None else qw.mins.float() + 8.0 * d
-        self.register_buffer("kernel_scales_zeros",
-                             torch.stack([d.t(), zero.t()], dim=-1).contiguous().to(dtype))
-        self.register_buffer("kernel_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            qw.codes.to(torch.int32), 1))
+        self.register_buffer(
+            "kernel_scales_zeros", torch.stack([d.t(), zero.t()], dim=-1).contiguous().to(dtype)
+        )
+        self.register_buffer(
+            "kernel_weight",
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.codes.to(torch.int32), 1),
+        )
 
     def quantized_weight(self) -> QuantizedWeight:
-        return QuantizedWeight(INT4, self.codes, self.scales, self.mins, self.in_features,
-                               self.group_size)
+        return QuantizedWeight(
+            INT4, self.codes, self.scales, self.mins, self.in_features, self.group_size
+        )
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         if self.padded_in_features != self.in_features:  # padding codes multiply zeros
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2.contiguous(), self.kernel_weight, self.group_size, self.kernel_scales_zeros)
+            x2.contiguous(), self.kernel_weight, self.group_size, self.kernel_scales_zeros
+        )
 
 
-def make_quant_linear(qw: QuantizedWeight, bias: torch.Tensor | None,
-                      dtype: torch.dtype) -> _QuantLinear:
+def make_quant_linear(
+    qw: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype
+) -> _QuantLinear:
     return (Int8Linear if qw.qtype == INT8 else Int4Linear)(qw, bias, dtype)
 
 

@@ -55,11 +55,15 @@ def get_weight(model: nn.Module, name: str) -> torch.Tensor:
     return weight
 
 
-def quantize_weights(model: nn.Module, plan: dict[str, str], group_size: int,
-                     zero_point: bool) -> dict[str, QuantizedWeight]:
+def quantize_weights(
+    model: nn.Module, plan: dict[str, str], group_size: int, zero_point: bool
+) -> dict[str, QuantizedWeight]:
     """QuantizedWeight for every quantized entry of the plan (weights read from `model`)."""
-    return {name: quantize(get_weight(model, name), qtype, group_size, zero_point)
-            for name, qtype in plan.items() if qtype != KEEP}
+    return {
+        name: quantize(get_weight(model, name), qtype, group_size, zero_point)
+        for name, qtype in plan.items()
+        if qtype != KEEP
+    }
 
 
 def validate_plan(model: nn.Module, plan: dict[str, str]) -> None:
@@ -72,8 +76,9 @@ def validate_plan(model: nn.Module, plan: dict[str, str]) -> None:
         raise ValueError(f"unknown tensor types {bad}; expected one of {TENSOR_TYPES}")
 
 
-def apply_quantized(model: nn.Module, quantized: dict[str, QuantizedWeight],
-                    dtype: torch.dtype | None = None) -> nn.Module:
+def apply_quantized(
+    model: nn.Module, quantized: dict[str, QuantizedWeight], dtype: torch.dtype | None = None
+) -> nn.Module:
     """Swap the quantized modules in (in place) and return the model."""
     for name, qw in quantized.items():
         module = model.get_submodule(_module_name(name))
@@ -88,8 +93,9 @@ def apply_quantized(model: nn.Module, quantized: dict[str, QuantizedWeight],
     return model
 
 
-def quantize_model(model: nn.Module, plan: dict[str, str], group_size: int = 32,
-                   zero_point: bool = False) -> dict[str, QuantizedWeight]:
+def quantize_model(
+    model: nn.Module, plan: dict[str, str], group_size: int = 32, zero_point: bool = False
+) -> dict[str, QuantizedWeight]:
     """Quantize `model` in place by `plan`; returns the codes (for saving and GGUF export)."""
     validate_plan(model, plan)
     quantized = quantize_weights(model, plan, group_size, zero_point)

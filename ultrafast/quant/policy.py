@@ -63,8 +63,9 @@ def _mean_loss(model: nn.Module, token_windows: list[list[int]]) -> float:
     return nll / count
 
 
-def int4_weights(model: nn.Module, names: list[str], group_size: int,
-                 zero_point: bool) -> dict[str, torch.Tensor]:
+def int4_weights(
+    model: nn.Module, names: list[str], group_size: int, zero_point: bool
+) -> dict[str, torch.Tensor]:
     """The reference dequantization of each named weight's int4 version."""
     out = {}
     for name in names:
@@ -73,8 +74,9 @@ def int4_weights(model: nn.Module, names: list[str], group_size: int,
     return out
 
 
-def measure_sensitivity(model: nn.Module, token_windows: list[list[int]],
-                        fake: dict[str, torch.Tensor], fp_loss: float) -> dict[str, float]:
+def measure_sensitivity(
+    model: nn.Module, token_windows: list[list[int]], fake: dict[str, torch.Tensor], fp_loss: float
+) -> dict[str, float]:
     sensitivity = {}
     for name, tensor in fake.items():
         with fake_quantized(model, {name: tensor}):
@@ -82,10 +84,16 @@ def measure_sensitivity(model: nn.Module, token_windows: list[list[int]],
     return sensitivity
 
 
-def hybrid_plan(model: nn.Module, token_windows: list[list[int]], group_size: int = 32,
-                zero_point: bool = False, recover: float = 0.5, max_ppl_ratio: float = 1.03,
-                max_keep_fraction: float = 0.15,
-                keep_type: str = KEEP) -> tuple[dict[str, str], HybridReport]:
+def hybrid_plan(
+    model: nn.Module,
+    token_windows: list[list[int]],
+    group_size: int = 32,
+    zero_point: bool = False,
+    recover: float = 0.5,
+    max_ppl_ratio: float = 1.03,
+    max_keep_fraction: float = 0.15,
+    keep_type: str = KEEP,
+) -> tuple[dict[str, str], HybridReport]:
     """(per-tensor type plan, report); `model` is full precision and left unchanged."""
     if not 0.0 <= recover <= 1.0 or not 0.0 <= max_keep_fraction <= 1.0:
         raise ValueError("recover and max_keep_fraction must lie in [0, 1]")
@@ -113,10 +121,15 @@ def hybrid_plan(model: nn.Module, token_windows: list[list[int]], group_size: in
         if keep_type == INT8:  # evaluate what will run: the int8 dequantization
             weight = get_weight(model, name)
             fake8[name] = dequantize(quantize(weight, INT8), weight.dtype)
-        with fake_quantized(model, {**fake8, **{n: fake[n] for n, t in plan.items()
-                                                if t == INT4}}):
+        with fake_quantized(model, {**fake8, **{n: fake[n] for n, t in plan.items() if t == INT4}}):
             report.hybrid_loss = _mean_loss(model, token_windows)
         report.kept.append(name)
-        report.steps.append({"kept": name, "params": size, "sensitivity": sensitivity[name],
-                             "ppl_ratio": report.hybrid_ppl_ratio})
+        report.steps.append(
+            {
+                "kept": name,
+                "params": size,
+                "sensitivity": sensitivity[name],
+                "ppl_ratio": report.hybrid_ppl_ratio,
+            }
+        )
     return plan, report
