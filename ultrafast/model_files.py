@@ -42,8 +42,14 @@ def resolve_model(model: str | Path) -> ModelFiles:
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is not a model directory or a .gguf file")
         meta = read_gguf_metadata(path)
-        return ModelFiles(path.stem, _hf_dir_or_none(path.parent), path, path.parent,
-                          _gguf_context(meta), tokenizer_gguf=path)
+        return ModelFiles(
+            path.stem,
+            _hf_dir_or_none(path.parent),
+            path,
+            path.parent,
+            _gguf_context(meta),
+            tokenizer_gguf=path,
+        )
     ggufs = sorted(path.glob("*.gguf"))
     preferred = [g for g in ggufs if "f16" in g.name] or ggufs
     hf_dir = _hf_dir_or_none(path)
@@ -56,8 +62,9 @@ def resolve_model(model: str | Path) -> ModelFiles:
         tokenizer_gguf = gguf_path
         if max_positions is None:
             max_positions = _gguf_context(read_gguf_metadata(gguf_path))
-    return ModelFiles(path.name, hf_dir, gguf_path, path, max_positions,
-                      tokenizer_gguf=tokenizer_gguf)
+    return ModelFiles(
+        path.name, hf_dir, gguf_path, path, max_positions, tokenizer_gguf=tokenizer_gguf
+    )
 
 
 def _hf_dir_or_none(path: Path) -> Path | None:
@@ -131,8 +138,9 @@ def tokenizer_fingerprint(files: ModelFiles) -> str:
         merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
     while tokens and tokens[-1].startswith("[PAD"):  # convert pads the vocab to the model's size
         tokens.pop()
-    digest = hashlib.sha256(json.dumps([tokens, merges], ensure_ascii=False).encode("utf-8",
-                                                                                  "surrogatepass"))
+    digest = hashlib.sha256(
+        json.dumps([tokens, merges], ensure_ascii=False).encode("utf-8", "surrogatepass")
+    )
     return digest.hexdigest()
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jinja2
 import jinja2.ext
@@ -27,8 +27,13 @@ log = logging.getLogger(__name__)
 
 _REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
 # generation_config.json keys the server may use as default sampling values
-_SAMPLING_DEFAULT_KEYS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
-                          "repetition_penalty": float}
+_SAMPLING_DEFAULT_KEYS = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "repetition_penalty": float,
+}
 
 
 class ChatTemplateError(ValueError):
@@ -49,8 +54,11 @@ def _template_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     """What HF chat templates expect (transformers' own environment): trimmed blocks,
     loop controls, `raise_exception`, `strftime_now`, and a `tojson` that keeps non-ASCII."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined,
-        extensions=[jinja2.ext.loopcontrols])
+        trim_blocks=True,
+        lstrip_blocks=True,
+        undefined=jinja2.StrictUndefined,
+        extensions=[jinja2.ext.loopcontrols],
+    )
     env.globals["raise_exception"] = _raise_template_error
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(str(fmt))
     env.filters["tojson"] = _tojson
@@ -58,8 +66,9 @@ def _template_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _json_object(path: Path) -> dict:
@@ -99,11 +108,19 @@ def _generation_config(model_dir: Path) -> tuple[list[int], dict]:
 
 
 class Tokenizer:
-    def __init__(self, tokenizer: HFTokenizer, config: dict, generation_eos: list[int] | None = None,
-                 *, encode_fn: Callable[[str], list[int]] | None = None,
-                 decode_fn: Callable[[list[int], bool], str] | None = None,
-                 add_eos: bool = False, context_length: int | None = None,
-                 generation_defaults: dict | None = None, source: str = "tokenizer.json"):
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        config: dict,
+        generation_eos: list[int] | None = None,
+        *,
+        encode_fn: Callable[[str], list[int]] | None = None,
+        decode_fn: Callable[[list[int], bool], str] | None = None,
+        add_eos: bool = False,
+        context_length: int | None = None,
+        generation_defaults: dict | None = None,
+        source: str = "tokenizer.json",
+    ):
         self._tok = tokenizer
         self._encode_fn = encode_fn  # GGUF vocabularies: llama.cpp's own ids and text
         self._decode_fn = decode_fn
@@ -114,7 +131,9 @@ class Tokenizer:
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         eos = [self.eos_token_id]
-        self.eos_token_ids = tuple(sorted({i for i in eos + (generation_eos or []) if i is not None}))
+        self.eos_token_ids = tuple(
+            sorted({i for i in eos + (generation_eos or []) if i is not None})
+        )
         self.add_bos = bool(config.get("add_bos_token", False))
         self.add_eos = add_eos
         self.context_length = context_length  # the model's declared context, if known
@@ -132,7 +151,7 @@ class Tokenizer:
                 log.warning("%s; chat requests will be refused", self._template_problem)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -144,8 +163,11 @@ class Tokenizer:
         if jinja_path.is_file():
             config = {**config, "chat_template": jinja_path.read_text(encoding="utf-8")}
         elif isinstance(config.get("chat_template"), list):  # [{"name": ..., "template": ...}]
-            named = {t.get("name"): t.get("template") for t in config["chat_template"]
-                     if isinstance(t, dict)}
+            named = {
+                t.get("name"): t.get("template")
+                for t in config["chat_template"]
+                if isinstance(t, dict)
+            }
             config = {**config, "chat_template": named.get("default")}
         special_map = _json_object(model_dir / "special_tokens_map.json")  # older layouts
         for key in ("bos_token", "eos_token"):
@@ -161,21 +183,30 @@ class Tokenizer:
         return cls(hf, config, generation_eos, generation_defaults=defaults, source=str(path))
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> "Tokenizer":
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
         """The tokenizer, special tokens, end-of-generation ids, chat template and context
         length from a GGUF file's metadata (ModelLoadError if it cannot be reproduced)."""
         from ultrafast.model.gguf_meta import read_gguf_metadata
         from ultrafast.model.gguf_tokenizer import gguf_vocab
 
         vocab = gguf_vocab(read_gguf_metadata(path))
-        config = {"bos_token": vocab.token_text(vocab.bos_id),
-                  "eos_token": vocab.token_text(vocab.eos_id), "add_bos_token": vocab.add_bos,
-                  "chat_template": vocab.chat_template}
-        return cls(vocab.hf_tokenizer, config, list(vocab.eog_ids), encode_fn=vocab.encode,
-                   decode_fn=vocab.decode,
-                   add_eos=vocab.add_eos, context_length=vocab.context_length,
-                   generation_defaults=vocab.sampling_defaults,
-                   source=f"GGUF metadata of {Path(path).name}")
+        config = {
+            "bos_token": vocab.token_text(vocab.bos_id),
+            "eos_token": vocab.token_text(vocab.eos_id),
+            "add_bos_token": vocab.add_bos,
+            "chat_template": vocab.chat_template,
+        }
+        return cls(
+            vocab.hf_tokenizer,
+            config,
+            list(vocab.eog_ids),
+            encode_fn=vocab.encode,
+            decode_fn=vocab.decode,
+            add_eos=vocab.add_eos,
+            context_length=vocab.context_length,
+            generation_defaults=vocab.sampling_defaults,
+            source=f"GGUF metadata of {Path(path).name}",
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -197,27 +228,32 @@ class Tokenizer:
             return self._decode_fn(token_ids, skip_special_tokens)
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **template_vars) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_vars
+    ) -> str:
         """Render the chat prompt; ChatTemplateError (a 400) when the template cannot."""
         if self._template_problem:
             raise ChatTemplateError(self._template_problem)
         if self._template is None:
             raise NoChatTemplateError("this model has no chat template; use /v1/completions")
         try:
-            return self._template.render(**template_vars, messages=messages,
-                                         add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "",
-                                         eos_token=self.eos_token or "")
+            return self._template.render(
+                **template_vars,
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
         except ChatTemplateError:
             raise
         except jinja2.exceptions.SecurityError as exc:
             raise ChatTemplateError(f"the chat template tried an unsafe operation: {exc}") from None
         except Exception as exc:  # whatever the template raises is about these messages
-            raise ChatTemplateError(f"the model's chat template failed on these messages: "
-                                    f"{type(exc).__name__}: {exc}") from None
+            raise ChatTemplateError(
+                f"the model's chat template failed on these messages: {type(exc).__name__}: {exc}"
+            ) from None
 
-    def detokenizer(self, prompt_token_ids: list[int] | None = None) -> "IncrementalDetokenizer":
+    def detokenizer(self, prompt_token_ids: list[int] | None = None) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_token_ids or [])
 
 
@@ -237,7 +273,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]):
         self._tokenizer = tokenizer
-        self._ids = list(prompt_token_ids[-self._CONTEXT_TOKENS:])
+        self._ids = list(prompt_token_ids[-self._CONTEXT_TOKENS :])
         self._prefix_offset = 0  # start of the decode window
         self._read_offset = len(self._ids)  # ids before this are already emitted
         self.text = ""
@@ -246,11 +282,11 @@ class IncrementalDetokenizer:
         """Add new ids; return the newly stable text (may be empty)."""
         self._ids.extend(token_ids)
         decode = self._tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset:self._read_offset])
-        full = decode(self._ids[self._prefix_offset:])
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset])
+        full = decode(self._ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
             return ""  # nothing new yet, or an unfinished multi-byte character
-        delta = full[len(prefix):]
+        delta = full[len(prefix) :]
         self._prefix_offset = max(self._read_offset, len(self._ids) - self._CONTEXT_TOKENS)
         self._read_offset = len(self._ids)
         self.text += delta
@@ -258,9 +294,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of generation: whatever is left, even a broken character."""
-        full = self._tokenizer.decode(self._ids[self._prefix_offset:])
-        prefix = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-        delta = full[len(prefix):] if len(full) > len(prefix) else ""
+        full = self._tokenizer.decode(self._ids[self._prefix_offset :])
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        delta = full[len(prefix) :] if len(full) > len(prefix) else ""
         self._read_offset = len(self._ids)
         self._prefix_offset = self._read_offset
         self.text += delta
@@ -287,8 +323,8 @@ class StopStringMatcher:
             self._held = ""
             return text[:cut], True
         keep = self._longest_partial_suffix(text)
-        self._held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep], False
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], False
 
     def flush(self) -> str:
         held, self._held = self._held, ""

@@ -39,8 +39,9 @@ def demo_vocab() -> tuple[list[str], list[int], list[str]]:
     kinds = {}
     for added in tok["added_tokens"]:
         vocab[added["content"]] = added["id"]
-        kinds[added["id"]] = gguf.TokenType.CONTROL if added["special"] else \
-            gguf.TokenType.USER_DEFINED
+        kinds[added["id"]] = (
+            gguf.TokenType.CONTROL if added["special"] else gguf.TokenType.USER_DEFINED
+        )
     tokens = [""] * len(vocab)
     for text, i in vocab.items():
         tokens[i] = text
@@ -58,22 +59,38 @@ def spm_vocab(texts: list[str], size: int = 1500) -> tuple[list[str], list[int],
     tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
     specials = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=size, special_tokens=specials,
-                                                       show_progress=False))
+    tok.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=size, special_tokens=specials, show_progress=False)
+    )
     tokens = [text for text, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
-    types = [int(gguf.TokenType.UNKNOWN), int(gguf.TokenType.CONTROL),
-             int(gguf.TokenType.CONTROL)] + [int(gguf.TokenType.BYTE)] * 256
+    types = [
+        int(gguf.TokenType.UNKNOWN),
+        int(gguf.TokenType.CONTROL),
+        int(gguf.TokenType.CONTROL),
+    ] + [int(gguf.TokenType.BYTE)] * 256
     types += [int(gguf.TokenType.NORMAL)] * (len(tokens) - len(types))
     scores = [0.0 if kind != gguf.TokenType.NORMAL else -float(i) for i, kind in enumerate(types)]
     return tokens, types, scores
 
 
-def write_vocab_gguf(path: Path, *, pre: str | None = "gpt-2", model: str = "gpt2",
-                     tokens=None, types=None, merges=None, scores=None,
-                     extra_tokens: dict | None = None,
-                     bos: int | None = 0, eos: int | None = 0, add_bos: bool | None = False,
-                     template: str | None = None, context_length: int = 2048,
-                     extra: dict | None = None, name: str = "vocab-test") -> Path:
+def write_vocab_gguf(
+    path: Path,
+    *,
+    pre: str | None = "gpt-2",
+    model: str = "gpt2",
+    tokens=None,
+    types=None,
+    merges=None,
+    scores=None,
+    extra_tokens: dict | None = None,
+    bos: int | None = 0,
+    eos: int | None = 0,
+    add_bos: bool | None = False,
+    template: str | None = None,
+    context_length: int = 2048,
+    extra: dict | None = None,
+    name: str = "vocab-test",
+) -> Path:
     """A tensor-less llama-architecture GGUF holding a byte-level BPE vocabulary (the demo
     model's unless given); `extra_tokens` appends {text: gguf token type}."""
     import gguf
@@ -136,4 +153,3 @@ def _gguf_type(value):
 def truncated_copy(src: Path, dst: Path, keep_bytes: int) -> Path:
     dst.write_bytes(src.read_bytes()[:keep_bytes])
     return dst
-

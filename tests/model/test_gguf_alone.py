@@ -17,15 +17,18 @@ from tests.model.gguf_files import require_smollm2, truncated_copy, write_vocab_
 from ultrafast.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from ultrafast.model.config import ModelLoadError
 from ultrafast.model.gguf_meta import read_gguf_metadata
-from ultrafast.model_files import (gguf_for, load_tokenizer, resolve_model,
-                                   tokenizer_fingerprint)
+from ultrafast.model_files import gguf_for, load_tokenizer, resolve_model, tokenizer_fingerprint
 
 PROMPT = "def fibonacci(n):"
 
 
 def ultrafast(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "ultrafast.cli", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "ultrafast.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +69,14 @@ def test_generate_from_the_lone_gguf_equals_the_hf_directory(lone_gguf):
 
 def test_the_draft_check_compares_vocabularies_not_files(lone_gguf, tmp_path):
     assert tokenizer_fingerprint(resolve_model(lone_gguf)) == tokenizer_fingerprint(
-        resolve_model(DEMO_DRAFT_DIR))
-    other = write_vocab_gguf(tmp_path / "other.gguf", extra_tokens={
-        "<extra>": gguf.TokenType.USER_DEFINED})
+        resolve_model(DEMO_DRAFT_DIR)
+    )
+    other = write_vocab_gguf(
+        tmp_path / "other.gguf", extra_tokens={"<extra>": gguf.TokenType.USER_DEFINED}
+    )
     assert tokenizer_fingerprint(resolve_model(other)) != tokenizer_fingerprint(
-        resolve_model(DEMO_DRAFT_DIR))
+        resolve_model(DEMO_DRAFT_DIR)
+    )
 
 
 def test_the_gguf_tokenizer_wins_over_a_tokenizer_json_beside_it(lone_gguf, tmp_path, caplog):
@@ -90,15 +96,14 @@ def test_an_unreproducible_gguf_tokenizer_falls_back_to_tokenizer_json_beside_it
     with pytest.raises(ModelLoadError, match="tokenizer type 'bert'"):
         load_tokenizer(resolve_model(tmp_path / "model.gguf"))
     shutil.copy(DEMO_MODEL_DIR / "tokenizer.json", tmp_path / "tokenizer.json")
-    assert load_tokenizer(resolve_model(tmp_path / "model.gguf")).source.endswith(
-        "tokenizer.json")
+    assert load_tokenizer(resolve_model(tmp_path / "model.gguf")).source.endswith("tokenizer.json")
 
 
 def _patch_context_length(path, value: int) -> None:
     data = bytearray(path.read_bytes())
     key = b"llama.context_length"
     at = data.index(key) + len(key)
-    vtype, = struct.unpack_from("<I", data, at)
+    (vtype,) = struct.unpack_from("<I", data, at)
     assert vtype == gguf.GGUFValueType.UINT32
     struct.pack_into("<I", data, at + 4, value)
     path.write_bytes(bytes(data))
@@ -111,8 +116,18 @@ def test_a_declared_context_beyond_memory_is_capped_at_max_model_len(lone_gguf, 
     shutil.copy(lone_gguf, huge)
     _patch_context_length(huge, 2**31 - 1)
     assert resolve_model(huge).max_position_embeddings == 2**31 - 1
-    done = ultrafast("generate", "--model", str(huge), PROMPT, "--max-tokens", "4",
-                     "--threads", "1", "--spec", "off")
+    done = ultrafast(
+        "generate",
+        "--model",
+        str(huge),
+        PROMPT,
+        "--max-tokens",
+        "4",
+        "--threads",
+        "1",
+        "--spec",
+        "off",
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -121,8 +136,19 @@ def test_a_kv_cache_beyond_memory_is_refused_before_llama_cpp(lone_gguf, tmp_pat
     huge = tmp_path / "huge.gguf"
     shutil.copy(lone_gguf, huge)
     _patch_context_length(huge, 2**31 - 1)
-    done = ultrafast("generate", "--model", str(huge), PROMPT, "--max-tokens", "4",
-                     "--max-model-len", str(2**31 - 1), "--spec", "off", timeout=120)
+    done = ultrafast(
+        "generate",
+        "--model",
+        str(huge),
+        PROMPT,
+        "--max-tokens",
+        "4",
+        "--max-model-len",
+        str(2**31 - 1),
+        "--spec",
+        "off",
+        timeout=120,
+    )
     assert done.returncode == 2 and "KV cache" in done.stderr, done.stderr
     assert "--max-model-len" in done.stderr and "Traceback" not in done.stderr
 
@@ -186,9 +212,12 @@ def test_smollm2_answers_from_its_gguf_alone(tmp_path):
     alone.symlink_to(require_smollm2())
     llm = LLM(str(alone), spec="off", n_threads=2, num_slots=2, max_num_seqs=2)
     try:
-        prompt = llm.tokenizer.apply_chat_template([
-            {"role": "system", "content": "Answer in one short sentence."},
-            {"role": "user", "content": "What is the capital of France?"}])
+        prompt = llm.tokenizer.apply_chat_template(
+            [
+                {"role": "system", "content": "Answer in one short sentence."},
+                {"role": "user", "content": "What is the capital of France?"},
+            ]
+        )
         out = llm.generate(prompt, SamplingParams(max_tokens=48, temperature=0.0))[0]
     finally:
         llm.close()
@@ -207,8 +236,10 @@ def test_smollm2_hf_directory_as_transformers_writes_it(tmp_path):
     hf = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     hf.save_pretrained(str(tmp_path))
     assert (tmp_path / "chat_template.jinja").is_file()
-    messages = [{"role": "system", "content": "Answer in one short sentence."},
-                {"role": "user", "content": "What is the capital of France?"}]
+    messages = [
+        {"role": "system", "content": "Answer in one short sentence."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
     from_dir, from_gguf = Tokenizer.from_dir(tmp_path), Tokenizer.from_gguf(src)
     assert from_dir.apply_chat_template(messages) == from_gguf.apply_chat_template(messages)
     assert 2 in from_dir.eos_token_ids
@@ -249,8 +280,10 @@ def test_convert_names_a_digit_splitting_pre_tokenizer(tmp_path):
     src = tmp_path / "digits"
     shutil.copytree(DEMO_MODEL_DIR, src, ignore=shutil.ignore_patterns("*.gguf"))
     tok = json.loads((src / "tokenizer.json").read_text(encoding="utf-8"))
-    tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
-        {"type": "Digits", "individual_digits": True}, tok["pre_tokenizer"]]}
+    tok["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [{"type": "Digits", "individual_digits": True}, tok["pre_tokenizer"]],
+    }
     (src / "tokenizer.json").write_text(json.dumps(tok), encoding="utf-8")
     out = convert_hf_to_gguf(src, tmp_path / "digits.gguf")
     assert read_gguf_metadata(out).get("tokenizer.ggml.pre") == "smollm"

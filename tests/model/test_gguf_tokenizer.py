@@ -26,18 +26,27 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 HAND_TEXTS = [
     "héllo wörld ✓ 日本語 🙂 中文字符 한국어 😀👍🏽 👨‍👩‍👧 Ünïcödé ÆØÅ ñ ß ﬁ",
-    "   \t\t  \n\n\n  \r\n x  \u00a0 \u3000 y\u2028z \u200b", " leading", "trailing  ", "\n",
+    "   \t\t  \n\n\n  \r\n x  \u00a0 \u3000 y\u2028z \u200b",
+    " leading",
+    "trailing  ",
+    "\n",
     "1234567890 3.14159 1e10 ٣٤٥ ⅷ 0x1F 12,345,678 ２０２６",
     "don't I'll we've THEY'RE it's 'quoted'",
     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
-    "<|im_start|><|im_start|>x<|endoftext|>y<|im_end", "a<tool>b <tool> c<|eot_id|>",
-    "def f(x):\n\treturn {'a': [1, 2]}  # ok\n", "",
+    "<|im_start|><|im_start|>x<|endoftext|>y<|im_end",
+    "a<tool>b <tool> c<|eot_id|>",
+    "def f(x):\n\treturn {'a': [1, 2]}  # ok\n",
+    "",
 ]
 
 
 def repo_texts(limit: int | None = None) -> list[str]:
-    files = sorted(p for pattern in ("*.py", "*.md") for p in REPO_ROOT.rglob(pattern)
-                   if ".venv" not in p.parts and ".git" not in p.parts)
+    files = sorted(
+        p
+        for pattern in ("*.py", "*.md")
+        for p in REPO_ROOT.rglob(pattern)
+        if ".venv" not in p.parts and ".git" not in p.parts
+    )
     return [p.read_text(encoding="utf-8", errors="replace") for p in files[:limit]]
 
 
@@ -58,8 +67,9 @@ class LlamaCppVocab:
         return out.decode("utf-8", errors="replace")
 
     def eog_ids(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.llm.n_vocab())
-                     if llama_cpp.llama_vocab_is_eog(self.vocab, i))
+        return tuple(
+            i for i in range(self.llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(self.vocab, i)
+        )
 
 
 def assert_parity(path, texts: list[str]) -> None:
@@ -68,8 +78,9 @@ def assert_parity(path, texts: list[str]) -> None:
     for text in texts:
         ids = ref.encode(text, special=True)
         assert tok.encode(text, add_special_tokens=False) == ids, text[:200]
-        assert vocab.encode(text, parse_special=False) == ref.encode(text, special=False), \
-            text[:200]
+        assert vocab.encode(text, parse_special=False) == ref.encode(text, special=False), text[
+            :200
+        ]
         assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids, special=True)
         assert tok.decode(ids) == ref.decode(ids, special=False)
     assert tok.eos_token_ids == ref.eog_ids()
@@ -80,8 +91,9 @@ def assert_parity(path, texts: list[str]) -> None:
 EXTRA = {"<tool>": gguf.TokenType.USER_DEFINED, "<|eot_id|>": gguf.TokenType.NORMAL}
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "llama-bpe", "qwen2", "default", "falcon",
-                                 None])
+@pytest.mark.parametrize(
+    "pre", ["gpt-2", "smollm", "llama-bpe", "qwen2", "default", "falcon", None]
+)
 def test_each_pre_tokenizer_family_matches_llama_cpp(tmp_path, pre):
     path = write_vocab_gguf(tmp_path / "v.gguf", pre=pre, extra_tokens=EXTRA)
     assert_parity(path, HAND_TEXTS + repo_texts(limit=12))
@@ -106,10 +118,16 @@ def test_smollm2_matches_llama_cpp_on_the_whole_repo():
 
 def test_metadata_gives_template_context_specials_and_flags(tmp_path):
     template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
-    path = write_vocab_gguf(tmp_path / "v.gguf", bos=1, eos=2, add_bos=True, template=template,
-                            context_length=123456, extra_tokens=EXTRA,
-                            extra={"tokenizer.ggml.eot_token_id": 4097,
-                                   "general.sampling.top_k": 7})
+    path = write_vocab_gguf(
+        tmp_path / "v.gguf",
+        bos=1,
+        eos=2,
+        add_bos=True,
+        template=template,
+        context_length=123456,
+        extra_tokens=EXTRA,
+        extra={"tokenizer.ggml.eot_token_id": 4097, "general.sampling.top_k": 7},
+    )
     tok = Tokenizer.from_gguf(path)
     assert tok.context_length == 123456 and tok.generation_defaults == {"top_k": 7}
     assert tok.bos_token == "<|im_start|>" and tok.eos_token == "<|im_end|>"
@@ -128,22 +146,39 @@ def test_incremental_detokenizer_on_a_gguf_vocabulary(tmp_path):
     assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
 
 
-@pytest.mark.parametrize("add_space_prefix,name", [(None, "spm"), (False, "spm"),
-                                                   (None, "Phi-3 mini")])
+@pytest.mark.parametrize(
+    "add_space_prefix,name", [(None, "spm"), (False, "spm"), (None, "Phi-3 mini")]
+)
 def test_sentencepiece_vocabulary_matches_llama_cpp(tmp_path, add_space_prefix, name):
     """A Llama-2-style vocabulary: U+2581 spaces, scores, <0xXX> byte fallback, <s>/</s>;
     named Phi-3, its special tokens swallow the whitespace after them, as in llama.cpp."""
     tokens, types, scores = spm_vocab(repo_texts(limit=40))
     extra = {} if add_space_prefix is None else {"tokenizer.ggml.add_space_prefix": False}
-    path = write_vocab_gguf(tmp_path / "spm.gguf", model="llama", pre=None, tokens=tokens,
-                            types=types, scores=scores, bos=1, eos=2, add_bos=None, extra=extra,
-                            extra_tokens={**EXTRA, "<|im_start|>": gguf.TokenType.CONTROL,
-                                          "<|endoftext|>": gguf.TokenType.CONTROL}, name=name)
+    path = write_vocab_gguf(
+        tmp_path / "spm.gguf",
+        model="llama",
+        pre=None,
+        tokens=tokens,
+        types=types,
+        scores=scores,
+        bos=1,
+        eos=2,
+        add_bos=None,
+        extra=extra,
+        extra_tokens={
+            **EXTRA,
+            "<|im_start|>": gguf.TokenType.CONTROL,
+            "<|endoftext|>": gguf.TokenType.CONTROL,
+        },
+        name=name,
+    )
     assert_parity(path, HAND_TEXTS + repo_texts())
     tok = Tokenizer.from_gguf(path)
     assert tok.add_bos and tok.encode("x")[0] == 1 and 2 in tok.eos_token_ids
-    assert tok.decode(tok.encode("héllo 日本語 🙂", add_special_tokens=False)).strip() == \
-        "héllo 日本語 🙂"
+    assert (
+        tok.decode(tok.encode("héllo 日本語 🙂", add_special_tokens=False)).strip()
+        == "héllo 日本語 🙂"
+    )
 
 
 @pytest.mark.parametrize("model", ["bert", "t5", "rwkv"])

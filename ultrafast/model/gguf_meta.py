@@ -20,11 +20,33 @@ from ultrafast.model.config import ModelLoadError
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 # value type -> (struct format, size); 8 = string, 9 = array
-_SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
-            6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8)}
+_SCALARS = {
+    0: ("<B", 1),
+    1: ("<b", 1),
+    2: ("<H", 2),
+    3: ("<h", 2),
+    4: ("<I", 4),
+    5: ("<i", 4),
+    6: ("<f", 4),
+    7: ("<?", 1),
+    10: ("<Q", 8),
+    11: ("<q", 8),
+    12: ("<d", 8),
+}
 _STRING, _ARRAY = 8, 9
-_ARRAY_DTYPES = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
-                 11: "q", 12: "d"}
+_ARRAY_DTYPES = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 
 
 class _Truncated(Exception):
@@ -76,7 +98,7 @@ class _Cursor:
         n = self.scalar("<Q", 8)
         start = self.take(n)
         # llama.cpp keeps raw bytes; a token that is not valid UTF-8 still needs a stable key
-        return bytes(self.buf[start:start + n]).decode("utf-8", errors="surrogateescape")
+        return bytes(self.buf[start : start + n]).decode("utf-8", errors="surrogateescape")
 
     def value(self, vtype: int):
         if vtype in _SCALARS:
@@ -89,8 +111,8 @@ class _Cursor:
             if etype in _ARRAY_DTYPES:
                 width = _SCALARS[etype][1]
                 start = self.take(count * width)
-                raw = bytes(self.buf[start:start + count * width])
-                return list(memoryview(raw).cast(_ARRAY_DTYPES[etype]))
+                raw = bytes(self.buf[start : start + count * width])
+                return list(struct.unpack(f"<{count}{_ARRAY_DTYPES[etype]}", raw))
             if etype == _STRING:
                 if count * 8 > self.size - self.pos:
                     raise _Truncated()
@@ -169,10 +191,18 @@ def read_gguf_metadata(path: str | Path) -> GgufMetadata:
     try:
         return _read_cached(path.resolve(), stat.st_size, stat.st_mtime_ns)
     except _Truncated:
-        raise ModelLoadError(f"{path} is truncated (the file ends before its header or tensor "
-                             "data does); download it again") from None
-    except (ValueError, struct.error, OverflowError, UnicodeError, MemoryError,
-            RecursionError) as exc:
+        raise ModelLoadError(
+            f"{path} is truncated (the file ends before its header or tensor "
+            "data does); download it again"
+        ) from None
+    except (
+        ValueError,
+        struct.error,
+        OverflowError,
+        UnicodeError,
+        MemoryError,
+        RecursionError,
+    ) as exc:
         raise ModelLoadError(f"{path} is not a valid GGUF file: {exc}") from None
     except OSError as exc:
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc.strerror or exc}") from None

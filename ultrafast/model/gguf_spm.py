@@ -13,6 +13,8 @@ prefixes the first fragment.
 
 from __future__ import annotations
 
+from ultrafast.model.gguf_vocab_tables import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED
+
 _SPACE = "\u2581"
 
 
@@ -34,8 +36,13 @@ def build_spm_model(tokens: list[str], scores: list[float], unk: str | None):
     from tokenizers import Tokenizer, models
 
     vocab = {text: i for i, text in enumerate(tokens)}
-    model = models.BPE(vocab=vocab, merges=spm_merges(tokens, scores), byte_fallback=True,
-                       unk_token=unk, fuse_unk=False)
+    model = models.BPE(
+        vocab=vocab,
+        merges=spm_merges(tokens, scores),
+        byte_fallback=True,
+        unk_token=unk,
+        fuse_unk=False,
+    )
     return Tokenizer(model)  # no normalizer, no pre-tokenizer: one fragment is one word
 
 
@@ -85,8 +92,6 @@ class SpmEncoder:
 
 def spm_piece(text: str, kind: int) -> bytes:
     """What llama.cpp prints for a token of an SPM vocabulary."""
-    from ultrafast.model.gguf_tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED
-
     if kind in (CONTROL, UNKNOWN, USER_DEFINED):
         return text.encode("utf-8", errors="surrogateescape")
     if kind == NORMAL:

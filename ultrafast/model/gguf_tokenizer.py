@@ -4,10 +4,10 @@ llama.cpp's byte-level BPE ("gpt2" vocab) is: split the text on special tokens, 
 with the regexes its `tokenizer.ggml.pre` names, map bytes to the GPT-2 byte alphabet, then merge
 by rank. HF `tokenizers` does the same given the vocabulary, the merges and the same regexes as
 `Split(..., "isolated")` steps, so that is what is built here. The regexes follow llama.cpp's
-pre-tokenizer table (src/llama-vocab.cpp); a `pre` value outside the families below is refused
-rather than guessed, as is any vocabulary type other than "gpt2" and SentencePiece "llama"
-(gguf_spm.py): "bert", "t5", "rwkv"... are refused, because ids that differ from the model's
-training silently degrade every answer.
+pre-tokenizer table (src/llama-vocab.cpp, as data in gguf_vocab_tables.py). A `pre` value outside
+those families is refused rather than guessed, as is any vocabulary type other than "gpt2" and
+SentencePiece "llama" (gguf_spm.py): "bert", "t5", "rwkv"... are refused, because ids that differ
+from the model's training silently degrade every answer.
 
 Token attributes follow llama.cpp too: control and unknown tokens are parsed from text and
 dropped on decode unless asked for; user-defined ones are parsed and decoded verbatim; a few
@@ -21,79 +21,34 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
+from tokenizers import Tokenizer as HFTokenizer
+
 from ultrafast.model.config import ModelLoadError
 from ultrafast.model.gguf_meta import GgufMetadata
+from ultrafast.model.gguf_spm import SpmEncoder, build_spm_model, spm_piece
+from ultrafast.model.gguf_vocab_tables import (
+    ALWAYS_RENDERED,
+    CONTROL,
+    EOG_TEXTS,
+    EOT_TEXTS,
+    FIM_TEXTS,
+    GPT2_DEFAULT_SPECIAL_ID,
+    NORMAL,
+    PRE_TOKENIZERS,
+    SAMPLING_KEYS,
+    UNKNOWN,
+    USER_DEFINED,
+    PreTokenizer,
+)
 
 log = logging.getLogger(__name__)
-
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
-
-
-@dataclass(frozen=True)
-class _PreTokenizer:
-    regexes: tuple[str, ...]
-    ignore_merges: bool = False  # a piece that is itself a token skips the merges
-    add_bos: bool = False  # the default when the file has no add_bos_token key
-
-
-_DEFAULT = _PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
-_FAMILIES = [
-    (("default",), _DEFAULT),
-    (("gpt-2", "phi-2", "gigachat", "a.x-4.0", "mellum", "mpt", "olmo", "jais", "trillion",
-      "granite-docling", "exaone4"), _PreTokenizer((_GPT2,))),
-    (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b",
-      "mellum2"), _PreTokenizer((r"\p{N}", _GPT2))),
-    (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
-     _PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)),
-    (("dbrx", "smaug-bpe"), _PreTokenizer((_LLAMA3,))),
-    (("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "stablelm2", "megrez", "hunyuan",
-      "solar-open"), _PreTokenizer((_QWEN2,))),
-    (("falcon",), _PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"))),
-]
-PRE_TOKENIZERS = {name: pre for names, pre in _FAMILIES for name in names}
-
-# GGUF token types (gguf.TokenType)
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-# texts llama.cpp treats as end-of-generation control tokens whatever their stored type
-_EOG_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<｜end▁of▁sentence｜>", "[e~[",
-})
-# fill-in-the-middle roles: the first of each list found is a control token; pad/repo/separator
-# also end generation (a code model that emits them has left the file it was writing)
-_FIM_TEXTS = {
-    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
-            "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
-    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
-            "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
-    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
-            "▁<MID>", "<|code_middle|>", "<|middle|>"),
-    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
-    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
-    "sep": ("<|file_sep|>",),
-}
-_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-              "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
-              "<end_of_utterance>")
-_ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
-_GPT2_DEFAULT_SPECIAL_ID = 11  # llama.cpp's bos/eos for a "gpt2" vocab that names neither
-
-# the GGUF keys llama.cpp reads for default sampling values -> our parameter names
-_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
-                  "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p"}
 
 
 @dataclass
 class GgufVocab:
     """Everything the serving tokenizer needs from the metadata."""
-    hf_tokenizer: object  # tokenizers.Tokenizer
+
+    hf_tokenizer: HFTokenizer
     pieces: list[bytes] = field(repr=False)  # what each id decodes to
     special: frozenset[int]  # control/unknown ids: dropped by decode(skip_special_tokens=True)
     bos_id: int | None
@@ -105,8 +60,7 @@ class GgufVocab:
     context_length: int | None
     sampling_defaults: dict
     pre: str
-
-    spm: object | None = field(default=None, repr=False)  # SpmEncoder for "llama" vocabularies
+    spm: SpmEncoder | None = field(default=None, repr=False)  # for "llama" vocabularies
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def encode(self, text: str, parse_special: bool = True) -> list[int]:
@@ -129,16 +83,22 @@ class GgufVocab:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         n = len(self.pieces)
-        out = b"".join(self.pieces[i] for i in ids if 0 <= i < n
-                       and not (skip_special_tokens and i in self.special))
+        out = b"".join(
+            self.pieces[i]
+            for i in ids
+            if 0 <= i < n and not (skip_special_tokens and i in self.special)
+        )
         return out.decode("utf-8", errors="replace")
 
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte alphabet, inverted: printable bytes stand for themselves, the rest are
     shifted to U+0100 and up so every byte is a visible character."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table, shift = {}, 0
     for b in range(256):
         if b in printable:
@@ -156,13 +116,15 @@ def _special_id(meta: GgufMetadata, key: str, n: int, default: int | None) -> in
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < n:
         return value
     if value is not None:
-        log.warning("%s: tokenizer.ggml.%s_token_id = %r is not a token id; ignored",
-                    meta.path, key, value)
+        log.warning(
+            "%s: tokenizer.ggml.%s_token_id = %r is not a token id; ignored", meta.path, key, value
+        )
     return default
 
 
-def _attributes(meta: GgufMetadata, tokens: list[str], default_bos: int | None,
-                default_eos: int | None) -> tuple[list[int], dict, set[int]]:
+def _attributes(
+    meta: GgufMetadata, tokens: list[str], default_bos: int | None, default_eos: int | None
+) -> tuple[list[int], dict, set[int]]:
     """Effective token types after llama.cpp's text-based overrides; the special ids by role;
     the end-of-generation set."""
     n = len(tokens)
@@ -171,28 +133,36 @@ def _attributes(meta: GgufMetadata, tokens: list[str], default_bos: int | None,
         raise ModelLoadError(f"{meta.path}: tokenizer.ggml.token_type is not one type per token")
     types = list(types[:n])
     ids = {text: i for i, text in enumerate(tokens)}
-    roles = {"bos": _special_id(meta, "bos", n, default_bos),
-             "eos": _special_id(meta, "eos", n, default_eos)}
-    for role in ("eot", "eom", *(f"fim_{k}" for k in _FIM_TEXTS)):
+    roles = {
+        "bos": _special_id(meta, "bos", n, default_bos),
+        "eos": _special_id(meta, "eos", n, default_eos),
+    }
+    for role in ("eot", "eom", *(f"fim_{k}" for k in FIM_TEXTS)):
         roles[role] = _special_id(meta, role, n, None)
-    detected = {"eot": _EOT_TEXTS, "eom": ("<|eom_id|>",),
-                **{f"fim_{k}": texts for k, texts in _FIM_TEXTS.items()}}
+    detected = {
+        "eot": EOT_TEXTS,
+        "eom": ("<|eom_id|>",),
+        **{f"fim_{k}": texts for k, texts in FIM_TEXTS.items()},
+    }
     for role, texts in detected.items():
         if roles[role] is None:
             found = next((ids[t] for t in texts if t in ids), None)
             if found is not None:
                 roles[role] = found
                 types[found] = CONTROL
-    eog = {roles[r] for r in ("fim_pad", "fim_rep", "fim_sep") if roles[r] is not None}
-    for text in _EOG_TEXTS & ids.keys():
+    eog = {i for r in ("fim_pad", "fim_rep", "fim_sep") if (i := roles[r]) is not None}
+    for text in EOG_TEXTS & ids.keys():
         eog.add(ids[text])
         types[ids[text]] = CONTROL
-    for text in _ALWAYS_RENDERED:
+    for text in ALWAYS_RENDERED:
         if text in ids:
             types[ids[text]] = USER_DEFINED
-    eog |= {roles[r] for r in ("eos", "eot", "eom") if roles[r] is not None}
-    if {"<|return|>", "<|call|>", "<|end|>"} <= ids.keys() or \
-            {"<|calls|>", "<|flush|>", "<|end|>"} <= ids.keys():
+    eog |= {i for r in ("eos", "eot", "eom") if (i := roles[r]) is not None}
+    if {"<|return|>", "<|call|>", "<|end|>"} <= ids.keys() or {
+        "<|calls|>",
+        "<|flush|>",
+        "<|end|>",
+    } <= ids.keys():
         eog.discard(ids["<|end|>"])  # harmony-style: <|end|> closes a message, not the turn
         types[ids["<|end|>"]] = USER_DEFINED
     if "<|tool_response>" in ids and "</s>" in ids:
@@ -208,7 +178,7 @@ def _merges(meta: GgufMetadata, vocab: dict[str, int]) -> list[tuple[str, str]]:
     merges, dropped = [], 0
     for line in lines:
         cut = line.find(" ", 1)
-        left, right = (line[:cut], line[cut + 1:]) if cut > 0 else ("", "")
+        left, right = (line[:cut], line[cut + 1 :]) if cut > 0 else ("", "")
         if left in vocab and right in vocab and left + right in vocab:
             merges.append((left, right))
         else:
@@ -233,7 +203,7 @@ def _pieces(tokens: list[str], types: list[int]) -> list[bytes]:
     return pieces
 
 
-def _build_hf(tokens, types, merges, pre: _PreTokenizer):
+def _build_hf(tokens, types, merges, pre: PreTokenizer):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {text: i for i, text in enumerate(tokens)}
@@ -241,12 +211,19 @@ def _build_hf(tokens, types, merges, pre: _PreTokenizer):
     hf = Tokenizer(model)
     hf.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     hf.decoder = decoders.ByteLevel()
-    special = [AddedToken(tokens[i], special=True, normalized=False)
-               for i, kind in enumerate(types) if kind in (CONTROL, UNKNOWN)]
-    user = [AddedToken(tokens[i], special=False, normalized=False)
-            for i, kind in enumerate(types) if kind == USER_DEFINED]
+    special = [
+        AddedToken(tokens[i], special=True, normalized=False)
+        for i, kind in enumerate(types)
+        if kind in (CONTROL, UNKNOWN)
+    ]
+    user = [
+        AddedToken(tokens[i], special=False, normalized=False)
+        for i, kind in enumerate(types)
+        if kind == USER_DEFINED
+    ]
     hf.add_special_tokens(special)
     hf.add_tokens(user)
     return hf
@@ -254,7 +231,7 @@ def _build_hf(tokens, types, merges, pre: _PreTokenizer):
 
 def _sampling_defaults(meta: GgufMetadata) -> dict:
     out = {}
-    for key, name in _SAMPLING_KEYS.items():
+    for key, name in SAMPLING_KEYS.items():
         value = meta.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[name] = int(value) if name == "top_k" else float(value)
@@ -264,8 +241,9 @@ def _sampling_defaults(meta: GgufMetadata) -> dict:
 def _tokens(meta: GgufMetadata) -> list[str]:
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
-        raise ModelLoadError(f"{meta.path}: tokenizer.ggml.tokens is missing or not a list of "
-                             "strings")
+        raise ModelLoadError(
+            f"{meta.path}: tokenizer.ggml.tokens is missing or not a list of strings"
+        )
     if len(set(tokens)) != len(tokens):
         raise ModelLoadError(f"{meta.path}: the vocabulary lists a token twice")
     return tokens
@@ -283,20 +261,24 @@ def _rstrip_ids(meta: GgufMetadata, tokens: list[str], types: list[int]) -> set[
 
 
 def _spm_parts(meta: GgufMetadata, tokens: list[str], types: list[int]):
-    from ultrafast.model.gguf_spm import SpmEncoder, build_spm_model, spm_piece
-
     scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-    if not isinstance(scores, list) or len(scores) < len(tokens) or not all(
-            isinstance(x, (int, float)) for x in scores):
+    if (
+        not isinstance(scores, list)
+        or len(scores) < len(tokens)
+        or not all(isinstance(x, (int, float)) for x in scores)
+    ):
         raise ModelLoadError(f"{meta.path}: tokenizer.ggml.scores is not one number per token")
     unk = next((tokens[i] for i, k in enumerate(types) if k == UNKNOWN), None)
     try:
-        hf = build_spm_model(tokens, [float(x) for x in scores[:len(tokens)]], unk)
+        hf = build_spm_model(tokens, [float(x) for x in scores[: len(tokens)]], unk)
     except Exception as exc:  # the tokenizers library rejects a malformed vocabulary
         raise ModelLoadError(f"{meta.path}: cannot build its tokenizer: {exc}") from None
     rstrip = _rstrip_ids(meta, tokens, types)
-    specials = [(tokens[i], i, k != USER_DEFINED, i in rstrip) for i, k in enumerate(types)
-                if k in (CONTROL, UNKNOWN, USER_DEFINED)]
+    specials = [
+        (tokens[i], i, k != USER_DEFINED, i in rstrip)
+        for i, k in enumerate(types)
+        if k in (CONTROL, UNKNOWN, USER_DEFINED)
+    ]
     encoder = SpmEncoder(hf, specials, bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
     return hf, encoder, [spm_piece(t, k) for t, k in zip(tokens, types)]
 
@@ -305,22 +287,26 @@ def gguf_vocab(meta: GgufMetadata) -> GgufVocab:
     """Build the tokenizer; ModelLoadError when the file's tokenizer cannot be reproduced."""
     model = meta.get("tokenizer.ggml.model")
     if model is None:
-        raise ModelLoadError(f"{meta.path} carries no tokenizer (no tokenizer.ggml.model key); "
-                             "put the model's tokenizer.json beside it in a directory")
+        raise ModelLoadError(
+            f"{meta.path} carries no tokenizer (no tokenizer.ggml.model key); "
+            "put the model's tokenizer.json beside it in a directory"
+        )
     if model not in ("gpt2", "llama"):
         raise ModelLoadError(
             f"{meta.path}: tokenizer type {model!r} is not supported from GGUF metadata (only "
             "byte-level BPE 'gpt2' and SentencePiece 'llama' are reproduced exactly); serve "
-            "the model's Hugging Face directory with its tokenizer.json instead")
+            "the model's Hugging Face directory with its tokenizer.json instead"
+        )
     pre_name = meta.get("tokenizer.ggml.pre") or "default"
-    pre = PRE_TOKENIZERS.get(pre_name) if model == "gpt2" else _PreTokenizer((), add_bos=True)
+    pre = PRE_TOKENIZERS.get(pre_name) if model == "gpt2" else PreTokenizer((), add_bos=True)
     if pre is None:
         raise ModelLoadError(
             f"{meta.path}: pre-tokenizer {pre_name!r} is not supported (supported: "
             f"{', '.join(sorted(PRE_TOKENIZERS))}); serve the model's Hugging Face directory "
-            "with its tokenizer.json instead")
+            "with its tokenizer.json instead"
+        )
     tokens = _tokens(meta)
-    defaults = (_GPT2_DEFAULT_SPECIAL_ID,) * 2 if model == "gpt2" else (1, 2)  # llama.cpp's
+    defaults = (GPT2_DEFAULT_SPECIAL_ID,) * 2 if model == "gpt2" else (1, 2)  # llama.cpp's
     types, roles, eog = _attributes(meta, tokens, *defaults)
     spm = None
     if model == "llama":
@@ -336,16 +322,23 @@ def gguf_vocab(meta: GgufMetadata) -> GgufVocab:
     add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
     for flag, role in ((add_bos, "bos"), (add_eos, "eos")):
         if flag and roles[role] is None:
-            raise ModelLoadError(f"{meta.path}: add_{role}_token is set but the file has no "
-                                 f"{role} token")
+            raise ModelLoadError(
+                f"{meta.path}: add_{role}_token is set but the file has no {role} token"
+            )
     template = meta.get("tokenizer.chat_template")
     context = meta.arch_value("context_length")
     return GgufVocab(
-        hf_tokenizer=hf, pieces=pieces,
+        hf_tokenizer=hf,
+        pieces=pieces,
         special=frozenset(i for i, k in enumerate(types) if k in (CONTROL, UNKNOWN)),
-        bos_id=roles["bos"], eos_id=roles["eos"], eog_ids=tuple(sorted(eog)),
-        add_bos=bool(add_bos), add_eos=bool(add_eos),
+        bos_id=roles["bos"],
+        eos_id=roles["eos"],
+        eog_ids=tuple(sorted(eog)),
+        add_bos=bool(add_bos),
+        add_eos=bool(add_eos),
         chat_template=template if isinstance(template, str) and template.strip() else None,
         context_length=context if isinstance(context, int) and context > 0 else None,
-        sampling_defaults=_sampling_defaults(meta), pre=pre_name if model == "gpt2" else "spm",
-        spm=spm)
+        sampling_defaults=_sampling_defaults(meta),
+        pre=pre_name if model == "gpt2" else "spm",
+        spm=spm,
+    )

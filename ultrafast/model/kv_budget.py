@@ -29,8 +29,9 @@ def kv_bytes_per_position(gguf_path: Path | None, hf_dir: Path | None) -> int | 
     if gguf_path is not None:
         meta = read_gguf_metadata(gguf_path)
         layers = _first_int(meta.arch_value("block_count"))
-        kv_heads = _first_int(meta.arch_value("attention.head_count_kv")) or \
-            _first_int(meta.arch_value("attention.head_count"))
+        kv_heads = _first_int(meta.arch_value("attention.head_count_kv")) or _first_int(
+            meta.arch_value("attention.head_count")
+        )
         heads = _first_int(meta.arch_value("attention.head_count"))
         width = _first_int(meta.arch_value("embedding_length"))
         head_dim = width // heads if width and heads else None
@@ -46,7 +47,8 @@ def kv_bytes_per_position(gguf_path: Path | None, hf_dir: Path | None) -> int | 
         kv_heads = _first_int(config.get("num_key_value_heads")) or heads
         width = _first_int(config.get("hidden_size"))
         k_len = v_len = _first_int(config.get("head_dim")) or (
-            width // heads if width and heads else None)
+            width // heads if width and heads else None
+        )
     else:
         return None
     if not (layers and kv_heads and k_len and v_len):
@@ -64,8 +66,14 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def check_kv_fits(gguf_path: Path | None, hf_dir: Path | None, num_slots: int,
-                  max_model_len: int, declared: int | None, available: int | None = None) -> None:
+def check_kv_fits(
+    gguf_path: Path | None,
+    hf_dir: Path | None,
+    num_slots: int,
+    max_model_len: int,
+    declared: int | None,
+    available: int | None = None,
+) -> None:
     """ModelLoadError when num_slots x max_model_len positions of KV exceed available memory."""
     per_position = kv_bytes_per_position(gguf_path, hf_dir)
     available = available_memory_bytes() if available is None else available
@@ -74,10 +82,11 @@ def check_kv_fits(gguf_path: Path | None, hf_dir: Path | None, num_slots: int,
     need = per_position * num_slots * max_model_len
     if need <= available:
         return
-    gib = 1024 ** 3
+    gib = 1024**3
     fit = max(0, available // (per_position * num_slots))
     declared_text = f" (the model declares {declared:,})" if declared else ""
     raise ModelLoadError(
         f"the KV cache for {num_slots} slots x {max_model_len:,} positions{declared_text} needs "
         f"{need / gib:.1f} GiB but {available / gib:.1f} GiB of memory is available; lower "
-        f"--max-model-len (about {fit:,} fits with {num_slots} slots) or --num-slots")
+        f"--max-model-len (about {fit:,} fits with {num_slots} slots) or --num-slots"
+    )
