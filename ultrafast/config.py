@@ -43,7 +43,7 @@ def default_model() -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # HF model directory, or a .gguf file with tokenizer.json beside it
+    model: str  # HF model directory, or a .gguf file (its metadata holds the tokenizer)
     executor: str = "auto"  # auto (ggml on CPU, torch on CUDA), ggml, torch, fake (tests only)
     num_slots: int = 8  # KV slots: concurrent sequences plus cached prefixes
     max_model_len: int = 2048  # positions per slot (capped by the model's own limit)

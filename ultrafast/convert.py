@@ -207,7 +207,9 @@ def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, config: dict) -> 
         )
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     pre_json = json.dumps(tok_json.get("pre_tokenizer"))
-    pre = next((n for frag, n in _PRE_TOKENIZERS if json.dumps(frag)[1:-1] in pre_json), "gpt-2")
+    pre = next((n for frag, n in _PRE_TOKENIZERS if json.dumps(frag)[1:-1] in pre_json), None)
+    if pre is None:  # GPT-2's regex; SmolLM/StarCoder first split every digit apart
+        pre = "smollm" if '"individual_digits": true' in pre_json else "gpt-2"
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)

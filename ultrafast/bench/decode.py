@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 
 from ultrafast.bench.report import write_report
-from ultrafast.model_files import gguf_for, resolve_model
+from ultrafast.model_files import gguf_for, load_tokenizer, resolve_model
 from ultrafast.progress import Progress
 
 
@@ -149,12 +149,10 @@ def run_decode_bench(
     `spec`: speculative variants of the ggml runner (ngram, draft, auto) run alongside."""
     import os
 
-    from ultrafast.tokenizer import Tokenizer
-
     threads = threads or len(os.sched_getaffinity(0))
     files = resolve_model(model)
     gguf = gguf_for(files, gguf_type)
-    tokenizer = Tokenizer.from_dir(files.tokenizer_dir)
+    tokenizer = load_tokenizer(files)
     text = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
     prompt_ids = (tokenizer.encode(text) * 8)[:prompt_tokens]
     makers: dict[str, Callable[[], Runner]] = {

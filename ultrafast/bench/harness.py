@@ -31,7 +31,7 @@ from ultrafast.bench.peers import (
     VllmRunner,
 )
 from ultrafast.cli_serve import serve_default_threads
-from ultrafast.model_files import gguf_for, resolve_model
+from ultrafast.model_files import gguf_for, load_tokenizer, resolve_model
 
 PROMPT_TEXT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
 OURS = ("ours-engine", "ours-engine-torch", "ours-server")
@@ -264,8 +264,6 @@ def run_harness(
     gguf_type: str = "f16",
     with_roofline: bool = False,
 ) -> dict:
-    from ultrafast.tokenizer import Tokenizer
-
     # the server keeps one core for its event loop and the clients, as `serve` does by default
     # (kernel threads spinning on every core starve it and slow HTTP streaming)
     server_threads = threads or serve_default_threads()
@@ -273,7 +271,7 @@ def run_harness(
     cuda = _gpu_available()
     files = resolve_model(model)
     gguf = gguf_for(files, gguf_type)
-    tokenizer = Tokenizer.from_dir(files.tokenizer_dir)
+    tokenizer = load_tokenizer(files)
     base_ids = (tokenizer.encode(PROMPT_TEXT) * 16)[: max(1, prompt_tokens - 2)]
     vocab_size = tokenizer.vocab_size
     names = peers or default_peers(cuda)
