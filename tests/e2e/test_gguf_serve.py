@@ -64,11 +64,6 @@ def test_completions_and_chat_from_a_lone_gguf(lone_server):
     assert chat.json()["usage"]["prompt_tokens"] > 5  # the GGUF's ChatML template was applied
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the server maps ChatTemplateError to a 400 once the "
-    "lead wires it (ultrafast.tokenizer.ChatTemplateError)",
-)
 def test_a_model_without_chat_template_answers_chat_with_400(tmp_path):
     src = tmp_path / "no-template"
     shutil.copytree(DEMO_MODEL_DIR, src, ignore=shutil.ignore_patterns("*.gguf"))
