@@ -12,8 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ultrafast.request import Request, SamplingParams, ServiceTier  # noqa: E402
 from ultrafast.engine.speculation import SpecConfig, Speculator  # noqa: E402
+from ultrafast.request import Request, SamplingParams, ServiceTier  # noqa: E402
 
 
 def main() -> None:

@@ -33,8 +33,10 @@ def run_twin(fast: TorchExecutor, slow: TorchExecutor, atol: float, seed: int = 
     """Drive both through the scenario; returns how many decode-only steps it had."""
     vocab = fast.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    prompts = {r: torch.randint(0, vocab, (n,), generator=gen).tolist()
-               for r, n in (("a", 9), ("b", 4), ("c", 13), ("d", 2))}
+    prompts = {
+        r: torch.randint(0, vocab, (n,), generator=gen).tolist()
+        for r, n in (("a", 9), ("b", 4), ("c", 13), ("d", 2))
+    }
     slots = {"a": 0, "b": 1, "c": 3, "d": 2}
     length = {r: len(p) for r, p in prompts.items()}
     last: dict[str, int] = {}
@@ -54,8 +56,13 @@ def run_twin(fast: TorchExecutor, slow: TorchExecutor, atol: float, seed: int = 
     for _ in range(3):
         decode(["a"])  # batch 1
     # mixed: b's whole prompt, c's first chunk (no logits) and a decode: eager in both
-    plan = StepPlan([_seq("b", 1, prompts["b"], 0, 1), _seq("c", 3, prompts["c"][:6], 0, 0),
-                     _seq("a", 0, [last["a"]], length["a"], 1)])
+    plan = StepPlan(
+        [
+            _seq("b", 1, prompts["b"], 0, 1),
+            _seq("c", 3, prompts["c"][:6], 0, 0),
+            _seq("a", 0, [last["a"]], length["a"], 1),
+        ]
+    )
     out = _step(fast, slow, plan, atol)
     last["b"], last["a"] = out["b"][0], out["a"][0]
     length["a"] += 1

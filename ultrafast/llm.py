@@ -6,19 +6,24 @@ Same engine core as the server, driven synchronously on the caller's thread.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Iterator
 
 from ultrafast.config import DEMO_DRAFT_DIR, EngineConfig, default_model
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.core.types import TokenLogprobs
-from ultrafast.model.kv_budget import check_kv_fits
-from ultrafast.model_files import (ModelFiles, gguf_for, load_tokenizer, resolve_model,
-                                   tokenizer_fingerprint)
-from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.engine.core import EngineCore
 from ultrafast.engine.draft_model import DraftModelProposer
 from ultrafast.engine.speculation import SpecConfig, Speculator
+from ultrafast.model.kv_budget import check_kv_fits
+from ultrafast.model_files import (
+    ModelFiles,
+    gguf_for,
+    load_tokenizer,
+    resolve_model,
+    tokenizer_fingerprint,
+)
+from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.tokenizer import StopStringMatcher, Tokenizer
 
 
@@ -39,35 +44,50 @@ def build_executor(config: EngineConfig, files: ModelFiles):
     if kind == "fake":  # load and fault tests: deterministic tokens, no weights
         from ultrafast.executors.fake_exec import FakeExecutor
 
-        return FakeExecutor.for_tokenizer(files.tokenizer_dir / "tokenizer.json",
-                                          num_slots=config.num_slots,
-                                          max_model_len=config.max_model_len,
-                                          step_s=config.fake_step_s)
+        return FakeExecutor.for_tokenizer(
+            files.tokenizer_dir / "tokenizer.json",
+            num_slots=config.num_slots,
+            max_model_len=config.max_model_len,
+            step_s=config.fake_step_s,
+        )
     if kind == "ggml":
         from ultrafast.executors.ggml_exec import GgmlExecutor
 
         gguf_path = gguf_for(files, config.gguf_type)
-        check_kv_fits(gguf_path, None, config.num_slots, config.max_model_len,
-                      files.max_position_embeddings)  # a clear error before llama.cpp's
-        return GgmlExecutor(gguf_path, num_slots=config.num_slots,
-                            max_model_len=config.max_model_len, n_threads=config.n_threads,
-                            n_threads_batch=config.n_threads_batch,
-                            max_num_batched_tokens=config.max_num_batched_tokens)
+        check_kv_fits(
+            gguf_path, None, config.num_slots, config.max_model_len, files.max_position_embeddings
+        )  # a clear error before llama.cpp's
+        return GgmlExecutor(
+            gguf_path,
+            num_slots=config.num_slots,
+            max_model_len=config.max_model_len,
+            n_threads=config.n_threads,
+            n_threads_batch=config.n_threads_batch,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
     if files.hf_dir is None:
         raise ValueError("the torch executor needs an HF directory (config.json + safetensors)")
     from ultrafast.executors.torch_exec import TorchExecutor
 
-    return TorchExecutor(files.hf_dir, num_slots=config.num_slots,
-                         max_model_len=config.max_model_len, device=config.device,
-                         dtype=config.dtype, compile=config.compile, n_threads=config.n_threads)
+    return TorchExecutor(
+        files.hf_dir,
+        num_slots=config.num_slots,
+        max_model_len=config.max_model_len,
+        device=config.device,
+        dtype=config.dtype,
+        compile=config.compile,
+        n_threads=config.n_threads,
+    )
 
 
-def build_engine(config: EngineConfig, priority_itl_target_s: float | None = None
-                 ) -> tuple[EngineCore, Tokenizer, ModelFiles]:
+def build_engine(
+    config: EngineConfig, priority_itl_target_s: float | None = None
+) -> tuple[EngineCore, Tokenizer, ModelFiles]:
     files = resolve_model(config.model)
     if files.max_position_embeddings:
-        config = replace(config, max_model_len=min(config.max_model_len,
-                                                   files.max_position_embeddings))
+        config = replace(
+            config, max_model_len=min(config.max_model_len, files.max_position_embeddings)
+        )
     tokenizer = load_tokenizer(files)
     executor = build_executor(config, files)
     try:
@@ -76,9 +96,12 @@ def build_engine(config: EngineConfig, priority_itl_target_s: float | None = Non
         executor.close()
         raise
     scheduler_config = SchedulerConfig(
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
         max_prefill_chunk_tokens=config.max_prefill_chunk_tokens,
-        max_model_len=config.max_model_len, max_waiting=config.max_waiting)
+        max_model_len=config.max_model_len,
+        max_waiting=config.max_waiting,
+    )
     core = EngineCore(executor, scheduler_config, priority_itl_target_s, speculator=speculator)
     return core, tokenizer, files
 
@@ -102,13 +125,17 @@ def build_speculator(config: EngineConfig, files: ModelFiles) -> Speculator:
     if config.spec in ("draft", "auto"):
         draft_files = _draft_files(config, files)
         if draft_files is None and config.spec == "draft":
-            raise ValueError("--spec draft needs --draft-model (the bundled draft model only "
-                             "fits the demo model's tokenizer)")
+            raise ValueError(
+                "--spec draft needs --draft-model (the bundled draft model only "
+                "fits the demo model's tokenizer)"
+            )
         if draft_files is not None:  # same executor kind, slots and lengths as the target
             draft_model = DraftModelProposer(build_executor(config, draft_files))
-    spec = SpecConfig(method=config.spec, tiers=tuple(ServiceTier.parse(t)
-                                                      for t in config.spec_tiers),
-                      max_draft_tokens=config.max_draft_tokens)
+    spec = SpecConfig(
+        method=config.spec,
+        tiers=tuple(ServiceTier.parse(t) for t in config.spec_tiers),
+        max_draft_tokens=config.max_draft_tokens,
+    )
     return Speculator(spec, draft_model)
 
 
@@ -128,15 +155,25 @@ class LLM:
         self.engine, self.tokenizer, self.files = build_engine(self.config)
         self._ids = itertools.count()
 
-    def _request(self, prompt: str | list[int], params: SamplingParams,
-                 tier: ServiceTier) -> Request:
+    def _request(
+        self, prompt: str | list[int], params: SamplingParams, tier: ServiceTier
+    ) -> Request:
         ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
-        return Request(f"offline-{next(self._ids)}", list(ids), params, tier=tier,
-                       eos_token_ids=self.tokenizer.eos_token_ids)
+        return Request(
+            f"offline-{next(self._ids)}",
+            list(ids),
+            params,
+            tier=tier,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+        )
 
-    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
-                 params: SamplingParams | None = None, stop: list[str] | None = None,
-                 tier: ServiceTier = ServiceTier.DEFAULT) -> list[GenerationOutput]:
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        params: SamplingParams | None = None,
+        stop: list[str] | None = None,
+        tier: ServiceTier = ServiceTier.DEFAULT,
+    ) -> list[GenerationOutput]:
         """Generate for every prompt, batched by the scheduler. Output order = prompt order."""
         params = params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -164,9 +201,17 @@ class LLM:
                 elif out.finished:
                     texts[rid] += stops[rid].flush()
                     finish[rid] = out.finish_reason or "stop"
-        return [GenerationOutput(r.prompt_token_ids, texts[r.request_id], r.output_token_ids,
-                                 finish.get(r.request_id), r.output_logprobs, r.num_cached_tokens)
-                for r in requests]
+        return [
+            GenerationOutput(
+                r.prompt_token_ids,
+                texts[r.request_id],
+                r.output_token_ids,
+                finish.get(r.request_id),
+                r.output_logprobs,
+                r.num_cached_tokens,
+            )
+            for r in requests
+        ]
 
     def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one prompt as they are generated."""

@@ -19,12 +19,19 @@ class ServiceTier(enum.IntEnum):
     FLEX = 2  # yields to everything
 
     @classmethod
-    def parse(cls, name: str | None) -> "ServiceTier":
+    def parse(cls, name: str | None) -> ServiceTier:
         # OpenAI's `scale` (reserved capacity) and `fast` (its name for priority) are served
         # on the priority lane; `auto` and `scale` may fall back (see server/auth.py)
-        aliases = {None: cls.DEFAULT, "auto": cls.DEFAULT, "default": cls.DEFAULT,
-                   "flex": cls.FLEX, "priority": cls.PRIORITY, "ultrafast": cls.PRIORITY,
-                   "fast": cls.PRIORITY, "scale": cls.PRIORITY}
+        aliases = {
+            None: cls.DEFAULT,
+            "auto": cls.DEFAULT,
+            "default": cls.DEFAULT,
+            "flex": cls.FLEX,
+            "priority": cls.PRIORITY,
+            "ultrafast": cls.PRIORITY,
+            "fast": cls.PRIORITY,
+            "scale": cls.PRIORITY,
+        }
         if name not in aliases:
             raise ValueError(f"unknown service tier {name!r}")
         return aliases[name]
@@ -74,10 +81,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         scoring = self.prompt_logprobs is not None
         checks = [
-            (self.max_tokens >= (0 if scoring else 1),
-             "max_tokens must be >= 1 (0 only when scoring the prompt)"),
-            (not scoring or 0 <= self.prompt_logprobs <= 20,
-             "prompt_logprobs must be in [0, 20]"),
+            (
+                self.max_tokens >= (0 if scoring else 1),
+                "max_tokens must be >= 1 (0 only when scoring the prompt)",
+            ),
+            (not scoring or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
             (0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be >= 0"),
@@ -98,13 +106,21 @@ class SamplingParams:
     @functools.cached_property  # read for every sampled token: computed once per params
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes the logits or asks for them: one batch argmax."""
-        return (self.greedy and not self.logit_bias and not self.needs_penalties
-                and not self.logprobs and self.prompt_logprobs is None)
+        return (
+            self.greedy
+            and not self.logit_bias
+            and not self.needs_penalties
+            and not self.logprobs
+            and self.prompt_logprobs is None
+        )
 
     @property
     def needs_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 @dataclass
@@ -170,5 +186,5 @@ class Request:
         if end <= n:
             return self.prompt_token_ids[start:end]
         if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]

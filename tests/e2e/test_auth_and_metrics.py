@@ -22,22 +22,39 @@ from ultrafast.server.admission import Admission
 from ultrafast.server.app import ServerState, build_app
 from ultrafast.server.tenants import hash_key, parse_api_keys
 
-KEYS = {"acme": "e2e-acme-key", "beta": "e2e-beta-key", "off": "e2e-off-key",
-        "ops": "e2e-ops-key", "slow": "e2e-slow-key", "thin": "e2e-thin-key",
-        "old": "e2e-revoked-key"}
-BODY = {"messages": [{"role": "user", "content": "def add(a, b):"}], "max_tokens": 4,
-        "temperature": 0}
+KEYS = {
+    "acme": "e2e-acme-key",
+    "beta": "e2e-beta-key",
+    "off": "e2e-off-key",
+    "ops": "e2e-ops-key",
+    "slow": "e2e-slow-key",
+    "thin": "e2e-thin-key",
+    "old": "e2e-revoked-key",
+}
+BODY = {
+    "messages": [{"role": "user", "content": "def add(a, b):"}],
+    "max_tokens": 4,
+    "temperature": 0,
+}
 CHAT = "/v1/chat/completions"
 
 
 def keys_file_spec() -> dict:
     def tenant(name, **fields):
         return {"name": name, "keys": [{"sha256": hash_key(KEYS[name])}], **fields}
+
     acme = tenant("acme", tiers=["priority", "default", "flex"], committed_priority_share=0.25)
     acme["keys"].append({"sha256": hash_key(KEYS["old"]), "revoked": True})
-    return {"tenants": [
-        acme, tenant("beta"), tenant("off", disabled=True), tenant("ops", scopes=["metrics"]),
-        tenant("slow", requests_per_s=0.05), tenant("thin", tokens_per_s=20)]}
+    return {
+        "tenants": [
+            acme,
+            tenant("beta"),
+            tenant("off", disabled=True),
+            tenant("ops", scopes=["metrics"]),
+            tenant("slow", requests_per_s=0.05),
+            tenant("thin", tokens_per_s=20),
+        ]
+    }
 
 
 @pytest.fixture(scope="module")
@@ -64,25 +81,39 @@ def error_of(r: httpx.Response) -> tuple:
 
 
 CASES = {
-    "B41 priority without entitlement": (dict(headers=bearer("beta"), json={
-        **BODY, "priority": "ultrafast"}), (403, "permission_error", "priority_not_allowed",
-                                            "priority")),
-    "B41 via service_tier": (dict(headers=bearer("beta"), json={
-        **BODY, "service_tier": "priority"}), (403, "permission_error", "priority_not_allowed",
-                                               "service_tier")),
+    "B41 priority without entitlement": (
+        dict(headers=bearer("beta"), json={**BODY, "priority": "ultrafast"}),
+        (403, "permission_error", "priority_not_allowed", "priority"),
+    ),
+    "B41 via service_tier": (
+        dict(headers=bearer("beta"), json={**BODY, "service_tier": "priority"}),
+        (403, "permission_error", "priority_not_allowed", "service_tier"),
+    ),
     "B45 no key": (dict(json=BODY), (401, "authentication_error", "missing_api_key", None)),
-    "B46 wrong key": (dict(headers={"Authorization": "Bearer nope"}, json=BODY),
-                      (401, "authentication_error", "invalid_api_key", None)),
-    "B46 Bearer twice": (dict(headers={"Authorization": f"Bearer Bearer {KEYS['acme']}"},
-                              json=BODY), (401, "authentication_error", "invalid_api_key", None)),
-    "B46 Basic": (dict(headers={"Authorization": "Basic YWNtZTp4"}, json=BODY),
-                  (401, "authentication_error", "invalid_api_key", None)),
-    "B46 key in query": (dict(params={"api_key": KEYS["acme"]}, json=BODY),
-                         (401, "authentication_error", "invalid_api_key", None)),
-    "B46 revoked": (dict(headers=bearer("old"), json=BODY),
-                    (401, "authentication_error", "invalid_api_key", None)),
-    "B47 suspended": (dict(headers=bearer("off"), json=BODY),
-                      (403, "permission_error", "tenant_disabled", None)),
+    "B46 wrong key": (
+        dict(headers={"Authorization": "Bearer nope"}, json=BODY),
+        (401, "authentication_error", "invalid_api_key", None),
+    ),
+    "B46 Bearer twice": (
+        dict(headers={"Authorization": f"Bearer Bearer {KEYS['acme']}"}, json=BODY),
+        (401, "authentication_error", "invalid_api_key", None),
+    ),
+    "B46 Basic": (
+        dict(headers={"Authorization": "Basic YWNtZTp4"}, json=BODY),
+        (401, "authentication_error", "invalid_api_key", None),
+    ),
+    "B46 key in query": (
+        dict(params={"api_key": KEYS["acme"]}, json=BODY),
+        (401, "authentication_error", "invalid_api_key", None),
+    ),
+    "B46 revoked": (
+        dict(headers=bearer("old"), json=BODY),
+        (401, "authentication_error", "invalid_api_key", None),
+    ),
+    "B47 suspended": (
+        dict(headers=bearer("off"), json=BODY),
+        (403, "permission_error", "tenant_disabled", None),
+    ),
 }
 
 
@@ -130,8 +161,10 @@ def test_rate_limits_give_429_with_retry_after(keyed):
     assert int(r.headers["retry-after"]) >= 1
     # tokens/s: prompt + max_tokens are reserved; a full bucket lets one big call through
     big = {**BODY, "max_tokens": 30, "ignore_eos": True}
-    assert httpx.post(keyed.url + CHAT, headers=bearer("thin"), json=big,
-                      timeout=30).status_code == 200
+    assert (
+        httpx.post(keyed.url + CHAT, headers=bearer("thin"), json=big, timeout=30).status_code
+        == 200
+    )
     r = httpx.post(keyed.url + CHAT, headers=bearer("thin"), json=big, timeout=30)
     assert error_of(r)[:3] == (429, "rate_limit_error", "rate_limit_exceeded")
     assert int(r.headers["retry-after"]) >= 1
@@ -139,9 +172,16 @@ def test_rate_limits_give_429_with_retry_after(keyed):
 
 def app_routes():
     """Every (method, path) the real ASGI app routes, built with a keys file."""
-    state = ServerState(config=ServerConfig(), engine=None, tokenizer=None, model_name="m",
-                        max_model_len=8, limits=None, admission=Admission(ServerConfig()),
-                        api_keys=parse_api_keys(keys_file_spec()))
+    state = ServerState(
+        config=ServerConfig(),
+        engine=None,
+        tokenizer=None,
+        model_name="m",
+        max_model_len=8,
+        limits=None,
+        admission=Admission(ServerConfig()),
+        api_keys=parse_api_keys(keys_file_spec()),
+    )
     app = build_app(state)
     pairs = []
     for route in app.routes:
@@ -158,8 +198,11 @@ def test_s1_route_census_every_route_but_health_needs_a_key(keyed):
     local = TestClient(app, base_url="http://127.0.0.1", raise_server_exceptions=False)
     for method, path in pairs:
         for client, base in ((local, ""), (httpx, keyed.url)):
-            r = client.request(method, base + path.replace("{", "x").replace("}", ""),
-                               json={} if method == "POST" else None)
+            r = client.request(
+                method,
+                base + path.replace("{", "x").replace("}", ""),
+                json={} if method == "POST" else None,
+            )
             if (method, path) == ("GET", "/health"):
                 assert r.status_code == 200
             else:
@@ -189,8 +232,9 @@ def scrape(srv) -> dict:
 def test_metrics_after_real_traffic(keyed):
     client = openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEYS["acme"], max_retries=0)
     before = scrape(keyed)
-    stream = client.chat.completions.create(model="demo-code", service_tier="priority",
-                                            stream=True, **{**BODY, "max_tokens": 8})
+    stream = client.chat.completions.create(
+        model="demo-code", service_tier="priority", stream=True, **{**BODY, "max_tokens": 8}
+    )
     assert len([c for c in stream if c.choices and c.choices[0].delta.content]) > 1
     httpx.post(keyed.url + CHAT, json=BODY)  # a 401, counted by reason
     after = scrape(keyed)
@@ -238,11 +282,11 @@ def test_s9_no_cors_and_a_host_allow_list(keyed):
     origin = {"Origin": "http://evil.example"}
     r = httpx.post(keyed.url + CHAT, headers={**bearer("acme"), **origin}, json=BODY, timeout=30)
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
-    r = httpx.options(keyed.url + CHAT, headers={**origin, "Access-Control-Request-Method":
-                                                  "POST"})
+    r = httpx.options(keyed.url + CHAT, headers={**origin, "Access-Control-Request-Method": "POST"})
     assert "access-control-allow-origin" not in r.headers
-    rebound = httpx.post(keyed.url + CHAT, headers={**bearer("acme"), "Host": "evil.example"},
-                         json=BODY)
+    rebound = httpx.post(
+        keyed.url + CHAT, headers={**bearer("acme"), "Host": "evil.example"}, json=BODY
+    )
     assert error_of(rebound)[:3] == (403, "permission_error", "host_not_allowed")
     port = keyed.url.rsplit(":", 1)[1]
     named = httpx.get(keyed.url + "/health", headers={"Host": f"localhost:{port}"})
@@ -266,10 +310,13 @@ def test_realtime_websocket_needs_a_key_and_an_allowed_host(keyed):
         assert refused.value.response.status_code == 403, headers
     host, port = keyed.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as raw:  # a rebound name
-        raw.sendall(b"GET /v1/realtime HTTP/1.1\r\nHost: evil.example\r\nUpgrade: websocket\r\n"
-                    b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-                    b"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer "
-                    + KEYS["acme"].encode() + b"\r\n\r\n")
+        raw.sendall(
+            b"GET /v1/realtime HTTP/1.1\r\nHost: evil.example\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            b"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer "
+            + KEYS["acme"].encode()
+            + b"\r\n\r\n"
+        )
         assert raw.recv(4096).split(b"\r\n")[0].split(b" ")[1] == b"403"
     with connect(ws_url, additional_headers=bearer("acme"), open_timeout=10) as ws:
         assert json.loads(ws.recv(timeout=30))["type"] == "session.created"
@@ -278,57 +325,76 @@ def test_realtime_websocket_needs_a_key_and_an_allowed_host(keyed):
 def test_s3_sessions_of_one_tenant_are_invisible_to_another(keyed):
     """docs/RELIABILITY.md S3 / B44: another tenant's conversation, response or chat session
     is 404."""
-    client = {name: openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEYS[name], max_retries=0)
-              for name in ("acme", "beta")}
+    client = {
+        name: openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEYS[name], max_retries=0)
+        for name in ("acme", "beta")
+    }
     conversation = client["acme"].conversations.create()
-    response = client["acme"].responses.create(model="demo-code", input="def add(a, b):",
-                                               max_output_tokens=4, temperature=0)
+    response = client["acme"].responses.create(
+        model="demo-code", input="def add(a, b):", max_output_tokens=4, temperature=0
+    )
     assert client["acme"].conversations.retrieve(conversation.id).id == conversation.id
     assert client["acme"].responses.retrieve(response.id).id == response.id
     beta = client["beta"]
-    for attempt in (lambda: beta.conversations.retrieve(conversation.id),
-                    lambda: beta.conversations.delete(conversation.id),
-                    lambda: beta.conversations.items.list(conversation.id),
-                    lambda: beta.responses.retrieve(response.id),
-                    lambda: beta.responses.delete(response.id),
-                    lambda: beta.responses.create(model="demo-code", input="x",
-                                                  previous_response_id=response.id,
-                                                  max_output_tokens=2)):
+    for attempt in (
+        lambda: beta.conversations.retrieve(conversation.id),
+        lambda: beta.conversations.delete(conversation.id),
+        lambda: beta.conversations.items.list(conversation.id),
+        lambda: beta.responses.retrieve(response.id),
+        lambda: beta.responses.delete(response.id),
+        lambda: beta.responses.create(
+            model="demo-code", input="x", previous_response_id=response.id, max_output_tokens=2
+        ),
+    ):
         with pytest.raises(openai.NotFoundError):
             attempt()
     # a chat `session_id` names a session in the caller's own tenant (created on first use, as
     # for any unknown id): beta gets a fresh one and acme's history is neither read nor changed
     acme_items = client["acme"].conversations.items.list(conversation.id).data
     seed = client["acme"].chat.completions.create(
-        model="demo-code", messages=[{"role": "user", "content": "def acme_secret():"}],
-        max_tokens=2, temperature=0, extra_body={"session_id": conversation.id})
+        model="demo-code",
+        messages=[{"role": "user", "content": "def acme_secret():"}],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"session_id": conversation.id},
+    )
     alone = beta.chat.completions.create(
-        model="demo-code", messages=[{"role": "user", "content": "x"}], max_tokens=2,
-        temperature=0, extra_body={"session_id": conversation.id})
+        model="demo-code",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"session_id": conversation.id},
+    )
     fresh = beta.chat.completions.create(
-        model="demo-code", messages=[{"role": "user", "content": "x"}], max_tokens=2,
-        temperature=0)
+        model="demo-code", messages=[{"role": "user", "content": "x"}], max_tokens=2, temperature=0
+    )
     assert alone.usage.prompt_tokens == fresh.usage.prompt_tokens < seed.usage.prompt_tokens
-    assert len(client["acme"].conversations.items.list(conversation.id).data) == \
-        len(acme_items) + 2  # acme's own turn and answer, nothing of beta's
+    assert (
+        len(client["acme"].conversations.items.list(conversation.id).data) == len(acme_items) + 2
+    )  # acme's own turn and answer, nothing of beta's
 
 
 def test_s3_stored_chat_completions_of_one_tenant_are_invisible_to_another(keyed):
-    client = {name: openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEYS[name], max_retries=0)
-              for name in ("acme", "beta")}
-    stored = client["acme"].chat.completions.create(model="demo-code", store=True,
-                                                    metadata={"who": "acme"},
-                                                    **BODY)
+    client = {
+        name: openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEYS[name], max_retries=0)
+        for name in ("acme", "beta")
+    }
+    stored = client["acme"].chat.completions.create(
+        model="demo-code", store=True, metadata={"who": "acme"}, **BODY
+    )
     assert client["acme"].chat.completions.retrieve(stored.id).id == stored.id
     beta = client["beta"]
-    for attempt in (lambda: beta.chat.completions.retrieve(stored.id),
-                    lambda: beta.chat.completions.delete(stored.id),
-                    lambda: beta.chat.completions.messages.list(stored.id)):
+    for attempt in (
+        lambda: beta.chat.completions.retrieve(stored.id),
+        lambda: beta.chat.completions.delete(stored.id),
+        lambda: beta.chat.completions.messages.list(stored.id),
+    ):
         with pytest.raises(openai.NotFoundError):
             attempt()
     assert list(beta.chat.completions.list(metadata={"who": "acme"})) == []
-    assert [c.id for c in client["acme"].chat.completions.list(
-        metadata={"who": "acme"})] == [stored.id]
+    assert [c.id for c in client["acme"].chat.completions.list(metadata={"who": "acme"})] == [
+        stored.id
+    ]
 
 
 def test_s2_keys_never_reach_the_logs(keyed):  # stops the server: keep it last but one
@@ -341,7 +407,11 @@ def test_s2_keys_never_reach_the_logs(keyed):  # stops the server: keep it last 
 
 
 def test_s10_no_keys_means_loopback_only():
-    r = subprocess.run([sys.executable, "-m", "ultrafast.cli", "serve", "--host", "0.0.0.0",
-                        "--port", "1"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "ultrafast.cli", "serve", "--host", "0.0.0.0", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert "without --api-keys" in r.stderr and "loopback" in r.stderr

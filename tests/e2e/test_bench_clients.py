@@ -52,10 +52,10 @@ def test_lean_client_reports_http_errors(server):
 
 
 def test_handoff_rounds_deliver_every_token_both_ways():
-    from ultrafast.executors.fake_exec import FakeExecutor
     from ultrafast.bench.overhead import handoff_rounds
     from ultrafast.core.scheduler import SchedulerConfig
     from ultrafast.engine.core import EngineCore
+    from ultrafast.executors.fake_exec import FakeExecutor
 
     core = EngineCore(FakeExecutor(num_slots=2), SchedulerConfig(max_num_seqs=2, max_model_len=64))
     kept, handed = handoff_rounds(core, [1, 2, 3], max_tokens=8, rounds=2)

@@ -21,8 +21,7 @@ HOLD_BACK = 4
 
 
 def completion(url: str, prompt: str, **extra) -> dict:
-    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, **GREEDY, **extra},
-                   timeout=60)
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, **GREEDY, **extra}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -35,7 +34,7 @@ def pick_pattern(url: str) -> tuple[str, int]:
     text = choice["text"]
     base = offsets[0]
     for k in range(HOLD_BACK + 1, len(tokens) - 3):  # something streams before the cut
-        needle = "".join(tokens[k:k + 3])
+        needle = "".join(tokens[k : k + 3])
         if len(needle.strip()) >= 4 and text.lower().find(needle.lower()) == offsets[k] - base:
             return needle, offsets[k] - base
     raise AssertionError(f"no usable pattern in {text!r}")
@@ -47,16 +46,26 @@ def guarded(server):
     baseline_hit = completion(server.url, HIT_PROMPT)["choices"][0]["text"]
     baseline_miss = completion(server.url, MISS_PROMPT)["choices"][0]["text"]
     assert needle.lower() not in baseline_miss.lower()
-    srv = ServerProcess("--guard-pattern", re.escape(needle), "--guard-hold-back-tokens",
-                        str(HOLD_BACK), "--priority-ttft-ms", "10000")
+    srv = ServerProcess(
+        "--guard-pattern",
+        re.escape(needle),
+        "--guard-hold-back-tokens",
+        str(HOLD_BACK),
+        "--priority-ttft-ms",
+        "10000",
+    )
     yield srv, needle, start, baseline_hit, baseline_miss
     srv.stop()
 
 
 def stream_events(url: str, prompt: str) -> list[dict | str]:
     events = []
-    with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
-            "prompt": prompt, "stream": True, **GREEDY}) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        timeout=60,
+        json={"prompt": prompt, "stream": True, **GREEDY},
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -111,13 +120,27 @@ def test_unguarded_server_streams_the_same_text_as_its_json(server):
 def test_bad_guard_file_fails_at_start_with_a_clear_error(tmp_path):
     path = tmp_path / "p.json"
     path.write_text("{oops")
-    r = subprocess.run([sys.executable, "-m", "ultrafast.cli", "serve", "--guard-patterns",
-                        str(path), "--port", "1"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ultrafast.cli",
+            "serve",
+            "--guard-patterns",
+            str(path),
+            "--port",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "not valid JSON" in r.stderr
 
 
 def test_without_keys_the_server_says_it_is_loopback_only(guarded):
     srv = guarded[0]
     srv.stop()
-    assert "no --api-keys: authentication is off, listening on loopback only" in \
-        srv.proc.stdout.read()
+    assert (
+        "no --api-keys: authentication is off, listening on loopback only" in srv.proc.stdout.read()
+    )

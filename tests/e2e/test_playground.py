@@ -31,8 +31,15 @@ def browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-extensions", "--no-first-run", "--window-size=1000,800"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-extensions",
+        "--no-first-run",
+        "--window-size=1000,800",
+    ):
         options.add_argument(flag)
     os.environ.setdefault("SE_OFFLINE", "true")  # selenium manager: never reach the network
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
@@ -59,8 +66,9 @@ def test_playground_streams_with_live_stats(server, browser, tier):
     browser.find_element("id", "send").click()
     wait = WebDriverWait(browser, 60)
     wait.until(lambda d: d.find_element("id", "status").text in ("done", "error"))
-    assert browser.find_element("id", "status").text == "done", \
-        browser.find_element("id", "output").text
+    assert browser.find_element("id", "status").text == "done", browser.find_element(
+        "id", "output"
+    ).text
     assert browser.find_element("id", "output").text.strip()  # streamed text arrived
     ttft = _number(browser, "ttft")
     tps = _number(browser, "tps")

@@ -19,8 +19,9 @@ MODEL = "demo-code"
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     db_url = f"sqlite:///{tmp_path_factory.mktemp('conformance')}/sessions.db"
-    server = ServerProcess("--priority-ttft-ms", "10000", "--session-store", db_url,
-                           max_model_len=1024)
+    server = ServerProcess(
+        "--priority-ttft-ms", "10000", "--session-store", db_url, max_model_len=1024
+    )
     yield server
     server.stop()
 
@@ -38,27 +39,49 @@ def error_of(r: httpx.Response) -> tuple:
 
 def test_responses_accept_the_defaults_a_response_carries(client):
     r = client.responses.create(
-        model=MODEL, input="def f():", max_output_tokens=4, text={"format": {"type": "text"}},
-        tools=[], tool_choice="auto", include=[], top_logprobs=0, background=False,
-        max_tool_calls=3, reasoning={"effort": "low"}, parallel_tool_calls=False,
-        truncation="disabled", safety_identifier="u-1", prompt_cache_key="k",
-        store=False)
+        model=MODEL,
+        input="def f():",
+        max_output_tokens=4,
+        text={"format": {"type": "text"}},
+        tools=[],
+        tool_choice="auto",
+        include=[],
+        top_logprobs=0,
+        background=False,
+        max_tool_calls=3,
+        reasoning={"effort": "low"},
+        parallel_tool_calls=False,
+        truncation="disabled",
+        safety_identifier="u-1",
+        prompt_cache_key="k",
+        store=False,
+    )
     assert r.status == "incomplete" and r.output_text
     assert r.text.format.type == "text" and r.tools == [] and r.tool_choice == "auto"
     assert r.max_tool_calls == 3 and r.background is False
     # what came back can be sent back as it is
     again = client.responses.create(
-        model=MODEL, input="def g():", max_output_tokens=4, store=False,
-        text=r.text.model_dump(exclude_none=True), tool_choice=r.tool_choice, tools=r.tools,
-        top_logprobs=r.top_logprobs, background=r.background)
+        model=MODEL,
+        input="def g():",
+        max_output_tokens=4,
+        store=False,
+        text=r.text.model_dump(exclude_none=True),
+        tool_choice=r.tool_choice,
+        tools=r.tools,
+        top_logprobs=r.top_logprobs,
+        background=r.background,
+    )
     assert again.output_text
 
 
 def test_responses_refuse_what_they_cannot_do_by_its_own_name(srv):
     def post(body):
         return httpx.post(srv.url + "/v1/responses", json={"input": "x", **body}, timeout=30)
+
     assert error_of(post({"tools": [{"type": "function", "name": "f"}]}))[1:] == (
-        "unsupported_parameter", "tools")
+        "unsupported_parameter",
+        "tools",
+    )
     assert error_of(post({"background": True}))[1:] == ("unsupported_parameter", "background")
     assert error_of(post({"text": {"format": {"type": "json_object"}}}))[0] == 400
 
@@ -66,36 +89,54 @@ def test_responses_refuse_what_they_cannot_do_by_its_own_name(srv):
 def test_responses_errors_name_the_exact_item_and_responses_fields(srv):
     def post(body):
         return httpx.post(srv.url + "/v1/responses", json=body, timeout=30)
-    items = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
-             {"role": "user", "content": [{"type": "input_text", "text": 5}]}]
+
+    items = [
+        {"role": "user", "content": "a"},
+        {"role": "user", "content": "b"},
+        {"role": "user", "content": [{"type": "input_text", "text": 5}]},
+    ]
     assert error_of(post({"input": items})) == (400, "invalid_type", "input[2].content[0].text")
     items[2] = {"role": "robot", "content": "c"}
     assert error_of(post({"input": items}))[1:] == ("invalid_value", "input[2].role")
-    assert error_of(post({"input": "x", "max_output_tokens": 10 ** 6}))[1:] == (
-        "invalid_value", "max_output_tokens")
+    assert error_of(post({"input": "x", "max_output_tokens": 10**6}))[1:] == (
+        "invalid_value",
+        "max_output_tokens",
+    )
     assert error_of(post({"input": "x", "max_output_tokens": 1024}))[1:] == (
-        "context_length_exceeded", "max_output_tokens")
+        "context_length_exceeded",
+        "max_output_tokens",
+    )
     assert error_of(post({"input": "x " * 3000}))[1:] == ("context_length_exceeded", "input")
-    assert error_of(post({"input": "x", "temperature": 3}))[1:] == ("invalid_value",
-                                                                    "temperature")
-    assert error_of(post({"input": "x", "service_tier": "gold"}))[1:] == ("invalid_value",
-                                                                          "service_tier")
+    assert error_of(post({"input": "x", "temperature": 3}))[1:] == ("invalid_value", "temperature")
+    assert error_of(post({"input": "x", "service_tier": "gold"}))[1:] == (
+        "invalid_value",
+        "service_tier",
+    )
     assert error_of(post({"input": []}))[1:] == ("invalid_value", "input")
-    r = httpx.post(srv.url + "/v1/conversations", timeout=30, json={
-        "items": [{"role": "user", "content": "ok"}, {"role": "user", "content": [
-            {"type": "input_text", "text": "x", "colour": "red"}]}]})
+    r = httpx.post(
+        srv.url + "/v1/conversations",
+        timeout=30,
+        json={
+            "items": [
+                {"role": "user", "content": "ok"},
+                {"role": "user", "content": [{"type": "input_text", "text": "x", "colour": "red"}]},
+            ]
+        },
+    )
     assert error_of(r) == (400, "unknown_parameter", "items[1].content[0].colour")
 
 
 def test_responses_usage_details_and_no_null_user(srv, client):
-    r = httpx.post(srv.url + "/v1/responses", timeout=30, json={
-        "input": "def h():", "max_output_tokens": 4}).json()
+    r = httpx.post(
+        srv.url + "/v1/responses", timeout=30, json={"input": "def h():", "max_output_tokens": 4}
+    ).json()
     assert "user" not in r
     details = r["usage"]["input_tokens_details"]
     assert details["cached_tokens"] + details["cache_write_tokens"] == r["usage"]["input_tokens"]
     assert "user" not in httpx.get(srv.url + f"/v1/responses/{r['id']}", timeout=30).json()
-    with_user = client.responses.create(model=MODEL, input="def u():", max_output_tokens=2,
-                                        user="alice", store=False)
+    with_user = client.responses.create(
+        model=MODEL, input="def u():", max_output_tokens=2, user="alice", store=False
+    )
     assert with_user.user == "alice"
     typed = client.responses.create(model=MODEL, input="def t():", max_output_tokens=2)
     assert typed.usage.input_tokens_details.cached_tokens >= 0
@@ -103,30 +144,41 @@ def test_responses_usage_details_and_no_null_user(srv, client):
 
 def test_conversation_items_carry_logprobs_and_metadata_updates(client, srv):
     conv = client.conversations.create(metadata={"topic": "a"})
-    client.responses.create(model=MODEL, input="def k():", max_output_tokens=4,
-                            conversation=conv.id)
+    client.responses.create(
+        model=MODEL, input="def k():", max_output_tokens=4, conversation=conv.id
+    )
     items = client.conversations.items.list(conv.id, order="asc").data
     answer = [i for i in items if i.role == "assistant"][0]
     assert answer.content[0].type == "output_text" and answer.content[0].logprobs == []
     updated = client.conversations.update(conv.id, metadata={"topic": "b", "x": "1"})
     assert updated.metadata == {"topic": "b", "x": "1"}
     assert client.conversations.retrieve(conv.id).metadata == {"topic": "b", "x": "1"}
-    r = httpx.post(srv.url + "/v1/conversations/conv_missing", json={"metadata": {}},
-                   timeout=30)
+    r = httpx.post(srv.url + "/v1/conversations/conv_missing", json={"metadata": {}}, timeout=30)
     assert error_of(r) == (404, "conversation_not_found", None)
-    r = httpx.post(srv.url + f"/v1/conversations/{conv.id}", json={"metadata": {"k": 1}},
-                   timeout=30)
+    r = httpx.post(
+        srv.url + f"/v1/conversations/{conv.id}", json={"metadata": {"k": 1}}, timeout=30
+    )
     assert error_of(r)[:2] == (400, "invalid_type")
 
 
 def test_stored_chat_completions_get_list_messages_delete(client, srv):
-    made = [client.chat.completions.create(
-        model=MODEL, messages=[{"role": "system", "content": "be short"},
-                               {"role": "user", "content": f"def s{i}():"}],
-        max_tokens=3, temperature=0, store=True, metadata={"run": "conf", "i": str(i)})
-        for i in range(3)]
-    unstored = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
-        {"role": "user", "content": "x"}])
+    made = [
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {"role": "system", "content": "be short"},
+                {"role": "user", "content": f"def s{i}():"},
+            ],
+            max_tokens=3,
+            temperature=0,
+            store=True,
+            metadata={"run": "conf", "i": str(i)},
+        )
+        for i in range(3)
+    ]
+    unstored = client.chat.completions.create(
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}]
+    )
     got = client.chat.completions.retrieve(made[0].id)
     assert got.id == made[0].id
     assert got.choices[0].message.content == made[0].choices[0].message.content
@@ -135,16 +187,23 @@ def test_stored_chat_completions_get_list_messages_delete(client, srv):
     listed = [c.id for c in client.chat.completions.list(metadata={"run": "conf"})]
     assert listed == [c.id for c in made]  # oldest first by default
     assert [c.id for c in client.chat.completions.list(metadata={"i": "1"})] == [made[1].id]
-    page = httpx.get(srv.url + "/v1/chat/completions", params={
-        "limit": 1, "order": "desc", "metadata[run]": "conf"}, timeout=30).json()
+    page = httpx.get(
+        srv.url + "/v1/chat/completions",
+        params={"limit": 1, "order": "desc", "metadata[run]": "conf"},
+        timeout=30,
+    ).json()
     assert [c["id"] for c in page["data"]] == [made[2].id] and page["has_more"] is True
-    page = httpx.get(srv.url + "/v1/chat/completions", params={
-        "limit": 5, "order": "desc", "metadata[run]": "conf", "after": made[2].id},
-        timeout=30).json()
+    page = httpx.get(
+        srv.url + "/v1/chat/completions",
+        params={"limit": 5, "order": "desc", "metadata[run]": "conf", "after": made[2].id},
+        timeout=30,
+    ).json()
     assert [c["id"] for c in page["data"]] == [made[1].id, made[0].id]
     messages = client.chat.completions.messages.list(made[1].id).data
-    assert [(m.role, m.content) for m in messages] == [("system", "be short"),
-                                                       ("user", "def s1():")]
+    assert [(m.role, m.content) for m in messages] == [
+        ("system", "be short"),
+        ("user", "def s1():"),
+    ]
     assert len({m.id for m in messages}) == 2
     deleted = client.chat.completions.delete(made[0].id)
     assert deleted.deleted is True and deleted.id == made[0].id

@@ -22,8 +22,9 @@ def db_url(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(db_url):
-    server = ServerProcess("--priority-ttft-ms", "10000", "--session-store", db_url,
-                           max_model_len=1024)
+    server = ServerProcess(
+        "--priority-ttft-ms", "10000", "--session-store", db_url, max_model_len=1024
+    )
     yield server
     server.stop()
 
@@ -35,8 +36,12 @@ def client(srv):
 
 def _chat(client, content, **extra):
     return client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=24,
-        temperature=0, **extra)
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=24,
+        temperature=0,
+        **extra,
+    )
 
 
 TURNS = ["def add(a, b):", "def sub(a, b):", "def mul(a, b):"]
@@ -78,8 +83,14 @@ def test_chat_session_holds_the_history_and_reuses_its_kv(client):
 def test_retry_with_the_same_idempotency_key_is_one_generation_and_one_turn(srv):
     """F16: a retry after the answer was stored gets that answer back (no second turn); a
     retry while the first attempt still streams gets 409 request_in_progress."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "def idem(x):"}],
-            "max_tokens": 16, "temperature": 1.0, "seed": None, "session_id": "chat-idem"}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "def idem(x):"}],
+        "max_tokens": 16,
+        "temperature": 1.0,
+        "seed": None,
+        "session_id": "chat-idem",
+    }
     key = {"Idempotency-Key": "retry-1"}
     with httpx.Client(base_url=srv.url, timeout=60) as c:
         first = c.post("/v1/chat/completions", json=body, headers=key)
@@ -89,23 +100,26 @@ def test_retry_with_the_same_idempotency_key_is_one_generation_and_one_turn(srv)
         items = c.get("/v1/conversations/chat-idem/items", params={"order": "asc"}).json()
         # a second call with a fresh key while a long stream with that key runs
         long_body = {**body, "max_tokens": 400, "ignore_eos": True, "stream": True}
-        with c.stream("POST", "/v1/chat/completions", json=long_body,
-                      headers={"Idempotency-Key": "retry-3"}) as running:
+        with c.stream(
+            "POST", "/v1/chat/completions", json=long_body, headers={"Idempotency-Key": "retry-3"}
+        ) as running:
             assert running.status_code == 200
             lines = running.iter_lines()  # kept: dropping the iterator would close the stream
             next(lines)  # the stream started: its user turn is stored
-            busy = c.post("/v1/chat/completions", json=body,
-                          headers={"Idempotency-Key": "retry-3"})
+            busy = c.post("/v1/chat/completions", json=body, headers={"Idempotency-Key": "retry-3"})
             assert "data: [DONE]" in list(lines)
     text = first.json()["choices"][0]["message"]["content"]
     assert first.status_code == again.status_code == streamed.status_code == 200
     assert "idempotent-replayed" not in first.headers
     assert again.headers["idempotent-replayed"] == "true"
     assert again.json()["choices"][0]["message"]["content"] == text  # sampled, yet the same
-    deltas = [json.loads(line[6:]) for line in streamed.text.splitlines()
-              if line.startswith("data: {")]
-    assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in deltas
-                   if ch["choices"]) == text
+    deltas = [
+        json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")
+    ]
+    assert (
+        "".join(ch["choices"][0]["delta"].get("content") or "" for ch in deltas if ch["choices"])
+        == text
+    )
     assert streamed.text.rstrip().endswith("data: [DONE]")
     # one user + one assistant turn for retry-1, and one more pair for the other key
     assert [i["role"] for i in items["data"]] == ["user", "assistant"] * 2
@@ -128,29 +142,50 @@ def test_session_errors_are_openai_envelopes(srv, client):
     assert missing.value.body["code"] == "previous_response_not_found"
     r = httpx.post(srv.url + "/v1/responses", json={"input": "x", "tools_x": 1}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
-    r = httpx.post(srv.url + "/v1/responses", json={"input": "x", "max_output_tokens": 0},
-                   timeout=30)
+    r = httpx.post(
+        srv.url + "/v1/responses", json={"input": "x", "max_output_tokens": 0}, timeout=30
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
 
 
 def test_responses_chain_retrieve_delete_and_branch(client):
-    first = client.responses.create(model=MODEL, input="def first():", max_output_tokens=8,
-                                    temperature=0)
+    first = client.responses.create(
+        model=MODEL, input="def first():", max_output_tokens=8, temperature=0
+    )
     assert first.status in ("completed", "incomplete") and first.output_text
-    second = client.responses.create(model=MODEL, input="def second():", max_output_tokens=8,
-                                     temperature=0, previous_response_id=first.id)
+    second = client.responses.create(
+        model=MODEL,
+        input="def second():",
+        max_output_tokens=8,
+        temperature=0,
+        previous_response_id=first.id,
+    )
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert second.usage.input_tokens_details.cached_tokens > 0
     # a second reply to `first` forks: it sees first's history, not `second`
-    fork = client.responses.create(model=MODEL, input="def second():", max_output_tokens=8,
-                                   temperature=0, previous_response_id=first.id)
+    fork = client.responses.create(
+        model=MODEL,
+        input="def second():",
+        max_output_tokens=8,
+        temperature=0,
+        previous_response_id=first.id,
+    )
     assert fork.usage.input_tokens == second.usage.input_tokens
     assert fork.output_text == second.output_text
-    third = client.responses.create(model=MODEL, input="def third():", max_output_tokens=8,
-                                    temperature=0, previous_response_id=second.id)
-    third_fork = client.responses.create(model=MODEL, input="def third():",
-                                         max_output_tokens=8, temperature=0,
-                                         previous_response_id=fork.id)
+    third = client.responses.create(
+        model=MODEL,
+        input="def third():",
+        max_output_tokens=8,
+        temperature=0,
+        previous_response_id=second.id,
+    )
+    third_fork = client.responses.create(
+        model=MODEL,
+        input="def third():",
+        max_output_tokens=8,
+        temperature=0,
+        previous_response_id=fork.id,
+    )
     assert third.usage.input_tokens == third_fork.usage.input_tokens
     got = client.responses.retrieve(second.id)
     assert got.id == second.id and got.output_text == second.output_text
@@ -161,13 +196,23 @@ def test_responses_chain_retrieve_delete_and_branch(client):
 
 
 def test_responses_stream_uses_openai_event_names(client):
-    events = list(client.responses.create(model=MODEL, input="def f(x):", max_output_tokens=6,
-                                          temperature=0, stream=True))
+    events = list(
+        client.responses.create(
+            model=MODEL, input="def f(x):", max_output_tokens=6, temperature=0, stream=True
+        )
+    )
     names = [e.type for e in events]
-    assert names[:4] == ["response.created", "response.in_progress",
-                         "response.output_item.added", "response.content_part.added"]
-    assert names[-4:-1] == ["response.output_text.done", "response.content_part.done",
-                            "response.output_item.done"]
+    assert names[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert names[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
     assert names[-1] in ("response.completed", "response.incomplete")
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas and deltas == events[-1].response.output_text
@@ -183,21 +228,29 @@ def test_stateless_responses_store_nothing(client):
 
 
 def test_conversations_api(client):
-    conv = client.conversations.create(items=[{"type": "message", "role": "user",
-                                               "content": "def hello():"}],
-                                       metadata={"topic": "x"})
+    conv = client.conversations.create(
+        items=[{"type": "message", "role": "user", "content": "def hello():"}],
+        metadata={"topic": "x"},
+    )
     assert conv.id.startswith("conv_") and conv.metadata == {"topic": "x"}
-    r = client.responses.create(model=MODEL, input="def world():", max_output_tokens=6,
-                                conversation=conv.id, temperature=0)
+    r = client.responses.create(
+        model=MODEL, input="def world():", max_output_tokens=6, conversation=conv.id, temperature=0
+    )
     assert r.conversation.id == conv.id
-    added = client.conversations.items.create(conv.id, items=[
-        {"type": "message", "role": "user", "content": [{"type": "input_text",
-                                                         "text": "more"}]}])
+    added = client.conversations.items.create(
+        conv.id,
+        items=[
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "more"}]}
+        ],
+    )
     assert [i.role for i in added.data] == ["user"]
     items = client.conversations.items.list(conv.id, order="asc").data
     assert [(i.role, i.content[0].text) for i in items] == [
-        ("user", "def hello():"), ("user", "def world():"), ("assistant", r.output_text),
-        ("user", "more")]
+        ("user", "def hello():"),
+        ("user", "def world():"),
+        ("assistant", r.output_text),
+        ("user", "more"),
+    ]
     # the same history through chat completions' session_id
     chat = _chat(client, "def again():", extra_body={"session_id": conv.id})
     assert chat.usage.prompt_tokens > r.usage.input_tokens
@@ -221,12 +274,12 @@ def test_sqlite_history_survives_a_server_restart(db_url):
     try:
         c = OpenAI(base_url=second.url + "/v1", api_key="unused", max_retries=0)
         items = c.conversations.items.list("restart-1", order="asc").data
-        assert [i.content[0].text for i in items] == ["def keep():",
-                                                       one.choices[0].message.content]
+        assert [i.content[0].text for i in items] == ["def keep():", one.choices[0].message.content]
         two = _chat(c, "def more():", extra_body={"session_id": "restart-1"})
         assert two.usage.prompt_tokens > one.usage.prompt_tokens + one.usage.completion_tokens
-        after = c.responses.create(model=MODEL, input="def next():", max_output_tokens=6,
-                                   previous_response_id=resp.id)
+        after = c.responses.create(
+            model=MODEL, input="def next():", max_output_tokens=6, previous_response_id=resp.id
+        )
         assert after.usage.input_tokens > resp.usage.input_tokens + resp.usage.output_tokens
     finally:
         second.stop()

@@ -38,8 +38,7 @@ def test_prediction_is_used_and_counted(client):
     text = plain.choices[0].message.content
     edited = text.replace("path", "p4th", 1)  # a prediction that is mostly right
     for tier in ("flex", "priority"):
-        out = chat(client, service_tier=tier,
-                   prediction={"type": "content", "content": edited})
+        out = chat(client, service_tier=tier, prediction={"type": "content", "content": edited})
         assert out.choices[0].message.content == text
         details = out.usage.completion_tokens_details
         assert details.accepted_prediction_tokens > 10
@@ -51,22 +50,34 @@ def test_prediction_with_streaming_logprobs_and_stop(client):
     plain = chat(client, logprobs=True, service_tier="default")
     text = plain.choices[0].message.content
     prediction = {"type": "content", "content": text}
-    chunks = list(chat(client, prediction=prediction, stream=True, logprobs=True,
-                       stream_options={"include_usage": True}))
+    chunks = list(
+        chat(
+            client,
+            prediction=prediction,
+            stream=True,
+            logprobs=True,
+            stream_options={"include_usage": True},
+        )
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == text
-    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
-              for t in c.choices[0].logprobs.content]
+    tokens = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
     assert len(tokens) == plain.usage.completion_tokens  # every token once, in order
     assert [t.token for t in tokens] == [t.token for t in plain.choices[0].logprobs.content]
     # same values up to the f16 kernels' batch-size rounding (k+1 positions vs one)
-    assert all(abs(a.logprob - b.logprob) < 0.02
-               for a, b in zip(tokens, plain.choices[0].logprobs.content))
+    assert all(
+        abs(a.logprob - b.logprob) < 0.02 for a, b in zip(tokens, plain.choices[0].logprobs.content)
+    )
     usage = chunks[-1].usage
     assert usage.completion_tokens_details.accepted_prediction_tokens > 10
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     cut = chat(client, prediction=prediction, stop=[stop])
-    assert cut.choices[0].message.content == text[:text.index(stop)]
+    assert cut.choices[0].message.content == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
     short = chat(client, prediction=prediction, max_tokens=5)
     assert short.usage.completion_tokens == 5 and text.startswith(short.choices[0].message.content)

@@ -16,14 +16,16 @@ BODY = {"messages": [{"role": "user", "content": "def fibonacci(n):"}], "max_tok
 def test_priority_refused_when_target_unreachable_and_auto_falls_back():
     srv = ServerProcess("--priority-ttft-ms", "0.001")
     try:
-        r = httpx.post(srv.url + "/v1/chat/completions", json={**BODY, "service_tier": "priority"},
-                       timeout=30)
+        r = httpx.post(
+            srv.url + "/v1/chat/completions", json={**BODY, "service_tier": "priority"}, timeout=30
+        )
         assert r.status_code == 429, r.text
         err = r.json()["error"]
         assert err["code"] == "priority_slo_unattainable" and err["predicted_ttft_ms"] > 0
         assert int(r.headers["retry-after"]) >= 1
-        auto = httpx.post(srv.url + "/v1/chat/completions", json={**BODY, "service_tier": "auto"},
-                          timeout=30)
+        auto = httpx.post(
+            srv.url + "/v1/chat/completions", json={**BODY, "service_tier": "auto"}, timeout=30
+        )
         assert auto.status_code == 200 and auto.json()["service_tier"] == "default"
     finally:
         srv.stop()
@@ -34,9 +36,18 @@ def test_sigterm_drains_running_streams_then_exits_zero():
     events: list[str] = []
 
     def stream():
-        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
-                "prompt": "import os", "max_tokens": 400, "stream": True, "ignore_eos": True,
-                "temperature": 0}) as r:
+        with httpx.stream(
+            "POST",
+            srv.url + "/v1/completions",
+            timeout=60,
+            json={
+                "prompt": "import os",
+                "max_tokens": 400,
+                "stream": True,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     events.append(line)

@@ -8,12 +8,21 @@ from tests.decode_twin import run_twin
 from ultrafast.executors.torch_exec import TorchExecutor
 from ultrafast.model.loader import build_dummy_model
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 128,
-          "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "max_position_embeddings": 256}
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 256,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 
 
 @pytest.mark.parametrize("mode", ["graphs", "inductor"])

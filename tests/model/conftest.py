@@ -15,8 +15,10 @@ import torch
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]  # ids 0, 1, 2
 BOS_ID, EOS_ID = 0, 2
-CHAT_TEMPLATE = ("{% for m in messages %}<|begin_of_text|>{{ m['role'] }}: {{ m['content'] }}"
-                 "<|eot_id|>{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|begin_of_text|>{{ m['role'] }}: {{ m['content'] }}"
+    "<|eot_id|>{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
 _TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "Hello world! How are you today? I'm fine, thanks.",
@@ -35,17 +37,25 @@ def write_tiny_tokenizer(model_dir: Path, vocab_size: int = 400) -> int:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_TEXTS, trainer)
     # Llama-3 style: BOS comes from the post-processor, not from an add_bos_token flag
     tok.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", BOS_ID)])
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", BOS_ID)]
+    )
     tok.save(str(model_dir / "tokenizer.json"))
-    tok_config = {"bos_token": SPECIAL_TOKENS[BOS_ID], "eos_token": SPECIAL_TOKENS[EOS_ID],
-                  "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
-                  "model_max_length": 256}
+    tok_config = {
+        "bos_token": SPECIAL_TOKENS[BOS_ID],
+        "eos_token": SPECIAL_TOKENS[EOS_ID],
+        "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 256,
+    }
     (model_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=1))
     return tok.get_vocab_size()
 
@@ -53,14 +63,29 @@ def write_tiny_tokenizer(model_dir: Path, vocab_size: int = 400) -> int:
 def _config(kind: str, vocab_size: int):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=20000.0,
-                  bos_token_id=BOS_ID, eos_token_id=EOS_ID, initializer_range=0.15,
-                  tie_word_embeddings=kind == "llama_tied")
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=20000.0,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        initializer_range=0.15,
+        tie_word_embeddings=kind == "llama_tied",
+    )
     if kind == "llama3_rope":  # small original context so all three frequency bands occur
-        common["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        common["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
     if kind.startswith("llama"):
         return LlamaConfig(**common)
     if kind == "qwen2":
@@ -90,8 +115,12 @@ def build_tiny_hf_dir(model_dir: Path, kind: str = "llama", seed: int = 0) -> Pa
 @pytest.fixture(scope="session")
 def tiny_tokenizer_info() -> dict:
     """What the tiny tokenizer promises (tests import nothing from conftest by name)."""
-    return {"bos_id": BOS_ID, "eos_id": EOS_ID, "special_tokens": list(SPECIAL_TOKENS),
-            "chat_template": CHAT_TEMPLATE}
+    return {
+        "bos_id": BOS_ID,
+        "eos_id": EOS_ID,
+        "special_tokens": list(SPECIAL_TOKENS),
+        "chat_template": CHAT_TEMPLATE,
+    }
 
 
 @pytest.fixture(scope="session")
@@ -143,7 +172,8 @@ def tiny_hf_model_factory(make_tiny_hf_dir):
     def make(kind: str = "llama"):
         if kind not in cache:
             cache[kind] = AutoModelForCausalLM.from_pretrained(
-                make_tiny_hf_dir(kind), dtype="float32", attn_implementation="eager").eval()
+                make_tiny_hf_dir(kind), dtype="float32", attn_implementation="eager"
+            ).eval()
         return cache[kind]
 
     return make

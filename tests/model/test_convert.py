@@ -18,23 +18,29 @@ import torch
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
-from ultrafast.executors.llama_cpp_params import open_llama
 from ultrafast.convert import convert_hf_to_gguf  # noqa: E402
+from ultrafast.executors.llama_cpp_params import open_llama  # noqa: E402
 
 PROMPT = [5, 17, 99, 200, 3, 45, 67, 300, 12, 8] * 8  # 80 positions: past rope's original ctx
 
 
 def _llama(path, **kwargs):
-    return open_llama(str(path), n_ctx=256, n_threads=2, verbose=False,
-                           type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
-                           **kwargs)
+    return open_llama(
+        str(path),
+        n_ctx=256,
+        n_threads=2,
+        verbose=False,
+        type_k=llama_cpp.GGML_TYPE_F32,
+        type_v=llama_cpp.GGML_TYPE_F32,
+        **kwargs,
+    )
 
 
 def _llama_cpp_logits(path, token_ids) -> torch.Tensor:
     llm = _llama(path, logits_all=True)
     try:
         llm.eval(token_ids)
-        return torch.from_numpy(np.array(llm.scores[:len(token_ids)]))
+        return torch.from_numpy(np.array(llm.scores[: len(token_ids)]))
     finally:
         llm.close()
 
@@ -92,7 +98,9 @@ def test_metadata_matches_config(tiny_llama_dir, tiny_llama_gguf_f32, tiny_token
     token_types = [int(types.parts[i][0]) for i in types.data]
     num_special = len(info["special_tokens"])
     assert token_types[:num_special] == [gguf.TokenType.CONTROL] * num_special
-    assert token_types[num_special:] == [gguf.TokenType.NORMAL] * (config["vocab_size"] - num_special)
+    assert token_types[num_special:] == [gguf.TokenType.NORMAL] * (
+        config["vocab_size"] - num_special
+    )
 
 
 def test_tokenizer_matches_hf_tokenizers(tiny_llama_dir, tiny_llama_gguf_f32, tiny_tokenizer_info):
@@ -101,12 +109,18 @@ def test_tokenizer_matches_hf_tokenizers(tiny_llama_dir, tiny_llama_gguf_f32, ti
     hf_tok = Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json"))
     llm = _llama(tiny_llama_gguf_f32, vocab_only=True)
     try:
-        for text in ["Hello world! How are you?", "def add(a, b):\n    return a + b",
-                     "émojis 🚀 and  spaces\t42 1000", "unseen Zebra words qq"]:
+        for text in [
+            "Hello world! How are you?",
+            "def add(a, b):\n    return a + b",
+            "émojis 🚀 and  spaces\t42 1000",
+            "unseen Zebra words qq",
+        ]:
             expected = hf_tok.encode(text, add_special_tokens=False).ids
             assert llm.tokenize(text.encode(), add_bos=False, special=False) == expected
         # BOS comes from the tokenizer's post-processor; the GGUF must say add_bos_token = true
-        assert llm.tokenize(b"Hello", add_bos=True, special=False)[0] == tiny_tokenizer_info["bos_id"]
+        assert (
+            llm.tokenize(b"Hello", add_bos=True, special=False)[0] == tiny_tokenizer_info["bos_id"]
+        )
     finally:
         llm.close()
 
@@ -120,8 +134,7 @@ def test_q8_0_close_to_f32(make_tiny_gguf):
     assert agree >= 0.85
 
 
-@pytest.mark.parametrize("outtype, ggml_type", [("f16", "F16"), ("bf16", "BF16"),
-                                                ("q8_0", "Q8_0")])
+@pytest.mark.parametrize("outtype, ggml_type", [("f16", "F16"), ("bf16", "BF16"), ("q8_0", "Q8_0")])
 def test_outtypes_keep_1d_tensors_f32(outtype, ggml_type, make_tiny_gguf):
     path = make_tiny_gguf("qwen2", outtype)
     for tensor in gguf.GGUFReader(path).tensors:

@@ -32,13 +32,26 @@ def executor(tiny_llama_gguf_f32):
 
 
 def _seq(request_id, slot_id, token_ids, start, num_logits=1, params=GREEDY, num_output=0):
-    return ScheduledSeq(request_id=request_id, slot_id=slot_id, token_ids=list(token_ids),
-                        start_position=start, num_logits=num_logits, sampling_params=params,
-                        sampling_seed=1234, num_output_tokens=num_output)
+    return ScheduledSeq(
+        request_id=request_id,
+        slot_id=slot_id,
+        token_ids=list(token_ids),
+        start_position=start,
+        num_logits=num_logits,
+        sampling_params=params,
+        sampling_seed=1234,
+        num_output_tokens=num_output,
+    )
 
 
-def generate(ex, prompts: dict[str, list[int]], num_new: int, slots: dict[str, int] | None = None,
-             chunk: int | None = None, params=GREEDY) -> dict[str, list[int]]:
+def generate(
+    ex,
+    prompts: dict[str, list[int]],
+    num_new: int,
+    slots: dict[str, int] | None = None,
+    chunk: int | None = None,
+    params=GREEDY,
+) -> dict[str, list[int]]:
     """All requests step together: chunked prefill (`chunk` tokens a step), then 1 token a step."""
     slots = slots or {rid: i for i, rid in enumerate(prompts)}
     computed = {rid: 0 for rid in prompts}
@@ -51,9 +64,17 @@ def generate(ex, prompts: dict[str, list[int]], num_new: int, slots: dict[str, i
             tokens = prompt + outputs[rid]
             start = computed[rid]
             end = len(tokens) if chunk is None else min(len(tokens), start + chunk)
-            seqs.append(_seq(rid, slots[rid], tokens[start:end], start,
-                             num_logits=1 if end == len(tokens) else 0, params=params,
-                             num_output=len(outputs[rid])))
+            seqs.append(
+                _seq(
+                    rid,
+                    slots[rid],
+                    tokens[start:end],
+                    start,
+                    num_logits=1 if end == len(tokens) else 0,
+                    params=params,
+                    num_output=len(outputs[rid]),
+                )
+            )
             computed[rid] = end
         result = ex.execute(StepPlan(seqs))
         assert not result.errors
@@ -64,9 +85,14 @@ def generate(ex, prompts: dict[str, list[int]], num_new: int, slots: dict[str, i
 
 def _hf_greedy(hf_model, prompt: list[int], num_new: int) -> list[int]:
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=num_new,
-                                eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = hf_model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=num_new,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_greedy_matches_transformers_generate(executor, tiny_hf_model_factory):
@@ -93,8 +119,10 @@ def test_kv_copy_prefix_reuse(executor):
     expected = generate(executor, {"full": prefix + suffix}, 10, slots={"full": 3})["full"]
     generate(executor, {"owner": prefix + [1, 2, 3]}, 4, slots={"owner": 0})  # slot 0 caches it
 
-    plan = StepPlan([_seq("reuse", 1, suffix, len(prefix))],
-                    kv_copies=[KVCopy(src_slot_id=0, dst_slot_id=1, num_tokens=len(prefix))])
+    plan = StepPlan(
+        [_seq("reuse", 1, suffix, len(prefix))],
+        kv_copies=[KVCopy(src_slot_id=0, dst_slot_id=1, num_tokens=len(prefix))],
+    )
     outputs = executor.execute(plan).sampled_token_ids["reuse"]
     for i in range(9):
         step = _seq("reuse", 1, outputs[-1:], len(prefix) + len(suffix) + i, num_output=i + 1)
@@ -108,9 +136,13 @@ def test_kv_copy_leaves_source_intact(executor):
     first = executor.execute(StepPlan([_seq("x", 0, prompt, 0)])).sampled_token_ids["x"]
     copy = KVCopy(src_slot_id=0, dst_slot_id=2, num_tokens=10)
     other = _seq("y", 2, [300, 301], 10)  # diverges from slot 0 after the copied prefix
-    tokens = first + executor.execute(StepPlan([other, _seq("x", 0, first, len(prompt))],
-                                               kv_copies=[copy])).sampled_token_ids["x"]
-    for i in range(4):
+    tokens = (
+        first
+        + executor.execute(
+            StepPlan([other, _seq("x", 0, first, len(prompt))], kv_copies=[copy])
+        ).sampled_token_ids["x"]
+    )
+    for _i in range(4):
         step = _seq("x", 0, tokens[-1:], len(prompt) + len(tokens) - 1)
         tokens += executor.execute(StepPlan([step])).sampled_token_ids["x"]
     assert tokens == expected
@@ -125,10 +157,11 @@ def test_slot_reused_at_lower_start_position(executor):
     prompt = PROMPTS["b"]
     expected = generate(executor, {"r": prompt}, 6, slots={"r": 1})["r"]
     first = executor.execute(StepPlan([_seq("r", 1, prompt, 0)])).sampled_token_ids["r"]
-    drafted = executor.execute(StepPlan([_seq("r", 1, first + [1, 1, 1], len(prompt),
-                                              num_logits=4)])).sampled_token_ids["r"]
+    drafted = executor.execute(
+        StepPlan([_seq("r", 1, first + [1, 1, 1], len(prompt), num_logits=4)])
+    ).sampled_token_ids["r"]
     tokens = first + drafted[:1]  # only the real token's prediction is kept
-    for i in range(4):
+    for _i in range(4):
         step = _seq("r", 1, tokens[-1:], len(prompt) + len(tokens) - 1)
         tokens += executor.execute(StepPlan([step])).sampled_token_ids["r"]
     assert tokens == expected
@@ -136,10 +169,14 @@ def test_slot_reused_at_lower_start_position(executor):
 
 def test_bad_requests_fail_alone(executor):
     expected = generate(executor, {"good": PROMPTS["a"]}, 1, slots={"good": 0})["good"]
-    plan = StepPlan([_seq("bad_token", 1, [5, executor.vocab_size + 3], 0),
-                     _seq("good", 0, PROMPTS["a"], 0),
-                     _seq("gap", 2, [5, 6], 100),  # slot 2 never held 100 positions
-                     _seq("too_long", 3, [5] * 10, 125)])
+    plan = StepPlan(
+        [
+            _seq("bad_token", 1, [5, executor.vocab_size + 3], 0),
+            _seq("good", 0, PROMPTS["a"], 0),
+            _seq("gap", 2, [5, 6], 100),  # slot 2 never held 100 positions
+            _seq("too_long", 3, [5] * 10, 125),
+        ]
+    )
     result = executor.execute(plan)
     assert result.sampled_token_ids == {"good": expected}
     assert set(result.errors) == {"bad_token", "gap", "too_long"}
@@ -156,12 +193,18 @@ def test_invalid_batch_raises_clear_error(executor):
 
 
 def test_properties_budget_and_close(tiny_llama_gguf_f32):
-    ex = GgmlExecutor(tiny_llama_gguf_f32, num_slots=2, max_model_len=64,  # default f16 KV
-                      max_num_batched_tokens=8)
+    ex = GgmlExecutor(
+        tiny_llama_gguf_f32,
+        num_slots=2,
+        max_model_len=64,  # default f16 KV
+        max_num_batched_tokens=8,
+    )
     assert (ex.num_slots, ex.max_model_len, ex.vocab_size) == (2, 64, 400)
     assert len(generate(ex, {"a": PROMPTS["a"]}, 3)["a"]) == 3
     result = ex.execute(StepPlan([_seq("x", 0, [5] * 5, 0), _seq("y", 1, [6] * 5, 0)]))
-    assert list(result.sampled_token_ids) == ["x"] and "max_num_batched_tokens" in result.errors["y"]
+    assert (
+        list(result.sampled_token_ids) == ["x"] and "max_num_batched_tokens" in result.errors["y"]
+    )
     assert ex.execute(StepPlan()).sampled_token_ids == {}
     ex.close()
     ex.close()
@@ -170,8 +213,14 @@ def test_properties_budget_and_close(tiny_llama_gguf_f32):
 
 
 def test_more_threads_for_multi_token_passes_keep_the_tokens(executor, tiny_llama_gguf_f32):
-    ex = GgmlExecutor(tiny_llama_gguf_f32, num_slots=4, max_model_len=128, kv_cache_dtype="f32",
-                      n_threads=1, n_threads_batch=2)
+    ex = GgmlExecutor(
+        tiny_llama_gguf_f32,
+        num_slots=4,
+        max_model_len=128,
+        kv_cache_dtype="f32",
+        n_threads=1,
+        n_threads_batch=2,
+    )
     try:
         assert (ex.n_threads, ex.n_threads_batch) == (1, 2)
         # prefills run on 2 threads, 1-token decodes on 1: the same greedy tokens as 1 thread

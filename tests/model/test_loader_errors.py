@@ -11,9 +11,17 @@ from safetensors.torch import save_file
 
 from ultrafast.model.loader import ModelLoadError, build_dummy_model, load_model
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-          "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "max_position_embeddings": 64, "torch_dtype": "float32"}
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "torch_dtype": "float32",
+}
 
 
 def tensors(config=CONFIG) -> dict[str, torch.Tensor]:
@@ -62,32 +70,54 @@ def test_broken_config(tmp_path):
     expect(bad_json, "not valid JSON")
     no_key = write(tmp_path / "no-key", {k: v for k, v in CONFIG.items() if k != "hidden_size"})
     expect(no_key, "hidden_size")
-    expect(write(tmp_path / "gpt2", {**CONFIG, "architectures": ["GPT2LMHeadModel"]}),
-           "unsupported architecture", "GPT2LMHeadModel", "LlamaForCausalLM",
-           "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-    expect(write(tmp_path / "yarn", {**CONFIG, "rope_scaling": {"rope_type": "yarn",
-                                                                "factor": 4.0}}), "yarn")
+    expect(
+        write(tmp_path / "gpt2", {**CONFIG, "architectures": ["GPT2LMHeadModel"]}),
+        "unsupported architecture",
+        "GPT2LMHeadModel",
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    )
+    expect(
+        write(tmp_path / "yarn", {**CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
+        "yarn",
+    )
     expect(write(tmp_path / "heads", {**CONFIG, "num_key_value_heads": 3}), "multiple")
 
 
 def test_missing_unexpected_and_misshapen_tensors(tmp_path):
     weights = tensors()
     del weights["model.layers.1.mlp.up_proj.weight"]
-    expect(write(tmp_path / "missing", weights=weights), "missing 1 tensors",
-           "model.layers.1.mlp.up_proj.weight")
+    expect(
+        write(tmp_path / "missing", weights=weights),
+        "missing 1 tensors",
+        "model.layers.1.mlp.up_proj.weight",
+    )
     weights = {**tensors(), "model.layers.0.mlp.extra.weight": torch.zeros(2)}
-    expect(write(tmp_path / "unexpected", weights=weights), "unexpected tensor",
-           "model.layers.0.mlp.extra.weight")
+    expect(
+        write(tmp_path / "unexpected", weights=weights),
+        "unexpected tensor",
+        "model.layers.0.mlp.extra.weight",
+    )
     # config says 2 layers, the file has 3: layer 2 is unexpected
     three = tensors({**CONFIG, "num_hidden_layers": 3})
     expect(write(tmp_path / "extra-layer", weights=three), "unexpected tensor", "layers.2")
     weights = {**tensors(), "model.layers.1.self_attn.k_proj.weight": torch.zeros(12, 32)}
-    message = expect(write(tmp_path / "shape", weights=weights),
-                     "model.layers.1.self_attn.k_proj.weight", "(12, 32)", "(16, 32)")
+    message = expect(
+        write(tmp_path / "shape", weights=weights),
+        "model.layers.1.self_attn.k_proj.weight",
+        "(12, 32)",
+        "(16, 32)",
+    )
     assert message.index("(12, 32)") < message.index("(16, 32)")  # found, then expected
     # a config that disagrees with the file names the tensor too
-    expect(write(tmp_path / "config-shape", {**CONFIG, "intermediate_size": 40}),
-           "has shape", "model.layers.", "from config.json")
+    expect(
+        write(tmp_path / "config-shape", {**CONFIG, "intermediate_size": 40}),
+        "has shape",
+        "model.layers.",
+        "from config.json",
+    )
 
 
 def test_corrupt_file_and_missing_shard(tmp_path):
@@ -97,8 +127,12 @@ def test_corrupt_file_and_missing_shard(tmp_path):
     sharded = tmp_path / "sharded"
     sharded.mkdir()
     (sharded / "config.json").write_text(json.dumps(CONFIG))
-    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
-                            "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    index = {
+        "weight_map": {
+            "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+            "lm_head.weight": "model-00002-of-00002.safetensors",
+        }
+    }
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
     expect(sharded, "missing weight shards", "model-00001-of-00002.safetensors")
 
@@ -106,8 +140,10 @@ def test_corrupt_file_and_missing_shard(tmp_path):
 def test_sharded_checkpoint_with_index(tmp_path):
     weights = tensors()
     names = sorted(weights)
-    shards = {"model-00001-of-00002.safetensors": names[:len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     path = tmp_path / "sharded"
     path.mkdir()
     (path / "config.json").write_text(json.dumps(CONFIG))

@@ -25,8 +25,13 @@ from ultrafast.quant.linear import Int4Linear, Int8Linear, quantized_modules, se
 from ultrafast.quant.plan import EMBED, INT4, INT8, KEEP, LM_HEAD, quantize_model, uniform_plan
 from ultrafast.quant.policy import hybrid_plan
 from ultrafast.quant.saved import save_quantized
-from ultrafast.quant.tensors import (dequantize, pack_nibbles, quantize_int4, quantize_int8,
-                                     unpack_nibbles)
+from ultrafast.quant.tensors import (
+    dequantize,
+    pack_nibbles,
+    quantize_int4,
+    quantize_int8,
+    unpack_nibbles,
+)
 from ultrafast.request import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -58,7 +63,7 @@ def test_int4_round_trip_error_bounds(cols, group_size, zero_point):
     err = (deq - w).abs()
     # half a step, plus the float16 rounding of the scale (and min) times the code's reach;
     # symmetric groups clip the opposite extreme at code 15, a full step
-    slack = step * (8 if not zero_point else 15) * 2 ** -10 + 1e-6
+    slack = step * (8 if not zero_point else 15) * 2**-10 + 1e-6
     bound = step * (1.0 if not zero_point else 0.5) + slack
     assert torch.all(err <= bound)
     assert err.mean() < 0.3 * step.mean()  # most errors are well inside the bound
@@ -75,9 +80,14 @@ def test_nibble_packing_round_trips():
     assert torch.equal(unpack_nibbles(pack_nibbles(codes)), codes)
 
 
-@pytest.mark.parametrize("cls,quant", [(Int8Linear, quantize_int8),
-                                       (Int4Linear, lambda w: quantize_int4(w, 32)),
-                                       (Int4Linear, lambda w: quantize_int4(w, 64, True))])
+@pytest.mark.parametrize(
+    "cls,quant",
+    [
+        (Int8Linear, quantize_int8),
+        (Int4Linear, lambda w: quantize_int4(w, 32)),
+        (Int4Linear, lambda w: quantize_int4(w, 64, True)),
+    ],
+)
 def test_kernel_path_equals_reference_dequantize_path(cls, quant):
     w, bias = _weight(64, 128), torch.randn(64)
     module = cls(quant(w), bias, torch.float32)
@@ -97,15 +107,18 @@ def test_shapes_the_kernels_refuse_fall_back_to_the_reference():
     padded = Int4Linear(quantize_int4(_weight(32, 70), 32))  # K padded to 96 for the kernel
     set_use_kernel(padded, True, max_kernel_rows=8)
     x = torch.randn(2, 70)
-    torch.testing.assert_close(padded(x), F.linear(x, dequantize(padded.quantized_weight())),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        padded(x), F.linear(x, dequantize(padded.quantized_weight())), rtol=1e-4, atol=1e-4
+    )
     module = Int8Linear(quantize_int8(_weight(8, 70)))
     assert module.kernel == "reference"
     torch.testing.assert_close(module(x), F.linear(x, dequantize(module.quantized_weight())))
 
 
-@pytest.mark.parametrize("zero_point,qtype", [(False, gguf.GGMLQuantizationType.Q4_0),
-                                              (True, gguf.GGMLQuantizationType.Q4_1)])
+@pytest.mark.parametrize(
+    "zero_point,qtype",
+    [(False, gguf.GGMLQuantizationType.Q4_0), (True, gguf.GGMLQuantizationType.Q4_1)],
+)
 def test_gguf_blocks_dequantize_to_our_reference_weights(zero_point, qtype):
     w = _weight(16, 96)
     qw = quantize_int4(w, 32, zero_point)
@@ -123,7 +136,7 @@ def _greedy(executor, num_new: int) -> list[int]:
         assert not result.errors
         start = len(tokens)
         tokens += result.sampled_token_ids["r"]
-    return tokens[len(PROMPT):]
+    return tokens[len(PROMPT) :]
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +173,8 @@ def test_quantized_dir_runs_in_the_torch_executor_from_its_path(int4_torch_dir):
 @pytest.mark.parametrize("qtype", [INT8, INT4])
 def test_gguf_export_agrees_with_the_torch_quantized_model(tiny_llama_dir, tmp_path, qtype):
     pytest.importorskip("llama_cpp")
-    from ultrafast.executors.llama_cpp_params import open_llama
     from ultrafast.executors.ggml_exec import GgmlExecutor
+    from ultrafast.executors.llama_cpp_params import open_llama
 
     model, _ = load_model(tiny_llama_dir)
     plan = uniform_plan(model, qtype)
@@ -182,7 +195,7 @@ def test_gguf_export_agrees_with_the_torch_quantized_model(tiny_llama_dir, tmp_p
         ex_ggml.close()
     llm = open_llama(str(path), n_ctx=64, logits_all=True, verbose=False)
     llm.eval(PROMPT)
-    ggml_logits = torch.tensor(np.asarray(llm.scores[:len(PROMPT)]), dtype=torch.float32)
+    ggml_logits = torch.tensor(np.asarray(llm.scores[: len(PROMPT)]), dtype=torch.float32)
     llm.close()
     torch_logits = _prompt_logits(ex_torch)
     to_torch = (ggml_logits - torch_logits).abs().max()
@@ -201,8 +214,7 @@ def test_hybrid_plan_keeps_the_measured_most_sensitive_tensors(tiny_llama_dir):
     gen = torch.Generator().manual_seed(0)
     calib = [torch.randint(3, 390, (33,), generator=gen).tolist() for _ in range(2)]
     before = {n: p.clone() for n, p in model.state_dict().items()}
-    plan, report = hybrid_plan(model, calib, recover=1.0, max_ppl_ratio=1.0,
-                               max_keep_fraction=0.3)
+    plan, report = hybrid_plan(model, calib, recover=1.0, max_ppl_ratio=1.0, max_keep_fraction=0.3)
     assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
     ranked = sorted(report.sensitivity, key=report.sensitivity.get, reverse=True)
     kept = [n for n, t in plan.items() if t == KEEP]
@@ -211,7 +223,7 @@ def test_hybrid_plan_keeps_the_measured_most_sensitive_tensors(tiny_llama_dir):
     # every tensor more sensitive than a kept one was kept too, unless it did not fit
     sizes = {n: model.get_submodule(n.rsplit(".", 1)[0]).weight.numel() for n in ranked}
     used = sum(sizes[n] for n in kept)
-    for name in ranked[:ranked.index(report.kept[-1])]:
+    for name in ranked[: ranked.index(report.kept[-1])]:
         assert name in kept or used + sizes[name] > report.keep_budget_params
     assert used <= report.keep_budget_params
     assert report.hybrid_loss <= report.int4_loss + 1e-6
@@ -225,8 +237,12 @@ def test_llama_cpp_k_quants_apply_the_plan_overrides(tiny_llama_dir, tmp_path):
 
     staging = tmp_path / "tiny-f16.gguf"
     export_gguf(tiny_llama_dir, staging, {}, untie=True)
-    out = quantize_gguf(staging, tmp_path / "tiny-q4k.gguf", "q4_K_M",
-                        {"output.weight": "f16", "blk.1.attn_q.weight": "q8_0"})
+    out = quantize_gguf(
+        staging,
+        tmp_path / "tiny-q4k.gguf",
+        "q4_K_M",
+        {"output.weight": "f16", "blk.1.attn_q.weight": "q8_0"},
+    )
     types = tensor_types(out)
     assert types["output.weight"] == "F16" and types["blk.1.attn_q.weight"] == "Q8_0"
     assert any(t not in ("F16", "F32") for t in types.values())  # the rest is quantized
@@ -263,8 +279,9 @@ def test_broken_quantized_dirs_are_clear_load_errors(int4_torch_dir, tmp_path):
 def test_hybrid_with_int8_kept_tensors_round_trips(tiny_llama_dir, tmp_path):
     model, _ = load_model(tiny_llama_dir)
     calib = [list(range(3, 36))]
-    plan, report = hybrid_plan(model, calib, recover=1.0, max_ppl_ratio=1.0,
-                               max_keep_fraction=0.2, keep_type=INT8)
+    plan, report = hybrid_plan(
+        model, calib, recover=1.0, max_ppl_ratio=1.0, max_keep_fraction=0.2, keep_type=INT8
+    )
     assert set(report.kept) == {n for n, t in plan.items() if t == INT8} and report.kept
     quantized = quantize_model(model, plan, 32)
     save_quantized(model, plan, quantized, tiny_llama_dir, tmp_path / "h8", {"group_size": 32})

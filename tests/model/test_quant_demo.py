@@ -24,16 +24,30 @@ from ultrafast.model.loader import load_model
 from ultrafast.quant.evaluate import heldout_ids
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo-code"
-pytestmark = [pytest.mark.usefixtures("one_cpu_thread"),
-              pytest.mark.skipif(not (DEMO / "model.safetensors").is_file(),
-                                 reason="demo model not present")]
+pytestmark = [
+    pytest.mark.usefixtures("one_cpu_thread"),
+    pytest.mark.skipif(not (DEMO / "model.safetensors").is_file(), reason="demo model not present"),
+]
 
 
 @pytest.fixture(scope="module")
 def hybrid_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo_hybrid") / "demo-code-hybrid"
-    rc = main(["quantize", str(DEMO), "--scheme", "hybrid", "--out", str(out),
-               "--calibration-tokens", "512", "--eval", "--eval-tokens", "2048"])
+    rc = main(
+        [
+            "quantize",
+            str(DEMO),
+            "--scheme",
+            "hybrid",
+            "--out",
+            str(out),
+            "--calibration-tokens",
+            "512",
+            "--eval",
+            "--eval-tokens",
+            "2048",
+        ]
+    )
     assert rc == 0
     return out
 
@@ -58,16 +72,18 @@ def test_gguf_and_torch_hybrid_predict_the_same_tokens(hybrid_dir):
     window = heldout_ids(DEMO)[1000:1129]
     model, _ = load_model(hybrid_dir)
     cfg = model.config
-    kv = SlotKVCache(cfg.num_hidden_layers, 1, 256, cfg.num_key_value_heads, cfg.head_dim,
-                     torch.float32, "cpu")
+    kv = SlotKVCache(
+        cfg.num_hidden_layers, 1, 256, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu"
+    )
     with torch.inference_mode():
         ids = torch.tensor(window[:-1])
         attn = kv.begin_step([SeqSpan(0, 0, ids.numel())])
         hidden = model(ids, torch.arange(ids.numel()), attn)
         torch_argmax = model.compute_logits(hidden).argmax(-1).numpy()
-    llm = open_llama(str(hybrid_dir / config["gguf"]["file"]), n_ctx=256,
-                          logits_all=True, verbose=False)
+    llm = open_llama(
+        str(hybrid_dir / config["gguf"]["file"]), n_ctx=256, logits_all=True, verbose=False
+    )
     llm.eval(window[:-1])
-    ggml_argmax = np.asarray(llm.scores[:len(window) - 1]).argmax(-1)
+    ggml_argmax = np.asarray(llm.scores[: len(window) - 1]).argmax(-1)
     llm.close()
     assert (torch_argmax == ggml_argmax).mean() >= 0.9

@@ -13,15 +13,19 @@ import pytest
 from tests.model.conftest import build_tiny_hf_dir
 from ultrafast.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR, EngineConfig
 from ultrafast.core.scheduler import SchedulerConfig
-from ultrafast.llm import build_engine
-from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.engine.core import EngineCore
 from ultrafast.engine.draft_model import DraftModelProposer
 from ultrafast.engine.speculation import SpecConfig, Speculator
+from ultrafast.llm import build_engine
+from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.tokenizer import Tokenizer
 
-PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(argv):\n",
-           "class Stack:\n    def __init__(self):\n", "for i in range(10):\n    if i %"]
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "for i in range(10):\n    if i %",
+]
 KINDS = ("ggml", "torch")
 PRIORITY = ServiceTier.PRIORITY
 
@@ -31,9 +35,17 @@ def greedy(max_tokens=40, ignore_eos=True):
 
 
 def generate(engine, prompt_ids, params, predictions=None, eos=()):
-    requests = [Request(f"r{i}-{id(params)}", list(ids), params, tier=PRIORITY, eos_token_ids=eos,
-                        prediction_token_ids=list(predictions[i]) if predictions else [])
-                for i, ids in enumerate(prompt_ids)]
+    requests = [
+        Request(
+            f"r{i}-{id(params)}",
+            list(ids),
+            params,
+            tier=PRIORITY,
+            eos_token_ids=eos,
+            prediction_token_ids=list(predictions[i]) if predictions else [],
+        )
+        for i, ids in enumerate(prompt_ids)
+    ]
     for r in requests:
         engine.add_request(r)
     while engine.has_work():
@@ -53,10 +65,18 @@ def demo_engines(request, one_cpu_thread):
     """{method: engine} for one executor kind, all on the demo model (+ the demo draft)."""
     engines = {}
     for method in ("off", "ngram", "draft"):
-        config = EngineConfig(model=str(DEMO_MODEL_DIR), executor=request.param, spec=method,
-                              num_slots=4, max_num_seqs=4, max_model_len=256,
-                              max_num_batched_tokens=64, max_prefill_chunk_tokens=32,
-                              device="cpu", dtype="float32")
+        config = EngineConfig(
+            model=str(DEMO_MODEL_DIR),
+            executor=request.param,
+            spec=method,
+            num_slots=4,
+            max_num_seqs=4,
+            max_model_len=256,
+            max_num_batched_tokens=64,
+            max_prefill_chunk_tokens=32,
+            device="cpu",
+            dtype="float32",
+        )
         engines[method] = build_engine(config)[0]
     yield request.param, engines
     for engine in engines.values():
@@ -80,8 +100,12 @@ def test_concurrent_greedy_spec_equals_plain(demo_engines, prompt_ids, plain, me
 def test_prediction_drafts_equal_plain_and_are_counted(demo_engines, prompt_ids, plain):
     engine = demo_engines[1]["off"]  # spec off: a client prediction is still used
     edited = [p[:10] + [7, 8, 9] + p[13:] for p in plain]  # the prediction is mostly right
-    requests = [Request(f"pred-{i}", list(ids), greedy(), tier=ServiceTier.FLEX,
-                        prediction_token_ids=edited[i]) for i, ids in enumerate(prompt_ids)]
+    requests = [
+        Request(
+            f"pred-{i}", list(ids), greedy(), tier=ServiceTier.FLEX, prediction_token_ids=edited[i]
+        )
+        for i, ids in enumerate(prompt_ids)
+    ]
     for r in requests:
         engine.add_request(r)
     while engine.has_work():
@@ -96,8 +120,9 @@ def test_max_tokens_cut_mid_draft(demo_engines, prompt_ids, plain):
     _, engines = demo_engines
     for n in (1, 2, 3, 5, 9):
         predictions = [p[:20] for p in plain]  # long accepted drafts
-        assert generate(engines["off"], prompt_ids[:2], greedy(n), predictions) == \
-            [p[:n] for p in plain[:2]]
+        assert generate(engines["off"], prompt_ids[:2], greedy(n), predictions) == [
+            p[:n] for p in plain[:2]
+        ]
         assert generate(engines["draft"], prompt_ids[:2], greedy(n)) == [p[:n] for p in plain[:2]]
 
 
@@ -105,8 +130,7 @@ def test_eos_inside_accepted_drafts(demo_engines, prompt_ids, plain):
     _, engines = demo_engines
     eos = plain[0][12]
     cut = plain[0].index(eos) + 1
-    out = generate(engines["off"], prompt_ids[:1], greedy(ignore_eos=False), [plain[0]],
-                   eos=(eos,))
+    out = generate(engines["off"], prompt_ids[:1], greedy(ignore_eos=False), [plain[0]], eos=(eos,))
     assert out == [plain[0][:cut]]
     out = generate(engines["ngram"], prompt_ids[:1], greedy(ignore_eos=False), eos=(eos,))
     assert out == [plain[0][:cut]]
@@ -114,8 +138,7 @@ def test_eos_inside_accepted_drafts(demo_engines, prompt_ids, plain):
 
 def test_seeded_sampling_with_deterministic_drafts_equals_plain(demo_engines, prompt_ids):
     _, engines = demo_engines
-    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=11,
-                            ignore_eos=True)
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=11, ignore_eos=True)
     expected = generate(engines["off"], prompt_ids, params)
     assert generate(engines["ngram"], prompt_ids, params) == expected
     assert generate(engines["off"], prompt_ids, params, predictions=expected) == expected
@@ -143,22 +166,28 @@ def _tiny_executor(kind, hf_dir, make_gguf_path):
     if kind == "ggml":
         from ultrafast.executors.ggml_exec import GgmlExecutor
 
-        return GgmlExecutor(make_gguf_path, num_slots=3, max_model_len=128, n_threads=1,
-                            kv_cache_dtype="f32")
+        return GgmlExecutor(
+            make_gguf_path, num_slots=3, max_model_len=128, n_threads=1, kv_cache_dtype="f32"
+        )
     from ultrafast.executors.torch_exec import TorchExecutor
 
     return TorchExecutor(hf_dir, num_slots=3, max_model_len=128, device="cpu", dtype="float32")
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_tiny_models_with_a_bad_draft_model(kind, tiny_llama_dir, tiny_llama_gguf_f32,
-                                            tiny_draft_dir, tmp_path, one_cpu_thread):
+def test_tiny_models_with_a_bad_draft_model(
+    kind, tiny_llama_dir, tiny_llama_gguf_f32, tiny_draft_dir, tmp_path, one_cpu_thread
+):
     from ultrafast.convert import convert_hf_to_gguf
 
-    draft_gguf = convert_hf_to_gguf(tiny_draft_dir, tmp_path / "draft.gguf", "f32") \
-        if kind == "ggml" else None
-    config = SchedulerConfig(max_num_seqs=3, max_model_len=128, max_num_batched_tokens=32,
-                             max_prefill_chunk_tokens=16)
+    draft_gguf = (
+        convert_hf_to_gguf(tiny_draft_dir, tmp_path / "draft.gguf", "f32")
+        if kind == "ggml"
+        else None
+    )
+    config = SchedulerConfig(
+        max_num_seqs=3, max_model_len=128, max_num_batched_tokens=32, max_prefill_chunk_tokens=16
+    )
     prompts = [[0, 5, 17, 40, 33], [0, 99, 12] * 6, [0, 250, 251, 252, 253, 7, 9]]
     params = greedy(20)
     target = _tiny_executor(kind, tiny_llama_dir, tiny_llama_gguf_f32)
@@ -172,16 +201,22 @@ def test_tiny_models_with_a_bad_draft_model(kind, tiny_llama_dir, tiny_llama_ggu
         edited = [p[:4] + [(p[4] + 1) % 300] + p[5:] for p in plain]  # client predictions
         assert generate(engine, prompts, params, edited) == plain
         assert spec.stats.num_accepted_tokens["prediction"] > 0
-        assert spec.stats.num_draft_tokens["prediction"] > spec.stats.num_accepted_tokens[
-            "prediction"]
+        assert (
+            spec.stats.num_draft_tokens["prediction"] > spec.stats.num_accepted_tokens["prediction"]
+        )
     finally:
         target.close()
         draft.close()
 
 
 def test_draft_model_must_share_the_tokenizer(tiny_llama_dir):
-    config = EngineConfig(model=str(tiny_llama_dir), executor="torch", spec="draft",
-                          draft_model=str(DEMO_DRAFT_DIR), device="cpu")
+    config = EngineConfig(
+        model=str(tiny_llama_dir),
+        executor="torch",
+        spec="draft",
+        draft_model=str(DEMO_DRAFT_DIR),
+        device="cpu",
+    )
     with pytest.raises(ValueError, match="tokenizer"):
         build_engine(config)
     config = EngineConfig(model=str(tiny_llama_dir), executor="torch", spec="draft", device="cpu")

@@ -18,10 +18,16 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 ATOL = 1e-5
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
-          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "max_position_embeddings": 256}
-
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +53,7 @@ def seq(rid, slot, tokens, start, num_logits, num_out=0):
 def rows_of(ex: TorchExecutor, plan: StepPlan) -> dict[str, torch.Tensor]:
     row, out = 0, {}
     for s in plan.seqs:
-        out[s.request_id] = ex.last_logits[row:row + s.num_logits]
+        out[s.request_id] = ex.last_logits[row : row + s.num_logits]
         row += s.num_logits
     return out
 
@@ -55,13 +61,28 @@ def rows_of(ex: TorchExecutor, plan: StepPlan) -> dict[str, torch.Tensor]:
 def test_mixed_step_equals_each_sequence_alone(model, ref):
     ex = TorchExecutor(model, num_slots=4, max_model_len=128, device="cpu")
     gen = torch.Generator().manual_seed(0)
-    full = {r: torch.randint(0, 128, (n,), generator=gen).tolist()
-            for r, n in (("a", 20), ("b", 25), ("c", 6), ("d", 9))}
-    ex.execute(StepPlan([seq("b", 1, full["b"][:10], 0, 0), seq("c", 2, full["c"][:5], 0, 1),
-                         seq("d", 3, full["d"][:6], 0, 1)]))
+    full = {
+        r: torch.randint(0, 128, (n,), generator=gen).tolist()
+        for r, n in (("a", 20), ("b", 25), ("c", 6), ("d", 9))
+    }
+    ex.execute(
+        StepPlan(
+            [
+                seq("b", 1, full["b"][:10], 0, 0),
+                seq("c", 2, full["c"][:5], 0, 1),
+                seq("d", 3, full["d"][:6], 0, 1),
+            ]
+        )
+    )
     # one step: a's first prefill chunk, b's last chunk, c decodes, d decodes with 2 drafts
-    mixed = StepPlan([seq("a", 0, full["a"][:12], 0, 0), seq("b", 1, full["b"][10:], 10, 1),
-                      seq("c", 2, full["c"][5:], 5, 1), seq("d", 3, full["d"][6:], 6, 3)])
+    mixed = StepPlan(
+        [
+            seq("a", 0, full["a"][:12], 0, 0),
+            seq("b", 1, full["b"][10:], 10, 1),
+            seq("c", 2, full["c"][5:], 5, 1),
+            seq("d", 3, full["d"][6:], 6, 3),
+        ]
+    )
     result = ex.execute(mixed)
     assert not result.errors and "a" not in result.sampled_token_ids
     got = rows_of(ex, mixed)
@@ -92,15 +113,19 @@ def test_prefix_copy_equals_recompute(model, ref):
     ex.execute(StepPlan([seq("src", 0, shared + [1, 2, 3], 0, 0)]))
     ex.execute(StepPlan([seq("old", 1, list(range(60)), 0, 0)]))  # dst holds longer stale KV
     suffix = [7, 8, 9, 10, 11]
-    plan = StepPlan([seq("dst", 1, suffix, 16, len(suffix)), seq("src", 0, [4], 19, 1)],
-                    kv_copies=[KVCopy(src_slot_id=0, dst_slot_id=1, num_tokens=16)])
+    plan = StepPlan(
+        [seq("dst", 1, suffix, 16, len(suffix)), seq("src", 0, [4], 19, 1)],
+        kv_copies=[KVCopy(src_slot_id=0, dst_slot_id=1, num_tokens=16)],
+    )
     ex.execute(plan)
     got = rows_of(ex, plan)
-    torch.testing.assert_close(got["dst"], recompute(ref, shared + suffix, len(suffix)),
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        got["dst"], recompute(ref, shared + suffix, len(suffix)), atol=ATOL, rtol=0
+    )
     # the source slot is untouched by the copy and keeps decoding correctly
-    torch.testing.assert_close(got["src"], recompute(ref, shared + [1, 2, 3, 4], 1),
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        got["src"], recompute(ref, shared + [1, 2, 3, 4], 1), atol=ATOL, rtol=0
+    )
 
 
 def test_reused_slot_and_rejected_drafts_leave_no_trace(model, ref):
@@ -113,16 +138,23 @@ def test_reused_slot_and_rejected_drafts_leave_no_trace(model, ref):
     # position 7 and must not see the rejected drafts' KV at 7 and 8
     ex.execute(StepPlan([seq("new", 0, [4, 100, 101, 102], 5, 4)]))
     ex.execute(StepPlan([seq("new", 0, [50, 51], 7, 2)]))
-    torch.testing.assert_close(ex.last_logits, recompute(ref, prompt + [4, 100, 50, 51], 2),
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        ex.last_logits, recompute(ref, prompt + [4, 100, 50, 51], 2), atol=ATOL, rtol=0
+    )
 
 
 def test_bad_request_fails_alone(model, ref):
     ex = TorchExecutor(model, num_slots=3, max_model_len=32, device="cpu")
-    plan = StepPlan([seq("big-id", 0, [1, 128], 0, 1), seq("ok", 1, [1, 2, 3], 0, 1),
-                     seq("negative", 2, [-1], 0, 1), seq("no-slot", 7, [1], 0, 1),
-                     seq("too-long", 2, list(range(33)), 0, 1),
-                     seq("twice", 1, [5], 3, 1)])
+    plan = StepPlan(
+        [
+            seq("big-id", 0, [1, 128], 0, 1),
+            seq("ok", 1, [1, 2, 3], 0, 1),
+            seq("negative", 2, [-1], 0, 1),
+            seq("no-slot", 7, [1], 0, 1),
+            seq("too-long", 2, list(range(33)), 0, 1),
+            seq("twice", 1, [5], 3, 1),
+        ]
+    )
     result = ex.execute(plan)
     assert "vocabulary" in result.errors["big-id"] and "128" in result.errors["big-id"]
     assert "vocabulary" in result.errors["negative"]
@@ -132,8 +164,11 @@ def test_bad_request_fails_alone(model, ref):
     assert set(result.sampled_token_ids) == {"ok"}
     torch.testing.assert_close(ex.last_logits, recompute(ref, [1, 2, 3], 1), atol=ATOL, rtol=0)
     # an invalid prefix copy fails the request that depends on it, and nothing else
-    result = ex.execute(StepPlan([seq("dst", 0, [1, 2], 10, 1), seq("fine", 1, [4], 3, 1)],
-                                 kv_copies=[KVCopy(2, 0, 40)]))
+    result = ex.execute(
+        StepPlan(
+            [seq("dst", 0, [1, 2], 10, 1), seq("fine", 1, [4], 3, 1)], kv_copies=[KVCopy(2, 0, 40)]
+        )
+    )
     assert "prefix copy" in result.errors["dst"] and set(result.sampled_token_ids) == {"fine"}
     # nothing valid left: an empty result with errors, no forward pass
     result = ex.execute(StepPlan([seq("only", 0, [999], 0, 1)]))
@@ -141,8 +176,11 @@ def test_bad_request_fails_alone(model, ref):
 
 
 def test_protocol_fields_and_dummy_models_of_every_arch():
-    for arch, extra in (("MistralForCausalLM", {"sliding_window": 4}),
-                        ("Qwen2ForCausalLM", {}), ("Qwen3ForCausalLM", {"head_dim": 8})):
+    for arch, extra in (
+        ("MistralForCausalLM", {"sliding_window": 4}),
+        ("Qwen2ForCausalLM", {}),
+        ("Qwen3ForCausalLM", {"head_dim": 8}),
+    ):
         model = build_dummy_model({**CONFIG, "architectures": [arch], **extra}, seed=1)
         ex = TorchExecutor(model, num_slots=2, max_model_len=16, device="cpu")
         assert (ex.num_slots, ex.max_model_len, ex.vocab_size) == (2, 16, 128)

@@ -41,8 +41,9 @@ def test_a_burst_of_outputs_wakes_the_loop_once_and_keeps_order():
         worker.start()
         worker.join()  # the loop has not run yet: 4 outputs pending, one drain scheduled
         assert bridge.num_wakes == 1
-        got = {rid: [(await b.get()).new_token_ids[0] for _ in range(2)]
-               for rid, b in buffers.items()}
+        got = {
+            rid: [(await b.get()).new_token_ids[0] for _ in range(2)] for rid, b in buffers.items()
+        }
         assert got == {"a": [1, 2], "b": [1, 2]}
 
         worker = threading.Thread(target=one_step, args=(3,))  # after the drain: a new wake

@@ -1,16 +1,17 @@
 """EngineThread: outputs reach callbacks, aborts free slots, the shaper coalesces arrivals."""
 
+import dataclasses
 import threading
 import time
 
 import pytest
 
 from ultrafast.core.scheduler import SchedulerConfig
-from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.engine.core import EngineCore
 from ultrafast.engine.step_costs import StepCostModel
 from ultrafast.engine.thread import EngineThread
 from ultrafast.executors.fake_exec import FakeExecutor, reference_tokens
+from ultrafast.request import Request, SamplingParams, ServiceTier
 
 
 def start_engine(shaper_window_s=0.0, num_slots=4):
@@ -35,7 +36,9 @@ def test_outputs_arrive_and_match_reference():
     collectors = {}
     for i in range(3):
         c = collectors[i] = Collector()
-        engine.submit(Request(f"r{i}", [i + 1, 2, 3], SamplingParams(temperature=0, max_tokens=8)), c)
+        engine.submit(
+            Request(f"r{i}", [i + 1, 2, 3], SamplingParams(temperature=0, max_tokens=8)), c
+        )
     for i, c in collectors.items():
         assert c.done.wait(5)
         assert c.tokens == reference_tokens([i + 1, 2, 3], 8)
@@ -45,8 +48,10 @@ def test_outputs_arrive_and_match_reference():
 def test_abort_from_another_thread_frees_the_slot():
     engine, _ = start_engine()
     c = Collector()
-    engine.submit(Request("long", [1, 2], SamplingParams(temperature=0, max_tokens=100_000,
-                                                         ignore_eos=True)), c)
+    engine.submit(
+        Request("long", [1, 2], SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)),
+        c,
+    )
     time.sleep(0.05)
     engine.abort("long")
     assert c.done.wait(5) and c.finish == "abort"
@@ -81,8 +86,9 @@ def test_priority_arrival_skips_the_shaper_wait():
     engine, executor = start_engine(shaper_window_s=5.0)
     c = Collector()
     started = time.monotonic()
-    engine.submit(Request("p", [1], SamplingParams(temperature=0, max_tokens=1),
-                          tier=ServiceTier.PRIORITY), c)
+    engine.submit(
+        Request("p", [1], SamplingParams(temperature=0, max_tokens=1), tier=ServiceTier.PRIORITY), c
+    )
     assert c.done.wait(2)
     assert time.monotonic() - started < 2.5  # far below the 5 s window
     engine.stop()
@@ -150,6 +156,7 @@ def test_warmup_leaves_the_engine_clean():
 
 # ---- the read API the server uses (through server/bridge.py) --------------------------------
 
+
 def wait_for(predicate, timeout_s=5.0):
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -169,9 +176,10 @@ def test_snapshot_is_published_after_steps_and_counts_the_finished_work():
         assert c.done.wait(5)
         snap = engine.snapshot()  # published before the finish was delivered
         assert snap.step_id > before.step_id and snap.num_running == 0
-        assert snap.num_prefix_queries == 1 and snap.num_prefix_query_tokens == 2  # all but the last
+        # every prompt token but the last was looked up in the prefix cache
+        assert snap.num_prefix_queries == 1 and snap.num_prefix_query_tokens == 2
         assert snap.num_draft_tokens == {}  # no speculation: empty, SpecStats' names
-        with pytest.raises(Exception):
+        with pytest.raises(dataclasses.FrozenInstanceError):
             snap.num_kv_slots_total = 1  # frozen: readers share nothing mutable
     finally:
         engine.stop()
@@ -181,9 +189,15 @@ def test_snapshot_shows_a_running_request_and_its_tier():
     engine, _ = start_engine(num_slots=2)
     try:
         c = Collector()
-        engine.submit(Request("long", [1, 2], SamplingParams(temperature=0, max_tokens=100_000,
-                                                             ignore_eos=True),
-                              tier=ServiceTier.PRIORITY), c)
+        engine.submit(
+            Request(
+                "long",
+                [1, 2],
+                SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True),
+                tier=ServiceTier.PRIORITY,
+            ),
+            c,
+        )
         wait_for(lambda: engine.snapshot().num_running_by_tier[ServiceTier.PRIORITY] == 1)
         assert engine.snapshot().num_kv_slots_running == 1
         engine.abort("long")
@@ -195,6 +209,7 @@ def test_snapshot_shows_a_running_request_and_its_tier():
 
 def test_step_cost_snapshot_predicts_from_the_fit_or_the_fallback():
     from ultrafast.engine.read_api import StepCostSnapshot
+
     assert StepCostSnapshot().predict_s(10, fallback=(0.01, 0.002)) == pytest.approx(0.03)
     costs = StepCostModel()
     for n in (1, 4, 16, 64, 2, 32):
@@ -210,8 +225,9 @@ def test_cached_prefix_tokens_sees_a_finished_prompt_per_tenant():
     try:
         prompt = list(range(1, 70))
         c = Collector()
-        engine.submit(Request("a", prompt, SamplingParams(temperature=0, max_tokens=2),
-                              tenant="acme"), c)
+        engine.submit(
+            Request("a", prompt, SamplingParams(temperature=0, max_tokens=2), tenant="acme"), c
+        )
         assert c.done.wait(5)
         wait_for(lambda: engine.snapshot().num_running == 0)
         assert engine.cached_prefix_tokens(prompt + [5, 6], "acme") >= 64
@@ -222,12 +238,14 @@ def test_cached_prefix_tokens_sees_a_finished_prompt_per_tenant():
 
 def test_configure_applies_on_the_engine_thread_before_the_next_step():
     from ultrafast.engine.read_api import EngineSettings
+
     engine, _ = start_engine(num_slots=2)
     try:
         applied_on = []
         apply = engine._apply_settings
-        engine._apply_settings = lambda s: applied_on.append(
-            threading.current_thread().name) or apply(s)
+        engine._apply_settings = lambda s: (
+            applied_on.append(threading.current_thread().name) or apply(s)
+        )
         engine.configure(EngineSettings(reserved_priority_seats={"acme": 1}))
         c = Collector()
         engine.submit(Request("r", [1], SamplingParams(temperature=0, max_tokens=1)), c)

@@ -5,20 +5,29 @@ import pytest
 
 from ultrafast.config import DEMO_MODEL_DIR
 from ultrafast.core.scheduler import SchedulerConfig
-from ultrafast.executors.fake_exec import (FAULT_FATAL, FAULT_REQUEST, FAULT_STEP, FakeExecutor,
-                                           FatalFault, fault_prompt, reference_tokens)
-from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.engine.core import EngineCore
+from ultrafast.executors.fake_exec import (
+    FAULT_FATAL,
+    FAULT_REQUEST,
+    FAULT_STEP,
+    FakeExecutor,
+    FatalFault,
+    fault_prompt,
+    reference_tokens,
+)
+from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.tokenizer import Tokenizer
 
 TOKENIZER_JSON = DEMO_MODEL_DIR / "tokenizer.json"
 
 
 def engine(num_slots=2, chunk=4):
-    executor = FakeExecutor.for_tokenizer(TOKENIZER_JSON, num_slots=num_slots, max_model_len=128,
-                                          step_s=0)
-    config = SchedulerConfig(max_num_seqs=num_slots, max_prefill_chunk_tokens=chunk,
-                             max_model_len=128)
+    executor = FakeExecutor.for_tokenizer(
+        TOKENIZER_JSON, num_slots=num_slots, max_model_len=128, step_s=0
+    )
+    config = SchedulerConfig(
+        max_num_seqs=num_slots, max_prefill_chunk_tokens=chunk, max_model_len=128
+    )
     return EngineCore(executor, config), executor
 
 
@@ -47,9 +56,9 @@ def test_batched_chunked_and_preempted_output_is_the_reference():
     out, errors = run(core, requests)
     assert not errors
     for r in requests:
-        assert out[r.request_id] == reference_tokens(r.prompt_token_ids,
-                                                     r.sampling_params.max_tokens,
-                                                     executor.output_ids)
+        assert out[r.request_id] == reference_tokens(
+            r.prompt_token_ids, r.sampling_params.max_tokens, executor.output_ids
+        )
 
 
 def test_tokens_are_plain_words_that_decode_by_concatenation():

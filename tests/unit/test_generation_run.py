@@ -38,13 +38,28 @@ class CapturingEngine:
 def make_run(tok, ping_interval_s=5.0):
     engine = CapturingEngine()
     admission = Admission(ServerConfig())
-    deps = RunDeps(bridge=EngineBridge(engine, asyncio.get_running_loop()), tokenizer=tok,
-                   admission=admission, metrics=ServerMetrics(), guard=None, runs=set(),
-                   ping_interval_s=ping_interval_s)
-    spec = GenerationSpec(request_id="chatcmpl-t", model_name="m", prompts=[[1, 2, 3]],
-                          params=SamplingParams(max_tokens=8), n=1, tier=ServiceTier.DEFAULT,
-                          stops=[], chat=True, stream=False, include_usage=False,
-                          want_logprobs=False)
+    deps = RunDeps(
+        bridge=EngineBridge(engine, asyncio.get_running_loop()),
+        tokenizer=tok,
+        admission=admission,
+        metrics=ServerMetrics(),
+        guard=None,
+        runs=set(),
+        ping_interval_s=ping_interval_s,
+    )
+    spec = GenerationSpec(
+        request_id="chatcmpl-t",
+        model_name="m",
+        prompts=[[1, 2, 3]],
+        params=SamplingParams(max_tokens=8),
+        n=1,
+        tier=ServiceTier.DEFAULT,
+        stops=[],
+        chat=True,
+        stream=False,
+        include_usage=False,
+        want_logprobs=False,
+    )
     ticket = admission.reserve(ServiceTier.DEFAULT)
     return GenerationRun(deps, spec, ticket), engine
 
@@ -72,8 +87,15 @@ def test_deltas_then_one_commit_at_the_end_and_everything_freed(tok):
         ids = tok.encode("return a + b", False)
         feed = engine.callbacks["chatcmpl-t-0-0"]
         feed(RequestOutput("chatcmpl-t-0-0", ids[:2], num_output_tokens=2))
-        feed(RequestOutput("chatcmpl-t-0-0", ids[2:], finished=True, finish_reason="length",
-                           num_output_tokens=len(ids)))
+        feed(
+            RequestOutput(
+                "chatcmpl-t-0-0",
+                ids[2:],
+                finished=True,
+                finish_reason="length",
+                num_output_tokens=len(ids),
+            )
+        )
         events = await events_of(run)
         assert all(isinstance(e, ChoiceDelta) for e in events)
         assert "".join(e.text for e in events) == "return a + b"
@@ -85,6 +107,7 @@ def test_deltas_then_one_commit_at_the_end_and_everything_freed(tok):
         assert commit.calls == [("return a + b", None)]  # awaited once, never rescheduled
         assert refunds == [len(ids)]
         assert run.deps.admission.in_flight[ServiceTier.DEFAULT] == 0 and not run.deps.runs
+
     asyncio.run(main())
 
 
@@ -94,8 +117,9 @@ def test_a_client_that_leaves_gets_its_partial_answer_committed_once(tok):
         commit = CommitLog()
         run.set_commit(commit)
         run.start()
-        engine.callbacks["chatcmpl-t-0-0"](RequestOutput("chatcmpl-t-0-0",
-                                                         tok.encode("x = 1", False)))
+        engine.callbacks["chatcmpl-t-0-0"](
+            RequestOutput("chatcmpl-t-0-0", tok.encode("x = 1", False))
+        )
         events = run.events()
         assert isinstance(await events.__anext__(), ChoiceDelta)
         run.finish()  # the client left mid-stream
@@ -103,6 +127,7 @@ def test_a_client_that_leaves_gets_its_partial_answer_committed_once(tok):
         assert commit.calls == [("x = 1", "client_disconnected")]
         assert engine.aborted == ["chatcmpl-t-0-0"]
         assert await run.commit() is None and len(commit.calls) == 1
+
     asyncio.run(main())
 
 
@@ -110,8 +135,9 @@ def test_an_engine_failure_is_one_500_and_a_failed_commit_one_503(tok):
     async def main():
         run, engine = make_run(tok)
         run.start()
-        engine.callbacks["chatcmpl-t-0-0"](RequestOutput(
-            "chatcmpl-t-0-0", [], finished=True, finish_reason="error", error="boom"))
+        engine.callbacks["chatcmpl-t-0-0"](
+            RequestOutput("chatcmpl-t-0-0", [], finished=True, finish_reason="error", error="boom")
+        )
         assert [e.finish for e in await events_of(run)] == ["error"]
         error = await run.conclude()
         assert (error.status, error.code) == (500, "engine_error")
@@ -120,13 +146,17 @@ def test_an_engine_failure_is_one_500_and_a_failed_commit_one_503(tok):
         run, engine = make_run(tok)
         run.set_commit(CommitLog(answer="session_commit_failed"))
         run.start()
-        engine.callbacks["chatcmpl-t-0-0"](RequestOutput(
-            "chatcmpl-t-0-0", tok.encode("y", False), finished=True, finish_reason="stop"))
+        engine.callbacks["chatcmpl-t-0-0"](
+            RequestOutput(
+                "chatcmpl-t-0-0", tok.encode("y", False), finished=True, finish_reason="stop"
+            )
+        )
         await events_of(run)
         error = await run.conclude()
         assert (error.status, error.code) == (503, "session_commit_failed")
         assert error.headers["Retry-After"] == "1"
         run.finish()
+
     asyncio.run(main())
 
 
@@ -138,6 +168,7 @@ def test_a_quiet_engine_gives_pings(tok):
         assert isinstance(await events.__anext__(), Ping)
         assert isinstance(await events.__anext__(), Ping)
         run.finish()
+
     asyncio.run(main())
 
 
@@ -152,4 +183,5 @@ def test_an_interrupt_ends_the_wait_without_an_engine_output(tok):
             await asyncio.wait_for(waiting, 2.0)
         assert engine.aborted == ["chatcmpl-t-0-0"]
         run.finish()
+
     asyncio.run(main())

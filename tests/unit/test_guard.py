@@ -11,15 +11,18 @@ from ultrafast.server.guard import ClassifierGuard, GuardConfig, GuardedChoice, 
 
 def run(choice: GuardedChoice, pieces: list[str], tokens_per_piece: int = 1):
     """Feeds pieces (the last one finishes); returns (released pieces, blocked)."""
+
     async def go():
         out = []
         for i, piece in enumerate(pieces):
-            text, _, _, blocked = await choice.push(piece, [], tokens_per_piece,
-                                                    i == len(pieces) - 1)
+            text, _, _, blocked = await choice.push(
+                piece, [], tokens_per_piece, i == len(pieces) - 1
+            )
             if blocked:
                 return out, True
             out.append(text)
         return out, False
+
     return asyncio.run(go())
 
 
@@ -50,7 +53,7 @@ def test_hold_back_zero_sends_cleared_text_at_once():
 
 def test_a_guard_that_never_fires_releases_the_input_unchanged():
     text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
-    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
     choice = GuardedChoice(GuardConfig(PatternGuard(["password"]), hold_back_tokens=3))
     out, blocked = run(choice, pieces)
     assert not blocked and "".join(out) == text
@@ -64,6 +67,7 @@ def test_logprobs_and_token_counts_travel_with_their_text():
         second = await choice.push("b", ["lp-b"], 1, False)
         last = await choice.push("", [], 0, True)
         return first, second, last
+
     first, second, last = asyncio.run(go())
     assert first == ("", [], 0, False)
     assert second == ("a", ["lp-a"], 1, False)
@@ -83,8 +87,7 @@ def test_classifier_guard_runs_off_the_loop_and_cuts_over_threshold():
         seen.append(text)
         return 0.9 if "attack" in text else 0.1
 
-    choice = GuardedChoice(GuardConfig(ClassifierGuard(score, threshold=0.5),
-                                       hold_back_tokens=1))
+    choice = GuardedChoice(GuardConfig(ClassifierGuard(score, threshold=0.5), hold_back_tokens=1))
     out, blocked = run(choice, ["plan ", "the ", "att", "ack", " now"])
     assert blocked and "".join(out) == "plan the "  # "att" was held back
     assert seen[-1].endswith("attack")
@@ -113,8 +116,11 @@ def test_serve_builds_patterns_then_classifier():
     from ultrafast.server.serve import build_guard
 
     assert build_guard(ServerConfig()) is None
-    config = ServerConfig(guard_patterns=("secret",), guard_hold_back_tokens=2,
-                          guard_classifier="tests.unit.test_guard:toy_score")
+    config = ServerConfig(
+        guard_patterns=("secret",),
+        guard_hold_back_tokens=2,
+        guard_classifier="tests.unit.test_guard:toy_score",
+    )
     guard = build_guard(config)
     assert guard.hold_back_tokens == 2
     assert asyncio.run(guard.guard.check("a secret", 0)).startswith("pattern")
@@ -126,8 +132,9 @@ def test_serve_builds_patterns_then_classifier():
 
 
 def test_the_checked_text_is_a_bounded_trailing_window():
-    choice = GuardedChoice(GuardConfig(PatternGuard(["needle"]), hold_back_tokens=2,
-                                       window_chars=64))
+    choice = GuardedChoice(
+        GuardConfig(PatternGuard(["needle"]), hold_back_tokens=2, window_chars=64)
+    )
     pieces = ["x" * 10] * 50 + ["nee", "dle", "yy"]
     out, blocked = run(choice, pieces)
     assert blocked and len(choice.text) <= 64

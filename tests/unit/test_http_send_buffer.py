@@ -27,8 +27,16 @@ def _server_side_sndbuf(send_buffer_bytes: int) -> int:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(_empty_app, host="127.0.0.1", port=port,
-                                               http=Probe, lifespan="off", log_level="error"))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                _empty_app,
+                host="127.0.0.1",
+                port=port,
+                http=Probe,
+                lifespan="off",
+                log_level="error",
+            )
+        )
         task = asyncio.create_task(server.serve())
         while not server.started:
             await asyncio.sleep(0.01)

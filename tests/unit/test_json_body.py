@@ -5,8 +5,7 @@ import time
 import pytest
 
 from ultrafast.server.errors import APIError
-from ultrafast.server.json_body import (MAX_DEPTH, check_content_type, nesting_ok,
-                                        parse_json_body)
+from ultrafast.server.json_body import MAX_DEPTH, check_content_type, nesting_ok, parse_json_body
 
 BAD = (400, "invalid_request_error", "invalid_json", None)
 BAD_UTF8 = (400, "invalid_request_error", "invalid_utf8", None)
@@ -52,29 +51,52 @@ def test_refusals(case):
     assert refusal(parse_json_body, raw) == expected
 
 
-@pytest.mark.parametrize("value", ["text/plain", None, "", "application/x-www-form-urlencoded",
-                                   "application/json; charset=latin-1", "application/jsonx"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "text/plain",
+        None,
+        "",
+        "application/x-www-form-urlencoded",
+        "application/json; charset=latin-1",
+        "application/jsonx",
+    ],
+)
 def test_b3_content_type_refused(value):
-    assert refusal(check_content_type, value) == (415, "invalid_request_error",
-                                                  "unsupported_media_type", None)
+    assert refusal(check_content_type, value) == (
+        415,
+        "invalid_request_error",
+        "unsupported_media_type",
+        None,
+    )
 
 
-@pytest.mark.parametrize("value", ["application/json", "Application/JSON",
-                                   "application/json; charset=utf-8",
-                                   'application/json;charset="UTF-8"'])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "application/json",
+        "Application/JSON",
+        "application/json; charset=utf-8",
+        'application/json;charset="UTF-8"',
+    ],
+)
 def test_b3_content_type_accepted(value):
     check_content_type(value)
 
 
 def test_b4_body_over_the_limit():
     assert refusal(parse_json_body, b"{}" + b" " * 100, 50) == (
-        413, "invalid_request_error", "payload_too_large", None)
+        413,
+        "invalid_request_error",
+        "payload_too_large",
+        None,
+    )
     assert parse_json_body(b"{}" + b" " * 48, 50) == {}
 
 
 def test_valid_bodies_are_kept_exactly():
     body = parse_json_body(rb'{"a": "\ud83d\ude00 \u0000 ok", "b": "\\ud800", "c": [1, 2.5, -0.0]}')
-    assert body == {"a": "\U0001F600 \x00 ok", "b": "\\ud800", "c": [1, 2.5, -0.0]}
+    assert body == {"a": "\U0001f600 \x00 ok", "b": "\\ud800", "c": [1, 2.5, -0.0]}
     assert parse_json_body('{"é": "ü"}'.encode()) == {"é": "ü"}
 
 

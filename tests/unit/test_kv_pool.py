@@ -50,8 +50,9 @@ def test_busy_slot_prefix_is_copied_and_full_pool_returns_none():
     assert pool.allocate("c", [1, 2], "") is None
 
 
-def _computed_and_released(pool: KVSlotPool, request_id: str, tokens: list[int],
-                           tenant: str) -> int:
+def _computed_and_released(
+    pool: KVSlotPool, request_id: str, tokens: list[int], tenant: str
+) -> int:
     """A request that computed all of `tokens` and finished: its slot id (now cached)."""
     alloc = pool.allocate(request_id, tokens, tenant)
     pool.commit(alloc.slot_id, tokens, len(tokens), tenant)
@@ -79,7 +80,7 @@ def test_in_place_reuse_extends_the_block_match_to_the_exact_token():
 def test_token_level_reuse_is_per_tenant():
     pool = KVSlotPool(1, block_size=4)
     tokens = list(range(10))
-    slot_id = _computed_and_released(pool, "a", tokens, "t1")
+    _computed_and_released(pool, "a", tokens, "t1")
     assert pool.num_cached_prefix_tokens(tokens + [1], "t2") == 0
     assert pool.allocate("b", tokens + [1], "t2").num_cached_tokens == 0
     # and a slot whose first block differs is never compared token by token

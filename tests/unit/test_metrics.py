@@ -4,9 +4,9 @@ values stay in their fixed sets whatever the requests carry (docs/RELIABILITY.md
 from prometheus_client.parser import text_string_to_metric_families
 
 from ultrafast.core.scheduler import SchedulerConfig
-from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.engine.core import EngineCore
 from ultrafast.executors.fake_exec import FakeExecutor
+from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.server.metrics import ServerMetrics
 
 
@@ -26,8 +26,9 @@ def value(metrics, name, **labels):
 def test_engine_steps_feed_queue_depth_kv_prefix_and_step_phases():
     metrics = ServerMetrics()
     assert value(metrics, "ultrafast_kv_slots_total") == 0  # no engine yet: zeros, no error
-    engine = EngineCore(FakeExecutor(num_slots=2), SchedulerConfig(max_num_seqs=2,
-                                                                   max_model_len=256))
+    engine = EngineCore(
+        FakeExecutor(num_slots=2), SchedulerConfig(max_num_seqs=2, max_model_len=256)
+    )
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     prompt = list(range(1, 40))
     for i, tier in enumerate([ServiceTier.PRIORITY, ServiceTier.DEFAULT, ServiceTier.DEFAULT]):
@@ -85,13 +86,19 @@ def test_request_timer_ttft_itl_e2e_and_tenant_tokens():
     timer.finish(num_prompt_tokens=7, num_output_tokens=4)
     timer.finish(num_prompt_tokens=7, num_output_tokens=4)  # idempotent
     assert value(metrics, "ultrafast_time_to_first_token_seconds_count", tier="priority") == 1
-    assert abs(value(metrics, "ultrafast_time_to_first_token_seconds_sum",
-                     tier="priority") - 0.1) < 1e-9
+    assert (
+        abs(value(metrics, "ultrafast_time_to_first_token_seconds_sum", tier="priority") - 0.1)
+        < 1e-9
+    )
     assert value(metrics, "ultrafast_inter_token_latency_seconds_count", tier="priority") == 3
-    assert value(metrics, "ultrafast_inter_token_latency_seconds_bucket", tier="priority",
-                 le="0.003") == 2  # 2.5 ms twice; the 10 ms gap is above
-    assert abs(value(metrics, "ultrafast_e2e_request_latency_seconds_sum",
-                     tier="priority") - 0.115) < 1e-9
+    assert (
+        value(metrics, "ultrafast_inter_token_latency_seconds_bucket", tier="priority", le="0.003")
+        == 2
+    )  # 2.5 ms twice; the 10 ms gap is above
+    assert (
+        abs(value(metrics, "ultrafast_e2e_request_latency_seconds_sum", tier="priority") - 0.115)
+        < 1e-9
+    )
     assert value(metrics, "ultrafast_prompt_tokens_total", tenant="acme") == 7
     assert value(metrics, "ultrafast_generation_tokens_total", tenant="acme") == 4
     assert value(metrics, "ultrafast_e2e_request_latency_seconds_count", tier="default") == 0
@@ -112,8 +119,10 @@ def test_s12_label_values_come_from_fixed_sets():
 
 
 def test_alert_threshold_is_exported_only_when_configured():
-    assert not any(n == "ultrafast_alert_priority_itl_p99_threshold_seconds"
-                   for n, _ in samples(ServerMetrics()))
+    assert not any(
+        n == "ultrafast_alert_priority_itl_p99_threshold_seconds"
+        for n, _ in samples(ServerMetrics())
+    )
     metrics = ServerMetrics(device_kind="gpu", alert_priority_itl_p99_s=0.002)
     assert value(metrics, "ultrafast_alert_priority_itl_p99_threshold_seconds") == 0.002
     assert value(metrics, "ultrafast_engine_info", device_kind="gpu") == 1

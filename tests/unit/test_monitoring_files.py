@@ -58,8 +58,9 @@ def sanity_check_promql(expr: str) -> None:
     assert not stack, f"unclosed {stack} in {expr!r}"
     for selector in re.findall(r"\{([^{}]*)\}", expr):
         for matcher in filter(None, (m.strip() for m in selector.split(","))):
-            assert re.fullmatch(r'[a-zA-Z_][a-zA-Z0-9_]*\s*(=~|!~|!=|=)\s*"[^"]*"', matcher), \
+            assert re.fullmatch(r'[a-zA-Z_][a-zA-Z0-9_]*\s*(=~|!~|!=|=)\s*"[^"]*"', matcher), (
                 f"bad matcher {matcher!r} in {expr!r}"
+            )
     for window in re.findall(r"\[([^\]]*)\]", expr):
         assert re.fullmatch(r"\d+[smhd]", window), f"bad range {window!r} in {expr!r}"
 
@@ -114,22 +115,35 @@ def test_dashboard_structure_p99_beside_utilization():
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (make setup installs it)")
 def test_promtool_checks_rules_and_runs_the_alert_unit_test():
-    check = subprocess.run([PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True,
-                           text=True)
+    check = subprocess.run(
+        [PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True, text=True
+    )
     assert check.returncode == 0, check.stdout + check.stderr
-    unit = subprocess.run([PROMTOOL, "test", "rules", "alerts_test.yml"],
-                          cwd=ALERTS.parent, capture_output=True, text=True)
+    unit = subprocess.run(
+        [PROMTOOL, "test", "rules", "alerts_test.yml"],
+        cwd=ALERTS.parent,
+        capture_output=True,
+        text=True,
+    )
     assert unit.returncode == 0, unit.stdout + unit.stderr
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (make setup installs it)")
 def test_promtool_parses_every_dashboard_expression(tmp_path):
-    rules = {"groups": [{"name": "dashboard", "rules": [
-        {"record": f"dashboard:expr{i}", "expr": e} for i, e in enumerate(dashboard_exprs())]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"dashboard:expr{i}", "expr": e}
+                    for i, e in enumerate(dashboard_exprs())
+                ],
+            }
+        ]
+    }
     path = tmp_path / "dashboard_rules.yml"
     path.write_text(yaml.safe_dump(rules))
-    check = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True,
-                           text=True)
+    check = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
 
 
@@ -139,10 +153,15 @@ def test_promtool_checks_the_example_scrape_config(tmp_path):
     key_file = tmp_path / "metrics.key"
     key_file.write_text("a-metrics-scope-key\n")
     (tmp_path / "prometheus.yml").write_text(
-        config.replace("/etc/prometheus/ultrafast-metrics.key", str(key_file)))
+        config.replace("/etc/prometheus/ultrafast-metrics.key", str(key_file))
+    )
     shutil.copy(ALERTS, tmp_path / "alerts.yml")
-    check = subprocess.run([PROMTOOL, "check", "config", "prometheus.yml"], cwd=tmp_path,
-                           capture_output=True, text=True)
+    check = subprocess.run(
+        [PROMTOOL, "check", "config", "prometheus.yml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     scrape = yaml.safe_load(config)["scrape_configs"][0]
     assert scrape["job_name"] == "ultrafast"  # UltrafastDown selects up{job="ultrafast"}

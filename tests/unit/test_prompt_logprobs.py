@@ -13,27 +13,33 @@ import torch
 from ultrafast.config import DEMO_MODEL_DIR
 from ultrafast.core.kv_pool import KVSlotPool
 from ultrafast.core.scheduler import Scheduler, SchedulerConfig
-from ultrafast.core.types import RequestOutput
-from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
+from ultrafast.core.types import RequestOutput, ScheduledSeq, StepPlan, StepResult, TokenLogprobs
+from ultrafast.engine.core import EngineCore
 from ultrafast.executors.fake_exec import FakeExecutor, next_token
 from ultrafast.executors.fake_scoring import reference_prompt_logprobs
 from ultrafast.executors.prompt_scoring import split_prompt_rows
 from ultrafast.request import Request, SamplingParams, ServiceTier
-from ultrafast.engine.core import EngineCore
 from ultrafast.server.bridge import merge_outputs
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
 
 
 def scoring(max_tokens=0, top=1, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True,
-                          prompt_logprobs=top, **kw)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, logprobs=True, prompt_logprobs=top, **kw
+    )
 
 
 def make_scheduler(chunk=4, num_slots=2, max_num_seqs=2) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
-                                     max_prefill_chunk_tokens=chunk, max_model_len=64),
-                     KVSlotPool(num_slots))
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=64,
+            max_prefill_chunk_tokens=chunk,
+            max_model_len=64,
+        ),
+        KVSlotPool(num_slots),
+    )
 
 
 def answer(plan: StepPlan, sampled=7) -> StepResult:
@@ -43,7 +49,8 @@ def answer(plan: StepPlan, sampled=7) -> StepResult:
         first = seq.start_position + 1
         result.prompt_logprobs[seq.request_id] = [
             TokenLogprobs(seq.prompt_token_ids[first + j], -float(first + j), [(0, -0.5)])
-            for j in range(seq.num_prompt_logits)]
+            for j in range(seq.num_prompt_logits)
+        ]
         if seq.num_logits:
             result.sampled_token_ids[seq.request_id] = [sampled] * seq.num_logits
             result.logprobs[seq.request_id] = [TokenLogprobs(sampled, -0.25)] * seq.num_logits
@@ -71,8 +78,11 @@ def test_scoring_rows_cover_every_prompt_token_once_and_max_tokens_0_generates_n
         plans.append(sched.schedule())
         outputs += update(sched, plans[-1], answer(plans[-1]))
     seqs = [p.seqs[0] for p in plans]
-    assert [(s.start_position, s.num_tokens, s.num_prompt_logits, s.num_logits)
-            for s in seqs] == [(0, 4, 4, 0), (4, 4, 4, 0), (8, 2, 1, 0)]
+    assert [(s.start_position, s.num_tokens, s.num_prompt_logits, s.num_logits) for s in seqs] == [
+        (0, 4, 4, 0),
+        (4, 4, 4, 0),
+        (8, 2, 1, 0),
+    ]
     (out,) = outputs
     assert out.finished and out.finish_reason == "length" and out.new_token_ids == []
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPT)
@@ -100,8 +110,7 @@ def test_a_prompt_of_one_token_scores_nothing_but_still_answers():
 def test_missing_prompt_logprobs_fail_the_request_alone():
     sched = make_scheduler(chunk=64)
     sched.add_request(Request("scored", list(PROMPT), scoring(max_tokens=2)))
-    sched.add_request(Request("plain", list(PROMPT), SamplingParams(max_tokens=2,
-                                                                    temperature=0.0)))
+    sched.add_request(Request("plain", list(PROMPT), SamplingParams(max_tokens=2, temperature=0.0)))
 
     def forgetful(plan):
         result = answer(plan)
@@ -137,8 +146,9 @@ def test_preempted_mid_prefill_rescores_from_the_start():
     sched.add_request(Request("low", list(PROMPT), scoring(), tier=ServiceTier.FLEX))
     plan = sched.schedule()
     update(sched, plan, answer(plan))  # 4 of 10 prompt tokens scored
-    sched.add_request(Request("high", [1, 2, 3], SamplingParams(max_tokens=1),
-                              tier=ServiceTier.PRIORITY))
+    sched.add_request(
+        Request("high", [1, 2, 3], SamplingParams(max_tokens=1), tier=ServiceTier.PRIORITY)
+    )
     outputs = run(sched)
     assert sched.num_preemptions == 1
     (low,) = [o for o in outputs if o.request_id == "low"]
@@ -154,10 +164,15 @@ def test_max_tokens_0_needs_prompt_scoring():
 
 
 def test_fake_executor_scores_the_prompt_like_its_reference():
-    executor = FakeExecutor.for_tokenizer(DEMO_MODEL_DIR / "tokenizer.json", num_slots=2, step_s=0.0)
-    engine = EngineCore(executor, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32,
-                                                  max_prefill_chunk_tokens=8,
-                                                  max_model_len=128))
+    executor = FakeExecutor.for_tokenizer(
+        DEMO_MODEL_DIR / "tokenizer.json", num_slots=2, step_s=0.0
+    )
+    engine = EngineCore(
+        executor,
+        SchedulerConfig(
+            max_num_seqs=2, max_num_batched_tokens=32, max_prefill_chunk_tokens=8, max_model_len=128
+        ),
+    )
     words = executor.output_ids
     prompt = [words[0], words[1]]
     for i in range(6):  # alternately the fake model's own next token and one it would not pick
@@ -180,11 +195,10 @@ def test_split_prompt_rows_scores_rows_and_keeps_the_sampled_ones(as_numpy):
     logits = torch.randn(7, 11)
     params = SamplingParams(temperature=0.0, prompt_logprobs=2)
     seqs = [  # a: 3 scoring rows then 1 sampled; b: sampled only; c: 2 scoring rows
-        ScheduledSeq("a", 0, [1, 2, 3, 4], 0, 1, params, 0, 0, [1, 2, 3, 4],
-                     num_prompt_logits=3),
+        ScheduledSeq("a", 0, [1, 2, 3, 4], 0, 1, params, 0, 0, [1, 2, 3, 4], num_prompt_logits=3),
         ScheduledSeq("b", 1, [9], 5, 1, SamplingParams(), 0, 0, [9] * 6),
-        ScheduledSeq("c", 2, [5, 6], 2, 0, params, 0, 0, [0, 0, 5, 6, 7],
-                     num_prompt_logits=2)]
+        ScheduledSeq("c", 2, [5, 6], 2, 0, params, 0, 0, [0, 0, 5, 6, 7], num_prompt_logits=2),
+    ]
     sampled, scores = split_prompt_rows(seqs, logits.numpy() if as_numpy else logits)
     assert np.allclose(np.asarray(sampled), logits[[3, 4]].numpy())
     reference = torch.log_softmax(logits, dim=-1)

@@ -26,13 +26,19 @@ def refused(fn, **fields) -> tuple[int, str, str]:
     return info.value.status, info.value.code, info.value.param
 
 
-HINTS = dict(safety_identifier="hash-of-user", prompt_cache_key="tenant-a/app-1",
-             prompt_cache_retention="24h", reasoning_effort="minimal", verbosity="low")
+HINTS = dict(
+    safety_identifier="hash-of-user",
+    prompt_cache_key="tenant-a/app-1",
+    prompt_cache_retention="24h",
+    reasoning_effort="minimal",
+    verbosity="low",
+)
 
 
 def test_hints_are_accepted_and_change_no_sampling_setting():
-    req = chat(**HINTS, stream=True,
-               stream_options={"include_usage": True, "include_obfuscation": False})
+    req = chat(
+        **HINTS, stream=True, stream_options={"include_usage": True, "include_obfuscation": False}
+    )
     assert req.sampling_params(1000, 9) == chat().sampling_params(1000, 9)
     assert req.prompt_cache_key == "tenant-a/app-1" and req.include_usage()
     assert completion(**HINTS).prompt_cache_key == "tenant-a/app-1"
@@ -42,29 +48,47 @@ def test_hints_are_accepted_and_change_no_sampling_setting():
         chat(reasoning_effort=effort)
 
 
-@pytest.mark.parametrize("field,value,code", [
-    ("reasoning_effort", "extreme", "invalid_value"), ("verbosity", "loud", "invalid_value"),
-    ("prompt_cache_retention", "1y", "invalid_value"), ("verbosity", 3, "invalid_type"),
-    ("safety_identifier", "u" * 129, "invalid_value"), ("safety_identifier", "", "invalid_value"),
-    ("prompt_cache_key", "k" * 1025, "invalid_value"), ("prompt_cache_key", ["k"], "invalid_type"),
-])
+@pytest.mark.parametrize(
+    "field,value,code",
+    [
+        ("reasoning_effort", "extreme", "invalid_value"),
+        ("verbosity", "loud", "invalid_value"),
+        ("prompt_cache_retention", "1y", "invalid_value"),
+        ("verbosity", 3, "invalid_type"),
+        ("safety_identifier", "u" * 129, "invalid_value"),
+        ("safety_identifier", "", "invalid_value"),
+        ("prompt_cache_key", "k" * 1025, "invalid_value"),
+        ("prompt_cache_key", ["k"], "invalid_type"),
+    ],
+)
 def test_bad_hint_values_are_refused_by_name(field, value, code):
     assert refused(chat, **{field: value}) == (400, code, field)
 
 
 def test_bad_include_obfuscation_is_refused():
     assert refused(chat, stream=True, stream_options={"include_obfuscation": "no"}) == (
-        400, "invalid_type", "stream_options.include_obfuscation")
+        400,
+        "invalid_type",
+        "stream_options.include_obfuscation",
+    )
 
 
 def test_integral_floats_count_as_integers():
-    req = chat(n=2.0, max_tokens=16.0, seed=3.0, top_k=5.0, logprobs=True, top_logprobs=2.0,
-               max_completion_tokens=8.0)
+    req = chat(
+        n=2.0,
+        max_tokens=16.0,
+        seed=3.0,
+        top_k=5.0,
+        logprobs=True,
+        top_logprobs=2.0,
+        max_completion_tokens=8.0,
+    )
     assert (req.n, req.seed, req.top_k, req.top_logprobs) == (2, 3, 5, 2)
     assert type(req.n) is int and req.sampling_params(1000, 1).max_tokens == 8
     req = completion(logprobs=1.0, best_of=1.0, max_tokens=4.0)
-    assert req.sampling_params(1000, 1) == SamplingParams(max_tokens=4, logprobs=True,
-                                                          top_logprobs=1)
+    assert req.sampling_params(1000, 1) == SamplingParams(
+        max_tokens=4, logprobs=True, top_logprobs=1
+    )
     for field in ("n", "max_tokens", "seed", "top_k"):
         assert refused(chat, **{field: 2.5}) == (400, "invalid_type", field)
     assert refused(completion, logprobs=1.5) == (400, "invalid_type", "logprobs")
@@ -78,10 +102,17 @@ def test_top_p_0_is_greedy():
     assert chat(top_p=0.0).sampling_params(1000, 5).greedy
 
 
-@pytest.mark.parametrize("name,tier,auto", [
-    ("scale", ServiceTier.PRIORITY, True), ("fast", ServiceTier.PRIORITY, False),
-    ("auto", ServiceTier.DEFAULT, True), ("priority", ServiceTier.PRIORITY, False),
-    ("default", ServiceTier.DEFAULT, False), ("flex", ServiceTier.FLEX, False)])
+@pytest.mark.parametrize(
+    "name,tier,auto",
+    [
+        ("scale", ServiceTier.PRIORITY, True),
+        ("fast", ServiceTier.PRIORITY, False),
+        ("auto", ServiceTier.DEFAULT, True),
+        ("priority", ServiceTier.PRIORITY, False),
+        ("default", ServiceTier.DEFAULT, False),
+        ("flex", ServiceTier.FLEX, False),
+    ],
+)
 def test_openai_service_tier_enum(name, tier, auto):
     for field in ("service_tier", "priority"):
         req = chat(**{field: name})

@@ -11,8 +11,18 @@ from ultrafast.sampling.sampler import filter_logits, sample_plan
 
 
 def seq(params, request_id="r", seed=1, num_output=0, outputs=(), prompt=(1,), num_logits=1):
-    return ScheduledSeq(request_id, 0, [1] * num_logits, 0, num_logits, params, seed, num_output,
-                        list(prompt), list(outputs))
+    return ScheduledSeq(
+        request_id,
+        0,
+        [1] * num_logits,
+        0,
+        num_logits,
+        params,
+        seed,
+        num_output,
+        list(prompt),
+        list(outputs),
+    )
 
 
 def draw(logits, params, seed=1, index=0, **kw):
@@ -37,8 +47,9 @@ def test_top_k_one_equals_greedy_at_any_temperature():
 
 def test_same_seed_same_token_and_index_changes_the_draw():
     params = SamplingParams(temperature=1.0)
-    assert [draw(LOGITS, params, seed=7, index=i) for i in range(30)] == \
-        [draw(LOGITS, params, seed=7, index=i) for i in range(30)]
+    assert [draw(LOGITS, params, seed=7, index=i) for i in range(30)] == [
+        draw(LOGITS, params, seed=7, index=i) for i in range(30)
+    ]
     assert len({draw(LOGITS, params, seed=7, index=i) for i in range(30)}) > 1
 
 
@@ -105,9 +116,19 @@ def test_row_count_mismatch_is_an_error():
         sample_plan([seq(SamplingParams(temperature=0.0))], torch.zeros(2, 3))
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5),
-                                 dict(top_k=-5), dict(max_tokens=0), dict(frequency_penalty=3),
-                                 dict(top_logprobs=21), dict(min_p=2)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=-5),
+        dict(max_tokens=0),
+        dict(frequency_penalty=3),
+        dict(top_logprobs=21),
+        dict(min_p=2),
+    ],
+)
 def test_invalid_params_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -6,9 +6,9 @@ import pytest
 
 from tests.unit.engine_driver import prompt, run_all
 from ultrafast.core.scheduler import SchedulerConfig
-from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.engine.core import EngineCore
 from ultrafast.executors.fake_exec import FakeExecutor, reference_tokens
+from ultrafast.request import Request, SamplingParams, ServiceTier
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -17,8 +17,6 @@ def make_engine(num_slots=4, **overrides):
     executor = FakeExecutor(num_slots=num_slots)
     config = SchedulerConfig(**{"max_num_seqs": num_slots, "max_model_len": 256, **overrides})
     return EngineCore(executor, config), executor
-
-
 
 
 def test_single_request_matches_reference():
@@ -120,8 +118,9 @@ def test_prefix_cache_is_isolated_per_tenant():
 
 
 def test_prefix_copied_from_a_running_request():
-    engine, executor = make_engine(num_slots=2, max_num_batched_tokens=64,
-                                   max_prefill_chunk_tokens=64)
+    engine, executor = make_engine(
+        num_slots=2, max_num_batched_tokens=64, max_prefill_chunk_tokens=64
+    )
     shared = prompt(8, 36)
     engine.add_request(Request("a", shared, SamplingParams(temperature=0.0, max_tokens=40)))
     engine.step()
@@ -134,8 +133,11 @@ def test_prefix_copied_from_a_running_request():
 def test_priority_preempts_default_and_nothing_is_lost():
     engine, executor = make_engine(num_slots=2)
     long_params = SamplingParams(temperature=0.0, max_tokens=30)
-    requests = [Request("d1", prompt(9, 20), long_params), Request("d2", prompt(10, 20), long_params),
-                Request("p", prompt(11, 20), GREEDY, tier=ServiceTier.PRIORITY)]
+    requests = [
+        Request("d1", prompt(9, 20), long_params),
+        Request("d2", prompt(10, 20), long_params),
+        Request("p", prompt(11, 20), GREEDY, tier=ServiceTier.PRIORITY),
+    ]
     out, finish = run_all(engine, requests, arrivals=[0, 0, 5])
     assert engine.scheduler.num_preemptions >= 1
     assert out["d1"] == reference_tokens(prompt(9, 20), 30)
@@ -146,8 +148,10 @@ def test_priority_preempts_default_and_nothing_is_lost():
 
 def test_flex_yields_to_default():
     engine, executor = make_engine(num_slots=1)
-    requests = [Request("f", prompt(12, 5), GREEDY, tier=ServiceTier.FLEX),
-                Request("d", prompt(13, 5), GREEDY)]
+    requests = [
+        Request("f", prompt(12, 5), GREEDY, tier=ServiceTier.FLEX),
+        Request("d", prompt(13, 5), GREEDY),
+    ]
     out, _ = run_all(engine, requests)
     first = executor.plans[0].seqs[0].request_id
     assert first == "d"
@@ -169,7 +173,7 @@ def test_eos_and_stop_token_ids_end_generation():
     engine, _ = make_engine()
     eos = Request("e", prompt(15, 6), GREEDY, eos_token_ids=(ref[3],))
     out, finish = run_all(engine, [eos])
-    assert out["e"] == ref[:ref.index(ref[3]) + 1] and finish["e"] == "stop"
+    assert out["e"] == ref[: ref.index(ref[3]) + 1] and finish["e"] == "stop"
     stop = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(ref[2],))
     out, finish = run_all(engine, [Request("s", prompt(15, 6), stop)])
     assert out["s"][-1] == ref[2] and finish["s"] == "stop"
@@ -196,8 +200,9 @@ def test_out_of_vocab_prompt_is_refused():
 def test_one_failing_request_does_not_affect_the_others():
     engine, executor = make_engine()
     executor.fail_request_ids.add("bad")
-    out, finish = run_all(engine, [Request("bad", prompt(18, 5), GREEDY),
-                                   Request("ok", prompt(19, 5), GREEDY)])
+    out, finish = run_all(
+        engine, [Request("bad", prompt(18, 5), GREEDY), Request("ok", prompt(19, 5), GREEDY)]
+    )
     assert finish == {"bad": "error", "ok": "length"}
     assert out["ok"] == reference_tokens(prompt(19, 5), 12)
     assert engine.pool.num_running == 0
@@ -213,8 +218,14 @@ def test_waiting_queue_is_bounded():
 
 def test_priority_step_budget_caps_steps_but_keeps_priority_decodes():
     engine, executor = make_engine(max_num_batched_tokens=64, max_prefill_chunk_tokens=64)
-    engine.add_request(Request("p", prompt(20, 4), SamplingParams(temperature=0.0, max_tokens=20),
-                               tier=ServiceTier.PRIORITY))
+    engine.add_request(
+        Request(
+            "p",
+            prompt(20, 4),
+            SamplingParams(temperature=0.0, max_tokens=20),
+            tier=ServiceTier.PRIORITY,
+        )
+    )
     engine.step()
     engine.priority_token_budget = 5  # fixed: this engine has no ITL target to size it
     engine.add_request(Request("long", prompt(21, 60), GREEDY))

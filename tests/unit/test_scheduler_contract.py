@@ -19,14 +19,21 @@ def make(num_slots=2, **overrides):
 
 
 def request(rid, prompt, max_tokens=8, tier=DEFAULT, arrival_s=1.0, eos=()):
-    return Request(rid, list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                   tier=tier, arrival_time_s=arrival_s, eos_token_ids=eos)
+    return Request(
+        rid,
+        list(prompt),
+        SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        tier=tier,
+        arrival_time_s=arrival_s,
+        eos_token_ids=eos,
+    )
 
 
 def seqs(plan):
     """(request id, slot, tokens fed, start position, logits wanted) per scheduled sequence."""
-    return [(s.request_id, s.slot_id, s.token_ids, s.start_position, s.num_logits)
-            for s in plan.seqs]
+    return [
+        (s.request_id, s.slot_id, s.token_ids, s.start_position, s.num_logits) for s in plan.seqs
+    ]
 
 
 def sampled(**tokens):
@@ -86,8 +93,11 @@ def test_eos_and_max_tokens_finish_and_free_the_slot():
     plan = sched.schedule()
     assert seqs(plan) == [("e", 0, [10], 3, 1), ("m", 1, [20], 2, 1)]
     outcome = sched.update(plan, sampled(e=[99], m=[21]))
-    finished = {o.request_id: (o.finish_reason, o.new_token_ids, o.num_output_tokens)
-                for o in outcome.outputs if o.finished}
+    finished = {
+        o.request_id: (o.finish_reason, o.new_token_ids, o.num_output_tokens)
+        for o in outcome.outputs
+        if o.finished
+    }
     assert finished == {"e": ("stop", [99], 2), "m": ("length", [21], 2)}
     assert pool.num_running == 0 and not sched.requests and not sched.running
     assert not sched.has_work()
@@ -151,11 +161,13 @@ def test_an_error_fails_one_request_and_frees_its_slot():
     sched.add_request(request("a", [1, 2]))
     sched.add_request(request("b", [3, 4], arrival_s=2.0))
     plan = sched.schedule()
-    outcome = sched.update(plan, StepResult(sampled_token_ids={"a": [7]},
-                                            errors={"b": "boom"}))
+    outcome = sched.update(plan, StepResult(sampled_token_ids={"a": [7]}, errors={"b": "boom"}))
     by_id = {o.request_id: o for o in outcome.outputs}
-    assert (by_id["b"].finished, by_id["b"].finish_reason, by_id["b"].error) == \
-        (True, "error", "boom")
+    assert (by_id["b"].finished, by_id["b"].finish_reason, by_id["b"].error) == (
+        True,
+        "error",
+        "boom",
+    )
     assert by_id["b"].new_token_ids == [] and by_id["a"].new_token_ids == [7]
     assert pool.num_running == 1 and list(sched.requests) == ["a"]
     assert seqs(sched.schedule()) == [("a", 0, [7], 2, 1)]
@@ -170,8 +182,12 @@ def test_a_priority_arrival_preempts_the_newest_default_request_which_resumes():
 
     plan = sched.schedule()
     b = sched.requests["b"]
-    assert (b.status, b.slot_id, b.num_computed_tokens, b.num_preemptions) == \
-        (RequestStatus.PREEMPTED, None, 0, 1)
+    assert (b.status, b.slot_id, b.num_computed_tokens, b.num_preemptions) == (
+        RequestStatus.PREEMPTED,
+        None,
+        0,
+        1,
+    )
     assert sched.num_preemptions == 1 and list(sched.waiting[DEFAULT]) == [b]
     # a default decode still goes first; the priority prefill takes b's slot
     assert seqs(plan) == [("a", 0, [10], 2, 1), ("p", 1, [5, 6, 7], 0, 1)]
@@ -206,14 +222,16 @@ def test_the_priority_token_budget_caps_steps_with_company_only():
     sched.add_request(request("p", [1, 2], max_tokens=30, tier=PRIORITY))
     to_decoding(sched, "p", 10)
     # alone, a priority stream is not capped: its drafts may use the whole budget
-    plan = sched.schedule(drafts={"p": Draft([1, 2, 3, 4, 5], None, "ngram")},
-                          priority_token_budget=3)
+    plan = sched.schedule(
+        drafts={"p": Draft([1, 2, 3, 4, 5], None, "ngram")}, priority_token_budget=3
+    )
     assert seqs(plan) == [("p", 0, [10, 1, 2, 3, 4, 5], 2, 6)]
     sched.update(plan, sampled(p=[7]))  # the first draft is rejected
 
     sched.add_request(request("d", list(range(20, 40)), arrival_s=2.0))
-    plan = sched.schedule(drafts={"p": Draft([1, 2, 3, 4, 5], None, "ngram")},
-                          priority_token_budget=3)
+    plan = sched.schedule(
+        drafts={"p": Draft([1, 2, 3, 4, 5], None, "ngram")}, priority_token_budget=3
+    )
     assert seqs(plan) == [("p", 0, [7, 1, 2], 3, 3)]  # the drafts fill the cap: d waits
     sched.update(plan, sampled(p=[8]))
     plan = sched.schedule(priority_token_budget=3)

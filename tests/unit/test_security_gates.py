@@ -17,7 +17,8 @@ FORBIDDEN = {
     "exec(": re.compile(r"(?<![.\w])exec\("),
     "yaml.load without SafeLoader": re.compile(r"\byaml\.load\((?![^)]*SafeLoader)"),
     "torch.load without weights_only=True": re.compile(
-        r"\btorch\.load\((?![^)]*weights_only\s*=\s*True)"),
+        r"\btorch\.load\((?![^)]*weights_only\s*=\s*True)"
+    ),
     "jinja2.Environment": re.compile(r"\b(jinja2\.)?(?<!Sandboxed)Environment\("),
 }
 
@@ -29,25 +30,39 @@ def test_the_gate_sees_the_sources():
 @pytest.mark.parametrize("name", FORBIDDEN)
 def test_no_forbidden_call(name):
     pattern = FORBIDDEN[name]
-    hits = [f"{path.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}"
-            for path in SOURCES for text in [path.read_text()] for m in pattern.finditer(text)]
+    hits = [
+        f"{path.relative_to(ROOT)}:{text[: m.start()].count(chr(10)) + 1}"
+        for path in SOURCES
+        for text in [path.read_text()]
+        for m in pattern.finditer(text)
+    ]
     assert not hits, f"{name} in {hits}"
 
 
-@pytest.mark.parametrize("line,name", [
-    ("data = pickle.loads(blob)", "pickle.loads"),
-    ("x = eval(text)", "eval("),
-    ("cfg = yaml.load(f)", "yaml.load without SafeLoader"),
-    ("sd = torch.load(path)", "torch.load without weights_only=True"),
-    ("env = jinja2.Environment()", "jinja2.Environment"),
-])
+@pytest.mark.parametrize(
+    "line,name",
+    [
+        ("data = pickle.loads(blob)", "pickle.loads"),
+        ("x = eval(text)", "eval("),
+        ("cfg = yaml.load(f)", "yaml.load without SafeLoader"),
+        ("sd = torch.load(path)", "torch.load without weights_only=True"),
+        ("env = jinja2.Environment()", "jinja2.Environment"),
+    ],
+)
 def test_the_gate_catches_each_pattern(line, name):
     assert FORBIDDEN[name].search(line)
 
 
-@pytest.mark.parametrize("line", [
-    "model.eval()", "yaml.safe_load(f)", "yaml.load(f, Loader=yaml.SafeLoader)",
-    "torch.load(path, weights_only=True)", "ImmutableSandboxedEnvironment(",
-    "self.evaluate(x)"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "model.eval()",
+        "yaml.safe_load(f)",
+        "yaml.load(f, Loader=yaml.SafeLoader)",
+        "torch.load(path, weights_only=True)",
+        "ImmutableSandboxedEnvironment(",
+        "self.evaluate(x)",
+    ],
+)
 def test_the_gate_allows_the_safe_forms(line):
     assert not any(p.search(line) for p in FORBIDDEN.values())

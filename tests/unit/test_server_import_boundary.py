@@ -20,8 +20,14 @@ from pathlib import Path
 import ultrafast.server
 
 SERVER_DIR = Path(ultrafast.server.__file__).parent
-ENGINE_PACKAGES = ("ultrafast.core", "ultrafast.runtime", "ultrafast.engine",
-                   "ultrafast.executors", "ultrafast.sampling", "ultrafast.llm")
+ENGINE_PACKAGES = (
+    "ultrafast.core",
+    "ultrafast.runtime",
+    "ultrafast.engine",
+    "ultrafast.executors",
+    "ultrafast.sampling",
+    "ultrafast.llm",
+)
 EXTRA_ALLOWED = {"bridge.py": ENGINE_PACKAGES, "serve.py": ("ultrafast.llm",)}
 
 
@@ -36,7 +42,7 @@ def imported_modules(source: str, package: str) -> list[str]:
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
-                parts = parts[:len(parts) - node.level + 1]
+                parts = parts[: len(parts) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
             names.append(base)
             names += [f"{base}.{alias.name}" for alias in node.names]  # `from x import mod`
@@ -46,8 +52,14 @@ def imported_modules(source: str, package: str) -> list[str]:
 def boundary_violations(source: str, package: str, allowed: tuple[str, ...] = ()) -> list[str]:
     def within(name: str, prefixes: tuple[str, ...]) -> bool:
         return any(name == p or name.startswith(p + ".") for p in prefixes)
-    return sorted({name for name in imported_modules(source, package)
-                   if within(name, ENGINE_PACKAGES) and not within(name, allowed)})
+
+    return sorted(
+        {
+            name
+            for name in imported_modules(source, package)
+            if within(name, ENGINE_PACKAGES) and not within(name, allowed)
+        }
+    )
 
 
 def test_no_server_module_but_the_bridge_imports_the_engine():
@@ -64,25 +76,39 @@ def test_no_server_module_but_the_bridge_imports_the_engine():
 
 
 def test_the_checker_catches_plain_from_lazy_and_relative_imports():
-    source = ("import ultrafast.core.scheduler\n"
-              "from ultrafast.runtime.engine import EngineThread\n"
-              "def f():\n    from ultrafast.executors import fake_exec\n"
-              "from ...sampling import sampler\n"
-              "from ultrafast import llm\n")
+    source = (
+        "import ultrafast.core.scheduler\n"
+        "from ultrafast.runtime.engine import EngineThread\n"
+        "def f():\n    from ultrafast.executors import fake_exec\n"
+        "from ...sampling import sampler\n"
+        "from ultrafast import llm\n"
+    )
     assert boundary_violations(source, "ultrafast.server.sessions") == [
-        "ultrafast.core.scheduler", "ultrafast.executors", "ultrafast.executors.fake_exec",
-        "ultrafast.llm", "ultrafast.runtime.engine", "ultrafast.runtime.engine.EngineThread",
-        "ultrafast.sampling", "ultrafast.sampling.sampler"]
+        "ultrafast.core.scheduler",
+        "ultrafast.executors",
+        "ultrafast.executors.fake_exec",
+        "ultrafast.llm",
+        "ultrafast.runtime.engine",
+        "ultrafast.runtime.engine.EngineThread",
+        "ultrafast.sampling",
+        "ultrafast.sampling.sampler",
+    ]
 
 
 def test_the_checker_lets_allowed_imports_through():
-    source = ("from ultrafast.request import Request, ServiceTier\n"
-              "from ultrafast.config import ServerConfig\n"
-              "from ultrafast.server.bridge import EngineSnapshot\n"
-              "from . import errors\nimport orjson\n")
+    source = (
+        "from ultrafast.request import Request, ServiceTier\n"
+        "from ultrafast.config import ServerConfig\n"
+        "from ultrafast.server.bridge import EngineSnapshot\n"
+        "from . import errors\nimport orjson\n"
+    )
     assert boundary_violations(source, "ultrafast.server") == []
-    assert boundary_violations("from ultrafast.llm import build_engine\n", "ultrafast.server",
-                               ("ultrafast.llm",)) == []
+    assert (
+        boundary_violations(
+            "from ultrafast.llm import build_engine\n", "ultrafast.server", ("ultrafast.llm",)
+        )
+        == []
+    )
 
 
 def server_import_graph() -> dict[str, set[str]]:
@@ -95,8 +121,11 @@ def server_import_graph() -> dict[str, set[str]]:
         modules[name] = (path, ".".join(parts))
     graph = {}
     for name, (path, package) in modules.items():
-        graph[name] = {m for m in imported_modules(path.read_text(), package)
-                       if m in modules and m != name and not name.startswith(m + ".")}
+        graph[name] = {
+            m
+            for m in imported_modules(path.read_text(), package)
+            if m in modules and m != name and not name.startswith(m + ".")
+        }
     return graph
 
 
@@ -109,7 +138,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         path.pop()

@@ -10,11 +10,17 @@ import uuid
 
 import pytest
 
-from ultrafast.server.sessions.flow import SessionFlow
 from ultrafast.server.sessions.backends import open_store
-from ultrafast.server.sessions.store import (CHAT_COMPLETION, RESPONSE, SeqConflict,
-                                             StoredObject, StoreUnavailable, TooManySessions,
-                                             Turn)
+from ultrafast.server.sessions.flow import SessionFlow
+from ultrafast.server.sessions.store import (
+    CHAT_COMPLETION,
+    RESPONSE,
+    SeqConflict,
+    StoredObject,
+    StoreUnavailable,
+    TooManySessions,
+    Turn,
+)
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -58,7 +64,9 @@ def test_append_assigns_seq_and_a_retried_turn_id_is_stored_once(store_url):
     assert (a.seq, b.seq) == (0, 1)
     assert again.seq == 0 and again.content == "hello"  # the first write wins, no duplicate
     assert [(t.seq, t.turn_id, t.content) for t in turns] == [
-        (0, "u0", "hello"), (1, "a0", 'a "quoted" "seq":-1 text')]
+        (0, "u0", "hello"),
+        (1, "a0", 'a "quoted" "seq":-1 text'),
+    ]
 
 
 def test_tenants_never_see_each_others_sessions(store_url):
@@ -130,8 +138,12 @@ def test_stored_objects_list_oldest_first_per_tenant_and_kind(store_url):
 
     async def body(store):
         for i, created in enumerate((30.0, 10.0, 20.0)):
-            await store.put_object(tenant, CHAT_COMPLETION, f"c{i}", StoredObject(
-                {"id": f"c{i}"}, created_s=created, metadata={"k": str(i)}))
+            await store.put_object(
+                tenant,
+                CHAT_COMPLETION,
+                f"c{i}",
+                StoredObject({"id": f"c{i}"}, created_s=created, metadata={"k": str(i)}),
+            )
         await store.put_object(_tenant(), CHAT_COMPLETION, "c9", StoredObject({"id": "c9"}))
         await store.put_object(tenant, RESPONSE, "r0", StoredObject({"id": "r0"}))
         listed = [o.body["id"] for o in await store.list_objects(tenant, CHAT_COMPLETION)]
@@ -182,11 +194,13 @@ def test_redis_outage_raises_unavailable_and_restart_keeps_each_turn_once(redis_
 
 def test_sqlite_history_survives_a_new_process(tmp_path):
     url = f"sqlite:///{tmp_path}/s.db"
-    code = ("import asyncio, sys\nfrom ultrafast.server.sessions.backends import open_store\n"
-            "from ultrafast.server.sessions.store import Turn\n"
-            "async def main():\n    s = open_store(sys.argv[1])\n    await s.create('t', 'c')\n"
-            "    await s.append('t', 'c', Turn('u0', 'user', 'kept'))\n    await s.close()\n"
-            "asyncio.run(main())\n")
+    code = (
+        "import asyncio, sys\nfrom ultrafast.server.sessions.backends import open_store\n"
+        "from ultrafast.server.sessions.store import Turn\n"
+        "async def main():\n    s = open_store(sys.argv[1])\n    await s.create('t', 'c')\n"
+        "    await s.append('t', 'c', Turn('u0', 'user', 'kept'))\n    await s.close()\n"
+        "asyncio.run(main())\n"
+    )
     subprocess.run([sys.executable, "-c", code, url], check=True)
 
     async def body(store):

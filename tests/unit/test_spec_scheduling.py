@@ -7,11 +7,11 @@ hash-chosen part of the contexts. Whatever the drafts, the output must be the pl
 
 from tests.unit.engine_driver import prompt, run_all
 from ultrafast.core.scheduler import SchedulerConfig
-from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.engine.core import EngineCore
 from ultrafast.engine.draft_model import DraftModelProposer
 from ultrafast.engine.speculation import SpecConfig, Speculator
 from ultrafast.executors.fake_exec import FakeExecutor, next_token, reference_tokens
+from ultrafast.request import Request, SamplingParams, ServiceTier
 
 PRIORITY = ServiceTier.PRIORITY
 
@@ -47,8 +47,6 @@ def make_engine(agree=lambda c: True, num_slots=4, spec=None, **overrides):
     return engine, executor, draft
 
 
-
-
 def greedy(max_tokens=30, **kw):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
@@ -77,10 +75,12 @@ def test_accept_all_none_and_partial_give_the_plain_output():
 
 def test_several_requests_draft_in_one_step():
     lengths = [3, 40, 17, 5]
-    requests = [Request(f"r{i}", prompt(i, n), greedy(25), tier=PRIORITY)
-                for i, n in enumerate(lengths)]
-    engine, executor, draft = make_engine(sometimes, max_num_batched_tokens=64,
-                                          max_prefill_chunk_tokens=16)
+    requests = [
+        Request(f"r{i}", prompt(i, n), greedy(25), tier=PRIORITY) for i, n in enumerate(lengths)
+    ]
+    engine, executor, draft = make_engine(
+        sometimes, max_num_batched_tokens=64, max_prefill_chunk_tokens=16
+    )
     out, _ = run_all(engine, requests, arrivals=[0, 0, 1, 3])
     for i, n in enumerate(lengths):
         assert out[f"r{i}"] == reference_tokens(prompt(i, n), 25)
@@ -92,8 +92,9 @@ def test_several_requests_draft_in_one_step():
 def test_max_tokens_cuts_mid_draft_and_drafts_never_pass_it():
     engine, executor, _ = make_engine()
     for max_tokens in (1, 2, 3, 7):
-        out, finish = run_all(engine, [Request(f"m{max_tokens}", prompt(2, 8), greedy(max_tokens),
-                                               tier=PRIORITY)])
+        out, finish = run_all(
+            engine, [Request(f"m{max_tokens}", prompt(2, 8), greedy(max_tokens), tier=PRIORITY)]
+        )
         assert out[f"m{max_tokens}"] == reference_tokens(prompt(2, 8), max_tokens)
         assert finish[f"m{max_tokens}"] == "length"
     for seq in drafted_seqs(executor):
@@ -104,9 +105,10 @@ def test_eos_inside_accepted_drafts_stops_there():
     ref = reference_tokens(prompt(3, 6), 30)
     eos = ref[6]
     engine, executor, _ = make_engine()
-    out, finish = run_all(engine, [Request("e", prompt(3, 6), greedy(), tier=PRIORITY,
-                                           eos_token_ids=(eos,))])
-    assert out["e"] == ref[:ref.index(eos) + 1] and finish["e"] == "stop"
+    out, finish = run_all(
+        engine, [Request("e", prompt(3, 6), greedy(), tier=PRIORITY, eos_token_ids=(eos,))]
+    )
+    assert out["e"] == ref[: ref.index(eos) + 1] and finish["e"] == "stop"
     # the step that produced the eos had drafts after it, which were dropped
     last = drafted_seqs(executor)[-1]
     assert last.num_output_tokens + last.num_logits > len(out["e"])
@@ -120,11 +122,19 @@ def test_context_limit_with_drafts():
 
 
 def test_preemption_with_drafts_loses_nothing():
-    engine, executor, _ = make_engine(sometimes, num_slots=2, spec=SpecConfig(
-        method="draft", tiers=(PRIORITY, ServiceTier.DEFAULT), use_measured_costs=False))
+    engine, executor, _ = make_engine(
+        sometimes,
+        num_slots=2,
+        spec=SpecConfig(
+            method="draft", tiers=(PRIORITY, ServiceTier.DEFAULT), use_measured_costs=False
+        ),
+    )
     long = greedy(30)
-    requests = [Request("d1", prompt(9, 20), long), Request("d2", prompt(10, 20), long),
-                Request("p", prompt(11, 20), greedy(12), tier=PRIORITY)]
+    requests = [
+        Request("d1", prompt(9, 20), long),
+        Request("d2", prompt(10, 20), long),
+        Request("p", prompt(11, 20), greedy(12), tier=PRIORITY),
+    ]
     out, finish = run_all(engine, requests, arrivals=[0, 0, 5])
     assert engine.scheduler.num_preemptions >= 1
     assert out["d1"] == reference_tokens(prompt(9, 20), 30)
@@ -135,10 +145,11 @@ def test_preemption_with_drafts_loses_nothing():
 
 def test_abort_mid_draft_frees_the_slot():
     engine, executor, _ = make_engine(num_slots=1)
-    out, finish = run_all(engine, [Request("a", prompt(5, 5), greedy(100), tier=PRIORITY)],
-                          abort_at={4: "a"})
+    out, finish = run_all(
+        engine, [Request("a", prompt(5, 5), greedy(100), tier=PRIORITY)], abort_at={4: "a"}
+    )
     assert finish["a"] == "abort"
-    assert out["a"] == reference_tokens(prompt(5, 5), 100)[:len(out["a"])]
+    assert out["a"] == reference_tokens(prompt(5, 5), 100)[: len(out["a"])]
     assert engine.pool.num_running == 0 and not engine.has_work()
     assert engine.speculator._states == {}  # its speculation state is gone too
     out, _ = run_all(engine, [Request("b", prompt(6, 5), greedy(10), tier=PRIORITY)])
@@ -147,16 +158,22 @@ def test_abort_mid_draft_frees_the_slot():
 
 def test_flex_and_default_get_no_drafts_by_default():
     engine, executor, _ = make_engine(spec=SpecConfig(method="draft", use_measured_costs=False))
-    run_all(engine, [Request("f", prompt(7, 5), greedy(10), tier=ServiceTier.FLEX),
-                     Request("d", prompt(8, 5), greedy(10))])
+    run_all(
+        engine,
+        [
+            Request("f", prompt(7, 5), greedy(10), tier=ServiceTier.FLEX),
+            Request("d", prompt(8, 5), greedy(10)),
+        ],
+    )
     assert not drafted_seqs(executor)
     run_all(engine, [Request("p", prompt(7, 5), greedy(10), tier=PRIORITY)])
     assert drafted_seqs(executor)
 
 
 def test_adaptive_k_grows_with_acceptance_and_shrinks_without():
-    spec = SpecConfig(method="draft", max_draft_tokens=6, retry_after_steps=1000,
-                      use_measured_costs=False)
+    spec = SpecConfig(
+        method="draft", max_draft_tokens=6, retry_after_steps=1000, use_measured_costs=False
+    )
     engine, executor, _ = make_engine(spec=spec)
     run_all(engine, [Request("a", prompt(1, 10), greedy(60), tier=PRIORITY)])
     sizes = [s.num_logits - 1 for s in drafted_seqs(executor)]
@@ -213,7 +230,8 @@ class CopyingTarget(FakeExecutor):
                 kv = self.slots[seq.slot_id]
                 first = len(kv) - seq.num_logits + 1
                 result.sampled_token_ids[seq.request_id] = [
-                    self._next(kv[:first + j]) for j in range(seq.num_logits)]
+                    self._next(kv[: first + j]) for j in range(seq.num_logits)
+                ]
         return result
 
     def _next(self, context):
@@ -227,11 +245,18 @@ def test_ngram_drafts_are_verified_exactly():
     outs = []
     for method in ("off", "ngram"):
         executor = CopyingTarget(num_slots=2)
-        engine = EngineCore(executor, SchedulerConfig(max_num_seqs=2, max_model_len=256),
-                            speculator=Speculator(SpecConfig(method=method,
-                                                             use_measured_costs=False)))
-        out, _ = run_all(engine, [Request("a", text, greedy(60), tier=PRIORITY),
-                                  Request("b", text[3:], greedy(50), tier=PRIORITY)])
+        engine = EngineCore(
+            executor,
+            SchedulerConfig(max_num_seqs=2, max_model_len=256),
+            speculator=Speculator(SpecConfig(method=method, use_measured_costs=False)),
+        )
+        out, _ = run_all(
+            engine,
+            [
+                Request("a", text, greedy(60), tier=PRIORITY),
+                Request("b", text[3:], greedy(50), tier=PRIORITY),
+            ],
+        )
         outs.append(dict(out))
     assert outs[0] == outs[1]
     assert [len(outs[1][rid]) for rid in "ab"] == [60, 50]  # no request failed
@@ -245,8 +270,9 @@ def test_prediction_drafts_and_usage_counts():
     ref = reference_tokens(prompt(2, 7), 20)
     prediction = ref[:3] + [1] + ref[4:11] + [2, 3] + ref[13:]  # two edits
     engine, executor, _ = make_engine(spec=SpecConfig(method="off", use_measured_costs=False))
-    request = Request("a", prompt(2, 7), greedy(20), tier=ServiceTier.FLEX,
-                      prediction_token_ids=prediction)
+    request = Request(
+        "a", prompt(2, 7), greedy(20), tier=ServiceTier.FLEX, prediction_token_ids=prediction
+    )
     engine.add_request(request)
     last = None
     while engine.has_work():
@@ -312,8 +338,18 @@ def test_measured_step_times_override_the_line_in_sizing_k():
     assert best_draft_length(0.8, 8, *line) >= 3
     # measured: a 2-token pass costs 1.84x a 1-token one and every wider pass more (a CPU
     # switching from its matrix-vector to its matrix kernels): at 80% drafting does not pay
-    measured = [None, 0.92e-3, 1.70e-3, 2.41e-3, 2.93e-3, 3.53e-3, 4.07e-3, 4.77e-3, 5.09e-3,
-                5.46e-3]
+    measured = [
+        None,
+        0.92e-3,
+        1.70e-3,
+        2.41e-3,
+        2.93e-3,
+        3.53e-3,
+        4.07e-3,
+        4.77e-3,
+        5.09e-3,
+        5.46e-3,
+    ]
     assert best_draft_length(0.8, 8, *line, measured_pass_s=measured) == 0
     assert best_draft_length(0.95, 8, *line, measured_pass_s=measured) >= 5  # it does at 95%
     # a width never timed is judged by the line (so it gets tried), the rest as measured
@@ -352,15 +388,18 @@ def test_no_retries_for_a_source_that_could_never_pay():
 
     spec = SpecConfig(method="auto", retry_after_steps=4)
     speculator = Speculator(spec, CostlyDraftModel())
-    request = Request("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=500),
-                      tier=PRIORITY)
+    request = Request(
+        "r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=500), tier=PRIORITY
+    )
     speculator.admit(request)
     state = speculator._state(request)
     assert state.sources == ("ngram", "draft")
     for source in state.sources:
         state.num_accepted[source], state.num_tried[source] = 0.0, 100.0  # nothing accepted
-    lengths = {source: [speculator._draft_length(state, source, Costs()) for _ in range(40)]
-               for source in state.sources}
+    lengths = {
+        source: [speculator._draft_length(state, source, Costs()) for _ in range(40)]
+        for source in state.sources
+    }
     assert lengths["ngram"].count(1) == 10  # n-gram drafts are nearly free: retried every 4
     assert lengths["draft"].count(1) == 0 and set(lengths["draft"]) == {0}
 
@@ -369,10 +408,10 @@ def _reference_lookup(tokens, k, ngram_min, ngram_max):
     """Prompt lookup by brute force: the longest suffix n-gram's latest earlier occurrence."""
     length = len(tokens)
     for n in range(min(ngram_max, length), ngram_min - 1, -1):
-        suffix = tokens[length - n:]
+        suffix = tokens[length - n :]
         for end in range(length - 1, n - 1, -1):
-            if tokens[end - n:end] == suffix:
-                draft = tokens[end:end + k]
+            if tokens[end - n : end] == suffix:
+                draft = tokens[end : end + k]
                 while len(draft) < k:
                     draft.append(draft[len(draft) - (length - end)])
                 return draft
@@ -385,7 +424,7 @@ def test_ngram_index_matches_brute_force_as_it_grows():
     from ultrafast.engine.speculation import NgramIndex
 
     rng = random.Random(7)
-    for trial in range(30):
+    for _trial in range(30):
         tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 40))]
         ngram_min, ngram_max = rng.choice([(1, 4), (2, 3), (1, 1), (3, 5)])
         index = NgramIndex(tokens, ngram_min, ngram_max)
@@ -422,7 +461,10 @@ def test_a_conversations_next_turn_takes_over_the_previous_index():
     assert state2.ngram is first_index  # taken over, extended with the new tokens
     fresh = NgramIndex(turn2.prompt_token_ids, 1, 4)
     for k in (1, 3, 6):
-        assert state2.ngram.lookup(k) == fresh.lookup(k) == _reference_lookup(
-            turn2.prompt_token_ids, k, 1, 4)
+        assert (
+            state2.ngram.lookup(k)
+            == fresh.lookup(k)
+            == _reference_lookup(turn2.prompt_token_ids, k, 1, 4)
+        )
     _, state3 = start("t3", [9, 9, 9, 1])  # starts otherwise: nothing to take
     assert state3.ngram is not first_index

@@ -10,8 +10,7 @@ import torch
 
 from ultrafast.core.types import ScheduledSeq
 from ultrafast.request import SamplingParams
-from ultrafast.sampling.sampler import sample_one, sample_plan
-from ultrafast.sampling.sampler import verify
+from ultrafast.sampling.sampler import sample_one, sample_plan, verify
 
 P = np.array([0.05, 0.4, 0.1, 0.25, 0.15, 0.05])
 Q = np.array([0.3, 0.1, 0.3, 0.05, 0.05, 0.2])  # a bad draft: far from P
@@ -19,9 +18,19 @@ NUM_DRAWS = 12_000
 
 
 def _seq(seed, drafts, params, probs=None, output=()):
-    return ScheduledSeq("r", 0, [1] + list(drafts), 10, len(drafts) + 1, params, seed,
-                        len(output), prompt_token_ids=[1, 2], output_token_ids=list(output),
-                        draft_probs=probs)
+    return ScheduledSeq(
+        "r",
+        0,
+        [1] + list(drafts),
+        10,
+        len(drafts) + 1,
+        params,
+        seed,
+        len(output),
+        prompt_token_ids=[1, 2],
+        output_token_ids=list(output),
+        draft_probs=probs,
+    )
 
 
 def _tv(counts, expected):
@@ -29,7 +38,10 @@ def _tv(counts, expected):
     return 0.5 * float(np.abs(freq - expected).sum())
 
 
-def _run(num_drafts, use_q, params=SamplingParams(temperature=1.0)):
+SAMPLED = SamplingParams(temperature=1.0)
+
+
+def _run(num_drafts, use_q, params=SAMPLED):
     rng = np.random.default_rng(0)
     logits = torch.log(torch.tensor(P, dtype=torch.float32)).repeat(num_drafts + 1, 1)
     q = torch.tensor(Q, dtype=torch.float32).repeat(num_drafts, 1)
@@ -45,7 +57,7 @@ def _run(num_drafts, use_q, params=SamplingParams(temperature=1.0)):
             if len(tokens) > 1:
                 second_after_accept[tokens[1]] += 1
         assert 1 <= len(tokens) <= num_drafts + 1
-        assert tokens[:-1] == drafts[:len(tokens) - 1]  # only accepted drafts come back
+        assert tokens[:-1] == drafts[: len(tokens) - 1]  # only accepted drafts come back
     return first, second_after_accept, num_accepted / NUM_DRAWS
 
 
@@ -87,15 +99,16 @@ def test_deterministic_drafts_give_the_same_seeded_tokens_as_plain_sampling():
     output = [3, 4]
     plain, history = [], list(output)
     for j in range(4):
-        token = sample_one(logits[j].clone(), _seq(7, [], params, output=output), history,
-                           len(output) + j)
+        token = sample_one(
+            logits[j].clone(), _seq(7, [], params, output=output), history, len(output) + j
+        )
         plain.append(token)
         history.append(token)
     for num_right in range(4):  # drafts right for a prefix, then wrong
         drafts = plain[:num_right] + [(plain[num_right] + 1) % 50 if num_right < 3 else 0]
         drafts = drafts[:3]
         tokens, _ = verify(_seq(7, drafts, params, output=output), logits)
-        assert tokens == plain[:len(tokens)]
+        assert tokens == plain[: len(tokens)]
         assert len(tokens) == min(num_right, 3) + 1
 
 

@@ -10,34 +10,63 @@ import pytest
 
 from ultrafast.config import ServerConfig, TierTargets
 from ultrafast.core.scheduler import SchedulerConfig
-from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.engine.core import EngineCore
 from ultrafast.executors.fake_exec import FakeExecutor
+from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.server.admission import Admission
-from ultrafast.server.auth import (HostAllowListMiddleware, RedactingFilter, allowed_hosts_for,
-                                   authenticate, entitled_tier, take_request, take_tokens)
+from ultrafast.server.auth import (
+    HostAllowListMiddleware,
+    RedactingFilter,
+    allowed_hosts_for,
+    authenticate,
+    entitled_tier,
+    take_request,
+    take_tokens,
+)
 from ultrafast.server.errors import APIError
 from ultrafast.server.tenants import TokenBucket, hash_key, parse_api_keys
 
-KEYS = {"acme": "acme-secret-1", "beta": "beta-secret-1", "off": "off-secret-1",
-        "old": "old-secret-1", "ops": "ops-secret-1"}
+KEYS = {
+    "acme": "acme-secret-1",
+    "beta": "beta-secret-1",
+    "off": "off-secret-1",
+    "old": "old-secret-1",
+    "ops": "ops-secret-1",
+}
 
 
 def keys_spec():
-    return {"tenants": [
-        {"name": "acme", "tiers": ["priority", "default"], "committed_priority_share": 0.5,
-         "keys": [{"sha256": hash_key(KEYS["acme"])},
-                  {"sha256": hash_key(KEYS["old"]), "revoked": True}]},
-        {"name": "beta", "requests_per_s": 2, "tokens_per_s": 100,
-         "keys": [{"sha256": hash_key(KEYS["beta"])}]},
-        {"name": "off", "disabled": True, "keys": [{"sha256": hash_key(KEYS["off"])}]},
-        {"name": "ops", "scopes": ["metrics"], "keys": [{"sha256": hash_key(KEYS["ops"])}]},
-    ]}
+    return {
+        "tenants": [
+            {
+                "name": "acme",
+                "tiers": ["priority", "default"],
+                "committed_priority_share": 0.5,
+                "keys": [
+                    {"sha256": hash_key(KEYS["acme"])},
+                    {"sha256": hash_key(KEYS["old"]), "revoked": True},
+                ],
+            },
+            {
+                "name": "beta",
+                "requests_per_s": 2,
+                "tokens_per_s": 100,
+                "keys": [{"sha256": hash_key(KEYS["beta"])}],
+            },
+            {"name": "off", "disabled": True, "keys": [{"sha256": hash_key(KEYS["off"])}]},
+            {"name": "ops", "scopes": ["metrics"], "keys": [{"sha256": hash_key(KEYS["ops"])}]},
+        ]
+    }
 
 
 def scope(*auth: str, path="/v1/chat/completions", query=b""):
-    return {"type": "http", "path": path, "method": "POST", "query_string": query,
-            "headers": [(b"authorization", a.encode()) for a in auth]}
+    return {
+        "type": "http",
+        "path": path,
+        "method": "POST",
+        "query_string": query,
+        "headers": [(b"authorization", a.encode()) for a in auth],
+    }
 
 
 def refusal(keys, s):
@@ -53,21 +82,32 @@ def refusal(keys, s):
 AUTH_CASES = {
     "B45 no Authorization": (scope(), (401, "authentication_error", "missing_api_key")),
     "B46 wrong key": (scope("Bearer nope"), (401, "authentication_error", "invalid_api_key")),
-    "B46 Bearer twice": (scope(f"Bearer Bearer {KEYS['acme']}"),
-                         (401, "authentication_error", "invalid_api_key")),
-    "B46 two headers": (scope(f"Bearer {KEYS['acme']}", f"Bearer {KEYS['acme']}"),
-                        (401, "authentication_error", "invalid_api_key")),
-    "B46 Basic": (scope("Basic YWNtZTpzZWNyZXQ="), (401, "authentication_error",
-                                                     "invalid_api_key")),
-    "B46 key in URL": (scope(query=f"api_key={KEYS['acme']}".encode()),
-                       (401, "authentication_error", "invalid_api_key")),
-    "B46 revoked": (scope(f"Bearer {KEYS['old']}"), (401, "authentication_error",
-                                                      "invalid_api_key")),
+    "B46 Bearer twice": (
+        scope(f"Bearer Bearer {KEYS['acme']}"),
+        (401, "authentication_error", "invalid_api_key"),
+    ),
+    "B46 two headers": (
+        scope(f"Bearer {KEYS['acme']}", f"Bearer {KEYS['acme']}"),
+        (401, "authentication_error", "invalid_api_key"),
+    ),
+    "B46 Basic": (
+        scope("Basic YWNtZTpzZWNyZXQ="),
+        (401, "authentication_error", "invalid_api_key"),
+    ),
+    "B46 key in URL": (
+        scope(query=f"api_key={KEYS['acme']}".encode()),
+        (401, "authentication_error", "invalid_api_key"),
+    ),
+    "B46 revoked": (
+        scope(f"Bearer {KEYS['old']}"),
+        (401, "authentication_error", "invalid_api_key"),
+    ),
     "B46 empty token": (scope("Bearer "), (401, "authentication_error", "invalid_api_key")),
-    "B47 suspended": (scope(f"Bearer {KEYS['off']}"), (403, "permission_error",
-                                                        "tenant_disabled")),
-    "metrics scope": (scope(f"Bearer {KEYS['acme']}", path="/metrics"),
-                      (403, "permission_error", "scope_not_allowed")),
+    "B47 suspended": (scope(f"Bearer {KEYS['off']}"), (403, "permission_error", "tenant_disabled")),
+    "metrics scope": (
+        scope(f"Bearer {KEYS['acme']}", path="/metrics"),
+        (403, "permission_error", "scope_not_allowed"),
+    ),
 }
 
 
@@ -97,12 +137,20 @@ BAD_FILES = {
     "unknown field": {"tenants": [{"name": "a", "prio": 1}]},
     "bad tier": {"tenants": [{"name": "a", "tiers": ["warp9"]}]},
     "raw key": {"tenants": [{"name": "a", "keys": [{"sha256": "my-secret"}]}]},
-    "shares over 1": {"tenants": [{"name": "a", "committed_priority_share": 0.7},
-                                  {"name": "b", "committed_priority_share": 0.7}]},
+    "shares over 1": {
+        "tenants": [
+            {"name": "a", "committed_priority_share": 0.7},
+            {"name": "b", "committed_priority_share": 0.7},
+        ]
+    },
     "negative rate": {"tenants": [{"name": "a", "requests_per_s": -1}]},
     "bool rate": {"tenants": [{"name": "a", "tokens_per_s": True}]},
-    "duplicate key": {"tenants": [{"name": "a", "keys": [{"sha256": "0" * 64}]},
-                                  {"name": "b", "keys": [{"sha256": "0" * 64}]}]},
+    "duplicate key": {
+        "tenants": [
+            {"name": "a", "keys": [{"sha256": "0" * 64}]},
+            {"name": "b", "keys": [{"sha256": "0" * 64}]},
+        ]
+    },
     "bad scope": {"tenants": [{"name": "a", "scopes": ["root"]}]},
 }
 
@@ -120,14 +168,22 @@ def test_b41_priority_without_entitlement():
     with pytest.raises(APIError) as info:
         entitled_tier(beta, ServiceTier.PRIORITY, False, "priority", refused)
     e = info.value
-    assert (e.status, e.type, e.code, e.param) == (403, "permission_error",
-                                                   "priority_not_allowed", "priority")
+    assert (e.status, e.type, e.code, e.param) == (
+        403,
+        "permission_error",
+        "priority_not_allowed",
+        "priority",
+    )
     assert refused == {"priority_not_allowed": 1}
     # auto quietly becomes default for a tenant without priority; acme keeps auto
     assert entitled_tier(beta, ServiceTier.DEFAULT, True, "service_tier", {}) == (
-        ServiceTier.DEFAULT, False)
+        ServiceTier.DEFAULT,
+        False,
+    )
     assert entitled_tier(acme, ServiceTier.DEFAULT, True, "service_tier", {}) == (
-        ServiceTier.DEFAULT, True)
+        ServiceTier.DEFAULT,
+        True,
+    )
     with pytest.raises(APIError) as info:
         entitled_tier(acme, ServiceTier.FLEX, False, "service_tier", {})
     assert info.value.code == "tier_not_allowed"
@@ -172,8 +228,10 @@ def test_committed_priority_seats_at_admission():
     with pytest.raises(APIError) as info:  # the two left are acme's
         admission.reserve(ServiceTier.PRIORITY, tenant="beta")
     assert info.value.code == "queue_full"
-    assert admission.reserve(ServiceTier.PRIORITY, auto=True, tenant="beta").tier == \
-        ServiceTier.DEFAULT
+    assert (
+        admission.reserve(ServiceTier.PRIORITY, auto=True, tenant="beta").tier
+        == ServiceTier.DEFAULT
+    )
     acme = [admission.reserve(ServiceTier.PRIORITY, tenant="acme") for _ in range(2)]
     with pytest.raises(APIError):
         admission.reserve(ServiceTier.PRIORITY, tenant="acme")
@@ -187,14 +245,16 @@ def test_committed_priority_seats_at_admission():
 
 
 def test_committed_priority_seats_in_the_scheduler():
-    engine = EngineCore(FakeExecutor(num_slots=4), SchedulerConfig(max_num_seqs=4,
-                                                                   max_model_len=256))
+    engine = EngineCore(
+        FakeExecutor(num_slots=4), SchedulerConfig(max_num_seqs=4, max_model_len=256)
+    )
     engine.scheduler.set_reserved_priority_seats({"acme": 2})
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
 
     def priority(i, tenant):
-        return Request(f"{tenant}-{i}", [1, 2, 3, i], params, tier=ServiceTier.PRIORITY,
-                       tenant=tenant)
+        return Request(
+            f"{tenant}-{i}", [1, 2, 3, i], params, tier=ServiceTier.PRIORITY, tenant=tenant
+        )
 
     for i in range(4):
         engine.add_request(priority(i, "beta"))
@@ -211,16 +271,18 @@ def test_committed_priority_seats_in_the_scheduler():
 def test_blocked_priority_requests_preempt_nothing():
     """A priority request waiting only for another tenant's committed seats must not preempt
     a default request: it could not take the freed slot anyway (that would thrash)."""
-    engine = EngineCore(FakeExecutor(num_slots=3), SchedulerConfig(max_num_seqs=3,
-                                                                   max_model_len=256))
+    engine = EngineCore(
+        FakeExecutor(num_slots=3), SchedulerConfig(max_num_seqs=3, max_model_len=256)
+    )
     engine.scheduler.set_reserved_priority_seats({"acme": 2})
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     for i in range(3):
         engine.add_request(Request(f"default-{i}", [5, 6, i], params, tier=ServiceTier.DEFAULT))
     engine.step()
     for i in range(2):
-        engine.add_request(Request(f"beta-{i}", [1, 2, i], params, tier=ServiceTier.PRIORITY,
-                                   tenant="beta"))
+        engine.add_request(
+            Request(f"beta-{i}", [1, 2, i], params, tier=ServiceTier.PRIORITY, tenant="beta")
+        )
     for _ in range(5):
         engine.step()
     running = {r.request_id for r in engine.scheduler.running}
@@ -240,10 +302,19 @@ def test_redacting_filter_scrubs_bearer_tokens(caplog):
     assert caplog.text.count("[REDACTED]") == 2
 
 
-@pytest.mark.parametrize("host,allowed", [
-    (b"127.0.0.1:8000", True), (b"localhost", True), (b"[::1]:8000", True),
-    (b"LOCALHOST:1", True), (b"evil.example", False), (b"evil.example:8000", False),
-    (b"127.0.0.1.evil.example", False), (b"", False)])
+@pytest.mark.parametrize(
+    "host,allowed",
+    [
+        (b"127.0.0.1:8000", True),
+        (b"localhost", True),
+        (b"[::1]:8000", True),
+        (b"LOCALHOST:1", True),
+        (b"evil.example", False),
+        (b"evil.example:8000", False),
+        (b"127.0.0.1.evil.example", False),
+        (b"", False),
+    ],
+)
 def test_s9_host_allow_list(host, allowed):
     seen = []
 
@@ -257,8 +328,11 @@ def test_s9_host_allow_list(host, allowed):
 
     middleware = HostAllowListMiddleware(app, allowed_hosts_for("127.0.0.1", ()))
     headers = [(b"host", host)] if host else []
-    asyncio.run(middleware({"type": "http", "path": "/health", "method": "GET",
-                            "headers": headers}, None, send))
+    asyncio.run(
+        middleware(
+            {"type": "http", "path": "/health", "method": "GET", "headers": headers}, None, send
+        )
+    )
     assert bool(seen) == allowed
     if not allowed:
         assert sent[0]["status"] == 403

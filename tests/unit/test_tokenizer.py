@@ -3,12 +3,15 @@
 import json
 
 import pytest
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from ultrafast.tokenizer import StopStringMatcher, Tokenizer
 
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -16,14 +19,19 @@ def tok(tmp_path_factory):
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>",
-                                                                   "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     hf.train_from_iterator(["def f(x):\n    return x + 1\n", "héllo wörld ✓ 日本語"] * 50, trainer)
     d = tmp_path_factory.mktemp("tok")
     hf.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": TEMPLATE}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": TEMPLATE}
+        )
+    )
     return Tokenizer.from_dir(d)
 
 
@@ -38,10 +46,12 @@ def test_incremental_detokenizer_equals_full_decode(tok, text):
 
 def test_detokenizer_with_prompt_context_keeps_spaces(tok):
     prompt = tok.encode("return")
-    ids = tok.encode("return x + 1")[len(prompt):]
+    ids = tok.encode("return x + 1")[len(prompt) :]
     detok = tok.detokenizer(prompt)
-    assert "".join(detok.push([i]) for i in ids) + detok.flush() == tok.decode(
-        prompt + ids)[len("return"):]
+    assert (
+        "".join(detok.push([i]) for i in ids) + detok.flush()
+        == tok.decode(prompt + ids)[len("return") :]
+    )
 
 
 def test_stop_string_split_across_deltas():

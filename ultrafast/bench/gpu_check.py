@@ -76,9 +76,9 @@ def _decode_rate(
     import torch
 
     from ultrafast.core.scheduler import SchedulerConfig
+    from ultrafast.engine.core import EngineCore
     from ultrafast.executors.torch_exec import TorchExecutor
     from ultrafast.request import Request, SamplingParams
-    from ultrafast.engine.core import EngineCore
 
     max_len = 1024
     executor = TorchExecutor(model, num_slots=1, max_model_len=max_len, device=device, compile=mode)

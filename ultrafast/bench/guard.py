@@ -19,8 +19,8 @@ import httpx
 from ultrafast.bench.report import write_report
 from ultrafast.bench.server_process import ServerProcess
 from ultrafast.bench.tiers import PROMPT, percentile, stream_once
-from ultrafast.request import ServiceTier
 from ultrafast.engine.core import StepStats
+from ultrafast.request import ServiceTier
 from ultrafast.server.guard import GuardConfig, GuardedChoice, PatternGuard
 from ultrafast.server.metrics import ServerMetrics
 

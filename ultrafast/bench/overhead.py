@@ -92,8 +92,8 @@ def handoff_rounds(
     by the engine thread itself or handed to a sleeping consumer thread, as the server hands
     it to its event loop; alternating rounds. The pair isolates what one cross-thread wake
     per token costs on this machine. Returns (kept tok/s, handed tok/s) per round."""
-    from ultrafast.request import Request, SamplingParams
     from ultrafast.engine.thread import EngineThread
+    from ultrafast.request import Request, SamplingParams
 
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     consumer = threading.Thread(

@@ -21,13 +21,14 @@ from ultrafast.core.types import KVCopy
 DEFAULT_BLOCK_SIZE = 16  # tokens per hashed block: the granularity of prefix matches
 
 
-def block_hashes(token_ids: list[int], tenant: str, block_size: int,
-                 start: list[bytes] | None = None) -> list[bytes]:
+def block_hashes(
+    token_ids: list[int], tenant: str, block_size: int, start: list[bytes] | None = None
+) -> list[bytes]:
     """Chained hashes of every full block of `token_ids`, continuing from `start` if given."""
     hashes = list(start or [])
     prev = hashes[-1] if hashes else hashlib.sha256(b"ultrafast-kv:" + tenant.encode()).digest()
     for begin in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        block = token_ids[begin:begin + block_size]
+        block = token_ids[begin : begin + block_size]
         prev = hashlib.sha256(prev + struct.pack(f"<{block_size}q", *block)).digest()
         hashes.append(prev)
     return hashes
@@ -86,8 +87,9 @@ class KVSlotPool:
         """Slots a new request could take (empty or holding an evictable cached prefix)."""
         return self.num_slots - self.num_running
 
-    def allocate(self, request_id: str, token_ids: list[int], tenant: str,
-                 reuse_prefix: bool = True) -> SlotAllocation | None:
+    def allocate(
+        self, request_id: str, token_ids: list[int], tenant: str, reuse_prefix: bool = True
+    ) -> SlotAllocation | None:
         """A slot for a request about to compute `token_ids`, reusing the longest cached prefix.
 
         At least one token is always left to compute, so the request gets logits to sample from.
@@ -101,7 +103,7 @@ class KVSlotPool:
             slot.owner, slot.hashes, slot.token_ids = request_id, [], token_ids
             slot.num_computed, slot.tenant = 0, tenant
             return SlotAllocation(slot.slot_id, 0, None)
-        wanted = block_hashes(token_ids[:len(token_ids) - 1], tenant, self.block_size)
+        wanted = block_hashes(token_ids[: len(token_ids) - 1], tenant, self.block_size)
         best_idle, best_idle_len, best_busy, best_busy_len = None, 0, None, 0
         for slot in self.slots:
             n = _common_prefix(slot.hashes, wanted)
@@ -139,8 +141,9 @@ class KVSlotPool:
         self.num_prefix_hit_tokens += num_cached
         return SlotAllocation(slot.slot_id, num_cached, copy)
 
-    def _tokens_past_blocks(self, slot: Slot, num_blocks: int, token_ids: list[int],
-                            tenant: str) -> int:
+    def _tokens_past_blocks(
+        self, slot: Slot, num_blocks: int, token_ids: list[int], tenant: str
+    ) -> int:
         """How many more tokens of `token_ids`, after `num_blocks` matched blocks, the slot has
         computed (fewer than a block: the next block's hash did not match or is incomplete).
         Leaves at least one token of `token_ids` to compute."""
@@ -148,8 +151,9 @@ class KVSlotPool:
             return 0
         begin = num_blocks * self.block_size
         n = 0
-        for cached, wanted in zip(slot.token_ids[begin:slot.num_computed],
-                                  token_ids[begin:len(token_ids) - 1]):
+        for cached, wanted in zip(
+            slot.token_ids[begin : slot.num_computed], token_ids[begin : len(token_ids) - 1]
+        ):
             if cached != wanted:
                 break
             n += 1
@@ -158,7 +162,7 @@ class KVSlotPool:
     def num_cached_prefix_tokens(self, token_ids: list[int], tenant: str) -> int:
         """Read-only, for admission's TTFT estimate: how many leading tokens some slot holds
         now (a conversation's next turn: nearly all). The engine may still evict them first."""
-        wanted = block_hashes(token_ids[:len(token_ids) - 1], tenant, self.block_size)
+        wanted = block_hashes(token_ids[: len(token_ids) - 1], tenant, self.block_size)
         best = 0
         for slot in self.slots:
             n = _common_prefix(slot.hashes, wanted)
@@ -180,7 +184,9 @@ class KVSlotPool:
         """Record that the first `num_computed` tokens' KV now lives in the slot."""
         slot = self.slots[slot_id]
         if (len(slot.hashes) + 1) * self.block_size <= num_computed:
-            slot.hashes = block_hashes(token_ids[:num_computed], tenant, self.block_size, slot.hashes)
+            slot.hashes = block_hashes(
+                token_ids[:num_computed], tenant, self.block_size, slot.hashes
+            )
         slot.token_ids, slot.num_computed, slot.tenant = token_ids, num_computed, tenant
 
     def release(self, slot_id: int, keep_cached: bool = True) -> None:

@@ -15,16 +15,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ultrafast.core.kv_pool import KVSlotPool
-from ultrafast.core.types import (Draft, DraftVerification, RequestOutput, ScheduledSeq,
-                                  StepOutcome, StepPlan, StepResult)
+from ultrafast.core.types import (
+    Draft,
+    DraftVerification,
+    RequestOutput,
+    ScheduledSeq,
+    StepOutcome,
+    StepPlan,
+    StepResult,
+)
 from ultrafast.request import Request, RequestStatus, ServiceTier
-
 
 # The order a step's budget is handed out in: (tier, decoding) phases. Requests admitted from
 # a tier's queue start right after that tier's running prefills.
-_PHASES = ((ServiceTier.PRIORITY, True), (ServiceTier.DEFAULT, True),
-           (ServiceTier.PRIORITY, False), (ServiceTier.DEFAULT, False),
-           (ServiceTier.FLEX, True), (ServiceTier.FLEX, False))
+_PHASES = (
+    (ServiceTier.PRIORITY, True),
+    (ServiceTier.DEFAULT, True),
+    (ServiceTier.PRIORITY, False),
+    (ServiceTier.DEFAULT, False),
+    (ServiceTier.FLEX, True),
+    (ServiceTier.FLEX, False),
+)
 _PHASE_RANKS = {phase: rank for rank, phase in enumerate(_PHASES)}
 
 
@@ -60,7 +71,8 @@ class Scheduler:
         self.config = config
         self.pool = pool
         self.waiting: dict[ServiceTier, collections.deque[Request]] = {
-            tier: collections.deque() for tier in ServiceTier}
+            tier: collections.deque() for tier in ServiceTier
+        }
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -96,8 +108,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if request.num_prompt_tokens >= self.config.max_model_len:
-            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; the context "
-                             f"limit is {self.config.max_model_len} including the reply")
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; the context "
+                f"limit is {self.config.max_model_len} including the reply"
+            )
         if self.num_waiting >= self.config.max_waiting:
             raise OverflowError("the waiting queue is full")
         request.status = RequestStatus.WAITING
@@ -115,8 +129,9 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------
 
-    def schedule(self, drafts: Mapping[str, Draft] | None = None,
-                 priority_token_budget: int | None = None) -> StepPlan:
+    def schedule(
+        self, drafts: Mapping[str, Draft] | None = None, priority_token_budget: int | None = None
+    ) -> StepPlan:
         """The next step. `drafts`: request id -> draft tokens to verify in its decode this step
         (for running requests; each is cut to fit the budget, the slot and max_tokens).
         `priority_token_budget`: while a priority request is running alongside other work, a
@@ -144,8 +159,9 @@ class Scheduler:
             while i < n and _phase_rank(running[i]) == rank:
                 if budget > 0:
                     request = running[i]
-                    budget -= self._schedule_chunk(plan, request, budget,
-                                                   drafts.get(request.request_id))
+                    budget -= self._schedule_chunk(
+                        plan, request, budget, drafts.get(request.request_id)
+                    )
                 i += 1
             if not decoding and waiting[tier]:
                 budget = self._admit(plan, tier, budget)
@@ -161,22 +177,29 @@ class Scheduler:
         tiers = {r.request_id: r.tier for r in self.running}
         lengths = {s.num_tokens for s in plan.seqs if tiers[s.request_id] == ServiceTier.PRIORITY}
         if lengths:
-            plan.seqs = [s for s in plan.seqs if s.num_tokens in lengths
-                         or tiers[s.request_id] == ServiceTier.PRIORITY]
+            plan.seqs = [
+                s
+                for s in plan.seqs
+                if s.num_tokens in lengths or tiers[s.request_id] == ServiceTier.PRIORITY
+            ]
 
     def _priority_has_company(self) -> bool:
         """Is there work besides priority decodes? Only then does the priority step cap
         protect anything; priority streams alone may use the whole budget for their drafts."""
         return bool(self.num_waiting) or any(
             r.tier != ServiceTier.PRIORITY or r.num_tokens - r.num_computed_tokens != 1
-            for r in self.running)
+            for r in self.running
+        )
 
     def _make_room_for_waiting(self) -> None:
         """Preempt lower tiers before anything is scheduled, so their slots are free to take."""
         num_wanting = 0
         for tier in (ServiceTier.PRIORITY, ServiceTier.DEFAULT):
-            num_wanting += (self._num_priority_wanting() if tier == ServiceTier.PRIORITY
-                            else len(self.waiting[tier]))
+            num_wanting += (
+                self._num_priority_wanting()
+                if tier == ServiceTier.PRIORITY
+                else len(self.waiting[tier])
+            )
             while self._free_capacity() < num_wanting and self._preempt_for(tier):
                 pass
 
@@ -214,8 +237,9 @@ class Scheduler:
             budget -= self._schedule_chunk(plan, request, budget, None)  # no draft: it waited
         return budget
 
-    def _next_admissible(self, queue: collections.deque[Request],
-                         tier: ServiceTier) -> Request | None:
+    def _next_admissible(
+        self, queue: collections.deque[Request], tier: ServiceTier
+    ) -> Request | None:
         """The first waiting request that may start: priority requests of a tenant past its own
         committed seats leave the other tenants' unused committed seats free."""
         if tier != ServiceTier.PRIORITY or not self._reserved_priority_seats:
@@ -234,8 +258,9 @@ class Scheduler:
         reserved = self._reserved_priority_seats
         if running.get(tenant, 0) < reserved.get(tenant, 0):
             return True
-        unused_others = sum(max(0, n - running.get(t, 0)) for t, n in reserved.items()
-                            if t != tenant)
+        unused_others = sum(
+            max(0, n - running.get(t, 0)) for t, n in reserved.items() if t != tenant
+        )
         return sum(running.values()) + unused_others < self.config.max_num_seqs
 
     def _num_priority_wanting(self) -> int:
@@ -251,8 +276,12 @@ class Scheduler:
         return num
 
     def _allocate(self, request: Request):
-        return self.pool.allocate(request.request_id, request.all_token_ids, request.tenant,
-                                  reuse_prefix=not _scores_prompt(request))
+        return self.pool.allocate(
+            request.request_id,
+            request.all_token_ids,
+            request.tenant,
+            reuse_prefix=not _scores_prompt(request),
+        )
 
     def _preempt_for(self, tier: ServiceTier) -> bool:
         """Free a slot for `tier` by preempting the newest running request of a lower tier."""
@@ -273,8 +302,9 @@ class Scheduler:
     def _in_plan(self, request: Request) -> bool:
         return request.request_id in self._planned_ids
 
-    def _schedule_chunk(self, plan: StepPlan, request: Request, budget: int,
-                        draft: Draft | None) -> int:
+    def _schedule_chunk(
+        self, plan: StepPlan, request: Request, budget: int, draft: Draft | None
+    ) -> int:
         start = request.num_computed_tokens
         n = min(request.num_tokens - start, budget, self.config.max_prefill_chunk_tokens)
         if n <= 0:
@@ -284,27 +314,40 @@ class Scheduler:
         num_drafts, draft_probs = 0, None
         if draft is not None and start + n == request.num_tokens:  # a decode: drafts may ride
             # the drafts share the budget, fit the slot, and never reach past max_tokens
-            num_drafts = max(0, min(len(draft.token_ids), budget - n,
-                                    self.config.max_model_len - request.num_tokens - 1,
-                                    request.sampling_params.max_tokens
-                                    - request.num_output_tokens - 1))
+            num_drafts = max(
+                0,
+                min(
+                    len(draft.token_ids),
+                    budget - n,
+                    self.config.max_model_len - request.num_tokens - 1,
+                    request.sampling_params.max_tokens - request.num_output_tokens - 1,
+                ),
+            )
             if num_drafts:
                 token_ids = token_ids + draft.token_ids[:num_drafts]
                 if draft.probs is not None:
                     draft_probs = draft.probs[:num_drafts]
                 plan.draft_sources[request.request_id] = draft.source
         samples = start + n == request.num_tokens and request.sampling_params.max_tokens > 0
-        plan.seqs.append(ScheduledSeq(
-            request_id=request.request_id, slot_id=request.slot_id,
-            token_ids=token_ids, start_position=start,
-            num_logits=1 + num_drafts if samples else 0,
-            sampling_params=request.sampling_params, sampling_seed=request.sampling_seed,
-            num_output_tokens=request.num_output_tokens,
-            prompt_token_ids=request.prompt_token_ids, output_token_ids=request.output_token_ids,
-            draft_probs=draft_probs,
-            # rows whose next token is a prompt token score it
-            num_prompt_logits=max(0, min(n, request.num_prompt_tokens - 1 - start))
-            if _scores_prompt(request) else 0))
+        plan.seqs.append(
+            ScheduledSeq(
+                request_id=request.request_id,
+                slot_id=request.slot_id,
+                token_ids=token_ids,
+                start_position=start,
+                num_logits=1 + num_drafts if samples else 0,
+                sampling_params=request.sampling_params,
+                sampling_seed=request.sampling_seed,
+                num_output_tokens=request.num_output_tokens,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                draft_probs=draft_probs,
+                # rows whose next token is a prompt token score it
+                num_prompt_logits=max(0, min(n, request.num_prompt_tokens - 1 - start))
+                if _scores_prompt(request)
+                else 0,
+            )
+        )
         return n + num_drafts
 
     def update(self, plan: StepPlan, result: StepResult) -> StepOutcome:
@@ -325,8 +368,12 @@ class Scheduler:
                 continue
             if not seq.num_logits:
                 request.num_computed_tokens += seq.num_tokens
-                self.pool.commit(request.slot_id, request.all_token_ids,
-                                 request.num_computed_tokens, request.tenant)
+                self.pool.commit(
+                    request.slot_id,
+                    request.all_token_ids,
+                    request.num_computed_tokens,
+                    request.tenant,
+                )
                 if request.num_computed_tokens == request.num_tokens:  # max_tokens 0: scored
                     self._finish(request, RequestStatus.FINISHED_LENGTH)
                     outputs.append(self._output(request, [], []))
@@ -335,7 +382,7 @@ class Scheduler:
             num_drafts = seq.num_logits - 1
             num_accepted = 0
             if num_drafts:  # keep the drafts the target agreed with, plus its own next token
-                drafts = seq.token_ids[seq.num_tokens - num_drafts:]
+                drafts = seq.token_ids[seq.num_tokens - num_drafts :]
                 limit = min(num_drafts, len(sampled) - 1)
                 while num_accepted < limit and sampled[num_accepted] == drafts[num_accepted]:
                     num_accepted += 1
@@ -343,36 +390,46 @@ class Scheduler:
             request.num_computed_tokens += seq.num_tokens - num_drafts + num_accepted
             logprobs = result.logprobs.get(seq.request_id) if result.logprobs else None
             new_ids, new_logprobs, status = self._append_outputs(
-                request, sampled[:num_accepted + 1],
-                logprobs[:num_accepted + 1] if logprobs else [])
+                request,
+                sampled[: num_accepted + 1],
+                logprobs[: num_accepted + 1] if logprobs else [],
+            )
             if num_drafts:
-                verifications.append(self._count_drafts(
-                    request, plan.draft_sources.get(seq.request_id, ""), num_drafts,
-                    min(num_accepted, len(new_ids))))
+                verifications.append(
+                    self._count_drafts(
+                        request,
+                        plan.draft_sources.get(seq.request_id, ""),
+                        num_drafts,
+                        min(num_accepted, len(new_ids)),
+                    )
+                )
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-            self.pool.commit(request.slot_id, request.all_token_ids,
-                             request.num_computed_tokens, request.tenant)
+            self.pool.commit(
+                request.slot_id, request.all_token_ids, request.num_computed_tokens, request.tenant
+            )
             if status is not None:
                 self._finish(request, status)
             outputs.append(self._output(request, new_ids, new_logprobs))
         return StepOutcome(outputs, verifications)
 
-    def _append_outputs(self, request: Request, new_ids: list[int], new_logprobs: list
-                        ) -> tuple[list[int], list, RequestStatus | None]:
+    def _append_outputs(
+        self, request: Request, new_ids: list[int], new_logprobs: list
+    ) -> tuple[list[int], list, RequestStatus | None]:
         """Append tokens one at a time; a stop (eos, stop id, max_tokens, context) cuts the rest."""
         status = None
         for i, token in enumerate(new_ids):
             request.output_token_ids.append(token)
             status = self._stop_status(request)
             if status is not None:
-                new_ids, new_logprobs = new_ids[:i + 1], new_logprobs[:i + 1]
+                new_ids, new_logprobs = new_ids[: i + 1], new_logprobs[: i + 1]
                 break
         request.output_logprobs.extend(new_logprobs)
         return new_ids, new_logprobs, status
 
     @staticmethod
-    def _count_drafts(request: Request, source: str, num_drafts: int,
-                      num_accepted: int) -> DraftVerification:
+    def _count_drafts(
+        request: Request, source: str, num_drafts: int, num_accepted: int
+    ) -> DraftVerification:
         request.num_draft_tokens += num_drafts
         request.num_accepted_draft_tokens += num_accepted
         if source == "prediction":
@@ -383,11 +440,14 @@ class Scheduler:
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
         last = request.output_token_ids[-1]
-        if last in params.stop_token_ids or (not params.ignore_eos
-                                             and last in request.eos_token_ids):
+        if last in params.stop_token_ids or (
+            not params.ignore_eos and last in request.eos_token_ids
+        ):
             return RequestStatus.FINISHED_STOPPED
-        if (request.num_output_tokens >= params.max_tokens
-                or request.num_tokens >= self.config.max_model_len):
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -412,17 +472,22 @@ class Scheduler:
             if len(entries) == request.num_prompt_tokens:
                 prompt_logprobs, request.prompt_logprobs_sent = entries, True
         return RequestOutput(
-            request_id=request.request_id, new_token_ids=new_ids,  # callers pass fresh lists
-            new_logprobs=new_logprobs, finished=finished,
+            request_id=request.request_id,
+            new_token_ids=new_ids,  # callers pass fresh lists
+            new_logprobs=new_logprobs,
+            finished=finished,
             finish_reason=request.status.value if finished else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=request.num_output_tokens,
-            queue_time_s=max(0.0, (request.first_scheduled_time_s or request.arrival_time_s)
-                             - request.arrival_time_s),
+            queue_time_s=max(
+                0.0,
+                (request.first_scheduled_time_s or request.arrival_time_s) - request.arrival_time_s,
+            ),
             num_accepted_prediction_tokens=request.num_accepted_prediction_tokens,
             num_rejected_prediction_tokens=request.num_rejected_prediction_tokens,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs,
+        )
 
 
 def _scores_prompt(request: Request) -> bool:
@@ -438,7 +503,7 @@ def _take_prompt_logprobs(request: Request, seq: ScheduledSeq, result: StepResul
     if rows is None or len(rows) != seq.num_prompt_logits:
         return "the executor did not return the prompt logprobs"
     entries = request.prompt_logprobs
-    del entries[seq.start_position + 1:]
+    del entries[seq.start_position + 1 :]
     if not entries:
         entries.append(None)  # the first prompt token has nothing before it to score it
     if len(entries) != seq.start_position + 1:

@@ -56,9 +56,13 @@ class EngineOccupancy:
 class EngineCore:
     """Synchronous engine: call `step()` until `has_work()` is False."""
 
-    def __init__(self, executor: Executor, config: SchedulerConfig,
-                 priority_itl_target_s: float | None = None,
-                 speculator: Speculator | None = None):
+    def __init__(
+        self,
+        executor: Executor,
+        config: SchedulerConfig,
+        priority_itl_target_s: float | None = None,
+        speculator: Speculator | None = None,
+    ):
         """priority_itl_target_s: None = no cap on steps carrying priority work, 0 = auto.
         speculator: None for plain decoding (client predictions are then ignored).
         """
@@ -67,8 +71,11 @@ class EngineCore:
         if config.max_model_len > executor.max_model_len:
             raise ValueError("max_model_len cannot exceed the executor's slot length")
         self.executor = executor
-        config = replace(config, one_pass_per_length=config.one_pass_per_length
-                         or getattr(executor, "one_pass_per_length", False))
+        config = replace(
+            config,
+            one_pass_per_length=config.one_pass_per_length
+            or getattr(executor, "one_pass_per_length", False),
+        )
         self.pool = KVSlotPool(executor.num_slots)
         self.scheduler = Scheduler(config, self.pool)
         self.last_stats: StepStats | None = None
@@ -88,8 +95,16 @@ class EngineCore:
         """Run a short prefill and decode before serving: the first pass of a fresh executor
         allocates its compute graph and would otherwise land on the first client's TTFT."""
         prompt = [i % self.executor.vocab_size for i in range(1, num_prompt_tokens + 1)]
-        self.add_request(Request("warmup", prompt, SamplingParams(  # priority: drafting warms too
-            temperature=0.0, max_tokens=4, ignore_eos=True), tier=ServiceTier.PRIORITY))
+        self.add_request(
+            Request(
+                "warmup",
+                prompt,
+                SamplingParams(  # priority: drafting warms too
+                    temperature=0.0, max_tokens=4, ignore_eos=True
+                ),
+                tier=ServiceTier.PRIORITY,
+            )
+        )
         while self.has_work():
             self.step()
         self.pool.reset_cache()
@@ -98,8 +113,9 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         for token in request.prompt_token_ids:
             if not 0 <= token < self.executor.vocab_size:
-                raise ValueError(f"token id {token} is out of vocabulary "
-                                 f"(size {self.executor.vocab_size})")
+                raise ValueError(
+                    f"token id {token} is out of vocabulary (size {self.executor.vocab_size})"
+                )
         if self.speculator is not None:
             self.speculator.admit(request)
         self.scheduler.add_request(request)
@@ -114,13 +130,19 @@ class EngineCore:
             running[request.tier] += 1
         waiting = sched.waiting
         return EngineOccupancy(
-            num_waiting_by_tier=(len(waiting[ServiceTier.PRIORITY]),
-                                 len(waiting[ServiceTier.DEFAULT]), len(waiting[ServiceTier.FLEX])),
-            num_running_by_tier=tuple(running), num_kv_slots_running=pool.num_running,
-            num_kv_slots_total=pool.num_slots, num_prefix_queries=pool.num_prefix_queries,
+            num_waiting_by_tier=(
+                len(waiting[ServiceTier.PRIORITY]),
+                len(waiting[ServiceTier.DEFAULT]),
+                len(waiting[ServiceTier.FLEX]),
+            ),
+            num_running_by_tier=tuple(running),
+            num_kv_slots_running=pool.num_running,
+            num_kv_slots_total=pool.num_slots,
+            num_prefix_queries=pool.num_prefix_queries,
             num_prefix_query_tokens=pool.num_prefix_query_tokens,
             num_prefix_hit_tokens=pool.num_prefix_hit_tokens,
-            num_preemptions=sched.num_preemptions)
+            num_preemptions=sched.num_preemptions,
+        )
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -135,8 +157,10 @@ class EngineCore:
     def _one_pass(self, plan: StepPlan) -> bool:
         """Did the step run as one forward pass? A step whose lengths the executor ran as
         several passes costs a base per pass, which a line in tokens cannot fit."""
-        return (not self.scheduler.config.one_pass_per_length
-                or len({s.num_tokens for s in plan.seqs}) == 1)
+        return (
+            not self.scheduler.config.one_pass_per_length
+            or len({s.num_tokens for s in plan.seqs}) == 1
+        )
 
     def step(self) -> list[RequestOutput]:
         tp = time.perf_counter()
@@ -159,8 +183,9 @@ class EngineCore:
         outcome = self.scheduler.update(plan, result)
         outputs = outcome.outputs
         if self.speculator is not None:
-            self.speculator.observe(outcome.verifications,
-                                    [o.request_id for o in outputs if o.finished])
+            self.speculator.observe(
+                outcome.verifications, [o.request_id for o in outputs if o.finished]
+            )
         t3 = time.perf_counter()
         seqs = plan.seqs
         num_tokens = num_drafts = 0
@@ -170,18 +195,27 @@ class EngineCore:
         if seqs and self._one_pass(plan):
             pass_s = result.execute_time_s + result.sample_time_s
             self.costs.observe(len(seqs), num_tokens, pass_s + t0 - tp, pass_s)
-        if seqs and self.priority_itl_target_s is not None and any(
-                r.tier == ServiceTier.PRIORITY for r in self.scheduler.running):
+        if (
+            seqs
+            and self.priority_itl_target_s is not None
+            and any(r.tier == ServiceTier.PRIORITY for r in self.scheduler.running)
+        ):
             target_s = self.priority_itl_target_s
             if target_s == 0:  # auto: stay within 1.2x of the idle inter-token time
                 target_s = self.costs.auto_itl_target_s()
             if target_s:  # the cap applies from the next step, to priority steps only
                 self.priority_token_budget = self.costs.token_budget(target_s)
         self.last_stats = StepStats(
-            step_id=plan.step_id, num_seqs=len(seqs), num_tokens=num_tokens,
-            num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
-            schedule_time_s=t1 - t0, execute_time_s=result.execute_time_s,
-            sample_time_s=result.sample_time_s, update_time_s=t3 - t2, propose_time_s=t0 - tp,
-            num_draft_tokens=num_drafts)
+            step_id=plan.step_id,
+            num_seqs=len(seqs),
+            num_tokens=num_tokens,
+            num_running=len(self.scheduler.running),
+            num_waiting=self.scheduler.num_waiting,
+            schedule_time_s=t1 - t0,
+            execute_time_s=result.execute_time_s,
+            sample_time_s=result.sample_time_s,
+            update_time_s=t3 - t2,
+            propose_time_s=t0 - tp,
+            num_draft_tokens=num_drafts,
+        )
         return outputs
-

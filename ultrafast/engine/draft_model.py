@@ -95,10 +95,13 @@ class DraftModelProposer:
             for seq in seqs:
                 start, feed = feeds.pop(seq.request_id)
                 if seq.num_tokens < len(feed) and seq.request_id in self._kv:
-                    feeds[seq.request_id] = (start + seq.num_tokens, feed[seq.num_tokens:])
+                    feeds[seq.request_id] = (start + seq.num_tokens, feed[seq.num_tokens :])
         for j in range(1, max((k for _, k in wants), default=0)):  # drafts 2..k, batched
-            seqs = [self._seq(r, drafts[r.request_id][-1:], r.num_tokens + j - 1, 1)
-                    for r, k in wants if k > j and len(drafts[r.request_id]) == j]
+            seqs = [
+                self._seq(r, drafts[r.request_id][-1:], r.num_tokens + j - 1, 1)
+                for r, k in wants
+                if k > j and len(drafts[r.request_id]) == j
+            ]
             if not seqs:
                 break
             self._run(seqs, drafts, probs, by_id)
@@ -111,8 +114,9 @@ class DraftModelProposer:
 
     @staticmethod
     def _seq(request: Request, token_ids: list[int], start: int, num_logits: int) -> ScheduledSeq:
-        return ScheduledSeq(request.request_id, request.slot_id, token_ids, start, num_logits,
-                            _GREEDY_ONE, 0, 0)
+        return ScheduledSeq(
+            request.request_id, request.slot_id, token_ids, start, num_logits, _GREEDY_ONE, 0, 0
+        )
 
     def _run(self, seqs: list[ScheduledSeq], drafts: dict, probs: dict, by_id: dict) -> None:
         result = self.executor.execute(StepPlan(seqs))
@@ -142,11 +146,21 @@ class DraftModelProposer:
         raw = torch.from_numpy(raw.copy()) if not isinstance(raw, torch.Tensor) else raw.float()
         output = request.output_token_ids
         index = request.num_output_tokens + len(drafts_so_far)
-        view = ScheduledSeq(request.request_id, request.slot_id or 0, [], 0, 1,
-                            request.sampling_params, request.sampling_seed, index,
-                            request.prompt_token_ids, output)
+        view = ScheduledSeq(
+            request.request_id,
+            request.slot_id or 0,
+            [],
+            0,
+            1,
+            request.sampling_params,
+            request.sampling_seed,
+            index,
+            request.prompt_token_ids,
+            output,
+        )
         history = output + drafts_so_far if request.sampling_params.needs_penalties else []
         q = target_probs(raw.clone(), view, history)
         generator = torch.Generator().manual_seed(
-            _mix_seed(request.sampling_seed ^ _DRAFT_SEED_SALT, index))
+            _mix_seed(request.sampling_seed ^ _DRAFT_SEED_SALT, index)
+        )
         return draw(q, generator), q

@@ -16,7 +16,6 @@ from ultrafast.engine.core import EngineCore
 from ultrafast.engine.step_costs import StepCostModel
 from ultrafast.executors.base import Executor
 
-
 SNAPSHOT_MAX_AGE_S = 0.02  # a busy engine republishes at most this stale; idle: at once
 
 
@@ -36,11 +35,11 @@ class StepCostSnapshot:
     def predict_s(self, num_tokens: int, fallback: tuple[float, float] = (0.01, 0.002)) -> float:
         """One step holding `num_tokens` tokens of one sequence; before any measurement, the
         `fallback` (base_s, per_token_s) stands in."""
-        base_s, per_token_s = ((self.base_s, self.per_token_s) if self.measured else fallback)
+        base_s, per_token_s = (self.base_s, self.per_token_s) if self.measured else fallback
         return base_s + num_tokens * per_token_s  # type: ignore[operator]
 
     @classmethod
-    def of(cls, costs: StepCostModel) -> "StepCostSnapshot":
+    def of(cls, costs: StepCostModel) -> StepCostSnapshot:
         return cls(costs.base_s, costs.per_token_s, costs.per_seq_s, costs.single_decode_s)
 
 
@@ -101,16 +100,21 @@ def build_snapshot(core: EngineCore, device_kind: str) -> EngineSnapshot:
     spec = core.spec_stats
     return EngineSnapshot(
         step_id=core.last_stats.step_id if core.last_stats is not None else -1,
-        num_waiting_by_tier=occ.num_waiting_by_tier, num_running_by_tier=occ.num_running_by_tier,
-        num_kv_slots_running=occ.num_kv_slots_running, num_kv_slots_total=occ.num_kv_slots_total,
+        num_waiting_by_tier=occ.num_waiting_by_tier,
+        num_running_by_tier=occ.num_running_by_tier,
+        num_kv_slots_running=occ.num_kv_slots_running,
+        num_kv_slots_total=occ.num_kv_slots_total,
         num_prefix_queries=occ.num_prefix_queries,
         num_prefix_query_tokens=occ.num_prefix_query_tokens,
-        num_prefix_hit_tokens=occ.num_prefix_hit_tokens, num_preemptions=occ.num_preemptions,
+        num_prefix_hit_tokens=occ.num_prefix_hit_tokens,
+        num_preemptions=occ.num_preemptions,
         step_costs=StepCostSnapshot.of(core.costs),
         spec_draft_tokens=tuple(sorted(spec.num_draft_tokens.items())) if spec else (),
         spec_accepted_tokens=tuple(sorted(spec.num_accepted_tokens.items())) if spec else (),
-        device_kind=device_kind, max_model_len=core.scheduler.config.max_model_len,
-        max_num_seqs=core.scheduler.config.max_num_seqs)
+        device_kind=device_kind,
+        max_model_len=core.scheduler.config.max_model_len,
+        max_num_seqs=core.scheduler.config.max_num_seqs,
+    )
 
 
 class EngineReadAPI:

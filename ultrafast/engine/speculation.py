@@ -86,8 +86,11 @@ class SpecStats:
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
 
     def add(self, source: str, num_drafts: int, num_accepted: int) -> None:
-        for counter, value in ((self.num_draft_steps, 1), (self.num_draft_tokens, num_drafts),
-                               (self.num_accepted_tokens, num_accepted)):
+        for counter, value in (
+            (self.num_draft_steps, 1),
+            (self.num_draft_tokens, num_drafts),
+            (self.num_accepted_tokens, num_accepted),
+        ):
             counter[source] = counter.get(source, 0) + value
 
     def acceptance_rate(self, source: str | None = None) -> float:
@@ -124,13 +127,13 @@ class NgramIndex:
         for n in range(self.ngram_min, self.ngram_max + 1):
             begin = max(first_end, n)  # ends in [begin, length): later ends overwrite earlier
             if begin < length:
-                grams = zip(*(toks[begin - n + j:length - n + j] for j in range(n)))
+                grams = zip(*(toks[begin - n + j : length - n + j] for j in range(n)))
                 ends.update(zip(grams, range(begin, length)))
         self._indexed = max(self._indexed, length - 1)
         for n in range(min(self.ngram_max, length), self.ngram_min - 1, -1):
-            end = ends.get(tuple(toks[length - n:]))
+            end = ends.get(tuple(toks[length - n :]))
             if end is not None:
-                draft = toks[end:end + k]
+                draft = toks[end : end + k]
                 period = length - end
                 while len(draft) < k:  # the match runs into the present: a loop, repeat it
                     draft.append(draft[len(draft) - period])
@@ -152,11 +155,11 @@ class PredictionAligner:
         self._ends: dict[tuple[int, ...], list[int]] = {}
         for n in (2, 3):
             for end in range(n, len(prediction) + 1):
-                self._ends.setdefault(tuple(prediction[end - n:end]), []).append(end)
+                self._ends.setdefault(tuple(prediction[end - n : end]), []).append(end)
 
     def advance(self, new_tokens: list[int], output: list[int]) -> None:
         pos = self.pos
-        if pos is not None and self.prediction[pos:pos + len(new_tokens)] == new_tokens:
+        if pos is not None and self.prediction[pos : pos + len(new_tokens)] == new_tokens:
             self.pos = pos + len(new_tokens)
             return
         # where a same-length substitution (a renamed identifier) would have left us
@@ -165,13 +168,13 @@ class PredictionAligner:
             ends = self._ends.get(tuple(output[-n:])) if len(output) >= n else None
             if ends:  # anchor on the occurrence nearest the guess (repeated n-grams are common)
                 i = bisect.bisect_left(ends, guess or 0)
-                near = ends[max(i - 1, 0):i + 1]
+                near = ends[max(i - 1, 0) : i + 1]
                 self.pos = min(near, key=lambda end: abs(end - (guess or 0)))
                 return
         self.pos = guess  # no anchor: assume the substitution, verification will tell
 
     def lookup(self, k: int) -> list[int]:
-        return [] if self.pos is None else self.prediction[self.pos:self.pos + k]
+        return [] if self.pos is None else self.prediction[self.pos : self.pos + k]
 
 
 # ---- propose ----------------------------------------------------------------------------------
@@ -181,15 +184,21 @@ MAX_RETIRED_INDEXES = 8  # finished requests' n-gram indexes kept for a next tur
 _RETRY_ACCEPTANCE = 0.99  # what a retried source is assumed to reach at best
 
 
-def best_draft_length(acceptance: float, max_draft_tokens: int, base_s: float,
-                      per_token_s: float, per_draft_s: float = 0.0,
-                      measured_pass_s: Sequence[float | None] = ()) -> int:
+def best_draft_length(
+    acceptance: float,
+    max_draft_tokens: int,
+    base_s: float,
+    per_token_s: float,
+    per_draft_s: float = 0.0,
+    measured_pass_s: Sequence[float | None] = (),
+) -> int:
     """argmax over k of E[tokens | k drafts] / step time, with per-token acceptance `acceptance`:
     E = 1 + a + ... + a^k, time = pass(k + 1) + per_draft * k. 0 = don't draft.
 
     pass(n) is `measured_pass_s[n]` where a step of n tokens has been timed, else the line
     base + per_token * n: a size never tried looks as cheap as the line says, gets tried, and
     is then judged by its measured time."""
+
     def pass_s(num_tokens: int) -> float:
         if num_tokens < len(measured_pass_s) and measured_pass_s[num_tokens] is not None:
             return measured_pass_s[num_tokens]
@@ -234,7 +243,8 @@ class Speculator:
         # n-gram indexes of finished requests, newest last: a conversation's next turn starts
         # with the previous turn's tokens, and takes its index over instead of rebuilding it
         self._retired: collections.deque[tuple[str, NgramIndex]] = collections.deque(
-            maxlen=MAX_RETIRED_INDEXES)
+            maxlen=MAX_RETIRED_INDEXES
+        )
 
     def admit(self, request: Request) -> None:
         """Decide once, when a request is added, whether it drafts from n-grams / the model."""
@@ -249,21 +259,25 @@ class Speculator:
                 sources.append("ngram")
             if request.spec_enabled and self.draft_model is not None:
                 sources.append("draft")
-            state = _RequestState(request, tuple(sources),
-                                  {s: cfg.prior_acceptance * cfg.prior_weight for s in sources},
-                                  {s: cfg.prior_weight for s in sources},
-                                  {s: 0 for s in sources})
+            state = _RequestState(
+                request,
+                tuple(sources),
+                {s: cfg.prior_acceptance * cfg.prior_weight for s in sources},
+                {s: cfg.prior_weight for s in sources},
+                {s: 0 for s in sources},
+            )
             if "prediction" in sources:
                 state.aligner = PredictionAligner(request.prediction_token_ids)
             if "ngram" in sources:
-                state.ngram = (self._take_retired_index(request)
-                               or NgramIndex(request.prompt_token_ids, cfg.ngram_min,
-                                             cfg.ngram_max))
+                state.ngram = self._take_retired_index(request) or NgramIndex(
+                    request.prompt_token_ids, cfg.ngram_min, cfg.ngram_max
+                )
             self._states[request.request_id] = state
         return state
 
-    def propose(self, running: list[Request],
-                step_costs: StepCostModel | None = None) -> dict[str, Draft]:
+    def propose(
+        self, running: list[Request], step_costs: StepCostModel | None = None
+    ) -> dict[str, Draft]:
         """Drafts for the running requests that will decode next step (at most k each);
         `step_costs`, the engine's measured step times, sizes k."""
         out: dict[str, Draft] = {}
@@ -292,8 +306,9 @@ class Speculator:
             out.update(self.draft_model.propose(model_wants))
         return out
 
-    def _draft_length(self, state: _RequestState, source: str,
-                      step_costs: StepCostModel | None) -> int:
+    def _draft_length(
+        self, state: _RequestState, source: str, step_costs: StepCostModel | None
+    ) -> int:
         """The k that maximises expected tokens per second; at 0, one draft is retried after
         `retry_after_steps` steps so a request whose text turns predictable gets drafts again."""
         cfg = self.config
@@ -303,8 +318,11 @@ class Speculator:
         # the text depends on k, and timings must not change a seeded text
         # a prediction is the client's own draft (OpenAI uses it whenever it is given): it is
         # sized with the default costs, so a noisy measured fit cannot switch it off for good
-        if cfg.use_measured_costs and state.request.sampling_params.seed is None \
-                and source != "prediction":
+        if (
+            cfg.use_measured_costs
+            and state.request.sampling_params.seed is None
+            and source != "prediction"
+        ):
             if step_costs is not None and step_costs.base_s and step_costs.per_token_s:
                 base_s, per_token_s = step_costs.base_s, step_costs.per_token_s
                 measured = step_costs.lone_pass_s
@@ -325,7 +343,7 @@ class Speculator:
 
     def _fold_new_output(self, state: _RequestState) -> None:
         output = state.request.output_token_ids
-        new = output[state.num_seen_output:]
+        new = output[state.num_seen_output :]
         if not new:
             return
         state.num_seen_output = len(output)
@@ -347,10 +365,10 @@ class Speculator:
             self.stats.add(source, num_drafts, num_accepted)
             if source in state.num_tried:  # tried = accepted + the first rejected, if any
                 num_tried = num_accepted + (num_accepted < num_drafts)
-                state.num_accepted[source] = (state.num_accepted[source] * cfg.acceptance_decay
-                                              + num_accepted)
-                state.num_tried[source] = (state.num_tried[source] * cfg.acceptance_decay
-                                           + num_tried)
+                state.num_accepted[source] = (
+                    state.num_accepted[source] * cfg.acceptance_decay + num_accepted
+                )
+                state.num_tried[source] = state.num_tried[source] * cfg.acceptance_decay + num_tried
         for request_id in finished_ids:
             self.release(request_id)
 
@@ -361,14 +379,18 @@ class Speculator:
         for entry in self._retired:
             tenant, index = entry
             n = len(index.tokens)
-            if (tenant == request.tenant and n <= len(prompt) and prompt[:n] == index.tokens
-                    and (best is None or n > len(best[1].tokens))):
+            if (
+                tenant == request.tenant
+                and n <= len(prompt)
+                and prompt[:n] == index.tokens
+                and (best is None or n > len(best[1].tokens))
+            ):
                 best = entry
         if best is None:
             return None
         self._retired.remove(best)
         index = best[1]
-        index.extend(prompt[len(index.tokens):])
+        index.extend(prompt[len(index.tokens) :])
         return index
 
     def release(self, request_id: str) -> None:

@@ -54,8 +54,9 @@ class StepCostModel:
             self._stale = False
             self._fit()
 
-    def observe(self, num_seqs: int, num_tokens: int, elapsed_s: float,
-                pass_s: float | None = None) -> None:
+    def observe(
+        self, num_seqs: int, num_tokens: int, elapsed_s: float, pass_s: float | None = None
+    ) -> None:
         """One step: its sequences, tokens and time; `pass_s`, the part that was the forward
         pass and sampling (without drafting), feeds `lone_pass_s`."""
         if num_tokens == 0 or elapsed_s <= 0:
@@ -113,4 +114,3 @@ class StepCostModel:
 
 def _ema(old: float | None, new: float, alpha: float) -> float:
     return new if old is None else old + alpha * (new - old)
-

@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ultrafast.core.types import RequestOutput
 from ultrafast.engine.core import EngineCore, StepStats
@@ -27,8 +27,12 @@ OutputCallback = Callable[[RequestOutput], None]
 class EngineThread(EngineReadAPI):
     """Runs an EngineCore on a daemon thread. Thread-safe `submit` and `abort`."""
 
-    def __init__(self, core: EngineCore, on_stats: Callable[[StepStats], None] | None = None,
-                 shaper_window_s: float = 0.0):
+    def __init__(
+        self,
+        core: EngineCore,
+        on_stats: Callable[[StepStats], None] | None = None,
+        shaper_window_s: float = 0.0,
+    ):
         self.core = core
         # Request shaper: default/flex arrivals wait up to this long so a burst joins one step;
         # a priority arrival ends the wait at once.
@@ -49,7 +53,7 @@ class EngineThread(EngineReadAPI):
         self._snapshot = build_snapshot(core, self.device_kind)
         self._snapshot_s = time.monotonic()
 
-    def start(self, warmup: bool = False, timeout_s: float = 600.0) -> "EngineThread":
+    def start(self, warmup: bool = False, timeout_s: float = 600.0) -> EngineThread:
         """Start the thread; with `warmup`, it first runs `core.warmup()` and this returns
         once that is done.
 
@@ -99,8 +103,11 @@ class EngineThread(EngineReadAPI):
                 with self.pool_lock:
                     self.core.add_request(payload)
             except (ValueError, OverflowError) as exc:
-                on_output(RequestOutput(payload.request_id, [], finished=True,
-                                        finish_reason="error", error=str(exc)))
+                on_output(
+                    RequestOutput(
+                        payload.request_id, [], finished=True, finish_reason="error", error=str(exc)
+                    )
+                )
                 return
             self._callbacks[payload.request_id] = on_output
             if payload.tier == ServiceTier.PRIORITY:
@@ -143,9 +150,12 @@ class EngineThread(EngineReadAPI):
             log.exception("engine thread died")
             self._warmed.set()  # a failed warm-up must not leave start() waiting
             for request_id, callback in list(self._callbacks.items()):
-                self._deliver(callback, RequestOutput(request_id, [], finished=True,
-                                                      finish_reason="error",
-                                                      error="engine failed"))
+                self._deliver(
+                    callback,
+                    RequestOutput(
+                        request_id, [], finished=True, finish_reason="error", error="engine failed"
+                    ),
+                )
             self._callbacks.clear()
 
     def _coalesce(self) -> None:

@@ -62,8 +62,9 @@ def next_token(context: list[int], output_ids: Sequence[int]) -> int:
     return output_ids[int.from_bytes(digest[:4], "little") % len(output_ids)]
 
 
-def reference_tokens(prompt: list[int], max_tokens: int,
-                     output_ids: Sequence[int] = range(UNIT_VOCAB_SIZE)) -> list[int]:
+def reference_tokens(
+    prompt: list[int], max_tokens: int, output_ids: Sequence[int] = range(UNIT_VOCAB_SIZE)
+) -> list[int]:
     """The exact output of one request alone (no eos, no stop)."""
     context, out = list(prompt), []
     for _ in range(max_tokens):
@@ -86,9 +87,15 @@ def fault_prompt(mode: int, at_output: int, tail: list[int]) -> list[int]:
 
 
 class FakeExecutor:
-    def __init__(self, num_slots: int = 4, max_model_len: int = 256,
-                 vocab_size: int = UNIT_VOCAB_SIZE, output_ids: Sequence[int] | None = None,
-                 step_s: float = 0.0, keep_plans: bool = True):
+    def __init__(
+        self,
+        num_slots: int = 4,
+        max_model_len: int = 256,
+        vocab_size: int = UNIT_VOCAB_SIZE,
+        output_ids: Sequence[int] | None = None,
+        step_s: float = 0.0,
+        keep_plans: bool = True,
+    ):
         """output_ids: the ids outputs are drawn from (default: the whole vocabulary).
         step_s: each step lasts at least this long (a simulated engine speed).
         keep_plans: record every executed plan in `plans` (for tests' assertions)."""
@@ -103,15 +110,26 @@ class FakeExecutor:
         self.slots: list[list[int]] = [[] for _ in range(num_slots)]
 
     @classmethod
-    def for_tokenizer(cls, tokenizer_json: Path | str, num_slots: int = 8,
-                      max_model_len: int = 2048, step_s: float = 0.02) -> "FakeExecutor":
+    def for_tokenizer(
+        cls,
+        tokenizer_json: Path | str,
+        num_slots: int = 8,
+        max_model_len: int = 2048,
+        step_s: float = 0.02,
+    ) -> FakeExecutor:
         """Over a real tokenizer's vocabulary, emitting its plain word tokens (a server's
         executor: no plan records)."""
         from tokenizers import Tokenizer as HFTokenizer
 
         vocab_size = HFTokenizer.from_file(str(tokenizer_json)).get_vocab_size(True)
-        return cls(num_slots, max_model_len, vocab_size, plain_word_tokens(tokenizer_json),
-                   step_s, keep_plans=False)
+        return cls(
+            num_slots,
+            max_model_len,
+            vocab_size,
+            plain_word_tokens(tokenizer_json),
+            step_s,
+            keep_plans=False,
+        )
 
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
@@ -121,7 +139,7 @@ class FakeExecutor:
         for copy in plan.kv_copies:
             if len(self.slots[copy.src_slot_id]) < copy.num_tokens:
                 raise RuntimeError("prefix copy of KV that was never computed")
-            self.slots[copy.dst_slot_id] = list(self.slots[copy.src_slot_id][:copy.num_tokens])
+            self.slots[copy.dst_slot_id] = list(self.slots[copy.src_slot_id][: copy.num_tokens])
         for seq in plan.seqs:
             if seq.request_id in self.fail_request_ids:
                 result.errors[seq.request_id] = "injected failure"
@@ -129,7 +147,7 @@ class FakeExecutor:
             kv = self.slots[seq.slot_id]
             if len(kv) < seq.start_position:
                 raise RuntimeError("gap in the KV: a position was skipped")
-            del kv[seq.start_position:]  # the contract: drop stale KV at and past start
+            del kv[seq.start_position :]  # the contract: drop stale KV at and past start
             kv.extend(seq.token_ids)
             if len(kv) > self.max_model_len:
                 raise RuntimeError("KV slot overflow")
@@ -143,12 +161,14 @@ class FakeExecutor:
                 continue
             if seq.num_prompt_logits:  # prompt logprobs (executors/fake_scoring.py)
                 result.prompt_logprobs[seq.request_id] = score_prompt(
-                    kv, seq, lambda context: next_token(context, self.output_ids))
+                    kv, seq, lambda context: next_token(context, self.output_ids)
+                )
             if seq.num_logits:
                 n = len(kv)
                 result.sampled_token_ids[seq.request_id] = [
-                    next_token(kv[:n - seq.num_logits + 1 + j], self.output_ids)
-                    for j in range(seq.num_logits)]
+                    next_token(kv[: n - seq.num_logits + 1 + j], self.output_ids)
+                    for j in range(seq.num_logits)
+                ]
         if self.step_s:
             time.sleep(max(0.0, self.step_s - (time.perf_counter() - started)))
         result.execute_time_s = time.perf_counter() - started

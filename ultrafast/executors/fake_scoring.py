@@ -4,7 +4,7 @@ its one alternative is that token, at 0.0. `predict(context)` is the fake model.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ultrafast.core.types import ScheduledSeq, TokenLogprobs
 
@@ -28,5 +28,6 @@ def score_prompt(kv: list[int], seq: ScheduledSeq, predict: Predict) -> list[Tok
 
 def reference_prompt_logprobs(prompt: list[int], predict: Predict) -> list[float | None]:
     """The logprob the fake model gives each prompt token (the first: None)."""
-    return [None] + [0.0 if prompt[i] == predict(prompt[:i]) else MISS_LOGPROB
-                     for i in range(1, len(prompt))]
+    return [None] + [
+        0.0 if prompt[i] == predict(prompt[:i]) else MISS_LOGPROB for i in range(1, len(prompt))
+    ]

@@ -23,9 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 import llama_cpp
+import numpy as np
 
 from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
 from ultrafast.executors.llama_cpp_params import model_params as llama_model_params
@@ -70,7 +69,8 @@ _native_log: _NativeLog | None = None
 
 # llama_get_logits with an integer restype: the binding's POINTER(c_float) result costs a cast
 _get_logits_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
-    ctypes.cast(llama_cpp.llama_get_logits, ctypes.c_void_p).value)
+    ctypes.cast(llama_cpp.llama_get_logits, ctypes.c_void_p).value
+)
 
 
 def _init_native(verbose: bool) -> _NativeLog:
@@ -89,8 +89,12 @@ def physical_cores() -> int:
     for cpu in cpus:
         topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
         try:
-            cores.add(((topology / "physical_package_id").read_text().strip(),
-                       (topology / "core_id").read_text().strip()))
+            cores.add(
+                (
+                    (topology / "physical_package_id").read_text().strip(),
+                    (topology / "core_id").read_text().strip(),
+                )
+            )
         except OSError:
             return len(cpus)
     return max(1, len(cores))
@@ -99,11 +103,19 @@ def physical_cores() -> int:
 class GgmlExecutor:
     """Executor on llama.cpp. `max_num_batched_tokens` bounds the tokens of one step."""
 
-    def __init__(self, gguf_path: str | Path, num_slots: int, max_model_len: int,
-                 n_threads: int | None = None, *, n_threads_batch: int | None = None,
-                 max_num_batched_tokens: int = 512,
-                 kv_cache_dtype: str = "f16", flash_attn: bool = False,
-                 verbose: bool = False) -> None:
+    def __init__(
+        self,
+        gguf_path: str | Path,
+        num_slots: int,
+        max_model_len: int,
+        n_threads: int | None = None,
+        *,
+        n_threads_batch: int | None = None,
+        max_num_batched_tokens: int = 512,
+        kv_cache_dtype: str = "f16",
+        flash_attn: bool = False,
+        verbose: bool = False,
+    ) -> None:
         self._ctx = self._model = None  # close() / __del__ work however far __init__ gets
         if kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(_KV_CACHE_DTYPES)}")
@@ -124,7 +136,8 @@ class GgmlExecutor:
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {gguf_path}: {self._log.take_errors()}")
         self.vocab_size = llama_cpp.llama_vocab_n_tokens(
-            llama_cpp.llama_model_get_vocab(self._model))
+            llama_cpp.llama_model_get_vocab(self._model)
+        )
 
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = num_slots * max_model_len
@@ -140,20 +153,26 @@ class GgmlExecutor:
         # llama.cpp runs a forward pass of one token on n_threads and any larger one (a
         # prefill chunk, a draft verification, several sequences' decodes) on n_threads_batch
         params.n_threads, params.n_threads_batch = self.n_threads, self.n_threads_batch
-        params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
-                                  else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
         params.type_k = params.type_v = _KV_CACHE_DTYPES[kv_cache_dtype]  # f32: exact vs torch
         params.no_perf = True
         self._ctx = llama_cpp.llama_init_from_model(self._model, params)
         if not self._ctx:
             errors = self._log.take_errors()
             self.close()
-            raise RuntimeError(f"llama.cpp could not create a context "
-                               f"(num_slots={num_slots}, max_model_len={max_model_len}): {errors}")
+            raise RuntimeError(
+                f"llama.cpp could not create a context "
+                f"(num_slots={num_slots}, max_model_len={max_model_len}): {errors}"
+            )
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         # llama.cpp may clamp n_batch (e.g. to n_ctx); plans are checked against what it kept
-        self.max_num_batched_tokens = min(max_num_batched_tokens,
-                                          llama_cpp.llama_n_batch(self._ctx))
+        self.max_num_batched_tokens = min(
+            max_num_batched_tokens, llama_cpp.llama_n_batch(self._ctx)
+        )
         self._slot_lens = [0] * num_slots  # positions [0, len) of each slot hold KV
         self._logits_address = 0
         self._logits = np.empty((0, self.vocab_size), dtype=np.float32)
@@ -165,8 +184,9 @@ class GgmlExecutor:
         self._positions = np.zeros(capacity, dtype=np.int32)
         self._num_seq_ids = np.ones(capacity, dtype=np.int32)  # each token in one sequence
         self._seq_ids = np.zeros(capacity, dtype=np.int32)
-        self._seq_id_ptrs = (self._seq_ids.ctypes.data
-                             + self._seq_ids.itemsize * np.arange(capacity, dtype=np.uint64))
+        self._seq_id_ptrs = self._seq_ids.ctypes.data + self._seq_ids.itemsize * np.arange(
+            capacity, dtype=np.uint64
+        )
         self._output_flags = np.zeros(capacity, dtype=np.int8)
         self._arange = np.arange(self.max_model_len + capacity, dtype=np.int32)
         i32 = ctypes.POINTER(ctypes.c_int32)
@@ -188,8 +208,10 @@ class GgmlExecutor:
         if n == 0 or not 0 <= seq.num_logits <= n:
             return f"bad step: {n} tokens, num_logits={seq.num_logits}"
         if seq.start_position < 0 or seq.start_position + n > self.max_model_len:
-            return (f"positions [{seq.start_position}, {seq.start_position + n}) exceed "
-                    f"max_model_len={self.max_model_len}")
+            return (
+                f"positions [{seq.start_position}, {seq.start_position + n}) exceed "
+                f"max_model_len={self.max_model_len}"
+            )
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             return f"token id {bad} out of range [0, {self.vocab_size})"
@@ -202,8 +224,12 @@ class GgmlExecutor:
         errors: dict[str, str] = {}
         ran: list[ScheduledSeq] = []
         num_tokens = num_rows = num_scoring_rows = 0
-        tokens, positions, seq_ids, flags = (self._tokens, self._positions, self._seq_ids,
-                                             self._output_flags)
+        tokens, positions, seq_ids, flags = (
+            self._tokens,
+            self._positions,
+            self._seq_ids,
+            self._output_flags,
+        )
         for seq in plan.seqs:
             n, start = len(seq.token_ids), seq.start_position
             error = self._check(seq)
@@ -222,12 +248,12 @@ class GgmlExecutor:
             else:
                 end = num_tokens + n
                 tokens[num_tokens:end] = seq.token_ids
-                positions[num_tokens:end] = self._arange[start:start + n]
+                positions[num_tokens:end] = self._arange[start : start + n]
                 seq_ids[num_tokens:end] = seq.slot_id
-                flags[num_tokens:end - seq.num_logits] = 0
-                flags[end - seq.num_logits:end] = 1
+                flags[num_tokens : end - seq.num_logits] = 0
+                flags[end - seq.num_logits : end] = 1
                 if seq.num_prompt_logits:  # prompt scoring: those rows' logits too
-                    flags[num_tokens:num_tokens + seq.num_prompt_logits] = 1
+                    flags[num_tokens : num_tokens + seq.num_prompt_logits] = 1
             num_tokens += n
             num_rows += seq.num_logits
             num_scoring_rows += seq.num_prompt_logits
@@ -252,8 +278,10 @@ class GgmlExecutor:
         status = llama_cpp.llama_decode(self._ctx, self._batch)
         if status != 0:
             self._resync_slot_lens()  # a fatal failure may leave some ubatches in the cache
-            raise RuntimeError(f"llama_decode failed with status {status} on {num_tokens} "
-                               f"tokens of {len(ran)} sequences: {self._log.take_errors()}")
+            raise RuntimeError(
+                f"llama_decode failed with status {status} on {num_tokens} "
+                f"tokens of {len(ran)} sequences: {self._log.take_errors()}"
+            )
         for seq in ran:
             self._slot_lens[seq.slot_id] = seq.start_position + len(seq.token_ids)
 
@@ -281,8 +309,10 @@ class GgmlExecutor:
         return None
 
     def _resync_slot_lens(self) -> None:
-        self._slot_lens = [llama_cpp.llama_memory_seq_pos_max(self._memory, slot) + 1
-                           for slot in range(self.num_slots)]
+        self._slot_lens = [
+            llama_cpp.llama_memory_seq_pos_max(self._memory, slot) + 1
+            for slot in range(self.num_slots)
+        ]
 
     def _logits_view(self, num_rows: int) -> np.ndarray:
         """The [num_rows, vocab] float32 logits of the last decode, without copying.
@@ -297,8 +327,9 @@ class GgmlExecutor:
             raise RuntimeError(f"llama.cpp returned no logits: {self._log.take_errors()}")
         if address != self._logits_address or num_rows > self._logits.shape[0]:
             buffer = (ctypes.c_float * (num_rows * self.vocab_size)).from_address(address)
-            self._logits = np.frombuffer(buffer, dtype=np.float32).reshape(num_rows,
-                                                                         self.vocab_size)
+            self._logits = np.frombuffer(buffer, dtype=np.float32).reshape(
+                num_rows, self.vocab_size
+            )
             self._logits_address = address
         return self._logits if num_rows == self._logits.shape[0] else self._logits[:num_rows]
 
@@ -310,7 +341,7 @@ class GgmlExecutor:
             llama_cpp.llama_model_free(self._model)
         self._ctx = self._model = None
 
-    def __enter__(self) -> "GgmlExecutor":
+    def __enter__(self) -> GgmlExecutor:
         return self
 
     def __exit__(self, *exc) -> None:

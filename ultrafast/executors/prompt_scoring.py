@@ -41,9 +41,9 @@ def split_prompt_rows(seqs: list[ScheduledSeq], logits):
         k = seq.num_prompt_logits
         if k:
             first = seq.start_position + 1
-            targets = seq.prompt_token_ids[first:first + k]
+            targets = seq.prompt_token_ids[first : first + k]
             top_n = seq.sampling_params.prompt_logprobs or 0
-            scores[seq.request_id] = score_rows(logits[row:row + k], targets, top_n)
+            scores[seq.request_id] = score_rows(logits[row : row + k], targets, top_n)
         row += k
         sampled_rows.extend(range(row, row + seq.num_logits))
         row += seq.num_logits

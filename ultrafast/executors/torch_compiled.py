@@ -74,8 +74,13 @@ def _powers_of_two_up_to(first: int, last: int) -> list[int]:
 class _DecodeAttention:
     """Attention for B single-token queries, each over its slot's keys [0, num_keys)."""
 
-    def __init__(self, cache: SlotKVCache, slot_ids: torch.Tensor, positions: torch.Tensor,
-                 key_positions: torch.Tensor):
+    def __init__(
+        self,
+        cache: SlotKVCache,
+        slot_ids: torch.Tensor,
+        positions: torch.Tensor,
+        key_positions: torch.Tensor,
+    ):
         self.cache = cache
         self.slot_ids = slot_ids
         self.positions = positions
@@ -86,13 +91,14 @@ class _DecodeAttention:
             windowed = causal & (key_positions[None, :] > positions[:, None] - window)
             self.masks[window] = windowed[:, None, None, :]
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
         k_cache[self.slot_ids, :, self.positions] = k.to(k_cache.dtype)
         v_cache[self.slot_ids, :, self.positions] = v.to(v_cache.dtype)
-        keys = k_cache[self.slot_ids, :, :self.num_keys].to(q.dtype)  # [B, Hkv, K, D]
-        values = v_cache[self.slot_ids, :, :self.num_keys].to(q.dtype)
+        keys = k_cache[self.slot_ids, :, : self.num_keys].to(q.dtype)  # [B, Hkv, K, D]
+        values = v_cache[self.slot_ids, :, : self.num_keys].to(q.dtype)
         b, hq, d = q.shape
         num_kv_heads = keys.shape[1]
         # GQA folded into the query dim: query head h reads KV head h // G, as in HF
@@ -112,8 +118,15 @@ def _mark_dynamic(*tensors: torch.Tensor) -> None:
 class _Graph:
     """One CUDA graph of the decode step at a fixed (batch, keys) shape, with its own inputs."""
 
-    def __init__(self, step, scratch_slot: int, batch_size: int, key_positions: torch.Tensor,
-                 pool, dynamic: bool):
+    def __init__(
+        self,
+        step,
+        scratch_slot: int,
+        batch_size: int,
+        key_positions: torch.Tensor,
+        pool,
+        dynamic: bool,
+    ):
         device = key_positions.device
         self.inputs = torch.zeros((3, batch_size), dtype=torch.long, device=device)
         self.inputs[2].fill_(scratch_slot)  # warm-up and capture touch only the scratch slot
@@ -139,8 +152,15 @@ class _Graph:
 class CompiledDecode:
     """Runs decode-only steps at padded static shapes; see the module docstring."""
 
-    def __init__(self, model: LlamaForCausalLM, cache: SlotKVCache, scratch_slot: int,
-                 max_batch_size: int, mode: str, min_key_len: int = 128):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        cache: SlotKVCache,
+        scratch_slot: int,
+        max_batch_size: int,
+        mode: str,
+        min_key_len: int = 128,
+    ):
         if mode not in ("graphs", "inductor"):
             raise ValueError(f"CompiledDecode mode must be graphs or inductor, not {mode!r}")
         if not 0 <= scratch_slot < cache.num_slots:
@@ -173,16 +193,24 @@ class CompiledDecode:
         self.num_steps = 0  # decode steps this path ran (tests check it was taken)
         self.disabled_reason: str | None = None  # set when a failure sent us back to eager
 
-    def _eager_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                    slot_ids: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    def _eager_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_ids: torch.Tensor,
+        key_positions: torch.Tensor,
+    ) -> torch.Tensor:
         """ids, positions, slots [B]; key_positions [K] -> float32 logits [B, vocab]."""
         attn = _DecodeAttention(self.cache, slot_ids, positions, key_positions)
         hidden = self.model(input_ids, positions, attn)
         return self.model.compute_logits(hidden)
 
     def accepts(self, seqs: list[ScheduledSeq]) -> bool:
-        return (self.disabled_reason is None and 0 < len(seqs) <= self.batch_sizes[-1]
-                and all(s.num_tokens == 1 and s.num_logits == 1 for s in seqs))
+        return (
+            self.disabled_reason is None
+            and 0 < len(seqs) <= self.batch_sizes[-1]
+            and all(s.num_tokens == 1 and s.num_logits == 1 for s in seqs)
+        )
 
     def bucket(self, num_seqs: int, num_keys: int) -> tuple[int, int]:
         """The padded (batch, keys) shape a step of num_seqs reading num_keys positions runs at."""
@@ -214,16 +242,23 @@ class CompiledDecode:
                 _mark_dynamic(*inputs)
             out = self._step(*inputs)
         self.num_steps += 1
-        return out[:len(seqs)]
+        return out[: len(seqs)]
 
     def _capture(self, batch: int, keys: int) -> _Graph:
-        graph = _Graph(self._step, self.scratch_slot, batch, self._key_positions[:keys],
-                       self._pool, dynamic=self.mode == "inductor")
+        graph = _Graph(
+            self._step,
+            self.scratch_slot,
+            batch,
+            self._key_positions[:keys],
+            self._pool,
+            dynamic=self.mode == "inductor",
+        )
         self._graphs[batch, keys] = graph
         return graph
 
-    def capture(self, batch_sizes: list[int] | None = None,
-                key_lens: list[int] | None = None) -> int:
+    def capture(
+        self, batch_sizes: list[int] | None = None, key_lens: list[int] | None = None
+    ) -> int:
         """Compile/capture the given buckets now (default: all), so no client waits on it."""
         count = 0
         for batch in batch_sizes or self.batch_sizes:

@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 
 from ultrafast.core.types import KVCopy, ScheduledSeq, StepPlan, StepResult
-from ultrafast.executors.prompt_scoring import (scoring_problem, split_prompt_rows,
-                                                wants_prompt_rows)
+from ultrafast.executors.prompt_scoring import scoring_problem, split_prompt_rows, wants_prompt_rows
 from ultrafast.executors.torch_compiled import CompiledDecode, argmax_on_device, resolve_mode
 from ultrafast.model.attention import SeqSpan, SlotKVCache
 from ultrafast.model.llama import LlamaForCausalLM
@@ -28,10 +27,16 @@ def _default_device() -> str:
 
 
 class TorchExecutor:
-    def __init__(self, model: str | Path | LlamaForCausalLM, num_slots: int, max_model_len: int,
-                 device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None, compile: bool | str | None = None,
-                 n_threads: int | None = None):
+    def __init__(
+        self,
+        model: str | Path | LlamaForCausalLM,
+        num_slots: int,
+        max_model_len: int,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        compile: bool | str | None = None,
+        n_threads: int | None = None,
+    ):
         """`model`: an HF directory or a built LlamaForCausalLM (cast only if dtype is given).
 
         device None: cuda if available, else cpu. dtype None: float32 on CPU, bfloat16 on CUDA.
@@ -60,22 +65,37 @@ class TorchExecutor:
         self.last_logits: torch.Tensor | None = None  # the last step's logits, for parity tests
         compile_mode = resolve_mode(compile, self.device)
         num_scratch = 0 if compile_mode == "off" else 1  # padding rows of compiled steps
-        self.kv = SlotKVCache(config.num_hidden_layers, num_slots + num_scratch, max_model_len,
-                              config.num_key_value_heads, config.head_dim,
-                              self.model.model.embed_tokens.weight.dtype, self.device,
-                              config.layer_sliding_windows)
+        self.kv = SlotKVCache(
+            config.num_hidden_layers,
+            num_slots + num_scratch,
+            max_model_len,
+            config.num_key_value_heads,
+            config.head_dim,
+            self.model.model.embed_tokens.weight.dtype,
+            self.device,
+            config.layer_sliding_windows,
+        )
         self.decode: CompiledDecode | None = None
         if compile_mode != "off":
-            self.decode = CompiledDecode(self.model, self.kv, scratch_slot=num_slots,
-                                         max_batch_size=num_slots, mode=compile_mode)
+            self.decode = CompiledDecode(
+                self.model,
+                self.kv,
+                scratch_slot=num_slots,
+                max_batch_size=num_slots,
+                mode=compile_mode,
+            )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, num_slots: int = 4, max_model_len: int = 2048,
-                 device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None,
-                 compile: bool | str | None = None) -> "TorchExecutor":
-        return cls(model_dir, num_slots, max_model_len, device=device, dtype=dtype,
-                   compile=compile)
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        num_slots: int = 4,
+        max_model_len: int = 2048,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        compile: bool | str | None = None,
+    ) -> TorchExecutor:
+        return cls(model_dir, num_slots, max_model_len, device=device, dtype=dtype, compile=compile)
 
     def _seq_problem(self, seq: ScheduledSeq) -> str | None:
         if not 0 <= seq.slot_id < self.num_slots:
@@ -83,8 +103,10 @@ class TorchExecutor:
         if not seq.token_ids:
             return "no tokens scheduled"
         if seq.start_position < 0 or seq.start_position + seq.num_tokens > self.max_model_len:
-            return (f"positions {seq.start_position}..{seq.start_position + seq.num_tokens} do "
-                    f"not fit a KV slot of {self.max_model_len}")
+            return (
+                f"positions {seq.start_position}..{seq.start_position + seq.num_tokens} do "
+                f"not fit a KV slot of {self.max_model_len}"
+            )
         if not 0 <= seq.num_logits <= seq.num_tokens:
             return f"num_logits {seq.num_logits} outside [0, {seq.num_tokens}]"
         if min(seq.token_ids) < 0 or max(seq.token_ids) >= self.vocab_size:  # C-speed check
@@ -136,8 +158,7 @@ class TorchExecutor:
         packed = torch.tensor(ids + positions + rows, dtype=torch.long)
         packed = packed.to(self.device, non_blocking=True)
         num_tokens = len(ids)
-        return (packed[:num_tokens], packed[num_tokens:2 * num_tokens],
-                packed[2 * num_tokens:])
+        return (packed[:num_tokens], packed[num_tokens : 2 * num_tokens], packed[2 * num_tokens :])
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -150,8 +171,9 @@ class TorchExecutor:
         logits = self._compiled_logits(seqs)
         if logits is None:
             input_ids, positions, rows = self._inputs(seqs)
-            attn = self.kv.begin_step([SeqSpan(s.slot_id, s.start_position, s.num_tokens)
-                                       for s in seqs])
+            attn = self.kv.begin_step(
+                [SeqSpan(s.slot_id, s.start_position, s.num_tokens) for s in seqs]
+            )
             hidden = self.model(input_ids, positions, attn)
             logits = self.model.compute_logits(hidden[rows])
         prompt_logprobs = {}

@@ -15,7 +15,8 @@ every SDPA call is plain multi-head attention (any backend, no K/V repeat).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +35,17 @@ class SeqSpan(NamedTuple):
 
 
 class SlotKVCache:
-    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 layer_sliding_windows: Sequence[int | None] | None = None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        layer_sliding_windows: Sequence[int | None] | None = None,
+    ):
         shape = (num_slots, num_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -56,7 +65,7 @@ class SlotKVCache:
         for cache in self.k + self.v:
             cache[dst_slot_id, :, :num_tokens] = cache[src_slot_id, :, :num_tokens]
 
-    def begin_step(self, spans: Sequence[tuple[int, int, int]]) -> "StepAttention":
+    def begin_step(self, spans: Sequence[tuple[int, int, int]]) -> StepAttention:
         """The backend for one forward pass over spans (slot_id, start_position, num_tokens)."""
         return StepAttention(self, [SeqSpan(*s) for s in spans])
 
@@ -85,8 +94,11 @@ class StepAttention:
         dev = cache.device
         slots, positions = [], []
         for s in spans:
-            if s.num_tokens < 1 or s.start_position < 0 or (
-                    s.start_position + s.num_tokens > cache.max_len):
+            if (
+                s.num_tokens < 1
+                or s.start_position < 0
+                or (s.start_position + s.num_tokens > cache.max_len)
+            ):
                 raise ValueError(f"span {s} does not fit a slot of {cache.max_len} positions")
             slots += [s.slot_id] * s.num_tokens
             positions += range(s.start_position, s.start_position + s.num_tokens)
@@ -98,8 +110,9 @@ class StepAttention:
             offsets.append(offset)
             offset += s.num_tokens
         short = [i for i, s in enumerate(spans) if s.num_tokens <= MAX_BATCHED_QUERY_TOKENS]
-        self.long = [(s, off) for s, off in zip(spans, offsets)
-                     if s.num_tokens > MAX_BATCHED_QUERY_TOKENS]
+        self.long = [
+            (s, off) for s, off in zip(spans, offsets) if s.num_tokens > MAX_BATCHED_QUERY_TOKENS
+        ]
         self.short_rows = None  # token rows the batched call answers (None: no short seqs)
         if short:
             self._plan_batched([spans[i] for i in short], [offsets[i] for i in short])
@@ -139,11 +152,12 @@ class StepAttention:
         b, num_q = self.batch_rows.shape
         _, hq, d = q.shape
         qb = q[self.batch_rows].permute(0, 2, 1, 3)  # [B, Hq, Q, D]
-        keys = k_cache[self.batch_slots, :, :self.batch_num_keys]  # [B, Hkv, K, D]
-        values = v_cache[self.batch_slots, :, :self.batch_num_keys]
+        keys = k_cache[self.batch_slots, :, : self.batch_num_keys]  # [B, Hkv, K, D]
+        values = v_cache[self.batch_slots, :, : self.batch_num_keys]
         mask = self._batch_mask(self.cache.layer_sliding_windows[layer_idx], hq // num_kv_heads)
-        out = F.scaled_dot_product_attention(_fold_gqa(qb, num_kv_heads), keys.to(q.dtype),
-                                             values.to(q.dtype), attn_mask=mask)
+        out = F.scaled_dot_product_attention(
+            _fold_gqa(qb, num_kv_heads), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask
+        )
         out = out.reshape(b, hq, num_q, d).permute(0, 2, 1, 3)  # [B, Q, Hq, D]
         out = out.reshape(b * num_q, hq, d)
         return out if self.batch_valid is None else out[self.batch_valid]
@@ -153,12 +167,13 @@ class StepAttention:
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
         end = span.start_position + span.num_tokens
         window = self.cache.layer_sliding_windows[layer_idx]
-        qs = q[offset:offset + span.num_tokens].transpose(0, 1)[None]  # [1, Hq, n, D]
+        qs = q[offset : offset + span.num_tokens].transpose(0, 1)[None]  # [1, Hq, n, D]
         keys = k_cache[span.slot_id, :, :end][None].to(q.dtype)
         values = v_cache[span.slot_id, :, :end][None].to(q.dtype)
         if span.start_position == 0 and window is None:  # a fresh prompt: the fused causal path
-            out = F.scaled_dot_product_attention(qs, keys, values, is_causal=True,
-                                                 enable_gqa=keys.shape[1] != qs.shape[1])
+            out = F.scaled_dot_product_attention(
+                qs, keys, values, is_causal=True, enable_gqa=keys.shape[1] != qs.shape[1]
+            )
             return out[0].transpose(0, 1)
         key = (offset, window)
         if key not in self._long_masks:
@@ -167,12 +182,14 @@ class StepAttention:
             self._long_masks[key] = _allowed(q_pos, torch.arange(end, device=dev), window)
         groups = qs.shape[1] // keys.shape[1]
         mask = self._long_masks[key].repeat(groups, 1)
-        out = F.scaled_dot_product_attention(_fold_gqa(qs, keys.shape[1]), keys, values,
-                                             attn_mask=mask)
+        out = F.scaled_dot_product_attention(
+            _fold_gqa(qs, keys.shape[1]), keys, values, attn_mask=mask
+        )
         return out.reshape(1, qs.shape[1], span.num_tokens, -1)[0].transpose(0, 1)
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
         # write first, so every token sees its own and its chunk-mates' keys
         k_cache[self.token_slots, :, self.token_positions] = k.to(k_cache.dtype)
@@ -185,5 +202,5 @@ class StepAttention:
         if self.short_rows is not None:
             out[self.short_rows] = self._batched(layer_idx, q)
         for span, offset in self.long:
-            out[offset:offset + span.num_tokens] = self._one(layer_idx, q, span, offset)
+            out[offset : offset + span.num_tokens] = self._one(layer_idx, q, span, offset)
         return out

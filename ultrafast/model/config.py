@@ -34,8 +34,12 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": ArchTraits(None, True, True, "layer_types"),
 }
 # configs without `architectures` still name their family in `model_type`
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "ModelConfig":
+    def from_hf(cls, hf: dict) -> ModelConfig:
         """Build from a parsed config.json; ValueError / KeyError name what is wrong."""
         arch = _architecture(hf)
         traits = ARCHITECTURES[arch]
@@ -82,8 +86,9 @@ class ModelConfig:
         heads = int(hf["num_attention_heads"])
         kv_heads = int(hf.get("num_key_value_heads") or heads)
         if heads % kv_heads:
-            raise ValueError(f"num_attention_heads {heads} is not a multiple of "
-                             f"num_key_value_heads {kv_heads}")
+            raise ValueError(
+                f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
         hidden = int(hf["hidden_size"])
         flag = bool(hf.get("attention_bias") or False)
         eos = hf.get("eos_token_id")
@@ -91,11 +96,16 @@ class ModelConfig:
         theta, scaling = _rope(hf)
         num_layers = int(hf["num_hidden_layers"])
         return cls(
-            architecture=arch, vocab_size=int(hf["vocab_size"]), hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]), num_hidden_layers=num_layers,
-            num_attention_heads=heads, num_key_value_heads=kv_heads,
+            architecture=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
             head_dim=int(hf.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -105,7 +115,9 @@ class ModelConfig:
             qk_norm=traits.qk_norm,
             layer_sliding_windows=_sliding_windows(hf, traits.sliding_window, num_layers),
             torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
-            bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids)
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
 
     @property
     def num_query_groups(self) -> int:
@@ -117,8 +129,9 @@ def _architecture(hf: dict) -> str:
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else _MODEL_TYPES.get(hf.get("model_type"))
     if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch!r}; supported: "
-                         f"{', '.join(ARCHITECTURES)}")
+        raise ValueError(
+            f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
+        )
     return arch
 
 
@@ -132,9 +145,12 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
         return theta, None
     if rope_type != "llama3":
         raise ValueError(f"unsupported rope scaling {rope_type!r} (supported: default, llama3)")
-    return theta, RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
-                              float(rope["high_freq_factor"]),
-                              int(rope["original_max_position_embeddings"]))
+    return theta, RopeScaling(
+        float(rope["factor"]),
+        float(rope["low_freq_factor"]),
+        float(rope["high_freq_factor"]),
+        int(rope["original_max_position_embeddings"]),
+    )
 
 
 def _sliding_windows(hf: dict, rule: str, num_layers: int) -> tuple[int | None, ...]:
@@ -148,5 +164,6 @@ def _sliding_windows(hf: dict, rule: str, num_layers: int) -> tuple[int | None, 
         return (None,) * num_layers
     layer_types = hf.get("layer_types") or [
         "sliding_attention" if i >= int(hf.get("max_window_layers", 0)) else "full_attention"
-        for i in range(num_layers)]
+        for i in range(num_layers)
+    ]
     return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)

@@ -17,9 +17,15 @@ from ultrafast.model.llama import LlamaForCausalLM
 
 # buffers some older checkpoints carry that we compute ourselves
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
@@ -27,8 +33,9 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str,
-                  checkpoint_dtype: str = "float32") -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype | None, device: torch.device | str, checkpoint_dtype: str = "float32"
+) -> torch.dtype:
     """None -> default_dtype(device); "auto" -> the checkpoint's; else a name or torch.dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -77,19 +84,27 @@ def weight_files(model_dir: Path) -> list[Path]:
     # never glob *.safetensors: Mistral repos also ship consolidated.safetensors (other names)
     files = sorted(model_dir.glob("model-*-of-*.safetensors"))
     if not files:
-        raise ModelLoadError(f"{model_dir} has no model.safetensors (nor sharded "
-                             "model-*-of-*.safetensors with model.safetensors.index.json)")
+        raise ModelLoadError(
+            f"{model_dir} has no model.safetensors (nor sharded "
+            "model-*-of-*.safetensors with model.safetensors.index.json)"
+        )
     return files
 
 
 def _skip(name: str, config: ModelConfig) -> bool:
     # tied checkpoints sometimes store lm_head.weight anyway; it must equal embed_tokens
     return name.endswith(_IGNORED_SUFFIXES) or (
-        name == "lm_head.weight" and config.tie_word_embeddings)
+        name == "lm_head.weight" and config.tie_word_embeddings
+    )
 
 
-def _read_tensors(files: list[Path], expected: dict[str, torch.Size], config: ModelConfig,
-                  dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+def _read_tensors(
+    files: list[Path],
+    expected: dict[str, torch.Size],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
     """Every expected tensor, cast and placed one at a time (host memory stays at one tensor)."""
     from safetensors import safe_open  # here: dummy-weight models (GPU checks) need no files
 
@@ -105,14 +120,17 @@ def _read_tensors(files: list[Path], expected: dict[str, torch.Size], config: Mo
                 if _skip(name, config):
                     continue
                 if name not in expected:
-                    raise ModelLoadError(f"unexpected tensor {name!r} in {path.name}: "
-                                         f"{config.architecture} with this config.json has "
-                                         "no such parameter")
+                    raise ModelLoadError(
+                        f"unexpected tensor {name!r} in {path.name}: "
+                        f"{config.architecture} with this config.json has "
+                        "no such parameter"
+                    )
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != tuple(expected[name]):
                     raise ModelLoadError(
                         f"tensor {name!r} in {path.name} has shape {shape}, expected "
-                        f"{tuple(expected[name])} from config.json")
+                        f"{tuple(expected[name])} from config.json"
+                    )
                 loaded[name] = f.get_tensor(name).to(dtype=dtype)
     missing = sorted(set(expected) - set(loaded))
     if missing:
@@ -122,8 +140,11 @@ def _read_tensors(files: list[Path], expected: dict[str, torch.Size], config: Mo
     return loaded
 
 
-def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = None,
-               device: str | torch.device = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(
+    model_dir: str | Path,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model in eval mode on `device`; dtype None = float32 on CPU, bfloat16 elsewhere."""
     model_dir = Path(model_dir)
     config = read_config(model_dir)
@@ -147,9 +168,13 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = None,
     return model.eval(), config
 
 
-def build_dummy_model(config: ModelConfig | dict, dtype: str | torch.dtype | None = None,
-                      device: str | torch.device = "cpu", seed: int = 0,
-                      std: float = 0.02) -> LlamaForCausalLM:
+def build_dummy_model(
+    config: ModelConfig | dict,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    std: float = 0.02,
+) -> LlamaForCausalLM:
     """Random weights (normal with `std`; norms 1, biases 0) for any config; no files read.
 
     Allocated empty on `device` and filled there with an explicit generator, so an 8B-shaped

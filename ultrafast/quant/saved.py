@@ -30,29 +30,44 @@ from ultrafast.quant.tensors import INT4, INT8, QuantizedWeight, pack_nibbles, u
 
 FORMAT = "ultrafast-weight-only"
 QUANT_CONFIG = "quantization.json"
-_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-           "special_tokens_map.json", "chat_template.jinja")
+_COPIED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 def _stem(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
-def save_quantized(model: LlamaForCausalLM, plan: dict[str, str],
-                   quantized: dict[str, QuantizedWeight], source_dir: str | Path,
-                   out_dir: str | Path, meta: dict) -> Path:
+def save_quantized(
+    model: LlamaForCausalLM,
+    plan: dict[str, str],
+    quantized: dict[str, QuantizedWeight],
+    source_dir: str | Path,
+    out_dir: str | Path,
+    meta: dict,
+) -> Path:
     """Write the quantized model; `model` must hold the 16-bit weights of the plan's KEEP ones."""
     out_dir, source_dir = Path(out_dir), Path(source_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     store_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(
-        model.config.torch_dtype, torch.float16)
+        model.config.torch_dtype, torch.float16
+    )
     tensors: dict[str, torch.Tensor] = {}
     quantized_stems = {_stem(n) for n in quantized}
     for name, tensor in model.state_dict().items():
         if _stem(name) in quantized_stems and not name.endswith(".bias"):
             continue  # the weight, or the buffers of a swapped-in module: codes go below
-        if name == LM_HEAD and model.config.tie_word_embeddings and plan.get(LM_HEAD) == \
-                plan.get(EMBED) == KEEP:
+        if (
+            name == LM_HEAD
+            and model.config.tie_word_embeddings
+            and plan.get(LM_HEAD) == plan.get(EMBED) == KEEP
+        ):
             continue  # tied and both 16-bit: the loader ties them again
         tensors[name] = tensor.detach().to(store_dtype).contiguous().clone()
     for name, qw in quantized.items():
@@ -84,24 +99,34 @@ def read_quant_config(model_dir: Path) -> dict:
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
     if config.get("format") != FORMAT or config.get("version") != 1:
-        raise ModelLoadError(f"{path}: unknown quantization format {config.get('format')!r} "
-                             f"version {config.get('version')!r} (expected {FORMAT!r} v1)")
+        raise ModelLoadError(
+            f"{path}: unknown quantization format {config.get('format')!r} "
+            f"version {config.get('version')!r} (expected {FORMAT!r} v1)"
+        )
     return config
 
 
-def _quantized_weight(f, stem: str, qtype: str, in_features: int,
-                      group_size: int) -> QuantizedWeight:
+def _quantized_weight(
+    f, stem: str, qtype: str, in_features: int, group_size: int
+) -> QuantizedWeight:
     keys = set(f.keys())
     mins = f.get_tensor(f"{stem}.mins") if f"{stem}.mins" in keys else None
     codes = f.get_tensor(f"{stem}.qweight")
     if qtype == INT4:
         codes = unpack_nibbles(codes)
-    return QuantizedWeight(qtype, codes, f.get_tensor(f"{stem}.scales"), mins, in_features,
-                           group_size if qtype == INT4 else 0)
+    return QuantizedWeight(
+        qtype,
+        codes,
+        f.get_tensor(f"{stem}.scales"),
+        mins,
+        in_features,
+        group_size if qtype == INT4 else 0,
+    )
 
 
-def load_quantized_model(model_dir: Path, config, torch_dtype: torch.dtype,
-                         device: torch.device) -> LlamaForCausalLM:
+def load_quantized_model(
+    model_dir: Path, config, torch_dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
     """The model with Int8Linear/Int4Linear modules; kernels only on the CPU (see linear.py)."""
     qconfig = read_quant_config(model_dir)
     plan, group_size = qconfig["tensors"], int(qconfig.get("group_size", 32))
@@ -116,8 +141,9 @@ def load_quantized_model(model_dir: Path, config, torch_dtype: torch.dtype,
             for name, qtype in plan.items():
                 if qtype in (INT8, INT4):
                     in_features = model.get_submodule(_stem(name)).weight.shape[1]
-                    quantized[name] = _quantized_weight(f, _stem(name), qtype, in_features,
-                                                        group_size)
+                    quantized[name] = _quantized_weight(
+                        f, _stem(name), qtype, in_features, group_size
+                    )
         except Exception as exc:  # a missing key or a corrupt tensor
             raise ModelLoadError(f"{path}: cannot read the quantized tensors: {exc}") from None
         skip = {f"{_stem(n)}.{s}" for n in quantized for s in ("qweight", "scales", "mins")}

@@ -34,11 +34,12 @@ def apply_penalties(logits: torch.Tensor, seq: ScheduledSeq, history: list[int])
         seen = torch.tensor(sorted(set(seq.prompt_token_ids) | set(history)), dtype=torch.long)
         if seen.numel():
             vals = logits[seen]
-            logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty,
-                                       vals * params.repetition_penalty)
+            logits[seen] = torch.where(
+                vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty
+            )
     if history and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
         counts = torch.bincount(torch.tensor(history, dtype=torch.long), minlength=logits.numel())
-        counts = counts[:logits.numel()].to(logits.dtype)
+        counts = counts[: logits.numel()].to(logits.dtype)
         logits -= params.frequency_penalty * counts
         logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
@@ -111,7 +112,7 @@ def verify(seq: ScheduledSeq, logits: torch.Tensor) -> tuple[list[int], list[Tok
     comes from (seed, output index), as in plain decoding.
     """
     params = seq.sampling_params
-    drafts = seq.token_ids[seq.num_tokens - seq.num_logits + 1:]
+    drafts = seq.token_ids[seq.num_tokens - seq.num_logits + 1 :]
     tokens: list[int] = []
     token_logprobs: list[TokenLogprobs] = []
     for j in range(seq.num_logits):
@@ -119,8 +120,9 @@ def verify(seq: ScheduledSeq, logits: torch.Tensor) -> tuple[list[int], list[Tok
         history = seq.output_token_ids + drafts[:j] if params.needs_penalties else []
         index = seq.num_output_tokens + j
         if j < len(drafts) and seq.draft_probs is not None and not params.greedy:
-            token = _rejection_sample(raw.clone(), seq, history, index, drafts[j],
-                                      seq.draft_probs[j])
+            token = _rejection_sample(
+                raw.clone(), seq, history, index, drafts[j], seq.draft_probs[j]
+            )
         else:
             token = sample_one(raw.clone(), seq, history, index)
         tokens.append(token)
@@ -131,8 +133,14 @@ def verify(seq: ScheduledSeq, logits: torch.Tensor) -> tuple[list[int], list[Tok
     return tokens, token_logprobs
 
 
-def _rejection_sample(logits: torch.Tensor, seq: ScheduledSeq, history: list[int], index: int,
-                      draft_token: int, q: torch.Tensor) -> int:
+def _rejection_sample(
+    logits: torch.Tensor,
+    seq: ScheduledSeq,
+    history: list[int],
+    index: int,
+    draft_token: int,
+    q: torch.Tensor,
+) -> int:
     """Accept `draft_token` with probability min(1, p/q), else draw from norm(max(p - q, 0))."""
     p = target_probs(logits, seq, history)
     q = q.to(p.dtype)
@@ -164,20 +172,23 @@ def sample_plan(seqs: list[ScheduledSeq], logits) -> StepResult:
             ids = logits.argmax(-1).tolist()
         row = 0
         for seq in wanted:
-            result.sampled_token_ids[seq.request_id] = ids[row:row + seq.num_logits]
+            result.sampled_token_ids[seq.request_id] = ids[row : row + seq.num_logits]
             row += seq.num_logits
         return result
     logits = torch.from_numpy(logits) if isinstance(logits, np.ndarray) else logits.float()
     row = 0
     for seq in wanted:
         if seq.num_logits > 1:  # drafts to verify
-            tokens, token_logprobs = verify(seq, logits[row:row + seq.num_logits])
+            tokens, token_logprobs = verify(seq, logits[row : row + seq.num_logits])
         else:
             raw = logits[row]
             history = list(seq.output_token_ids) if seq.sampling_params.needs_penalties else []
             tokens = [sample_one(raw.clone(), seq, history, seq.num_output_tokens)]
-            token_logprobs = ([logprobs_of(raw, tokens[0], seq.sampling_params.top_logprobs)]
-                              if seq.sampling_params.logprobs else [])
+            token_logprobs = (
+                [logprobs_of(raw, tokens[0], seq.sampling_params.top_logprobs)]
+                if seq.sampling_params.logprobs
+                else []
+            )
         result.sampled_token_ids[seq.request_id] = tokens
         if seq.sampling_params.logprobs:
             result.logprobs[seq.request_id] = token_logprobs

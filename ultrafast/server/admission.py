@@ -2,14 +2,15 @@
 
 Runs on the event loop only (single-threaded, so counts are exact under races). Step costs
 come from the engine's own online fit, read as the frozen `StepCostSnapshot` the engine thread
-publishes (server/bridge.py), never the live model: a priority request is refused at once with 429 when the prefill work ahead of it, at that
-measured cost, would miss its target; `auto` requests fall back to the default tier instead. Capacity checks come before any tokenizing.
+publishes (server/bridge.py), never the live model: a priority request is refused at once with
+429 when the prefill work ahead of it, at that measured cost, would miss its target; `auto`
+requests fall back to the default tier instead. Capacity checks come before any tokenizing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ultrafast.config import ServerConfig, TierTargets
 from ultrafast.request import ServiceTier
@@ -42,8 +43,11 @@ class Admission:
     priority_by_tenant: dict = field(default_factory=dict)  # tenant -> priority calls in flight
 
     def targets(self, tier: ServiceTier) -> TierTargets:
-        return {ServiceTier.PRIORITY: self.config.priority, ServiceTier.DEFAULT: self.config.default,
-                ServiceTier.FLEX: self.config.flex}[tier]
+        return {
+            ServiceTier.PRIORITY: self.config.priority,
+            ServiceTier.DEFAULT: self.config.default,
+            ServiceTier.FLEX: self.config.flex,
+        }[tier]
 
     def _refuse(self, reason: str, error: APIError) -> APIError:
         self.refused[reason] = self.refused.get(reason, 0) + 1
@@ -56,19 +60,31 @@ class Admission:
         if self.priority_by_tenant.get(tenant, 0) < reserved.get(tenant, 0):
             return True  # within its own committed seats
         num_shared = self.config.priority.max_in_flight - sum(reserved.values())
-        used_shared = sum(max(0, n - reserved.get(t, 0))
-                          for t, n in self.priority_by_tenant.items())
+        used_shared = sum(
+            max(0, n - reserved.get(t, 0)) for t, n in self.priority_by_tenant.items()
+        )
         return used_shared < num_shared
 
     def reserve(self, tier: ServiceTier, auto: bool = False, tenant: str = "") -> Ticket:
         """Take a seat in the tier's queue, or 503 queue_full. Called before tokenizing."""
         if auto:
-            tier = (ServiceTier.PRIORITY if self._has_seat(ServiceTier.PRIORITY, tenant)
-                    else ServiceTier.DEFAULT)
+            tier = (
+                ServiceTier.PRIORITY
+                if self._has_seat(ServiceTier.PRIORITY, tenant)
+                else ServiceTier.DEFAULT
+            )
         if not self._has_seat(tier, tenant):
-            raise self._refuse("queue_full", APIError(
-                503, f"the {tier.api_name} queue is full; retry shortly", "overloaded_error",
-                "queue_full", None, headers={"Retry-After": "1"}))
+            raise self._refuse(
+                "queue_full",
+                APIError(
+                    503,
+                    f"the {tier.api_name} queue is full; retry shortly",
+                    "overloaded_error",
+                    "queue_full",
+                    None,
+                    headers={"Retry-After": "1"},
+                ),
+            )
         ticket = Ticket(tier, tenant)
         self._count(ticket, +1)
         return ticket
@@ -96,13 +112,20 @@ class Admission:
             else:
                 self.release(ticket)
                 wait_s = max(1, int(predicted - target_s + 0.999))
-                raise self._refuse("slo_unattainable", APIError(
-                    429, f"the priority tier cannot start this request within its "
-                    f"{self.config.priority.ttft_ms:.0f} ms target (predicted "
-                    f"{predicted * 1000:.0f} ms); retry later or use the default tier",
-                    "rate_limit_error", "priority_slo_unattainable", "service_tier",
-                    headers={"Retry-After": str(wait_s)},
-                    extra={"predicted_ttft_ms": round(predicted * 1000, 1)}))
+                raise self._refuse(
+                    "slo_unattainable",
+                    APIError(
+                        429,
+                        f"the priority tier cannot start this request within its "
+                        f"{self.config.priority.ttft_ms:.0f} ms target (predicted "
+                        f"{predicted * 1000:.0f} ms); retry later or use the default tier",
+                        "rate_limit_error",
+                        "priority_slo_unattainable",
+                        "service_tier",
+                        headers={"Retry-After": str(wait_s)},
+                        extra={"predicted_ttft_ms": round(predicted * 1000, 1)},
+                    ),
+                )
         ticket.num_prompt_tokens = num_prompt_tokens
         ticket.prefill_pending = True
         ticket.predicted_ttft_s = predicted

@@ -21,20 +21,28 @@ from starlette.routing import Route
 
 from ultrafast.server import auth
 from ultrafast.server.bridge import EngineBridge
-from ultrafast.server.calls import (chat_call, chat_messages, completion_call, prepare_call,
-                                   template_error)
+from ultrafast.server.calls import (
+    chat_call,
+    chat_messages,
+    completion_call,
+    prepare_call,
+    template_error,
+)
 from ultrafast.server.errors import APIError
 from ultrafast.server.models_api import model_routes
 from ultrafast.server.playground import playground_routes
-from ultrafast.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                       parse_chat_request, parse_completion_request)
+from ultrafast.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_chat_request,
+    parse_completion_request,
+)
 from ultrafast.server.sessions.flow import ChatSession
 from ultrafast.server.sessions.realtime import realtime_routes
 from ultrafast.server.sessions.replay import replay_response
 from ultrafast.server.sessions.responses import responses_routes
-from ultrafast.server.sessions.stored_chat import stored_chat_routes, store_chat_completion
-from ultrafast.server.state import (ServerState, check_model, check_ready, error_response,
-                                    read_json)
+from ultrafast.server.sessions.stored_chat import store_chat_completion, stored_chat_routes
+from ultrafast.server.state import ServerState, check_model, check_ready, error_response, read_json
 from ultrafast.tokenizer import ChatTemplateError
 
 log = logging.getLogger(__name__)
@@ -50,8 +58,9 @@ async def _chat(http: HTTPRequest, state: ServerState, req: ChatCompletionReques
         if session.replay is not None:
             return replay_response(state.model_name, state.tokenizer, req, session.replay)
     try:
-        run = await prepare_call(state, http.scope, chat_call(
-            req, state.limits, session.messages if session else None))
+        run = await prepare_call(
+            state, http.scope, chat_call(req, state.limits, session.messages if session else None)
+        )
     except BaseException:
         if session is not None:
             session.release()
@@ -94,14 +103,21 @@ def build_app(state: ServerState) -> Starlette:
             reason = "engine_dead" if not state.engine.alive else "draining"
             return JSONResponse({"status": reason}, status_code=503)
         snap = state.engine.snapshot()
-        return JSONResponse({"status": "ready", "running": snap.num_running,
-                             "waiting": snap.num_waiting,
-                             "kv_slots_busy": snap.num_kv_slots_running,
-                             "kv_slots_total": snap.num_kv_slots_total,
-                             "in_flight": {t.api_name: n for t, n in
-                                           state.admission.in_flight.items()},
-                             "session_store": None if state.sessions is None else
-                             "ok" if state.sessions.store_ok else "degraded"})
+        return JSONResponse(
+            {
+                "status": "ready",
+                "running": snap.num_running,
+                "waiting": snap.num_waiting,
+                "kv_slots_busy": snap.num_kv_slots_running,
+                "kv_slots_total": snap.num_kv_slots_total,
+                "in_flight": {t.api_name: n for t, n in state.admission.in_flight.items()},
+                "session_store": None
+                if state.sessions is None
+                else "ok"
+                if state.sessions.store_ok
+                else "degraded",
+            }
+        )
 
     async def metrics(http: HTTPRequest) -> Response:
         body, content_type = state.metrics.render()
@@ -111,17 +127,26 @@ def build_app(state: ServerState) -> Starlette:
         body = await read_json(http, state)
         text = _tokenize_input(state, body)
         ids = await asyncio.get_running_loop().run_in_executor(
-            state.pool, state.tokenizer.encode, text, bool(body.get("add_special_tokens", True)))
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+            state.pool, state.tokenizer.encode, text, bool(body.get("add_special_tokens", True))
+        )
+        return JSONResponse(
+            {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+        )
 
     async def detokenize(http: HTTPRequest) -> Response:
         body = await read_json(http, state)
         tokens = body.get("tokens")
         vocab = state.tokenizer.vocab_size
         if not isinstance(tokens, list) or not all(
-                type(t) is int and 0 <= t < vocab for t in tokens):
-            raise APIError(400, f"tokens must be a list of ids in [0, {vocab})",
-                           "invalid_request_error", "invalid_value", "tokens")
+            type(t) is int and 0 <= t < vocab for t in tokens
+        ):
+            raise APIError(
+                400,
+                f"tokens must be a list of ids in [0, {vocab})",
+                "invalid_request_error",
+                "invalid_value",
+                "tokens",
+            )
         return JSONResponse({"prompt": state.tokenizer.decode(tokens)})
 
     routes = [
@@ -144,24 +169,34 @@ def build_app(state: ServerState) -> Starlette:
         rid = uuid.uuid4().hex
         if exc.status_code == 405:
             allow = (exc.headers or {}).get("Allow", "POST")
-            error = APIError(405, f"{http.method} is not allowed here", "invalid_request_error",
-                             "method_not_allowed", None, headers={"Allow": allow})
+            error = APIError(
+                405,
+                f"{http.method} is not allowed here",
+                "invalid_request_error",
+                "method_not_allowed",
+                None,
+                headers={"Allow": allow},
+            )
         elif exc.status_code == 404:
-            error = APIError(404, f"no route {http.url.path}", "not_found_error",
-                             "route_not_found", None)
+            error = APIError(
+                404, f"no route {http.url.path}", "not_found_error", "route_not_found", None
+            )
         else:
             error = APIError(exc.status_code, str(exc.detail), "invalid_request_error", None, None)
         return error_response(error, rid)
 
     async def on_crash(http: HTTPRequest, exc: Exception) -> Response:
         log.exception("unhandled error")  # details stay in the log, never in the body
-        return error_response(APIError(500, "internal server error", "server_error",
-                                       "internal_error", None), uuid.uuid4().hex)
+        return error_response(
+            APIError(500, "internal server error", "server_error", "internal_error", None),
+            uuid.uuid4().hex,
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        state.bridge = EngineBridge(state.engine, asyncio.get_running_loop(),
-                                    state.config.max_stream_buffer_events)
+        state.bridge = EngineBridge(
+            state.engine, asyncio.get_running_loop(), state.config.max_stream_buffer_events
+        )
         yield
         if state.sessions is not None:
             await state.sessions.store.close()
@@ -169,13 +204,23 @@ def build_app(state: ServerState) -> Starlette:
     state.metrics.add_refusal_source(lambda: state.admission.refused)
     state.metrics.add_refusal_source(lambda: state.auth_refused)
     state.metrics.set_in_flight_source(
-        lambda: {t.api_name: n for t, n in state.admission.in_flight.items()})
+        lambda: {t.api_name: n for t, n in state.admission.in_flight.items()}
+    )
     hosts = auth.allowed_hosts_for(state.config.host, state.config.allowed_hosts)
-    middleware = [Middleware(auth.HostAllowListMiddleware, allowed_hosts=hosts),
-                  Middleware(auth.AuthMiddleware, keys=state.api_keys,
-                             refused=state.auth_refused)]
-    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware, exception_handlers={
-        APIError: on_api_error, HTTPException: on_http_error, Exception: on_crash})
+    middleware = [
+        Middleware(auth.HostAllowListMiddleware, allowed_hosts=hosts),
+        Middleware(auth.AuthMiddleware, keys=state.api_keys, refused=state.auth_refused),
+    ]
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        middleware=middleware,
+        exception_handlers={
+            APIError: on_api_error,
+            HTTPException: on_http_error,
+            Exception: on_crash,
+        },
+    )
 
 
 def conversation_routes(state: ServerState) -> list:
@@ -194,8 +239,13 @@ def _tokenize_input(state: ServerState, body: dict) -> str:
             return state.tokenizer.apply_chat_template(req.messages_for_template())
         except ChatTemplateError as exc:
             raise template_error(exc, "messages") from None
-    raise APIError(400, "send `prompt` (a string) or `messages`", "invalid_request_error",
-                   "missing_required_field", "prompt")
+    raise APIError(
+        400,
+        "send `prompt` (a string) or `messages`",
+        "invalid_request_error",
+        "missing_required_field",
+        "prompt",
+    )
 
 
 __all__ = ["ServerState", "build_app"]

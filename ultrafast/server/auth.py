@@ -35,8 +35,9 @@ def tenant_of(scope: dict) -> Tenant:
 
 
 def _bad_key(message: str, code: str) -> APIError:
-    return APIError(401, message, "authentication_error", code, None,
-                    headers={"WWW-Authenticate": "Bearer"})
+    return APIError(
+        401, message, "authentication_error", code, None, headers={"WWW-Authenticate": "Bearer"}
+    )
 
 
 def authenticate(keys: ApiKeys, scope: dict) -> Tenant:
@@ -45,27 +46,41 @@ def authenticate(keys: ApiKeys, scope: dict) -> Tenant:
     query = scope.get("query_string", b"")
     if not headers:
         if re.search(rb"(^|&)api[_-]?key=", query):  # keys in URLs end up in logs: refused
-            raise _bad_key("send the API key in the Authorization header, not the URL",
-                           "invalid_api_key")
+            raise _bad_key(
+                "send the API key in the Authorization header, not the URL", "invalid_api_key"
+            )
         raise _bad_key("missing API key: send `Authorization: Bearer <key>`", "missing_api_key")
     parts = headers[0].decode("latin-1").split(" ")
-    if len(headers) != 1 or len(parts) != 2 or parts[0].lower() != "bearer" or not parts[1] \
-            or parts[1].lower() == "bearer":
-        raise _bad_key("invalid API key: expected one `Authorization: Bearer <key>` header",
-                       "invalid_api_key")
+    if (
+        len(headers) != 1
+        or len(parts) != 2
+        or parts[0].lower() != "bearer"
+        or not parts[1]
+        or parts[1].lower() == "bearer"
+    ):
+        raise _bad_key(
+            "invalid API key: expected one `Authorization: Bearer <key>` header", "invalid_api_key"
+        )
     found = keys.lookup(parts[1])
     if found is None or found[1]:
-        log.warning("auth failed (%s key sha256 %s...)", "revoked" if found else "unknown",
-                    hash_key(parts[1])[:8])
+        log.warning(
+            "auth failed (%s key sha256 %s...)",
+            "revoked" if found else "unknown",
+            hash_key(parts[1])[:8],
+        )
         raise _bad_key("invalid API key", "invalid_api_key")
     tenant = found[0]
     if tenant.disabled:
-        raise APIError(403, "this tenant is suspended", "permission_error", "tenant_disabled",
-                       None)
+        raise APIError(403, "this tenant is suspended", "permission_error", "tenant_disabled", None)
     need = SCOPED_PATHS.get(scope.get("path", ""))
     if need and not tenant.has_scope(need):
-        raise APIError(403, f"this key may not read {scope['path']}", "permission_error",
-                       "scope_not_allowed", None)
+        raise APIError(
+            403,
+            f"this key may not read {scope['path']}",
+            "permission_error",
+            "scope_not_allowed",
+            None,
+        )
     return tenant
 
 
@@ -75,8 +90,11 @@ async def refuse(error: APIError, scope, receive, send) -> None:
     if scope["type"] == "websocket":
         await send({"type": "websocket.close", "code": 1008, "reason": error.message[:120]})
         return
-    response = JSONResponse(error.to_dict(), status_code=error.status,
-                            headers={**error.headers, "x-request-id": uuid.uuid4().hex})
+    response = JSONResponse(
+        error.to_dict(),
+        status_code=error.status,
+        headers={**error.headers, "x-request-id": uuid.uuid4().hex},
+    )
     await response(scope, receive, send)
 
 
@@ -87,8 +105,11 @@ class AuthMiddleware:
         self.refused = refused  # reason -> count, for metrics
 
     async def __call__(self, scope, receive, send):
-        if self.keys is None or scope["type"] not in ("http", "websocket") or (
-                scope["path"] in OPEN_PATHS and scope.get("method") in ("GET", "HEAD")):
+        if (
+            self.keys is None
+            or scope["type"] not in ("http", "websocket")
+            or (scope["path"] in OPEN_PATHS and scope.get("method") in ("GET", "HEAD"))
+        ):
             return await self.app(scope, receive, send)
         try:
             scope[SCOPE_KEY] = authenticate(self.keys, scope)
@@ -113,12 +134,22 @@ class HostAllowListMiddleware:
         if not self.allowed or scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         host = dict(scope.get("headers", [])).get(b"host", b"").decode("latin-1").lower()
-        name = host[1:host.index("]")] if host.startswith("[") and "]" in host \
-            else host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        name = (
+            host[1 : host.index("]")]
+            if host.startswith("[") and "]" in host
+            else host.rsplit(":", 1)[0]
+            if host.count(":") == 1
+            else host
+        )
         if name in self.allowed:
             return await self.app(scope, receive, send)
-        error = APIError(403, "this Host is not allowed (see --allowed-hosts)",
-                         "permission_error", "host_not_allowed", None)
+        error = APIError(
+            403,
+            "this Host is not allowed (see --allowed-hosts)",
+            "permission_error",
+            "host_not_allowed",
+            None,
+        )
         return await refuse(error, scope, receive, send)
 
 
@@ -129,8 +160,9 @@ def allowed_hosts_for(bind_host: str, configured: tuple) -> tuple:
     return LOOPBACK_NAMES if bind_host in LOOPBACK_NAMES else ()
 
 
-def entitled_tier(tenant: Tenant, tier: ServiceTier, auto: bool, param: str,
-                  refused: dict) -> tuple[ServiceTier, bool]:
+def entitled_tier(
+    tenant: Tenant, tier: ServiceTier, auto: bool, param: str, refused: dict
+) -> tuple[ServiceTier, bool]:
     """The tier to serve and whether it is still `auto`; 403 when the tenant may not use it."""
     if auto:
         if ServiceTier.PRIORITY in tenant.tiers:
@@ -142,14 +174,20 @@ def entitled_tier(tenant: Tenant, tier: ServiceTier, auto: bool, param: str,
         return tier, False
     refused["priority_not_allowed"] = refused.get("priority_not_allowed", 0) + 1
     code = "priority_not_allowed" if tier == ServiceTier.PRIORITY else "tier_not_allowed"
-    raise APIError(403, f"this API key may not use the {tier.api_name} tier",
-                   "permission_error", code, param)
+    raise APIError(
+        403, f"this API key may not use the {tier.api_name} tier", "permission_error", code, param
+    )
 
 
 def _rate_limited(what: str, wait_s: float) -> APIError:
-    return APIError(429, f"rate limit reached for {what}; retry after {math.ceil(wait_s)} s",
-                    "rate_limit_error", "rate_limit_exceeded", None,
-                    headers={"Retry-After": str(max(1, math.ceil(wait_s)))})
+    return APIError(
+        429,
+        f"rate limit reached for {what}; retry after {math.ceil(wait_s)} s",
+        "rate_limit_error",
+        "rate_limit_exceeded",
+        None,
+        headers={"Retry-After": str(max(1, math.ceil(wait_s)))},
+    )
 
 
 def take_request(tenant: Tenant, refused: dict) -> None:

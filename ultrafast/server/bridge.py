@@ -4,8 +4,9 @@ The engine thread calls back with RequestOutputs; each goes on a shared hand-off
 event loop moves it to the caller's buffer, so the event loop never blocks on the engine and the
 engine never waits for a slow client. The engine wakes the loop (`call_soon_threadsafe`) only
 when no drain is already pending: one wake per step however many streams it fed, since a wake
-of the sleeping loop thread costs the engine tens of microseconds on a VM (BENCHMARKS.md). `Generation` groups the n requests of one API call on one queue; the
-HTTP layer aborts whatever is unfinished when the client leaves, freeing the KV slots in a step.
+of the sleeping loop thread costs the engine tens of microseconds on a VM (BENCHMARKS.md).
+`Generation` groups the n requests of one API call on one queue; the HTTP layer aborts whatever
+is unfinished when the client leaves, freeing the KV slots in a step.
 
 A client slower than the engine cannot grow a stream's buffer without bound: past
 `max_events` undelivered outputs, a new output is merged into its request's latest pending
@@ -36,9 +37,20 @@ from ultrafast.engine.read_api import EngineSettings, EngineSnapshot, StepCostSn
 from ultrafast.engine.thread import EngineThread
 from ultrafast.request import Request
 
-__all__ = ["EngineBridge", "EngineSettings", "EngineSnapshot", "EngineThread", "Generation",
-           "OutputBuffer", "RequestOutput", "StepCostSnapshot", "TokenLogprobs", "merge_outputs",
-           "shutdown_engine", "start_engine"]
+__all__ = [
+    "EngineBridge",
+    "EngineSettings",
+    "EngineSnapshot",
+    "EngineThread",
+    "Generation",
+    "OutputBuffer",
+    "RequestOutput",
+    "StepCostSnapshot",
+    "TokenLogprobs",
+    "merge_outputs",
+    "shutdown_engine",
+    "start_engine",
+]
 
 
 def start_engine(core: EngineCore, shaper_window_s: float) -> EngineThread:
@@ -98,15 +110,22 @@ class OutputBuffer:
 
 def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one (tokens in order, the later state)."""
-    return replace(then, new_token_ids=first.new_token_ids + then.new_token_ids,
-                   new_logprobs=first.new_logprobs + then.new_logprobs,
-                   queue_time_s=first.queue_time_s,
-                   prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs)
+    return replace(
+        then,
+        new_token_ids=first.new_token_ids + then.new_token_ids,
+        new_logprobs=first.new_logprobs + then.new_logprobs,
+        queue_time_s=first.queue_time_s,
+        prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs,
+    )
 
 
 class EngineBridge:
-    def __init__(self, engine: EngineThread, loop: asyncio.AbstractEventLoop,
-                 max_stream_buffer_events: int = 256):
+    def __init__(
+        self,
+        engine: EngineThread,
+        loop: asyncio.AbstractEventLoop,
+        max_stream_buffer_events: int = 256,
+    ):
         self.engine = engine
         self.loop = loop
         self.max_stream_buffer_events = max_stream_buffer_events
@@ -156,7 +175,7 @@ class Generation:
         self.unfinished = set(self.index_of)
         self.queue = OutputBuffer(bridge.max_stream_buffer_events)
 
-    def start(self) -> "Generation":
+    def start(self) -> Generation:
         for request in self.requests:
             self.bridge.submit(request, self.queue)
         return self

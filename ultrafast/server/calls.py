@@ -21,12 +21,12 @@ from typing import Any
 
 from ultrafast.request import SamplingParams, ServiceTier
 from ultrafast.server import auth
-from ultrafast.server.sessions.chat_tokens import ChatMessage, encode_chat
-from ultrafast.tokenizer import ChatTemplateError, NoChatTemplateError
 from ultrafast.server.errors import APIError, invalid_value
 from ultrafast.server.generate import GenerationRun, GenerationSpec
 from ultrafast.server.protocol import ChatCompletionRequest, CompletionRequest, Limits
+from ultrafast.server.sessions.chat_tokens import ChatMessage, encode_chat
 from ultrafast.server.state import ServerState, check_model, check_ready
+from ultrafast.tokenizer import ChatTemplateError, NoChatTemplateError
 
 
 @dataclass
@@ -56,48 +56,81 @@ class CallInput:
 
 # ---- chat completions / completions: from their validated protocol models -------------------
 
-def chat_call(req: ChatCompletionRequest, limits: Limits,
-              messages: list[ChatMessage] | None = None) -> CallInput:
+
+def chat_call(
+    req: ChatCompletionRequest, limits: Limits, messages: list[ChatMessage] | None = None
+) -> CallInput:
     """`messages` replaces the request's own (a session's history joined with the new turn)."""
     return CallInput(
-        chat=True, params=req.sampling_params(limits.vocab_size, 1, limits.sampling_defaults),
+        chat=True,
+        params=req.sampling_params(limits.vocab_size, 1, limits.sampling_defaults),
         max_tokens=req.requested_max_tokens(),
-        messages=messages if messages is not None else chat_messages(req), model=req.model,
-        n=req.n, stream=bool(req.stream), include_usage=req.include_usage(),
-        stops=req.stop_list(), tier=req.tier(), auto_tier=req.tier_is_auto(),
+        messages=messages if messages is not None else chat_messages(req),
+        model=req.model,
+        n=req.n,
+        stream=bool(req.stream),
+        include_usage=req.include_usage(),
+        stops=req.stop_list(),
+        tier=req.tier(),
+        auto_tier=req.tier_is_auto(),
         prediction_text=req.prediction_text() or None,
         tier_param="service_tier" if req.service_tier is not None else "priority",
-        max_tokens_param="max_completion_tokens" if req.max_completion_tokens is not None
-        else "max_tokens")
+        max_tokens_param="max_completion_tokens"
+        if req.max_completion_tokens is not None
+        else "max_tokens",
+    )
 
 
 def completion_call(req: CompletionRequest, limits: Limits) -> CallInput:
     return CallInput(
-        chat=False, params=req.sampling_params(limits.vocab_size, 1, limits.sampling_defaults),
+        chat=False,
+        params=req.sampling_params(limits.vocab_size, 1, limits.sampling_defaults),
         max_tokens=req.requested_max_tokens(),
-        prompts=req.prompt_list(), model=req.model, n=req.n, stream=bool(req.stream),
-        include_usage=req.include_usage(), stops=req.stop_list(), tier=req.tier(),
-        auto_tier=req.tier_is_auto(), echo=req.echo,
+        prompts=req.prompt_list(),
+        model=req.model,
+        n=req.n,
+        stream=bool(req.stream),
+        include_usage=req.include_usage(),
+        stops=req.stop_list(),
+        tier=req.tier(),
+        auto_tier=req.tier_is_auto(),
+        echo=req.echo,
         tier_param="service_tier" if req.service_tier is not None else "priority",
-        prompt_param="prompt")
+        prompt_param="prompt",
+    )
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[ChatMessage]:
-    return [ChatMessage(m["role"], m["content"],
-                        extra={k: v for k, v in m.items() if k not in ("role", "content")})
-            for m in req.messages_for_template()]
+    return [
+        ChatMessage(
+            m["role"],
+            m["content"],
+            extra={k: v for k, v in m.items() if k not in ("role", "content")},
+        )
+        for m in req.messages_for_template()
+    ]
 
 
 # ---- the other front ends: their own field names, the same limits ----------------------------
 
-def check_options(limits: Limits, *, temperature: float | None, top_p: float | None,
-                  max_tokens: int | None, max_tokens_param: str,
-                  service_tier: object = None) -> tuple[ServiceTier, bool]:
+
+def check_options(
+    limits: Limits,
+    *,
+    temperature: float | None,
+    top_p: float | None,
+    max_tokens: int | None,
+    max_tokens_param: str,
+    service_tier: object = None,
+) -> tuple[ServiceTier, bool]:
     """Ranges of the sampling fields the Responses and Realtime APIs carry, named as they
     name them; returns the requested tier and whether it was "auto"."""
     if max_tokens is not None and not 1 <= max_tokens <= limits.max_tokens_cap:
-        raise invalid_value(max_tokens_param, f"{max_tokens_param} must be between 1 and "
-                            f"{limits.max_tokens_cap} (the cap for this key)")
+        raise invalid_value(
+            max_tokens_param,
+            f"{max_tokens_param} must be between 1 and "
+            f"{limits.max_tokens_cap} (the cap for this key)",
+        )
     if temperature is not None and not 0.0 <= temperature <= 2.0:
         raise invalid_value("temperature", "temperature must be in [0.0, 2.0]")
     if top_p is not None and not 0.0 < top_p <= 1.0:
@@ -107,24 +140,27 @@ def check_options(limits: Limits, *, temperature: float | None, top_p: float | N
     try:
         tier = ServiceTier.parse(service_tier if isinstance(service_tier, str) else "?")
     except ValueError:
-        raise invalid_value("service_tier", "service_tier must be one of auto, default, flex, "
-                            "priority, ultrafast") from None
+        raise invalid_value(
+            "service_tier", "service_tier must be one of auto, default, flex, priority, ultrafast"
+        ) from None
     return tier, service_tier == "auto"
 
 
-def plain_params(temperature: float | None, top_p: float | None,
-                 limits: Limits) -> SamplingParams:
+def plain_params(temperature: float | None, top_p: float | None, limits: Limits) -> SamplingParams:
     """Responses / Realtime: what the client set, else the model's defaults, else OpenAI's."""
     model = dict(limits.sampling_defaults)
     return SamplingParams(
-        max_tokens=1, temperature=model.get("temperature", 1.0) if temperature is None
-        else temperature, top_p=model.get("top_p", 1.0) if top_p is None else top_p,
-        top_k=int(model.get("top_k", 0)) if 0 < model.get("top_k", 0) < limits.vocab_size
-        else 0, min_p=model.get("min_p", 0.0),
-        repetition_penalty=model.get("repetition_penalty", 1.0))
+        max_tokens=1,
+        temperature=model.get("temperature", 1.0) if temperature is None else temperature,
+        top_p=model.get("top_p", 1.0) if top_p is None else top_p,
+        top_k=int(model.get("top_k", 0)) if 0 < model.get("top_k", 0) < limits.vocab_size else 0,
+        min_p=model.get("min_p", 0.0),
+        repetition_penalty=model.get("repetition_penalty", 1.0),
+    )
 
 
 # ---- the pipeline ------------------------------------------------------------------------------
+
 
 async def prepare_call(state: ServerState, scope: dict, call: CallInput) -> GenerationRun:
     """Check, tokenize and admit one call; the run is not started (the caller starts it, and
@@ -134,8 +170,9 @@ async def prepare_call(state: ServerState, scope: dict, call: CallInput) -> Gene
     check_model(state, call.model)
     check_ready(state)
     tenant = auth.tenant_of(scope)
-    tier, auto = auth.entitled_tier(tenant, call.tier, call.auto_tier, call.tier_param,
-                                    state.auth_refused)
+    tier, auto = auth.entitled_tier(
+        tenant, call.tier, call.auto_tier, call.tier_param, state.auth_refused
+    )
     auth.take_request(tenant, state.auth_refused)
     ticket = state.admission.reserve(tier, auto=auto, tenant=tenant.name)
     try:
@@ -145,46 +182,67 @@ async def prepare_call(state: ServerState, scope: dict, call: CallInput) -> Gene
         echo: list[str] | None = None
         if call.chat:
             try:
-                prompts = [await loop.run_in_executor(state.pool, encode_chat, tok,
-                                                      call.messages)]
+                prompts = [await loop.run_in_executor(state.pool, encode_chat, tok, call.messages)]
             except ChatTemplateError as exc:  # no template, or one that raised: the caller's 400
                 raise template_error(exc, call.prompt_param) from None
             if call.prediction_text:  # predicted outputs: the engine drafts from these ids
                 prediction_ids = await loop.run_in_executor(
-                    state.pool, tok.encode, call.prediction_text, False)
+                    state.pool, tok.encode, call.prediction_text, False
+                )
         else:
-            prompts = await loop.run_in_executor(state.pool, _completion_prompts, tok,
-                                                 call.prompts)
+            prompts = await loop.run_in_executor(state.pool, _completion_prompts, tok, call.prompts)
             echo = [tok.decode(p) for p in prompts] if call.echo else None
         if not prompts or not all(prompts):
-            raise APIError(400, "the prompt is empty", "invalid_request_error", "invalid_value",
-                           call.prompt_param)
+            raise APIError(
+                400,
+                "the prompt is empty",
+                "invalid_request_error",
+                "invalid_value",
+                call.prompt_param,
+            )
         max_tokens = _resolve_max_tokens(state, call, max(len(p) for p in prompts))
         params = replace(call.params, max_tokens=max_tokens)
         num_prompt_tokens = sum(len(p) for p in prompts) * call.n
         num_tokens_taken = auth.take_tokens(
-            tenant, num_prompt_tokens + max_tokens * len(prompts) * call.n, state.auth_refused)
+            tenant, num_prompt_tokens + max_tokens * len(prompts) * call.n, state.auth_refused
+        )
         try:
             # admission predicts TTFT from the tokens left to prefill, not the cached history;
             # a scoring call (prompt logprobs) takes no cached prefix, so all of it
             if params.prompt_logprobs is not None:
                 num_new = sum(len(p) for p in prompts)
             else:
-                num_new = await loop.run_in_executor(state.pool, _num_uncached, state, prompts,
-                                                     tenant.name)
+                num_new = await loop.run_in_executor(
+                    state.pool, _num_uncached, state, prompts, tenant.name
+                )
             state.admission.admit(ticket, num_new * call.n, auto)
         except APIError:
             _refund_tokens(tenant, num_tokens_taken, 0)
             raise
         spec = GenerationSpec(
-            request_id=request_id, model_name=state.model_name, prompts=prompts, params=params,
-            n=call.n, tier=ticket.tier, stops=call.stops, chat=call.chat, stream=call.stream,
-            include_usage=call.include_usage, want_logprobs=params.logprobs, echo_texts=echo,
-            arrival_s=arrival_s, prediction_token_ids=prediction_ids, tenant=tenant.name)
+            request_id=request_id,
+            model_name=state.model_name,
+            prompts=prompts,
+            params=params,
+            n=call.n,
+            tier=ticket.tier,
+            stops=call.stops,
+            chat=call.chat,
+            stream=call.stream,
+            include_usage=call.include_usage,
+            want_logprobs=params.logprobs,
+            echo_texts=echo,
+            arrival_s=arrival_s,
+            prediction_token_ids=prediction_ids,
+            tenant=tenant.name,
+        )
         run = GenerationRun(state.run_deps(), spec, ticket)
         if num_tokens_taken:
-            run.on_finish(lambda r: _refund_tokens(
-                tenant, num_tokens_taken, num_prompt_tokens + sum(r.num_output_tokens)))
+            run.on_finish(
+                lambda r: _refund_tokens(
+                    tenant, num_tokens_taken, num_prompt_tokens + sum(r.num_output_tokens)
+                )
+            )
         return run
     except BaseException:
         state.admission.release(ticket)
@@ -199,16 +257,26 @@ def template_error(exc: ChatTemplateError, param: str) -> APIError:
 def _resolve_max_tokens(state: ServerState, call: CallInput, num_prompt: int) -> int:
     room = state.max_model_len - num_prompt
     if room <= 0:
-        raise APIError(400, f"the prompt has {num_prompt} tokens but this model's context is "
-                       f"{state.max_model_len} tokens", "invalid_request_error",
-                       "context_length_exceeded", call.prompt_param)
+        raise APIError(
+            400,
+            f"the prompt has {num_prompt} tokens but this model's context is "
+            f"{state.max_model_len} tokens",
+            "invalid_request_error",
+            "context_length_exceeded",
+            call.prompt_param,
+        )
     if call.max_tokens is None:
         return min(room, state.config.max_tokens_cap)
     if call.max_tokens > room:
-        raise APIError(400, f"{call.max_tokens_param}={call.max_tokens} plus the prompt's "
-                       f"{num_prompt} tokens exceeds this model's context of "
-                       f"{state.max_model_len} tokens", "invalid_request_error",
-                       "context_length_exceeded", call.max_tokens_param)
+        raise APIError(
+            400,
+            f"{call.max_tokens_param}={call.max_tokens} plus the prompt's "
+            f"{num_prompt} tokens exceeds this model's context of "
+            f"{state.max_model_len} tokens",
+            "invalid_request_error",
+            "context_length_exceeded",
+            call.max_tokens_param,
+        )
     return call.max_tokens
 
 

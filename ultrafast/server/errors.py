@@ -12,9 +12,16 @@ INVALID_REQUEST = "invalid_request_error"
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = INVALID_REQUEST,
-                 code: str | None = None, param: str | None = None,
-                 headers: dict | None = None, extra: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = INVALID_REQUEST,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict | None = None,
+        extra: dict | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -25,8 +32,15 @@ class APIError(Exception):
         self.extra = extra or {}  # more fields inside "error" (e.g. predicted_ttft_ms)
 
     def to_dict(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code, **self.extra}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+                **self.extra,
+            }
+        }
 
 
 def quote(value: object, max_chars: int = 40) -> str:
@@ -79,9 +93,12 @@ def unsupported_media_type(message: str) -> APIError:
 
 # ---- pydantic ValidationError -> APIError ---------------------------------------------------
 
-_PLAIN_DETAIL = {"model_type": "expected a JSON object", "dict_type": "expected a JSON object",
-                 "model_attributes_type": "expected a JSON object",
-                 "list_type": "expected a JSON array"}  # pydantic's own words name classes
+_PLAIN_DETAIL = {
+    "model_type": "expected a JSON object",
+    "dict_type": "expected a JSON object",
+    "model_attributes_type": "expected a JSON object",
+    "list_type": "expected a JSON array",
+}  # pydantic's own words name classes
 
 
 def _error_rank(error_type: str) -> tuple[int, str]:
@@ -91,13 +108,17 @@ def _error_rank(error_type: str) -> tuple[int, str]:
     if error_type == "missing":
         return 1, "missing_required_field"
     if error_type.endswith(("_type", "_parsing")) or error_type in (
-            "int_from_float", "union_tag_invalid", "union_tag_not_found"):
+        "int_from_float",
+        "union_tag_invalid",
+        "union_tag_not_found",
+    ):
         return 3, "invalid_type"
     return 2, "invalid_value"
 
 
-def param_path(loc: tuple, body: object, missing: bool = False,
-               skip: frozenset = frozenset()) -> str | None:
+def param_path(
+    loc: tuple, body: object, missing: bool = False, skip: frozenset = frozenset()
+) -> str | None:
     """('messages', 0, 'content', 'array', 1) -> 'messages[0].content[1]'.
 
     Walks the body alongside `loc`, so union-member tags (`skip`, absent from the body) drop
@@ -107,8 +128,9 @@ def param_path(loc: tuple, body: object, missing: bool = False,
     for i, part in enumerate(loc):
         if isinstance(part, int) and isinstance(node, list) and 0 <= part < len(node):
             out, node = f"{out}[{part}]", node[part]
-        elif isinstance(part, str) and (isinstance(node, dict) and part in node
-                                        or missing and i == len(loc) - 1):
+        elif isinstance(part, str) and (
+            isinstance(node, dict) and part in node or missing and i == len(loc) - 1
+        ):
             name = part if len(part) <= 64 else part[:64] + "..."
             out = f"{out}.{name}" if out else name
             node = node.get(part) if isinstance(node, dict) else None

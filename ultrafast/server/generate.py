@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Awaitable, Callable, Union
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -83,9 +83,9 @@ class Ping:
     """No output for a ping interval: streams send a keep-alive."""
 
 
-RunEvent = Union[ChoiceDelta, Ping]
+RunEvent = ChoiceDelta | Ping
 # the session commit: (run, None at a normal end / "client_disconnected") -> error code or None
-CommitHook = Callable[["GenerationRun", Union[str, None]], Awaitable[Union[str, None]]]
+CommitHook = Callable[["GenerationRun", str | None], Awaitable[str | None]]
 
 ENGINE_FAILED = "engine_error"
 
@@ -95,8 +95,14 @@ def run_error(code: str) -> APIError:
     (`engine_error`), or the answer could not be stored (the commit's code)."""
     if code == ENGINE_FAILED:
         return APIError(500, "the engine failed while generating", "server_error", code, None)
-    return APIError(503, "the answer could not be stored in the session store", "server_error",
-                    code, None, headers={"Retry-After": "1"})
+    return APIError(
+        503,
+        "the answer could not be stored in the session store",
+        "server_error",
+        code,
+        None,
+        headers={"Retry-After": "1"},
+    )
 
 
 class GenerationRun:
@@ -111,24 +117,32 @@ class GenerationRun:
                 params = spec.params
                 if params.seed is not None and i:
                     params = replace(params, seed=params.seed + i)  # n choices must differ
-                requests.append(Request(f"{spec.request_id}-{p}-{i}", list(prompt), params,
-                                        tier=spec.tier, tenant=spec.tenant,
-                                        arrival_time_s=spec.arrival_s,
-                                        eos_token_ids=tok.eos_token_ids,
-                                        prediction_token_ids=list(spec.prediction_token_ids
-                                                                  or [])))
+                requests.append(
+                    Request(
+                        f"{spec.request_id}-{p}-{i}",
+                        list(prompt),
+                        params,
+                        tier=spec.tier,
+                        tenant=spec.tenant,
+                        arrival_time_s=spec.arrival_s,
+                        eos_token_ids=tok.eos_token_ids,
+                        prediction_token_ids=list(spec.prediction_token_ids or []),
+                    )
+                )
                 self.choice_prompts.append(p)
         num_choices = len(requests)
         self.generation = Generation(deps.bridge, requests)
         echo = spec.echo_texts or [""] * len(spec.prompts)
-        self.choices = [fmt.ChoiceState(c, text=echo[self.choice_prompts[c]])
-                        for c in range(num_choices)]
+        self.choices = [
+            fmt.ChoiceState(c, text=echo[self.choice_prompts[c]]) for c in range(num_choices)
+        ]
         for choice in self.choices:  # echo: the generated text's offsets start after it
             choice.echo_chars = len(choice.text)
             if self.scores_prompt:
                 choice.prompt_token_ids = spec.prompts[self.choice_prompts[choice.index]]
-        self.detoks = [tok.detokenizer(spec.prompts[self.choice_prompts[c]])
-                       for c in range(num_choices)]
+        self.detoks = [
+            tok.detokenizer(spec.prompts[self.choice_prompts[c]]) for c in range(num_choices)
+        ]
         self.matchers = [StopStringMatcher(spec.stops) for _ in range(num_choices)]
         self.num_output_tokens = [0] * num_choices
         self.num_prediction_tokens = [(0, 0)] * num_choices  # (accepted, rejected) per choice
@@ -143,7 +157,7 @@ class GenerationRun:
         self._released_logprobs = [0] * num_choices
         self._on_finish: list[Callable[[GenerationRun], None]] = []  # rate-limit refunds
 
-    def on_finish(self, callback: Callable[["GenerationRun"], None]) -> None:
+    def on_finish(self, callback: Callable[[GenerationRun], None]) -> None:
         """Run `callback(run)` once when the call ends, whatever the reason."""
         self._on_finish.append(callback)
 
@@ -157,8 +171,9 @@ class GenerationRun:
     def scores_prompt(self) -> bool:
         """Completions `echo` + `logprobs`: the response lists the prompt's logprobs first."""
         spec = self.spec
-        return (bool(spec.echo_texts) and spec.want_logprobs
-                and spec.params.prompt_logprobs is not None)
+        return (
+            bool(spec.echo_texts) and spec.want_logprobs and spec.params.prompt_logprobs is not None
+        )
 
     def _apply(self, index: int, out: RequestOutput) -> tuple[str, list, str | None]:
         """Fold one engine output into choice `index`; returns (text delta, logprobs, finish)."""
@@ -167,8 +182,10 @@ class GenerationRun:
             choice.finish_reason, choice.error = "error", out.error
             return "", [], "error"
         self.num_output_tokens[index] = out.num_output_tokens
-        self.num_prediction_tokens[index] = (out.num_accepted_prediction_tokens,
-                                             out.num_rejected_prediction_tokens)
+        self.num_prediction_tokens[index] = (
+            out.num_accepted_prediction_tokens,
+            out.num_rejected_prediction_tokens,
+        )
         choice.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             choice.prompt_logprobs = out.prompt_logprobs
@@ -216,20 +233,23 @@ class GenerationRun:
             num_tokens = len(out.new_token_ids)
             if self.guarded is not None:
                 text, logprobs, num_tokens, finish = await self._guard(
-                    index, text, logprobs, num_tokens, finish)
+                    index, text, logprobs, num_tokens, finish
+                )
             self.timer.output(index, num_tokens, out.queue_time_s)
             yield ChoiceDelta(index, text, logprobs, finish)
 
-    async def _guard(self, index: int, text: str, logprobs: list, num_tokens: int,
-                     finish: str | None) -> tuple[str, list, int, str | None]:
+    async def _guard(
+        self, index: int, text: str, logprobs: list, num_tokens: int, finish: str | None
+    ) -> tuple[str, list, int, str | None]:
         """Pass the choice's new text through its guard; on a hit, cut the choice there."""
         assert self.guarded is not None
         choice = self.choices[index]
         text, logprobs, num_tokens, blocked = await self.guarded[index].push(
-            text, logprobs, num_tokens, finish is not None)
+            text, logprobs, num_tokens, finish is not None
+        )
         if blocked:  # the response keeps only what was released; the held text is dropped
-            choice.text = choice.text[:self._released_chars[index]]
-            del choice.logprobs[self._released_logprobs[index]:]
+            choice.text = choice.text[: self._released_chars[index]]
+            del choice.logprobs[self._released_logprobs[index] :]
             choice.finish_reason = CONTENT_FILTER
             self.deps.metrics.guard_cuts.inc()
             self.generation.abort(index)
@@ -241,18 +261,27 @@ class GenerationRun:
     def usage(self) -> dict:
         prediction = None
         if self.spec.prediction_token_ids is not None:
-            prediction = (sum(a for a, _ in self.num_prediction_tokens),
-                          sum(r for _, r in self.num_prediction_tokens))
-        return fmt.usage(sum(len(p) for p in self.spec.prompts),
-                         sum(self.num_output_tokens),
-                         min((c.num_cached_tokens for c in self.choices), default=0), prediction)
+            prediction = (
+                sum(a for a, _ in self.num_prediction_tokens),
+                sum(r for _, r in self.num_prediction_tokens),
+            )
+        return fmt.usage(
+            sum(len(p) for p in self.spec.prompts),
+            sum(self.num_output_tokens),
+            min((c.num_cached_tokens for c in self.choices), default=0),
+            prediction,
+        )
 
     def timing_headers(self) -> dict:
         ttft_ms = ((self.first_token_s or time.monotonic()) - self.spec.arrival_s) * 1000
         queue_ms = self.queue_time_s * 1000
-        return {"x-request-id": self.spec.request_id, "x-service-tier": self.spec.tier.api_name,
-                "x-queue-wait-ms": f"{queue_ms:.1f}", "x-ttft-ms": f"{ttft_ms:.1f}",
-                "server-timing": f"queue;dur={queue_ms:.1f}, ttft;dur={ttft_ms:.1f}"}
+        return {
+            "x-request-id": self.spec.request_id,
+            "x-service-tier": self.spec.tier.api_name,
+            "x-queue-wait-ms": f"{queue_ms:.1f}",
+            "x-ttft-ms": f"{ttft_ms:.1f}",
+            "server-timing": f"queue;dur={queue_ms:.1f}, ttft;dur={ttft_ms:.1f}",
+        }
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -280,8 +309,9 @@ class GenerationRun:
         self.deps.runs.discard(self)
         self.generation.abort_all()
         self.deps.admission.release(self.ticket)
-        self.timer.finish(sum(len(p) for p in self.spec.prompts) * self.spec.n,
-                          sum(self.num_output_tokens))
+        self.timer.finish(
+            sum(len(p) for p in self.spec.prompts) * self.spec.n, sum(self.num_output_tokens)
+        )
         callbacks, self._on_finish = self._on_finish, []
         for callback in callbacks:
             callback(self)
@@ -319,9 +349,15 @@ class GenerationRun:
         if error is not None:
             raise error
         build = fmt.chat_response if self.spec.chat else fmt.completion_response
-        body = build(self.spec.request_id, self.spec.model_name, self.spec.tier.api_name,
-                     self.choices, self.usage(), self.deps.tokenizer.decode,
-                     self.spec.want_logprobs)
+        body = build(
+            self.spec.request_id,
+            self.spec.model_name,
+            self.spec.tier.api_name,
+            self.choices,
+            self.usage(),
+            self.deps.tokenizer.decode,
+            self.spec.want_logprobs,
+        )
         return JSONResponse(body, headers=self.timing_headers())
 
     async def respond_stream(self) -> Response:
@@ -342,13 +378,22 @@ class GenerationRun:
         if isinstance(head, ChoiceDelta) and head.finish == "error" and len(self.choices) == 1:
             self.finish()
             raise run_error(ENGINE_FAILED)
-        return StreamingResponse(self._sse(first, events), media_type="text/event-stream",
-                                 headers={**self.timing_headers(), "cache-control": "no-cache"})
+        return StreamingResponse(
+            self._sse(first, events),
+            media_type="text/event-stream",
+            headers={**self.timing_headers(), "cache-control": "no-cache"},
+        )
 
     async def _sse(self, first: list[RunEvent], events) -> AsyncIterator[bytes]:
         spec = self.spec
-        writer = fmt.ChunkWriter(spec.request_id, spec.model_name, spec.tier.api_name, spec.chat,
-                                 self.deps.tokenizer.decode, spec.want_logprobs)
+        writer = fmt.ChunkWriter(
+            spec.request_id,
+            spec.model_name,
+            spec.tier.api_name,
+            spec.chat,
+            self.deps.tokenizer.decode,
+            spec.want_logprobs,
+        )
         try:
             # with prompt logprobs, a choice's echo waits for its first output, which has them
             echo_later = set(range(len(self.choices))) if self.scores_prompt else set()
@@ -356,14 +401,21 @@ class GenerationRun:
                 if spec.chat:
                     yield writer.role(choice.index)
                 elif spec.echo_texts and choice.index not in echo_later:
-                    yield writer.echo(choice.index, spec.echo_texts[self.choice_prompts[
-                        choice.index]], None)
+                    yield writer.echo(
+                        choice.index, spec.echo_texts[self.choice_prompts[choice.index]], None
+                    )
             async for event in _chained(first, events):
-                if (isinstance(event, ChoiceDelta) and event.index in echo_later
-                        and event.finish != "error"):
+                if (
+                    isinstance(event, ChoiceDelta)
+                    and event.index in echo_later
+                    and event.finish != "error"
+                ):
                     echo_later.discard(event.index)
-                    yield writer.echo(event.index, spec.echo_texts[self.choice_prompts[
-                        event.index]], self.choices[event.index].prompt_part())
+                    yield writer.echo(
+                        event.index,
+                        spec.echo_texts[self.choice_prompts[event.index]],
+                        self.choices[event.index].prompt_part(),
+                    )
                 if isinstance(event, Ping):
                     yield b": ping\n\n"
                 elif event.finish == "error":
@@ -388,4 +440,3 @@ async def _chained(first: list[RunEvent], rest) -> AsyncIterator[RunEvent]:
         yield event
     async for event in rest:
         yield event
-

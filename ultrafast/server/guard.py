@@ -21,10 +21,10 @@ import collections
 import importlib
 import json
 import re
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 CONTENT_FILTER = "content_filter"
 
@@ -69,7 +69,7 @@ class PatternGuard(OutputGuard):
         return self.check_sync(text, num_checked_chars)  # microseconds: no thread hop
 
     @classmethod
-    def from_file(cls, path: str | Path, extra: list[str] = ()) -> "PatternGuard":
+    def from_file(cls, path: str | Path, extra: list[str] = ()) -> PatternGuard:
         """JSON: {"patterns": [...], "ignore_case": true, "max_match_chars": 256}; `extra`
         patterns (from flags) are added."""
         try:
@@ -78,8 +78,11 @@ class PatternGuard(OutputGuard):
             raise ValueError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
         if not isinstance(spec, dict) or not isinstance(spec.get("patterns"), list):
             raise ValueError(f"{path}: expected an object with a `patterns` list")
-        return cls([str(p) for p in spec["patterns"]] + list(extra),
-                   bool(spec.get("ignore_case", True)), int(spec.get("max_match_chars", 256)))
+        return cls(
+            [str(p) for p in spec["patterns"]] + list(extra),
+            bool(spec.get("ignore_case", True)),
+            int(spec.get("max_match_chars", 256)),
+        )
 
 
 class ClassifierGuard(OutputGuard):
@@ -90,17 +93,21 @@ class ClassifierGuard(OutputGuard):
     of trailing text are sent to it.
     """
 
-    def __init__(self, score: Callable[[str], float], threshold: float = 0.5,
-                 executor: Executor | None = None, max_context_chars: int = 2048):
+    def __init__(
+        self,
+        score: Callable[[str], float],
+        threshold: float = 0.5,
+        executor: Executor | None = None,
+        max_context_chars: int = 2048,
+    ):
         self.score = score
         self.threshold = threshold
         self.executor = executor
         self.max_context_chars = max_context_chars
 
     async def check(self, text: str, num_checked_chars: int) -> str | None:
-        context = text[-self.max_context_chars:]
-        value = await asyncio.get_running_loop().run_in_executor(self.executor, self.score,
-                                                                 context)
+        context = text[-self.max_context_chars :]
+        value = await asyncio.get_running_loop().run_in_executor(self.executor, self.score, context)
         return f"classifier score {value:.2f}" if value >= self.threshold else None
 
 
@@ -154,8 +161,9 @@ class GuardedChoice:
         self.num_held_tokens = 0
         self.blocked_reason: str | None = None
 
-    async def push(self, text: str, logprobs: list, num_tokens: int,
-                   finished: bool) -> tuple[str, list, int, bool]:
+    async def push(
+        self, text: str, logprobs: list, num_tokens: int, finished: bool
+    ) -> tuple[str, list, int, bool]:
         """Returns the (text, logprobs, number of tokens) now cleared for release, and whether
         the guard fired (then nothing more is ever released)."""
         if self.blocked_reason is not None:

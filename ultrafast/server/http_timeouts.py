@@ -38,24 +38,33 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("ultrafast")
 
-RESPONSE_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                b"content-length: 25\r\nconnection: close\r\n\r\nrequest header timed out\n")
+RESPONSE_408 = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"content-length: 25\r\nconnection: close\r\n\r\nrequest header timed out\n"
+)
 
 
 def _too_many_connections(cap: int) -> bytes:
-    body = (b'{"error":{"message":"more than %d open connections from this address","type":'
-            b'"rate_limit_error","param":null,"code":"too_many_connections"}}' % cap)
-    return (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
-            b"retry-after: 1\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)
-            ) + body
+    body = (
+        b'{"error":{"message":"more than %d open connections from this address","type":'
+        b'"rate_limit_error","param":null,"code":"too_many_connections"}}' % cap
+    )
+    return (
+        b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+        b"retry-after: 1\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+    ) + body
 
 
 def _body_408(timeout_s: float) -> bytes:
-    body = (b'{"error":{"message":"the request body did not arrive within %s s","type":'
-            b'"invalid_request_error","param":null,"code":"request_timeout"}}'
-            % f"{timeout_s:g}".encode())
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)) + body
+    body = (
+        b'{"error":{"message":"the request body did not arrive within %s s","type":'
+        b'"invalid_request_error","param":null,"code":"request_timeout"}}'
+        % f"{timeout_s:g}".encode()
+    )
+    return (
+        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+    ) + body
 
 
 class TimedH11Protocol(H11Protocol):
@@ -126,8 +135,11 @@ class TimedH11Protocol(H11Protocol):
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
             return
         if self._head_bytes:  # a started head: say why (an unused connection just closes)
-            log.warning("closing a connection from %s: request head incomplete after %.1f s",
-                        self.client, self.header_timeout_s)
+            log.warning(
+                "closing a connection from %s: request head incomplete after %.1f s",
+                self.client,
+                self.header_timeout_s,
+            )
             self.transport.write(RESPONSE_408)
         self.transport.close()
 
@@ -135,8 +147,12 @@ class TimedH11Protocol(H11Protocol):
 
     def _track_body(self) -> None:
         cycle = self.cycle
-        coming = (cycle is not None and cycle.more_body and not cycle.response_started
-                  and self.conn.their_state is h11.SEND_BODY)
+        coming = (
+            cycle is not None
+            and cycle.more_body
+            and not cycle.response_started
+            and self.conn.their_state is h11.SEND_BODY
+        )
         if not coming:
             self._cancel_body_timer()
         elif self._body_timer is None and self.body_timeout_s > 0:
@@ -148,11 +164,18 @@ class TimedH11Protocol(H11Protocol):
     def _body_timed_out(self) -> None:
         self._body_timer = None
         cycle = self.cycle
-        if self.transport.is_closing() or cycle is None or not cycle.more_body \
-                or cycle.response_started:
+        if (
+            self.transport.is_closing()
+            or cycle is None
+            or not cycle.more_body
+            or cycle.response_started
+        ):
             return
-        log.warning("closing a connection from %s: request body incomplete %.1f s after its "
-                    "head", self.client, self.body_timeout_s)
+        log.warning(
+            "closing a connection from %s: request body incomplete %.1f s after its head",
+            self.client,
+            self.body_timeout_s,
+        )
         self.transport.write(_body_408(self.body_timeout_s))
         cycle.disconnected = True  # the app's body read ends; its own answer goes nowhere
         cycle.message_event.set()
@@ -163,8 +186,9 @@ class TimedH11Protocol(H11Protocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._stall_timer is None and self.write_stall_timeout_s > 0:
-            self._stall_timer = self.loop.call_later(self.write_stall_timeout_s,
-                                                     self._write_stalled)
+            self._stall_timer = self.loop.call_later(
+                self.write_stall_timeout_s, self._write_stalled
+            )
 
     def resume_writing(self) -> None:
         self._cancel_stall_timer()
@@ -177,8 +201,11 @@ class TimedH11Protocol(H11Protocol):
         self._stall_timer = None
         # also when the response is complete and the transport is only closing: close() waits
         # for the buffer to drain, which a client that reads nothing never lets happen
-        log.warning("aborting a connection from %s: the client read nothing for %.1f s",
-                    self.client, self.write_stall_timeout_s)
+        log.warning(
+            "aborting a connection from %s: the client read nothing for %.1f s",
+            self.client,
+            self.write_stall_timeout_s,
+        )
         self.transport.abort()  # close() would wait for the full buffer to drain: never
 
 
@@ -187,13 +214,23 @@ def _cancelled(timer: asyncio.TimerHandle | None) -> None:
         timer.cancel()
 
 
-def protocol_class(header_timeout_s: float = 10.0, write_stall_timeout_s: float = 30.0,
-                   body_timeout_s: float = 30.0, max_connections_per_ip: int = 0,
-                   send_buffer_bytes: int = 256 * 1024) -> type:
+def protocol_class(
+    header_timeout_s: float = 10.0,
+    write_stall_timeout_s: float = 30.0,
+    body_timeout_s: float = 30.0,
+    max_connections_per_ip: int = 0,
+    send_buffer_bytes: int = 256 * 1024,
+) -> type:
     """A TimedH11Protocol subclass carrying these limits (uvicorn builds one per connection)."""
-    return type("ServerH11Protocol", (TimedH11Protocol,),
-                {"header_timeout_s": header_timeout_s,
-                 "write_stall_timeout_s": write_stall_timeout_s,
-                 "body_timeout_s": body_timeout_s,
-                 "max_connections_per_ip": max_connections_per_ip,
-                 "send_buffer_bytes": send_buffer_bytes, "open_by_ip": {}})
+    return type(
+        "ServerH11Protocol",
+        (TimedH11Protocol,),
+        {
+            "header_timeout_s": header_timeout_s,
+            "write_stall_timeout_s": write_stall_timeout_s,
+            "body_timeout_s": body_timeout_s,
+            "max_connections_per_ip": max_connections_per_ip,
+            "send_buffer_bytes": send_buffer_bytes,
+            "open_by_ip": {},
+        },
+    )

@@ -42,8 +42,10 @@ def check_content_type(value: str | None) -> None:
         raise unsupported_media_type("Content-Type must be application/json")
     for param in params.split(";"):
         name, _, charset = param.partition("=")
-        if name.strip().lower() == "charset" and \
-                charset.strip().strip('"').lower() not in ("utf-8", "utf8"):
+        if name.strip().lower() == "charset" and charset.strip().strip('"').lower() not in (
+            "utf-8",
+            "utf8",
+        ):
             raise unsupported_media_type("the only charset accepted is utf-8")
 
 
@@ -95,8 +97,7 @@ def _has_lone_surrogate(body: dict) -> bool:
 def parse_json_body(raw: bytes, max_bytes: int = MAX_BODY_BYTES) -> dict:
     """The request body as a dict, or an APIError (400 invalid_json / invalid_utf8, 413)."""
     if len(raw) > max_bytes:
-        raise too_large("payload_too_large", None,
-                        f"request body is larger than {max_bytes} bytes")
+        raise too_large("payload_too_large", None, f"request body is larger than {max_bytes} bytes")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -106,8 +107,12 @@ def parse_json_body(raw: bytes, max_bytes: int = MAX_BODY_BYTES) -> dict:
     if not nesting_ok(raw):
         raise invalid_json(f"JSON nesting is deeper than {MAX_DEPTH} levels")
     try:
-        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
-                          object_pairs_hook=_no_duplicates)
+        body = json.loads(
+            text,
+            parse_constant=_reject_constant,
+            parse_float=_finite_float,
+            object_pairs_hook=_no_duplicates,
+        )
     except RecursionError:  # not expected after nesting_ok; never a 500 if it happens
         raise invalid_json("JSON nesting is too deep") from None
     except ValueError as exc:  # JSONDecodeError, and the hooks above
@@ -115,6 +120,5 @@ def parse_json_body(raw: bytes, max_bytes: int = MAX_BODY_BYTES) -> dict:
     if not isinstance(body, dict):
         raise invalid_json("the body must be a JSON object")
     if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(body):
-        raise invalid_json("the body contains an unpaired UTF-16 surrogate escape",
-                           "invalid_utf8")
+        raise invalid_json("the body contains an unpaired UTF-16 surrogate escape", "invalid_utf8")
     return body

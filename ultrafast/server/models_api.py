@@ -15,14 +15,24 @@ from ultrafast.server.protocol_models import MAX_MODEL_NAME_CHARS
 
 
 def model_object(state) -> dict:
-    return {"id": state.model_name, "object": "model", "created": int(state.started_s),
-            "owned_by": "ultrafast", "max_model_len": state.max_model_len}
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(state.started_s),
+        "owned_by": "ultrafast",
+        "max_model_len": state.max_model_len,
+    }
 
 
 def model_not_found(name: str, served: str) -> APIError:
     # the type and code the chat and completions routes give for an unknown `model`
-    return APIError(404, f"the model {quote(name, MAX_MODEL_NAME_CHARS)} does not exist; this "
-                    f"server has {served!r}", "not_found_error", "model_not_found", "model")
+    return APIError(
+        404,
+        f"the model {quote(name, MAX_MODEL_NAME_CHARS)} does not exist; this server has {served!r}",
+        "not_found_error",
+        "model_not_found",
+        "model",
+    )
 
 
 def model_routes(state) -> list[Route]:
@@ -35,5 +45,7 @@ def model_routes(state) -> list[Route]:
             raise model_not_found(name, state.model_name)
         return JSONResponse(model_object(state))
 
-    return [Route("/v1/models", list_models, methods=["GET"]),
-            Route("/v1/models/{model:path}", retrieve_model, methods=["GET"])]
+    return [
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
+    ]

@@ -47,15 +47,19 @@ def sse(payload: dict | str) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def usage(num_prompt: int, num_completion: int, num_cached: int,
-          prediction: tuple[int, int] | None = None) -> dict:
+def usage(
+    num_prompt: int, num_completion: int, num_cached: int, prediction: tuple[int, int] | None = None
+) -> dict:
     details: dict = {"reasoning_tokens": 0}
     if prediction is not None:
         details["accepted_prediction_tokens"], details["rejected_prediction_tokens"] = prediction
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion,
-            "prompt_tokens_details": {"cached_tokens": num_cached},
-            "completion_tokens_details": details}
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
+        "completion_tokens_details": details,
+    }
 
 
 def _token_entry(decode, token_id: int, logprob: float) -> dict:
@@ -72,8 +76,12 @@ def chat_logprobs(decode, logprobs: list[TokenLogprobs]) -> dict:
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(decode, logprobs: list[TokenLogprobs], text_offset: int = 0,
-                        prompt: tuple[list[int], list] | None = None) -> dict:
+def completion_logprobs(
+    decode,
+    logprobs: list[TokenLogprobs],
+    text_offset: int = 0,
+    prompt: tuple[list[int], list] | None = None,
+) -> dict:
     """Legacy completions logprobs. `text_offset`: where the first generated token starts in
     the choice's text. `prompt` (echo): the prompt's ids and logprobs, listed first, their
     offsets counted from 0; the first prompt token has no logprob (null entries).
@@ -103,35 +111,69 @@ def completion_logprobs(decode, logprobs: list[TokenLogprobs], text_offset: int 
             offset = add(token_id, lp, offset)
     for lp in logprobs:
         text_offset = add(lp.token_id, lp, text_offset)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 def _envelope(request_id: str, obj: str, model: str, tier: str, created: int) -> dict:
-    return {"id": request_id, "object": obj, "created": created, "model": model,
-            "system_fingerprint": SYSTEM_FINGERPRINT, "service_tier": tier}
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "service_tier": tier,
+    }
 
 
-def chat_response(request_id: str, model: str, tier: str, choices: list[ChoiceState],
-                  usage_dict: dict, decode, want_logprobs: bool) -> dict:
+def chat_response(
+    request_id: str,
+    model: str,
+    tier: str,
+    choices: list[ChoiceState],
+    usage_dict: dict,
+    decode,
+    want_logprobs: bool,
+) -> dict:
     body = _envelope(request_id, "chat.completion", model, tier, int(time.time()))
-    body["choices"] = [{
-        "index": c.index,
-        "message": {"role": "assistant", "content": c.text, "refusal": None},
-        "logprobs": chat_logprobs(decode, c.logprobs) if want_logprobs else None,
-        "finish_reason": c.finish_reason} for c in choices]
+    body["choices"] = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text, "refusal": None},
+            "logprobs": chat_logprobs(decode, c.logprobs) if want_logprobs else None,
+            "finish_reason": c.finish_reason,
+        }
+        for c in choices
+    ]
     body["usage"] = usage_dict
     return body
 
 
-def completion_response(request_id: str, model: str, tier: str, choices: list[ChoiceState],
-                        usage_dict: dict, decode, want_logprobs: bool) -> dict:
+def completion_response(
+    request_id: str,
+    model: str,
+    tier: str,
+    choices: list[ChoiceState],
+    usage_dict: dict,
+    decode,
+    want_logprobs: bool,
+) -> dict:
     body = _envelope(request_id, "text_completion", model, tier, int(time.time()))
-    body["choices"] = [{
-        "index": c.index, "text": c.text,
-        "logprobs": completion_logprobs(decode, c.logprobs, c.echo_chars, c.prompt_part())
-        if want_logprobs else None,
-        "finish_reason": c.finish_reason} for c in choices]
+    body["choices"] = [
+        {
+            "index": c.index,
+            "text": c.text,
+            "logprobs": completion_logprobs(decode, c.logprobs, c.echo_chars, c.prompt_part())
+            if want_logprobs
+            else None,
+            "finish_reason": c.finish_reason,
+        }
+        for c in choices
+    ]
     body["usage"] = usage_dict
     return body
 
@@ -139,13 +181,19 @@ def completion_response(request_id: str, model: str, tier: str, choices: list[Ch
 class ChunkWriter:
     """Builds the SSE events of one streamed response (chat or text completion)."""
 
-    def __init__(self, request_id: str, model: str, tier: str, chat: bool, decode,
-                 want_logprobs: bool):
+    def __init__(
+        self, request_id: str, model: str, tier: str, chat: bool, decode, want_logprobs: bool
+    ):
         self.chat = chat
         self.decode = decode
         self.want_logprobs = want_logprobs
-        self.base = _envelope(request_id, "chat.completion.chunk" if chat else "text_completion",
-                              model, tier, int(time.time()))
+        self.base = _envelope(
+            request_id,
+            "chat.completion.chunk" if chat else "text_completion",
+            model,
+            tier,
+            int(time.time()),
+        )
         self._text_offsets: dict[int, int] = {}  # choice -> chars of text sent so far
 
     def _event(self, choices: list[dict], usage_dict: dict | None = None) -> bytes:
@@ -156,22 +204,38 @@ class ChunkWriter:
         return sse(body)
 
     def role(self, index: int) -> bytes:
-        return self._event([{"index": index, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}])
+        return self._event(
+            [
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
 
-    def delta(self, index: int, text: str, logprobs: list[TokenLogprobs],
-              finish_reason: str | None = None) -> bytes:
+    def delta(
+        self, index: int, text: str, logprobs: list[TokenLogprobs], finish_reason: str | None = None
+    ) -> bytes:
         if self.chat:
-            choice = {"index": index, "delta": {"content": text} if text or not finish_reason
-                      else {},
-                      "logprobs": chat_logprobs(self.decode, logprobs)
-                      if self.want_logprobs and logprobs else None,
-                      "finish_reason": finish_reason}
+            choice = {
+                "index": index,
+                "delta": {"content": text} if text or not finish_reason else {},
+                "logprobs": chat_logprobs(self.decode, logprobs)
+                if self.want_logprobs and logprobs
+                else None,
+                "finish_reason": finish_reason,
+            }
         else:
-            choice = {"index": index, "text": text,
-                      "logprobs": self._completion_logprobs(index, logprobs)
-                      if self.want_logprobs and logprobs else None,
-                      "finish_reason": finish_reason}
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": self._completion_logprobs(index, logprobs)
+                if self.want_logprobs and logprobs
+                else None,
+                "finish_reason": finish_reason,
+            }
         return self._event([choice])
 
     def _completion_logprobs(self, index: int, logprobs: list[TokenLogprobs]) -> dict:
@@ -185,10 +249,14 @@ class ChunkWriter:
         """A completion's echoed prompt, with the prompt's logprobs when they were asked for;
         the generated tokens' offsets count on from its end."""
         self._text_offsets[index] = len(text)
-        logprobs = (completion_logprobs(self.decode, [], 0, prompt)
-                    if self.want_logprobs and prompt is not None else None)
-        return self._event([{"index": index, "text": text, "logprobs": logprobs,
-                             "finish_reason": None}])
+        logprobs = (
+            completion_logprobs(self.decode, [], 0, prompt)
+            if self.want_logprobs and prompt is not None
+            else None
+        )
+        return self._event(
+            [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}]
+        )
 
     def usage(self, usage_dict: dict) -> bytes:
         return self._event([], usage_dict)

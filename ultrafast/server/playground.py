@@ -13,9 +13,14 @@ _PAGE = (Path(__file__).parent / "static" / "playground.html").read_text(encodin
 
 async def playground(http: HTTPRequest) -> Response:
     # the page only talks to this origin; keep other sites from framing it
-    return HTMLResponse(_PAGE, headers={"cache-control": "no-cache",
-                                        "x-frame-options": "DENY",
-                                        "x-content-type-options": "nosniff"})
+    return HTMLResponse(
+        _PAGE,
+        headers={
+            "cache-control": "no-cache",
+            "x-frame-options": "DENY",
+            "x-content-type-options": "nosniff",
+        },
+    )
 
 
 def playground_routes() -> list[Route]:

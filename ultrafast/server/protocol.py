@@ -36,25 +36,46 @@ import jsonschema
 from pydantic import BaseModel, ValidationError
 
 from ultrafast.request import ServiceTier
-
-from ultrafast.server.errors import (bad_request, from_validation_error, invalid_type,
-                                     invalid_value, missing_field, quote, too_large,
-                                     unknown_parameter, unsupported_content,
-                                     unsupported_parameter)
-from ultrafast.server.protocol_models import (ChatCompletionRequest, CompletionRequest,
-                                              ContentPart, Limits, MAX_METADATA_KEY,
-                                              MAX_METADATA_PAIRS, MAX_METADATA_VALUE,
-                                              MAX_MODEL_NAME_CHARS,
-                                              MAX_PROMPT_CACHE_KEY_CHARS,
-                                              MAX_SAFETY_IDENTIFIER_CHARS, MEDIA_PART_TYPES,
-                                              Message, NAME_RE, OPTIONAL_FEATURES,
-                                              PROMPT_CACHE_RETENTIONS, REASONING_EFFORTS,
-                                              ResponseFormat, ToolChoiceFunction, VERBOSITIES,
-                                              _Common,
-                                              _MESSAGE_SHAPE, _TOKEN_ID, _UNION_TAGS)
-
+from ultrafast.server.errors import (
+    bad_request,
+    from_validation_error,
+    invalid_type,
+    invalid_value,
+    missing_field,
+    quote,
+    too_large,
+    unknown_parameter,
+    unsupported_content,
+    unsupported_parameter,
+)
+from ultrafast.server.protocol_models import (
+    _MESSAGE_SHAPE,
+    _TOKEN_ID,
+    _UNION_TAGS,
+    MAX_METADATA_KEY,
+    MAX_METADATA_PAIRS,
+    MAX_METADATA_VALUE,
+    MAX_MODEL_NAME_CHARS,
+    MAX_PROMPT_CACHE_KEY_CHARS,
+    MAX_SAFETY_IDENTIFIER_CHARS,
+    MEDIA_PART_TYPES,
+    NAME_RE,
+    OPTIONAL_FEATURES,
+    PROMPT_CACHE_RETENTIONS,
+    REASONING_EFFORTS,
+    VERBOSITIES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ContentPart,
+    Limits,
+    Message,
+    ResponseFormat,
+    ToolChoiceFunction,
+    _Common,
+)
 
 # ---- limits and ranges ----------------------------------------------------------------------
+
 
 def _range(value, name: str, low, high, low_open: bool = False) -> None:
     if value is None:
@@ -74,10 +95,16 @@ def _check_common(req: _Common, limits: Limits) -> None:
         value = getattr(req, name, None)
         low = 0 if scores_prompt and name == "max_tokens" else 1
         if value is not None and not low <= value <= limits.max_tokens_cap:
-            raise invalid_value(name, f"{name} must be between {low} and "
-                                f"{limits.max_tokens_cap} (the cap for this key)"
-                                + (", or 0 with echo: true to score the prompt only"
-                                   if value == 0 and hasattr(req, "echo") else ""))
+            raise invalid_value(
+                name,
+                f"{name} must be between {low} and "
+                f"{limits.max_tokens_cap} (the cap for this key)"
+                + (
+                    ", or 0 with echo: true to score the prompt only"
+                    if value == 0 and hasattr(req, "echo")
+                    else ""
+                ),
+            )
     if req.model is not None and len(req.model) > MAX_MODEL_NAME_CHARS:
         raise invalid_value("model", f"model names are at most {MAX_MODEL_NAME_CHARS} chars")
     _range(req.temperature, "temperature", 0.0, 2.0)
@@ -89,7 +116,7 @@ def _check_common(req: _Common, limits: Limits) -> None:
     _range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
     _range(req.repetition_penalty, "repetition_penalty", 0.0, 10.0, low_open=True)
     _range(req.n, "n", 1, limits.max_n)
-    _range(req.seed, "seed", -2 ** 63, 2 ** 64 - 1)
+    _range(req.seed, "seed", -(2**63), 2**64 - 1)
     _check_stop(req.stop_list(), limits)
     if req.logit_bias is not None:
         _check_logit_bias(req.logit_bias, limits)
@@ -99,11 +126,15 @@ def _check_common(req: _Common, limits: Limits) -> None:
     _check_hints(req)
     if req.metadata is not None:
         if len(req.metadata) > MAX_METADATA_PAIRS or any(
-                len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
-                for k, v in req.metadata.items()):
-            raise invalid_value("metadata", f"metadata holds at most {MAX_METADATA_PAIRS} pairs,"
-                                f" keys <= {MAX_METADATA_KEY} and values <= "
-                                f"{MAX_METADATA_VALUE} chars")
+            len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
+            for k, v in req.metadata.items()
+        ):
+            raise invalid_value(
+                "metadata",
+                f"metadata holds at most {MAX_METADATA_PAIRS} pairs,"
+                f" keys <= {MAX_METADATA_KEY} and values <= "
+                f"{MAX_METADATA_VALUE} chars",
+            )
 
 
 def _check_stop(stops: list[str], limits: Limits) -> None:
@@ -111,18 +142,20 @@ def _check_stop(stops: list[str], limits: Limits) -> None:
         raise invalid_value("stop", f"at most {limits.max_stops} stop sequences")
     for s in stops:
         if not s or len(s.encode("utf-8", "surrogatepass")) > limits.max_stop_bytes:
-            raise invalid_value("stop", f"each stop sequence must be 1 to "
-                                f"{limits.max_stop_bytes} bytes")
+            raise invalid_value(
+                "stop", f"each stop sequence must be 1 to {limits.max_stop_bytes} bytes"
+            )
 
 
 def _check_logit_bias(bias: dict[str, Any], limits: Limits) -> None:
     if len(bias) > limits.max_logit_bias:
-        raise invalid_value("logit_bias", f"logit_bias has at most {limits.max_logit_bias} "
-                            "entries")
+        raise invalid_value("logit_bias", f"logit_bias has at most {limits.max_logit_bias} entries")
     for key, value in bias.items():
         if not _TOKEN_ID.fullmatch(key) or int(key) >= limits.vocab_size:
-            raise invalid_value("logit_bias", f"logit_bias key {quote(key)} is not a token id "
-                                f"in [0, {limits.vocab_size})")
+            raise invalid_value(
+                "logit_bias",
+                f"logit_bias key {quote(key)} is not a token id in [0, {limits.vocab_size})",
+            )
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise invalid_type("logit_bias", "logit_bias values must be numbers")
         if not -100 <= value <= 100:
@@ -130,14 +163,18 @@ def _check_logit_bias(bias: dict[str, Any], limits: Limits) -> None:
 
 
 def _check_hints(req: _Common) -> None:
-    for name, cap in (("safety_identifier", MAX_SAFETY_IDENTIFIER_CHARS),
-                      ("prompt_cache_key", MAX_PROMPT_CACHE_KEY_CHARS)):
+    for name, cap in (
+        ("safety_identifier", MAX_SAFETY_IDENTIFIER_CHARS),
+        ("prompt_cache_key", MAX_PROMPT_CACHE_KEY_CHARS),
+    ):
         value = getattr(req, name)
         if value is not None and not 1 <= len(value) <= cap:
             raise invalid_value(name, f"{name} must be 1 to {cap} characters")
-    for name, allowed in (("prompt_cache_retention", PROMPT_CACHE_RETENTIONS),
-                          ("reasoning_effort", REASONING_EFFORTS),
-                          ("verbosity", VERBOSITIES)):
+    for name, allowed in (
+        ("prompt_cache_retention", PROMPT_CACHE_RETENTIONS),
+        ("reasoning_effort", REASONING_EFFORTS),
+        ("verbosity", VERBOSITIES),
+    ):
         value = getattr(req, name)
         if value is not None and value not in allowed:
             raise invalid_value(name, f"{name} must be one of {', '.join(allowed)}")
@@ -152,18 +189,25 @@ def _check_tier(req: _Common) -> None:
         try:
             tiers[name] = ServiceTier.parse(value if isinstance(value, str) else "?")
         except ValueError:
-            raise invalid_value(name, f"{name} must be one of auto, default, flex, scale, "
-                                "priority, fast, ultrafast") from None
+            raise invalid_value(
+                name, f"{name} must be one of auto, default, flex, scale, priority, fast, ultrafast"
+            ) from None
     if len(set(tiers.values())) > 1:
         raise invalid_value("priority", "priority and service_tier disagree")
 
 
 def _check_schema(schema: Any, param: str, limits: Limits) -> None:
-    size = len(json.dumps(schema, ensure_ascii=False, separators=(",", ":")).encode(
-        "utf-8", "surrogatepass"))
+    size = len(
+        json.dumps(schema, ensure_ascii=False, separators=(",", ":")).encode(
+            "utf-8", "surrogatepass"
+        )
+    )
     if size > limits.max_schema_bytes:
-        raise too_large("grammar_too_large", param,
-                        f"the schema is {size} bytes; the limit is {limits.max_schema_bytes}")
+        raise too_large(
+            "grammar_too_large",
+            param,
+            f"the schema is {size} bytes; the limit is {limits.max_schema_bytes}",
+        )
     if not isinstance(schema, dict):
         raise invalid_value(param, "a JSON Schema must be an object")
     try:
@@ -176,6 +220,7 @@ def _check_schema(schema: Any, param: str, limits: Limits) -> None:
 
 
 # ---- chat -----------------------------------------------------------------------------------
+
 
 def _check_message(i: int, m: Message) -> int:
     """Role rules and content parts of messages[i]; returns its size in characters."""
@@ -197,8 +242,11 @@ def _check_parts(parts: list[ContentPart], at: str) -> None:
     for j, part in enumerate(parts):
         where = f"{at}[{j}]"
         if part.type in MEDIA_PART_TYPES:
-            raise unsupported_content(where, f"content parts of type '{part.type}' are not "
-                                      "supported: this server does not fetch URLs or files")
+            raise unsupported_content(
+                where,
+                f"content parts of type '{part.type}' are not "
+                "supported: this server does not fetch URLs or files",
+            )
         if part.type != "text":
             raise invalid_value(f"{where}.type", f"unknown content part type {quote(part.type)}")
         if part.text is None:
@@ -212,8 +260,11 @@ def _check_chat(req: ChatCompletionRequest, limits: Limits) -> None:
         raise invalid_value("messages", "messages must not be empty")
     num_chars = sum(_check_message(i, m) for i, m in enumerate(req.messages))
     if num_chars > limits.max_prompt_chars:
-        raise too_large("prompt_too_large", "messages",
-                        f"the messages exceed {limits.max_prompt_chars} characters")
+        raise too_large(
+            "prompt_too_large",
+            "messages",
+            f"the messages exceed {limits.max_prompt_chars} characters",
+        )
     _range(req.top_logprobs, "top_logprobs", 0, limits.max_top_logprobs)
     if req.top_logprobs and not req.logprobs:
         raise invalid_value("top_logprobs", "top_logprobs requires logprobs: true")
@@ -221,8 +272,11 @@ def _check_chat(req: ChatCompletionRequest, limits: Limits) -> None:
         if isinstance(req.prediction.content, list):
             _check_parts(req.prediction.content, "prediction.content")
         if len(req.prediction_text()) > limits.max_prompt_chars:
-            raise too_large("prompt_too_large", "prediction",
-                            f"the prediction exceeds {limits.max_prompt_chars} characters")
+            raise too_large(
+                "prompt_too_large",
+                "prediction",
+                f"the prediction exceeds {limits.max_prompt_chars} characters",
+            )
     if req.response_format is not None:
         _check_response_format(req.response_format, limits)
     _check_tools(req, limits)
@@ -237,16 +291,17 @@ def _check_response_format(fmt: ResponseFormat, limits: Limits) -> None:
         return
     if fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise invalid_value("response_format", "type json_schema needs "
-                                "json_schema: {name, schema}")
+            raise invalid_value(
+                "response_format", "type json_schema needs json_schema: {name, schema}"
+            )
         name = fmt.json_schema.name
         if name is not None and not NAME_RE.fullmatch(name):
-            raise invalid_value("response_format", "json_schema.name must match "
-                                "[A-Za-z0-9_-]{1,64}")
+            raise invalid_value(
+                "response_format", "json_schema.name must match [A-Za-z0-9_-]{1,64}"
+            )
         _check_schema(fmt.json_schema.schema_, "response_format", limits)
     elif fmt.json_schema is not None:
-        raise invalid_value("response_format", "json_schema is only allowed with "
-                            "type json_schema")
+        raise invalid_value("response_format", "json_schema is only allowed with type json_schema")
     _require_feature("response_format", limits)
 
 
@@ -258,15 +313,18 @@ def _check_tools(req: ChatCompletionRequest, limits: Limits) -> None:
     for i, tool in enumerate(tools):
         name = tool.function.name
         if not NAME_RE.fullmatch(name) or name in names:
-            raise invalid_value(f"tools[{i}].function.name", "tool names must be unique and "
-                                "match [A-Za-z0-9_-]{1,64}")
+            raise invalid_value(
+                f"tools[{i}].function.name",
+                "tool names must be unique and match [A-Za-z0-9_-]{1,64}",
+            )
         names.add(name)
         if tool.function.parameters is not None:
             _check_schema(tool.function.parameters, f"tools[{i}].function.parameters", limits)
     choice = req.tool_choice
     if isinstance(choice, ToolChoiceFunction) and choice.function.name not in names:
-        raise invalid_value("tool_choice", f"tool_choice names {quote(choice.function.name)},"
-                            " which is not in tools")
+        raise invalid_value(
+            "tool_choice", f"tool_choice names {quote(choice.function.name)}, which is not in tools"
+        )
     if choice == "required" and not tools:
         raise invalid_value("tool_choice", "tool_choice 'required' needs tools")
     if tools:
@@ -275,22 +333,28 @@ def _check_tools(req: ChatCompletionRequest, limits: Limits) -> None:
 
 # ---- completions ----------------------------------------------------------------------------
 
+
 def _check_prompt(prompt: Any, limits: Limits) -> list:
     """str | list[int] | a batch: a list whose entries are each a str or a list[int] (mixing
     is allowed, as in vLLM). Bools are never token ids."""
+
     def is_ids(x):
         return isinstance(x, list) and all(type(t) is int for t in x)
 
     if isinstance(prompt, str) or is_ids(prompt) and prompt:
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p)
-                                                     for p in prompt):
+    elif (
+        isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt)
+    ):
         prompts = prompt
     elif prompt == []:
         raise invalid_value("prompt", "prompt must not be empty")
     else:
-        raise invalid_type("prompt", "prompt must be a string, a list of strings, a list of "
-                           "token ids or a list of lists of token ids")
+        raise invalid_type(
+            "prompt",
+            "prompt must be a string, a list of strings, a list of "
+            "token ids or a list of lists of token ids",
+        )
     num_chars = 0
     for p in prompts:
         if isinstance(p, str):
@@ -302,8 +366,9 @@ def _check_prompt(prompt: Any, limits: Limits) -> list:
             raise invalid_value("prompt", f"token id out of vocabulary [0, {limits.vocab_size})")
         num_chars += len(p)
     if num_chars > limits.max_prompt_chars:
-        raise too_large("prompt_too_large", "prompt",
-                        f"the prompt exceeds {limits.max_prompt_chars} characters")
+        raise too_large(
+            "prompt_too_large", "prompt", f"the prompt exceeds {limits.max_prompt_chars} characters"
+        )
     return prompts
 
 
@@ -315,19 +380,26 @@ def _check_completion(req: CompletionRequest, limits: Limits) -> None:
     if req.suffix is not None:
         raise unsupported_parameter("suffix", "suffix (fill-in-the-middle) is not supported")
     if req.best_of is not None and req.best_of != 1:  # B37: as if the field were unknown
-        raise bad_request("unknown_parameter", "best_of", "best_of is only accepted as 1: "
-                          "each choice is returned as sampled (ask for more with n)")
+        raise bad_request(
+            "unknown_parameter",
+            "best_of",
+            "best_of is only accepted as 1: "
+            "each choice is returned as sampled (ask for more with n)",
+        )
 
 
 # ---- entry points ---------------------------------------------------------------------------
+
 
 def _validate(model: type[BaseModel], body: Any, limits: Limits):
     if not isinstance(body, dict):
         raise invalid_value(None, "the body must be a JSON object")
     body = {k: v for k, v in body.items() if v is not None}  # null means "not sent"
     # Counts first, so an oversized list is refused before pydantic walks it.
-    for name, cap, code in (("messages", limits.max_messages, "too_many_messages"),
-                            ("tools", limits.max_tools, "invalid_value")):
+    for name, cap, code in (
+        ("messages", limits.max_messages, "too_many_messages"),
+        ("tools", limits.max_tools, "invalid_value"),
+    ):
         if isinstance(body.get(name), list) and len(body[name]) > cap:
             raise bad_request(code, name, f"{name} has at most {cap} entries")
     try:
@@ -354,5 +426,11 @@ def parse_completion_request(body: dict, limits: Limits) -> CompletionRequest:
 
 
 # what callers import from here: the entry points, plus the models and limits they return
-__all__ = ["Limits", "OPTIONAL_FEATURES", "ChatCompletionRequest", "CompletionRequest",
-           "parse_chat_request", "parse_completion_request"]
+__all__ = [
+    "Limits",
+    "OPTIONAL_FEATURES",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "parse_chat_request",
+    "parse_completion_request",
+]

@@ -2,11 +2,12 @@
 
 Ranges and limits are checked in `protocol.py`, which is the module callers import.
 """
+
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
@@ -16,8 +17,18 @@ NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # always fullmatch: `$` would acce
 _TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # canonical, so "1" and "01" cannot both appear
 OPTIONAL_FEATURES = frozenset({"tools", "response_format", "session_id"})
 # Media parts are refused by name (B39): this server never fetches a URL or reads a file.
-MEDIA_PART_TYPES = frozenset({"image_url", "input_image", "image", "input_audio", "audio_url",
-                              "video_url", "file", "input_file"})
+MEDIA_PART_TYPES = frozenset(
+    {
+        "image_url",
+        "input_image",
+        "image",
+        "input_audio",
+        "audio_url",
+        "video_url",
+        "file",
+        "input_file",
+    }
+)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 MAX_MODEL_NAME_CHARS = 256  # the name is echoed in a 404; keep that small
 MAX_SAFETY_IDENTIFIER_CHARS = 128  # OpenAI's documented limit
@@ -54,6 +65,7 @@ class Limits:
 
 # ---- models ---------------------------------------------------------------------------------
 
+
 def _json_type(value: Any) -> str:
     """Union members are picked by JSON type, so a failure is reported once, for the member
     the client meant, instead of once per member."""
@@ -67,8 +79,9 @@ _MESSAGE_SHAPE = re.compile(r"messages\[\d+\]\.(role|content)(\[\d+\].*)?")
 
 
 def _by_json_type(**members: Any) -> Any:
-    return Annotated[Union[tuple(Annotated[t, Tag(k)] for k, t in members.items())],
-                     Discriminator(_json_type)]
+    # a Union built at run time: `X | Y` cannot take a tuple of members
+    members_union = Union[tuple(Annotated[t, Tag(k)] for k, t in members.items())]  # noqa: UP007
+    return Annotated[members_union, Discriminator(_json_type)]
 
 
 class _Strict(BaseModel):
@@ -90,7 +103,7 @@ class ContentPart(BaseModel):
     # Extra keys pass pydantic only so media parts reach the check that names them (B39).
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
-    text: Optional[str] = None
+    text: str | None = None
 
 
 Content = _by_json_type(string=str, array=list[ContentPart])
@@ -109,11 +122,11 @@ class ToolCall(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Content] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = None
-    tool_call_id: Optional[str] = None
-    refusal: Optional[str] = None
+    content: Content | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -125,7 +138,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
     # OpenAI pads stream events with random characters against length side channels; this
     # server adds no padding, so the flag is accepted and has nothing to turn off
-    include_obfuscation: Optional[bool] = None
+    include_obfuscation: bool | None = None
 
 
 class Prediction(_Strict):
@@ -135,9 +148,9 @@ class Prediction(_Strict):
 
 class FunctionDef(_Strict):
     name: str
-    description: Optional[str] = None
+    description: str | None = None
     parameters: Any = None  # a JSON Schema, checked by jsonschema (B35)
-    strict: Optional[bool] = None
+    strict: bool | None = None
 
 
 class Tool(_Strict):
@@ -155,50 +168,50 @@ class ToolChoiceFunction(_Strict):
 
 
 class JsonSchemaFormat(_Strict):
-    name: Optional[str] = None
-    description: Optional[str] = None
+    name: str | None = None
+    description: str | None = None
     schema_: Any = Field(None, alias="schema")
-    strict: Optional[bool] = None
+    strict: bool | None = None
 
 
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[JsonSchemaFormat] = None
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(_Strict):
     """Fields both endpoints share, and what they turn into for the engine."""
 
-    model: Optional[str] = None
-    max_tokens: Optional[Int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None  # 0 means greedy (only the most likely token is left)
-    top_k: Optional[Int] = None
-    min_p: Optional[float] = None
+    model: str | None = None
+    max_tokens: Int | None = None
+    temperature: float | None = None
+    top_p: float | None = None  # 0 means greedy (only the most likely token is left)
+    top_k: Int | None = None
+    min_p: float | None = None
     n: Int = 1
-    stop: Optional[_by_json_type(string=str, array=list[str])] = None
-    seed: Optional[Int] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, Any]] = None  # values checked by hand: one param for all
-    user: Optional[str] = None
+    stop: _by_json_type(string=str, array=list[str]) | None = None
+    seed: Int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None  # values checked by hand: one param for all
+    user: str | None = None
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
+    stream_options: StreamOptions | None = None
     service_tier: Any = None  # checked by hand: 1e9 is invalid_value, not invalid_type (B42)
     priority: Any = None  # accepted alias of service_tier
     ignore_eos: bool = False
-    metadata: Optional[dict[str, str]] = None
-    store: Optional[bool] = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
     # OpenAI's hints, accepted and validated; none changes the output. `prompt_cache_key`
     # stays on the request as a routing hint: one server's prefix cache already matches
     # prompts by content (per tenant), so here it changes nothing; a router in front of
     # several servers may send the calls that share a key to the same one.
-    safety_identifier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    prompt_cache_retention: Optional[str] = None
-    reasoning_effort: Optional[str] = None
-    verbosity: Optional[str] = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
 
     def requested_tier_name(self) -> str | None:
         return self.service_tier if self.service_tier is not None else self.priority
@@ -225,8 +238,12 @@ class _Common(_Strict):
     def _prompt_logprobs(self, max_tokens: int) -> int | None:
         return None
 
-    def sampling_params(self, vocab_size: int, default_max_tokens: int,
-                        model_defaults: tuple[tuple[str, float], ...] = ()) -> SamplingParams:
+    def sampling_params(
+        self,
+        vocab_size: int,
+        default_max_tokens: int,
+        model_defaults: tuple[tuple[str, float], ...] = (),
+    ) -> SamplingParams:
         """`default_max_tokens` is used when the client sent no limit; the server picks it
         (min of the per-key cap and the context left after the prompt). `model_defaults`
         (Limits.sampling_defaults) fill the sampling fields the client left out."""
@@ -237,34 +254,44 @@ class _Common(_Strict):
         top_k = top_k if 0 < top_k < vocab_size else 0
         logprobs, top_logprobs = self._logprobs()
         bias = sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
-        temperature = model.get("temperature", 1.0) if self.temperature is None \
-            else self.temperature
+        temperature = (
+            model.get("temperature", 1.0) if self.temperature is None else self.temperature
+        )
         top_p = model.get("top_p", 1.0) if self.top_p is None else self.top_p
         if top_p == 0.0:  # a nucleus of probability 0 holds just the most likely token
             temperature, top_p = 0.0, 1.0
         return SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            min_p=model.get("min_p", 0.0) if self.min_p is None else self.min_p, seed=self.seed,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=model.get("min_p", 0.0) if self.min_p is None else self.min_p,
+            seed=self.seed,
             repetition_penalty=model.get("repetition_penalty", 1.0)
-            if self.repetition_penalty is None else self.repetition_penalty,
+            if self.repetition_penalty is None
+            else self.repetition_penalty,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=tuple((k, v) for k, v in bias if k < vocab_size),
-            logprobs=logprobs, top_logprobs=top_logprobs, ignore_eos=self.ignore_eos,
-            prompt_logprobs=self._prompt_logprobs(max_tokens))
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            ignore_eos=self.ignore_eos,
+            prompt_logprobs=self._prompt_logprobs(max_tokens),
+        )
 
 
 class ChatCompletionRequest(_Common):
     messages: list[Message]
-    max_completion_tokens: Optional[Int] = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: Optional[Int] = None
-    prediction: Optional[Prediction] = None
-    response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[Tool]] = None
-    tool_choice: Optional[_by_json_type(string=Literal["none", "auto", "required"],
-                                        object=ToolChoiceFunction)] = None
-    parallel_tool_calls: Optional[bool] = None
+    top_logprobs: Int | None = None
+    prediction: Prediction | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: (
+        _by_json_type(string=Literal["none", "auto", "required"], object=ToolChoiceFunction) | None
+    ) = None
+    parallel_tool_calls: bool | None = None
     session_id: Any = None  # checked by hand against NAME_RE (B43)
 
     def requested_max_tokens(self) -> int | None:
@@ -301,10 +328,10 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: Any  # str | list[str] | list[int] | list[list[int]], checked by hand (B24)
-    logprobs: Optional[Int] = None  # number of top alternatives, 0..20
+    logprobs: Int | None = None  # number of top alternatives, 0..20
     echo: bool = False
-    suffix: Optional[str] = None
-    best_of: Optional[Int] = None  # only 1: each choice is returned as sampled
+    suffix: str | None = None
+    best_of: Int | None = None  # only 1: each choice is returned as sampled
 
     def _logprobs(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0

@@ -28,15 +28,20 @@ from ultrafast.server.admission import Admission
 from ultrafast.server.app import build_app
 from ultrafast.server.auth import RedactingFilter
 from ultrafast.server.bridge import EngineSettings, shutdown_engine, start_engine
-from ultrafast.server.guard import (AllGuards, ClassifierGuard, GuardConfig, PatternGuard,
-                                    load_score_function)
-from ultrafast.server.metrics import ServerMetrics
-from ultrafast.server.tenants import load_api_keys
+from ultrafast.server.guard import (
+    AllGuards,
+    ClassifierGuard,
+    GuardConfig,
+    PatternGuard,
+    load_score_function,
+)
 from ultrafast.server.http_timeouts import protocol_class
+from ultrafast.server.metrics import ServerMetrics
 from ultrafast.server.protocol import Limits
-from ultrafast.server.sessions.flow import SessionFlow
 from ultrafast.server.sessions.backends import open_store
+from ultrafast.server.sessions.flow import SessionFlow
 from ultrafast.server.state import ServerState
+from ultrafast.server.tenants import load_api_keys
 
 log = logging.getLogger("ultrafast")
 
@@ -62,8 +67,7 @@ class DrainingServer(uvicorn.Server):
             return
         second = self.state.draining
         self.state.draining = True  # /ready and new calls answer 503 from now on
-        self._loop.call_soon_threadsafe(self._spawn, self._abort_now() if second
-                                        else self._drain())
+        self._loop.call_soon_threadsafe(self._spawn, self._abort_now() if second else self._drain())
 
     def _spawn(self, coro) -> None:
         task = self._loop.create_task(coro)
@@ -110,11 +114,14 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         self._spawn(self._watch_engine())
         host, port = self.config.host, self.config.port
-        print(f"ultrafast ready: model {self.state.model_name!r} on http://{host}:{port}\n"
-              f"  curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json'"
-              + (" -H \"Authorization: Bearer $KEY\"" if self.state.api_keys else "") +
-              f" -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"def fibonacci(n):\"}}],"
-              f" \"max_tokens\": 64, \"service_tier\": \"priority\"}}'", flush=True)
+        print(
+            f"ultrafast ready: model {self.state.model_name!r} on http://{host}:{port}\n"
+            f"  curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json'"
+            + (' -H "Authorization: Bearer $KEY"' if self.state.api_keys else "")
+            + ' -d \'{"messages": [{"role": "user", "content": "def fibonacci(n):"}],'
+            ' "max_tokens": 64, "service_tier": "priority"}\'',
+            flush=True,
+        )
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -127,8 +134,12 @@ def build_guard(config: ServerConfig) -> GuardConfig | None:
     elif patterns:
         guards.append(PatternGuard(patterns))
     if config.guard_classifier:  # after the patterns: they are cheaper
-        guards.append(ClassifierGuard(load_score_function(config.guard_classifier),
-                                      threshold=config.guard_classifier_threshold))
+        guards.append(
+            ClassifierGuard(
+                load_score_function(config.guard_classifier),
+                threshold=config.guard_classifier_threshold,
+            )
+        )
     if not guards:
         return None
     guard = guards[0] if len(guards) == 1 else AllGuards(guards)
@@ -138,8 +149,9 @@ def build_guard(config: ServerConfig) -> GuardConfig | None:
 def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerState:
     api_keys = load_api_keys(config.api_keys_path) if config.api_keys_path else None
     guard = build_guard(config)  # bad files fail before the model loads
-    core, tokenizer, files = build_engine(engine_config,
-                                          priority_itl_target_s=config.priority.itl_ms / 1000)
+    core, tokenizer, files = build_engine(
+        engine_config, priority_itl_target_s=config.priority.itl_ms / 1000
+    )
     # warm up on the engine thread, which then serves: see EngineThread.start. From here the
     # server sees the engine only through its read API (server/bridge.py).
     engine = start_engine(core, shaper_window_s=config.shaper_window_ms / 1000)
@@ -148,29 +160,48 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
     admission = Admission(config, step_costs=lambda: engine.snapshot().step_costs)
     if api_keys is not None:  # committed capacity, at both admission and the KV slots
         admission.priority_reserved = api_keys.priority_seats(config.priority.max_in_flight)
-        engine.configure(EngineSettings(
-            reserved_priority_seats=api_keys.priority_seats(snapshot.max_num_seqs)))
+        engine.configure(
+            EngineSettings(reserved_priority_seats=api_keys.priority_seats(snapshot.max_num_seqs))
+        )
     device_kind = snapshot.device_kind
     alert_ms = config.alert_priority_itl_p99_ms
     if alert_ms is None:
         alert_ms = 2.0 if device_kind == "gpu" else 0.0
-    metrics = ServerMetrics(tenants=api_keys.tenants if api_keys else (),
-                            device_kind=device_kind, alert_priority_itl_p99_s=alert_ms / 1000)
+    metrics = ServerMetrics(
+        tenants=api_keys.tenants if api_keys else (),
+        device_kind=device_kind,
+        alert_priority_itl_p99_s=alert_ms / 1000,
+    )
     # queues, slots, cache and speculation counters: the engine's published snapshot
     metrics.set_spec_source(engine.snapshot)
     metrics.set_occupancy_source(engine.snapshot)
     engine.on_stats = metrics.on_step
-    limits = Limits(vocab_size=tokenizer.vocab_size, max_tokens_cap=config.max_tokens_cap,
-                    features=frozenset({"session_id"}),
-                    sampling_defaults=tuple(sorted(tokenizer.generation_defaults.items())))
-    store = open_store(config.session_store or default_session_store(), config.session_ttl_s,
-                       config.max_sessions_per_tenant)
-    return ServerState(config=config, engine=engine, tokenizer=tokenizer,
-                       model_name=config.served_model_name or files.name,
-                       max_model_len=snapshot.max_model_len, limits=limits,
-                       admission=admission, metrics=metrics, api_keys=api_keys, guard=guard,
-                       sessions=SessionFlow(store, config.session_commit_grace_s,
-                                            config.served_model_name or files.name))
+    limits = Limits(
+        vocab_size=tokenizer.vocab_size,
+        max_tokens_cap=config.max_tokens_cap,
+        features=frozenset({"session_id"}),
+        sampling_defaults=tuple(sorted(tokenizer.generation_defaults.items())),
+    )
+    store = open_store(
+        config.session_store or default_session_store(),
+        config.session_ttl_s,
+        config.max_sessions_per_tenant,
+    )
+    return ServerState(
+        config=config,
+        engine=engine,
+        tokenizer=tokenizer,
+        model_name=config.served_model_name or files.name,
+        max_model_len=snapshot.max_model_len,
+        limits=limits,
+        admission=admission,
+        metrics=metrics,
+        api_keys=api_keys,
+        guard=guard,
+        sessions=SessionFlow(
+            store, config.session_commit_grace_s, config.served_model_name or files.name
+        ),
+    )
 
 
 def freeze_startup_heap() -> None:
@@ -182,24 +213,40 @@ def freeze_startup_heap() -> None:
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     for handler in logging.getLogger().handlers:
         handler.addFilter(RedactingFilter())  # no bearer token reaches a log line
     if config.api_keys_path is None:
         if config.host not in LOOPBACK_HOSTS:
-            raise ValueError(f"refusing to listen on {config.host} without --api-keys: "
-                             "without keys the server binds to loopback only")
-        print("ultrafast: no --api-keys: authentication is off, listening on loopback only",
-              flush=True)
+            raise ValueError(
+                f"refusing to listen on {config.host} without --api-keys: "
+                "without keys the server binds to loopback only"
+            )
+        print(
+            "ultrafast: no --api-keys: authentication is off, listening on loopback only",
+            flush=True,
+        )
     elif config.host not in LOOPBACK_HOSTS:
         log.warning("listening on %s: reachable from other machines", config.host)
     state = build_state(engine_config, config)
     uv_config = uvicorn.Config(
-        build_app(state), host=config.host, port=config.port, log_level="warning",
-        access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=3,
+        build_app(state),
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=3,
         h11_max_incomplete_event_size=16 * 1024,  # oversized headers are refused by h11
-        http=protocol_class(config.header_timeout_s, config.write_stall_timeout_s,
-                            config.body_timeout_s, config.max_connections_per_ip))
+        http=protocol_class(
+            config.header_timeout_s,
+            config.write_stall_timeout_s,
+            config.body_timeout_s,
+            config.max_connections_per_ip,
+        ),
+    )
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         for handler in logging.getLogger(name).handlers:
             handler.addFilter(RedactingFilter())

@@ -10,7 +10,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from starlette.requests import ClientDisconnect, Request as HTTPRequest
+from starlette.requests import ClientDisconnect
+from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
 from ultrafast.config import ServerConfig
@@ -40,7 +41,8 @@ class ServerState:
     draining: bool = False
     started_s: float = field(default_factory=time.time)
     pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="ultrafast-tokenize"))
+        default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="ultrafast-tokenize")
+    )
     runs: set = field(default_factory=set)  # GenerationRuns in flight, for the drain
     sessions: SessionFlow | None = None  # server-side conversations (sessions/flow.py)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
@@ -50,9 +52,15 @@ class ServerState:
 
     def run_deps(self) -> RunDeps:
         assert self.bridge is not None, "the bridge is made when the app starts"
-        return RunDeps(bridge=self.bridge, tokenizer=self.tokenizer, admission=self.admission,
-                       metrics=self.metrics, guard=self.guard, runs=self.runs,
-                       ping_interval_s=self.config.sse_ping_interval_s)
+        return RunDeps(
+            bridge=self.bridge,
+            tokenizer=self.tokenizer,
+            admission=self.admission,
+            metrics=self.metrics,
+            guard=self.guard,
+            runs=self.runs,
+            ping_interval_s=self.config.sse_ping_interval_s,
+        )
 
     def abort_everything(self) -> None:
         """Drain timeout: every unfinished choice ends with finish_reason "abort"."""
@@ -61,8 +69,11 @@ class ServerState:
 
 
 def error_response(error: APIError, request_id: str) -> JSONResponse:
-    return JSONResponse(error.to_dict(), status_code=error.status,
-                        headers={**error.headers, "x-request-id": request_id})
+    return JSONResponse(
+        error.to_dict(),
+        status_code=error.status,
+        headers={**error.headers, "x-request-id": request_id},
+    )
 
 
 async def read_json(http: HTTPRequest, state: ServerState) -> dict:
@@ -70,32 +81,64 @@ async def read_json(http: HTTPRequest, state: ServerState) -> dict:
     limit = state.config.max_body_bytes
     declared = http.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body is larger than {limit} bytes", "invalid_request_error",
-                       "payload_too_large", None)
+        raise APIError(
+            413,
+            f"request body is larger than {limit} bytes",
+            "invalid_request_error",
+            "payload_too_large",
+            None,
+        )
     chunks, size = [], 0
     try:
         async for chunk in http.stream():
             size += len(chunk)
             if size > limit:  # chunked bodies are counted as they arrive, never buffered past
-                raise APIError(413, f"request body is larger than {limit} bytes",
-                               "invalid_request_error", "payload_too_large", None)
+                raise APIError(
+                    413,
+                    f"request body is larger than {limit} bytes",
+                    "invalid_request_error",
+                    "payload_too_large",
+                    None,
+                )
             chunks.append(chunk)
     except ClientDisconnect:  # the client left, or the body timed out (408 already sent)
-        raise APIError(408, "the request body did not arrive in full", "invalid_request_error",
-                       "request_timeout", None) from None
+        raise APIError(
+            408,
+            "the request body did not arrive in full",
+            "invalid_request_error",
+            "request_timeout",
+            None,
+        ) from None
     return parse_json_body(b"".join(chunks), max_bytes=limit)
 
 
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
-        raise APIError(404, f"the model {model!r} does not exist; this server has "
-                       f"{state.model_name!r}", "not_found_error", "model_not_found", "model")
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server has {state.model_name!r}",
+            "not_found_error",
+            "model_not_found",
+            "model",
+        )
 
 
 def check_ready(state: ServerState) -> None:
     if not state.engine.alive:  # first: a dead engine also starts the shutdown (exit 2)
-        raise APIError(503, "the engine is not running", "server_error", "engine_dead", None,
-                       headers={"Retry-After": "5"})
+        raise APIError(
+            503,
+            "the engine is not running",
+            "server_error",
+            "engine_dead",
+            None,
+            headers={"Retry-After": "5"},
+        )
     if state.draining:
-        raise APIError(503, "the server is shutting down", "overloaded_error",
-                       "server_shutting_down", None, headers={"Retry-After": "5"})
+        raise APIError(
+            503,
+            "the server is shutting down",
+            "overloaded_error",
+            "server_shutting_down",
+            None,
+            headers={"Retry-After": "5"},
+        )

@@ -35,8 +35,17 @@ from ultrafast.request import ServiceTier
 _TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 SCOPES = ("inference", "metrics", "admin")
-_TENANT_FIELDS = {"name", "tiers", "requests_per_s", "tokens_per_s", "burst_s",
-                  "committed_priority_share", "scopes", "disabled", "keys"}
+_TENANT_FIELDS = {
+    "name",
+    "tiers",
+    "requests_per_s",
+    "tokens_per_s",
+    "burst_s",
+    "committed_priority_share",
+    "scopes",
+    "disabled",
+    "keys",
+}
 
 
 def hash_key(key: str) -> str:
@@ -89,11 +98,13 @@ class Tenant:
 
     def __post_init__(self) -> None:
         if self.requests_per_s > 0:
-            self.request_bucket = TokenBucket(self.requests_per_s,
-                                              max(1.0, self.requests_per_s * self.burst_s))
+            self.request_bucket = TokenBucket(
+                self.requests_per_s, max(1.0, self.requests_per_s * self.burst_s)
+            )
         if self.tokens_per_s > 0:
-            self.token_bucket = TokenBucket(self.tokens_per_s,
-                                            max(1.0, self.tokens_per_s * self.burst_s))
+            self.token_bucket = TokenBucket(
+                self.tokens_per_s, max(1.0, self.tokens_per_s * self.burst_s)
+            )
 
     def has_scope(self, scope: str) -> bool:
         return scope in self.scopes or "admin" in self.scopes
@@ -120,8 +131,11 @@ class ApiKeys:
 
     def priority_seats(self, num_seats: int) -> dict:
         """tenant -> seats of `num_seats` reserved for it (committed capacity, rounded down)."""
-        return {name: int(math.floor(t.committed_priority_share * num_seats + 1e-9))
-                for name, t in self.tenants.items() if t.committed_priority_share > 0}
+        return {
+            name: int(math.floor(t.committed_priority_share * num_seats + 1e-9))
+            for name, t in self.tenants.items()
+            if t.committed_priority_share > 0
+        }
 
 
 def load_api_keys(path: str | Path) -> ApiKeys:
@@ -177,12 +191,24 @@ def _parse_tenant(entry, where: str) -> Tenant:
     if not isinstance(scopes, list) or not set(scopes) <= set(SCOPES):
         raise ValueError(f"{where}: `scopes` must list some of {list(SCOPES)}")
     numbers = {}
-    for name_, low, high in (("requests_per_s", 0, 1e9), ("tokens_per_s", 0, 1e12),
-                             ("burst_s", 0.001, 3600), ("committed_priority_share", 0, 1)):
+    for name_, low, high in (
+        ("requests_per_s", 0, 1e9),
+        ("tokens_per_s", 0, 1e12),
+        ("burst_s", 0.001, 3600),
+        ("committed_priority_share", 0, 1),
+    ):
         value = entry.get(name_, Tenant.__dataclass_fields__[name_].default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not low <= value <= high:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not low <= value <= high
+        ):
             raise ValueError(f"{where}: `{name_}` must be a number in [{low}, {high:g}]")
         numbers[name_] = float(value)
-    return Tenant(name, tiers=tiers, scopes=frozenset(scopes),
-                  disabled=bool(entry.get("disabled", False)), **numbers)
+    return Tenant(
+        name,
+        tiers=tiers,
+        scopes=frozenset(scopes),
+        disabled=bool(entry.get("disabled", False)),
+        **numbers,
+    )

@@ -4,21 +4,29 @@ from __future__ import annotations
 
 from urllib.parse import urlparse
 
-from ultrafast.server.sessions.store import (DEFAULT_MAX_SESSIONS_PER_TENANT, DEFAULT_TTL_S,
-                                             SessionStore, StoreConfig)
+from ultrafast.server.sessions.store import (
+    DEFAULT_MAX_SESSIONS_PER_TENANT,
+    DEFAULT_TTL_S,
+    SessionStore,
+    StoreConfig,
+)
 
 
-def open_store(url: str, ttl_s: float = DEFAULT_TTL_S,
-               max_sessions_per_tenant: int = DEFAULT_MAX_SESSIONS_PER_TENANT) -> SessionStore:
+def open_store(
+    url: str,
+    ttl_s: float = DEFAULT_TTL_S,
+    max_sessions_per_tenant: int = DEFAULT_MAX_SESSIONS_PER_TENANT,
+) -> SessionStore:
     config = StoreConfig(url, ttl_s, max_sessions_per_tenant)
     scheme = urlparse(url).scheme
     if scheme == "sqlite":
         from ultrafast.server.sessions.sqlite import SQLiteStore
+
         return SQLiteStore(config)
     if scheme in ("redis", "rediss", "unix"):
         from ultrafast.server.sessions.redis import RedisStore  # redis-py only when configured
+
         return RedisStore(config)
-    raise ValueError(f"session store URL must be sqlite:///path or redis://host:port/db, "
-                     f"not {url!r}")
-
-
+    raise ValueError(
+        f"session store URL must be sqlite:///path or redis://host:port/db, not {url!r}"
+    )

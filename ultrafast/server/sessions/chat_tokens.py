@@ -50,8 +50,9 @@ def encode_chat(tokenizer, messages: list[ChatMessage]) -> list[int]:
     if not spliced:
         return encode_plain(tokenizer, messages)
     public = template_messages(messages)
-    marked = [{**m, "content": _SENTINEL.format(i)} if i in spliced else m
-              for i, m in enumerate(public)]
+    marked = [
+        {**m, "content": _SENTINEL.format(i)} if i in spliced else m for i, m in enumerate(public)
+    ]
     pieces = _SPLIT.split(tokenizer.apply_chat_template(marked))  # text, index, text, ...
     if [int(i) for i in pieces[1::2]] != spliced:
         return encode_plain(tokenizer, messages)  # a content dropped, repeated or reordered

@@ -11,7 +11,7 @@ a refusal names the exact item path (`input[2].content[0].text`).
 from __future__ import annotations
 
 import uuid
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request as HTTPRequest
@@ -19,9 +19,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ultrafast.server.errors import from_validation_error, invalid_value
-from ultrafast.server.protocol_models import (MAX_METADATA_KEY, MAX_METADATA_PAIRS,
-                                              MAX_METADATA_VALUE, NAME_RE, _UNION_TAGS,
-                                              _Strict, _by_json_type)
+from ultrafast.server.protocol_models import (
+    _UNION_TAGS,
+    MAX_METADATA_KEY,
+    MAX_METADATA_PAIRS,
+    MAX_METADATA_VALUE,
+    NAME_RE,
+    _by_json_type,
+    _Strict,
+)
 from ultrafast.server.sessions.chat_tokens import ChatMessage
 from ultrafast.server.sessions.flow import not_found, tenant_of
 from ultrafast.server.sessions.store import Turn
@@ -33,15 +39,15 @@ MAX_ITEMS_PER_CALL = 1024
 class TextPart(_Strict):
     type: Literal["input_text", "output_text", "text"]
     text: str
-    annotations: Optional[list] = None  # output_text echoes; ignored
+    annotations: list | None = None  # output_text echoes; ignored
 
 
 class InputItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: _by_json_type(string=str, array=list[TextPart])  # type: ignore[valid-type]
-    id: Optional[str] = None  # echoed items from a previous output
-    status: Optional[str] = None
+    id: str | None = None  # echoed items from a previous output
+    status: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -50,8 +56,8 @@ class InputItem(_Strict):
 
 
 class CreateConversation(_Strict):
-    items: Optional[list[InputItem]] = None
-    metadata: Optional[dict[str, str]] = None
+    items: list[InputItem] | None = None
+    metadata: dict[str, str] | None = None
 
 
 class UpdateConversation(_Strict):
@@ -78,9 +84,13 @@ def validate(model: type[BaseModel], body: dict):
 def check_metadata(metadata: dict | None) -> dict:
     metadata = metadata or {}
     if len(metadata) > MAX_METADATA_PAIRS or any(
-            len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in metadata.items()):
-        raise invalid_value("metadata", f"metadata holds at most {MAX_METADATA_PAIRS} pairs, "
-                            f"keys <= {MAX_METADATA_KEY} and values <= {MAX_METADATA_VALUE} chars")
+        len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in metadata.items()
+    ):
+        raise invalid_value(
+            "metadata",
+            f"metadata holds at most {MAX_METADATA_PAIRS} pairs, "
+            f"keys <= {MAX_METADATA_KEY} and values <= {MAX_METADATA_VALUE} chars",
+        )
     return metadata
 
 
@@ -94,8 +104,13 @@ def turn_to_item(turn: Turn) -> dict:
     if part == "output_text":
         content["annotations"] = []
         content["logprobs"] = []  # a list, as in OpenAI's items; none are stored
-    return {"type": "message", "id": f"msg_{turn.turn_id}", "status": turn.status,
-            "role": turn.role, "content": [content]}
+    return {
+        "type": "message",
+        "id": f"msg_{turn.turn_id}",
+        "status": turn.status,
+        "role": turn.role,
+        "content": [content],
+    }
 
 
 def new_conversation_id() -> str:
@@ -103,8 +118,12 @@ def new_conversation_id() -> str:
 
 
 def conversation_object(session_id: str, created_s: float, metadata: dict) -> dict:
-    return {"id": session_id, "object": "conversation", "created_at": int(created_s),
-            "metadata": metadata}
+    return {
+        "id": session_id,
+        "object": "conversation",
+        "created_at": int(created_s),
+        "metadata": metadata,
+    }
 
 
 def _path_id(http: HTTPRequest) -> str:
@@ -123,8 +142,9 @@ def conversations_routes(state: ServerState) -> list[Route]:
         tenant, conversation_id = tenant_of(http), new_conversation_id()
         info = await flow.create(tenant, conversation_id, check_metadata(req.metadata))
         if req.items:
-            await flow.append_turns(tenant, conversation_id, items_to_messages(req.items),
-                                    f"{conversation_id}-init")
+            await flow.append_turns(
+                tenant, conversation_id, items_to_messages(req.items), f"{conversation_id}-init"
+            )
         return JSONResponse(conversation_object(conversation_id, info.created_s, info.metadata))
 
     async def get(http: HTTPRequest) -> Response:
@@ -138,14 +158,16 @@ def conversations_routes(state: ServerState) -> list[Route]:
         conversation_id = _path_id(http)
         if not await flow.delete(tenant_of(http), conversation_id):
             raise not_found("conversation", None)
-        return JSONResponse({"id": conversation_id, "object": "conversation.deleted",
-                             "deleted": True})
+        return JSONResponse(
+            {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+        )
 
     async def update(http: HTTPRequest) -> Response:
         conversation_id = _path_id(http)
         req = validate(UpdateConversation, await read_json(http, state))
-        info = await flow.set_metadata(tenant_of(http), conversation_id,
-                                       check_metadata(req.metadata))
+        info = await flow.set_metadata(
+            tenant_of(http), conversation_id, check_metadata(req.metadata)
+        )
         if info is None:
             raise not_found("conversation", None)
         return JSONResponse(conversation_object(conversation_id, info.created_s, info.metadata))
@@ -166,12 +188,17 @@ def conversations_routes(state: ServerState) -> list[Route]:
         after = http.query_params.get("after")
         if after is not None:
             ids = [item["id"] for item in items]
-            items = items[ids.index(after) + 1:] if after in ids else []
-        page = items[:int(limit_text)]
-        return JSONResponse({"object": "list", "data": page,
-                             "first_id": page[0]["id"] if page else "",
-                             "last_id": page[-1]["id"] if page else "",
-                             "has_more": len(items) > len(page)})
+            items = items[ids.index(after) + 1 :] if after in ids else []
+        page = items[: int(limit_text)]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else "",
+                "last_id": page[-1]["id"] if page else "",
+                "has_more": len(items) > len(page),
+            }
+        )
 
     async def add_items(http: HTTPRequest) -> Response:
         conversation_id, tenant = _path_id(http), tenant_of(http)
@@ -179,12 +206,19 @@ def conversations_routes(state: ServerState) -> list[Route]:
         if await flow.get(tenant, conversation_id) is None:
             raise not_found("conversation", None)
         key = http.headers.get("idempotency-key") or uuid.uuid4().hex
-        turns = await flow.append_turns(tenant, conversation_id, items_to_messages(req.items),
-                                        f"items-{key}"[:80])
+        turns = await flow.append_turns(
+            tenant, conversation_id, items_to_messages(req.items), f"items-{key}"[:80]
+        )
         page = [turn_to_item(t) for t in turns]
-        return JSONResponse({"object": "list", "data": page,
-                             "first_id": page[0]["id"] if page else "",
-                             "last_id": page[-1]["id"] if page else "", "has_more": False})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else "",
+                "last_id": page[-1]["id"] if page else "",
+                "has_more": False,
+            }
+        )
 
     return [
         Route("/v1/conversations", create, methods=["POST"]),

@@ -36,14 +36,22 @@ MAX_MESSAGE_BYTES = 1024 * 1024
 
 
 def _error(code: str, message: str, event_id: str | None = None) -> dict:
-    return {"type": "error", "error": {"type": "invalid_request_error", "code": code,
-                                       "message": message, "param": None,
-                                       "event_id": event_id}}
+    return {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "code": code,
+            "message": message,
+            "param": None,
+            "event_id": event_id,
+        },
+    }
 
 
 class RealtimeConnection:
-    def __init__(self, state: ServerState, flow: SessionFlow, ws: WebSocket, tenant: str,
-                 session_id: str):
+    def __init__(
+        self, state: ServerState, flow: SessionFlow, ws: WebSocket, tenant: str, session_id: str
+    ):
         self.state = state
         self.flow = flow
         self.ws = ws
@@ -70,15 +78,26 @@ class RealtimeConnection:
             turn = Turn(event.get("event_id") or uuid.uuid4().hex, item.role, item.text())
             turn.turn_id = "rt-" + str(turn.turn_id)[:64]
             stored = await self.flow.append(self.tenant, self.session_id, turn)
-            await self.send({"type": "conversation.item.created",
-                             "item": {"id": f"msg_{stored.turn_id}", "type": "message",
-                                      "role": stored.role, "status": stored.status,
-                                      "content": [{"type": "input_text",
-                                                   "text": stored.content}]}})
+            await self.send(
+                {
+                    "type": "conversation.item.created",
+                    "item": {
+                        "id": f"msg_{stored.turn_id}",
+                        "type": "message",
+                        "role": stored.role,
+                        "status": stored.status,
+                        "content": [{"type": "input_text", "text": stored.content}],
+                    },
+                }
+            )
         elif kind == "response.create":
             if self.task is not None and not self.task.done():
-                await self.send(_error("conversation_already_has_active_response",
-                                       "a response is already being generated"))
+                await self.send(
+                    _error(
+                        "conversation_already_has_active_response",
+                        "a response is already being generated",
+                    )
+                )
                 return
             await self._start(event.get("response") or {})
         elif kind == "response.cancel":
@@ -89,29 +108,54 @@ class RealtimeConnection:
     async def _start(self, options: object) -> None:
         if not isinstance(options, dict):
             raise invalid_type("response", "response must be a JSON object")
-        max_tokens, temperature, top_p = (options.get(k) for k in (
-            "max_output_tokens", "temperature", "top_p"))
-        for name, value, kinds in (("max_output_tokens", max_tokens, (int,)),
-                                   ("temperature", temperature, (int, float)),
-                                   ("top_p", top_p, (int, float))):
+        max_tokens, temperature, top_p = (
+            options.get(k) for k in ("max_output_tokens", "temperature", "top_p")
+        )
+        for name, value, kinds in (
+            ("max_output_tokens", max_tokens, (int,)),
+            ("temperature", temperature, (int, float)),
+            ("top_p", top_p, (int, float)),
+        ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
                 raise invalid_type(f"response.{name}", f"{name} must be a number")
-        tier, auto = check_options(self.state.limits, temperature=temperature, top_p=top_p,
-                                   max_tokens=max_tokens, max_tokens_param="max_output_tokens",
-                                   service_tier=options.get("service_tier"))
+        tier, auto = check_options(
+            self.state.limits,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            max_tokens_param="max_output_tokens",
+            service_tier=options.get("service_tier"),
+        )
         turns = await self.flow.turns(self.tenant, self.session_id)
         messages = turns_to_messages(turns, self.flow.model_name)
         instructions = options.get("instructions")
         if isinstance(instructions, str) and instructions:
             messages = [ChatMessage("system", instructions)] + messages
         if not messages:
-            raise APIError(400, "the conversation is empty: create an item first",
-                           "invalid_request_error", "invalid_value", None)
+            raise APIError(
+                400,
+                "the conversation is empty: create an item first",
+                "invalid_request_error",
+                "invalid_value",
+                None,
+            )
         response_id = "resp_" + uuid.uuid4().hex
-        run = await prepare_call(self.state, self.ws.scope, CallInput(
-            chat=True, params=plain_params(temperature, top_p, self.state.limits), max_tokens=max_tokens,
-            messages=messages, stream=True, tier=tier, auto_tier=auto, request_id=response_id,
-            prompt_param="conversation", max_tokens_param="max_output_tokens"))
+        run = await prepare_call(
+            self.state,
+            self.ws.scope,
+            CallInput(
+                chat=True,
+                params=plain_params(temperature, top_p, self.state.limits),
+                max_tokens=max_tokens,
+                messages=messages,
+                stream=True,
+                tier=tier,
+                auto_tier=auto,
+                request_id=response_id,
+                prompt_param="conversation",
+                max_tokens_param="max_output_tokens",
+            ),
+        )
         self.run = run
         self.sent_text, self.cancelled = "", False
         self.task = asyncio.ensure_future(self._generate(run, response_id))
@@ -119,34 +163,68 @@ class RealtimeConnection:
     async def _generate(self, run: GenerationRun, response_id: str) -> None:
         run.start()
         try:
-            await self.send({"type": "response.created",
-                             "response": {"id": response_id, "object": "realtime.response",
-                                          "status": "in_progress", "output": []}})
+            await self.send(
+                {
+                    "type": "response.created",
+                    "response": {
+                        "id": response_id,
+                        "object": "realtime.response",
+                        "status": "in_progress",
+                        "output": [],
+                    },
+                }
+            )
             async for event in run.events():
                 if self.cancelled:
                     break
                 if isinstance(event, ChoiceDelta):
                     if event.text:
-                        await self.send({"type": "response.output_text.delta",
-                                         "response_id": response_id, "delta": event.text})
+                        await self.send(
+                            {
+                                "type": "response.output_text.delta",
+                                "response_id": response_id,
+                                "delta": event.text,
+                            }
+                        )
                         self.sent_text += event.text
                     if event.finish == "error":
                         break
         finally:
             run.finish()
         choice = run.choices[0]
-        status = ("cancelled" if self.cancelled else "failed" if choice.error else
-                  "completed" if choice.finish_reason in ("stop", "length") else "incomplete")
+        status = (
+            "cancelled"
+            if self.cancelled
+            else "failed"
+            if choice.error
+            else "completed"
+            if choice.finish_reason in ("stop", "length")
+            else "incomplete"
+        )
         # barge-in keeps only what the client received; otherwise the whole answer
         text = self.sent_text if self.cancelled else choice.text
         turn = assistant_turn(run, f"{response_id}-a", text, status == "completed", response_id)
         stored = await self.flow.commit(self.tenant, self.session_id, turn)
-        await self.send({"type": "response.done", "response": {
-            "id": response_id, "object": "realtime.response", "status": status,
-            "output": [{"type": "message", "role": "assistant", "status": turn.status,
-                        "content": [{"type": "output_text", "text": text}]}],
-            "usage": run.usage(),
-            "stored": stored is not None}})
+        await self.send(
+            {
+                "type": "response.done",
+                "response": {
+                    "id": response_id,
+                    "object": "realtime.response",
+                    "status": status,
+                    "output": [
+                        {
+                            "type": "message",
+                            "role": "assistant",
+                            "status": turn.status,
+                            "content": [{"type": "output_text", "text": text}],
+                        }
+                    ],
+                    "usage": run.usage(),
+                    "stored": stored is not None,
+                },
+            }
+        )
 
     async def cancel(self) -> None:
         """Barge-in: abort the engine request now; the delta loop stops before sending more."""
@@ -166,8 +244,7 @@ async def _open_session(flow: SessionFlow, ws: WebSocket, tenant: str) -> str | 
     if conversation_id is None:
         conversation_id = "conv_" + uuid.uuid4().hex
         await flow.create(tenant, conversation_id)
-    elif not NAME_RE.fullmatch(conversation_id) or await flow.get(
-            tenant, conversation_id) is None:
+    elif not NAME_RE.fullmatch(conversation_id) or await flow.get(tenant, conversation_id) is None:
         await ws.send_text(json.dumps(_error("conversation_not_found", "conversation not found")))
         await ws.close(code=1008)
         return None
@@ -190,9 +267,17 @@ def realtime_routes(state: ServerState) -> list[WebSocketRoute]:
         if session_id is None:
             return
         conn = RealtimeConnection(state, flow, ws, tenant, session_id)
-        await conn.send({"type": "session.created",
-                         "session": {"id": session_id, "object": "realtime.session",
-                                     "model": state.model_name, "conversation": session_id}})
+        await conn.send(
+            {
+                "type": "session.created",
+                "session": {
+                    "id": session_id,
+                    "object": "realtime.session",
+                    "model": state.model_name,
+                    "conversation": session_id,
+                },
+            }
+        )
         try:
             while True:
                 raw = await ws.receive_text()
@@ -201,14 +286,18 @@ def realtime_routes(state: ServerState) -> list[WebSocketRoute]:
                 except json.JSONDecodeError:
                     event = None
                 if not isinstance(event, dict):
-                    await conn.send(_error("invalid_json", "each message must be a JSON object"
-                                           f" of at most {MAX_MESSAGE_BYTES} bytes"))
+                    await conn.send(
+                        _error(
+                            "invalid_json",
+                            "each message must be a JSON object"
+                            f" of at most {MAX_MESSAGE_BYTES} bytes",
+                        )
+                    )
                     continue
                 try:
                     await conn.handle(event)
                 except APIError as exc:
-                    await conn.send(_error(exc.code or "error", exc.message,
-                                           event.get("event_id")))
+                    await conn.send(_error(exc.code or "error", exc.message, event.get("event_id")))
         except WebSocketDisconnect:
             pass
         finally:

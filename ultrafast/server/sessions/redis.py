@@ -7,9 +7,16 @@ import json
 import time
 from dataclasses import asdict
 
-from ultrafast.server.sessions.store import (SeqConflict, SessionInfo, SessionStore, StoreConfig,
-                                             StoredObject, StoreUnavailable, TooManySessions,
-                                             Turn)
+from ultrafast.server.sessions.store import (
+    SeqConflict,
+    SessionInfo,
+    SessionStore,
+    StoreConfig,
+    StoredObject,
+    StoreUnavailable,
+    TooManySessions,
+    Turn,
+)
 
 # Append in one atomic step: an id already stored returns its turn (the retry after a lost
 # reply); else the turn gets seq = list length. KEYS: meta, turns list, id->seq hash, tenant
@@ -57,11 +64,16 @@ class RedisStore(SessionStore):
         # write; retry such a call on a fresh connection (every write is an idempotent script,
         # so a retry never duplicates a turn). Timeouts are not retried: the deadline holds.
         self._redis = aioredis.Redis.from_url(
-            config.url, socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s,
-            max_connections=64, health_check_interval=5,
-            retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 3,
-                        supported_errors=(RedisConnectionError,)),
-            retry_on_error=[RedisConnectionError])
+            config.url,
+            socket_timeout=config.timeout_s,
+            socket_connect_timeout=config.timeout_s,
+            max_connections=64,
+            health_check_interval=5,
+            retry=Retry(
+                ExponentialBackoff(cap=0.2, base=0.01), 3, supported_errors=(RedisConnectionError,)
+            ),
+            retry_on_error=[RedisConnectionError],
+        )
         self._append = self._redis.register_script(_APPEND_LUA)
         self._create = self._redis.register_script(_CREATE_LUA)
 
@@ -84,9 +96,18 @@ class RedisStore(SessionStore):
         meta_key, _, _, index = self._keys(tenant, session_id)
         now = time.time()
         meta = json.dumps({"created_s": now, "metadata": metadata or {}})
-        full, body = await self._call(self._create(
-            keys=[meta_key, index], args=[meta, self._ttl_ms, now, now - self.config.ttl_s,
-                                          self.config.max_sessions_per_tenant]))
+        full, body = await self._call(
+            self._create(
+                keys=[meta_key, index],
+                args=[
+                    meta,
+                    self._ttl_ms,
+                    now,
+                    now - self.config.ttl_s,
+                    self.config.max_sessions_per_tenant,
+                ],
+            )
+        )
         if full:
             raise TooManySessions()
         stored = json.loads(body)
@@ -108,9 +129,18 @@ class RedisStore(SessionStore):
     async def append(self, tenant, session_id, turn, expect_seq=None):
         keys = list(self._keys(tenant, session_id))
         body = Turn(**{**asdict(turn), "seq": -1}).to_json()
-        seq, stored = await self._call(self._append(
-            keys=keys, args=[turn.turn_id, body, self._ttl_ms, time.time(),
-                               "" if expect_seq is None else expect_seq]))
+        seq, stored = await self._call(
+            self._append(
+                keys=keys,
+                args=[
+                    turn.turn_id,
+                    body,
+                    self._ttl_ms,
+                    time.time(),
+                    "" if expect_seq is None else expect_seq,
+                ],
+            )
+        )
         if seq == -2:
             raise SeqConflict()
         if seq < 0:
@@ -162,8 +192,9 @@ class RedisStore(SessionStore):
         if not ids:
             return []
         names = [i.decode() if isinstance(i, bytes) else i for i in ids]
-        bodies = await self._call(self._redis.mget(
-            [self._object_keys(tenant, kind, i)[0] for i in names]))
+        bodies = await self._call(
+            self._redis.mget([self._object_keys(tenant, kind, i)[0] for i in names])
+        )
         expired = [i for i, b in zip(names, bodies) if b is None]
         if expired:  # their keys timed out; the index forgets them
             await self._call(self._redis.zrem(index, *expired))

@@ -19,23 +19,25 @@ from ultrafast.tokenizer import Tokenizer
 REPLAY_HEADERS = {"idempotent-replayed": "true"}
 
 
-def replay_response(model_name: str, tokenizer: Tokenizer, req: ChatCompletionRequest,
-                    turn: Turn) -> Response:
+def replay_response(
+    model_name: str, tokenizer: Tokenizer, req: ChatCompletionRequest, turn: Turn
+) -> Response:
     """What the first attempt answered: choice 0 holds the stored text. Nothing was generated
     for this call, so its usage counts no prompt tokens and the stored answer's tokens."""
     tier = req.tier().api_name
     request_id = f"chatcmpl-replay-{turn.turn_id}"[:64]
-    choice = fmt.ChoiceState(0, text=turn.content,
-                             finish_reason="stop" if turn.status == "completed" else "length")
+    choice = fmt.ChoiceState(
+        0, text=turn.content, finish_reason="stop" if turn.status == "completed" else "length"
+    )
     usage = fmt.usage(0, len(turn.token_ids or ()), 0)
     if not req.stream:
-        body = fmt.chat_response(request_id, model_name, tier, [choice], usage,
-                                 tokenizer.decode, False)
+        body = fmt.chat_response(
+            request_id, model_name, tier, [choice], usage, tokenizer.decode, False
+        )
         return JSONResponse(body, headers=REPLAY_HEADERS)
 
     async def events():
-        writer = fmt.ChunkWriter(request_id, model_name, tier, True,
-                                 tokenizer.decode, False)
+        writer = fmt.ChunkWriter(request_id, model_name, tier, True, tokenizer.decode, False)
         yield writer.role(0)
         if choice.text:
             yield writer.delta(0, choice.text, [])
@@ -44,5 +46,8 @@ def replay_response(model_name: str, tokenizer: Tokenizer, req: ChatCompletionRe
             yield writer.usage(usage)
         yield fmt.SSE_DONE
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={**REPLAY_HEADERS, "cache-control": "no-cache"})
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers={**REPLAY_HEADERS, "cache-control": "no-cache"},
+    )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import orjson
 from starlette.requests import Request as HTTPRequest
@@ -29,11 +29,16 @@ from starlette.routing import Route
 from ultrafast.server.calls import CallInput, check_options, plain_params, prepare_call
 from ultrafast.server.errors import APIError, invalid_value, too_large, unsupported_parameter
 from ultrafast.server.generate import ChoiceDelta, GenerationRun, Ping
-from ultrafast.server.protocol_models import NAME_RE, _Strict, _by_json_type
+from ultrafast.server.protocol_models import NAME_RE, _by_json_type, _Strict
 from ultrafast.server.sessions.chat_tokens import ChatMessage
-from ultrafast.server.sessions.conversations import (InputItem, check_metadata,
-                                                     conversations_routes, items_to_messages,
-                                                     new_conversation_id, validate)
+from ultrafast.server.sessions.conversations import (
+    InputItem,
+    check_metadata,
+    conversations_routes,
+    items_to_messages,
+    new_conversation_id,
+    validate,
+)
 from ultrafast.server.sessions.flow import SessionFlow, not_found, tenant_of, turns_to_messages
 from ultrafast.server.sessions.store import RESPONSE, SeqConflict, StoredObject, Turn
 from ultrafast.server.state import ServerState, read_json
@@ -48,50 +53,49 @@ class TextFormat(_Strict):
 
 
 class TextOptions(_Strict):
-    format: Optional[TextFormat] = None
-    verbosity: Optional[Literal["low", "medium", "high"]] = None
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class Reasoning(_Strict):
-    effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
-    summary: Optional[Literal["auto", "concise", "detailed"]] = None
-    generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class StreamOptions(_Strict):
-    include_obfuscation: Optional[bool] = None  # no obfuscation padding is ever added
+    include_obfuscation: bool | None = None  # no obfuscation padding is ever added
 
 
 class ResponsesRequest(_Strict):
-    model: Optional[str] = None
+    model: str | None = None
     input: _by_json_type(string=str, array=list[InputItem])  # type: ignore[valid-type]
-    instructions: Optional[str] = None
-    previous_response_id: Optional[str] = None
-    conversation: Optional[_by_json_type(  # type: ignore[valid-type]
-        string=str, object=ConversationRef)] = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    conversation: _by_json_type(string=str, object=ConversationRef) | None = None
     store: bool = True
     stream: bool = False
-    max_output_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     service_tier: Any = None
-    metadata: Optional[dict[str, str]] = None
-    user: Optional[str] = None
-    truncation: Optional[Literal["disabled"]] = None
-    parallel_tool_calls: Optional[bool] = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None
+    parallel_tool_calls: bool | None = None
     # defaults a response carries, accepted when a client sends them back
-    text: Optional[TextOptions] = None
-    tools: Optional[list[Any]] = None  # only [] (no tools on this server)
-    tool_choice: Optional[Literal["auto", "none"]] = None
-    include: Optional[list[str]] = None  # only []
-    top_logprobs: Optional[int] = None  # only 0
-    background: Optional[bool] = None  # only false
-    max_tool_calls: Optional[int] = None
-    reasoning: Optional[Reasoning] = None
-    safety_identifier: Optional[str] = None  # hints: accepted, not needed here
-    prompt_cache_key: Optional[str] = None
-    prompt_cache_retention: Optional[str] = None
-    stream_options: Optional[StreamOptions] = None
+    text: TextOptions | None = None
+    tools: list[Any] | None = None  # only [] (no tools on this server)
+    tool_choice: Literal["auto", "none"] | None = None
+    include: list[str] | None = None  # only []
+    top_logprobs: int | None = None  # only 0
+    background: bool | None = None  # only false
+    max_tool_calls: int | None = None
+    reasoning: Reasoning | None = None
+    safety_identifier: str | None = None  # hints: accepted, not needed here
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    stream_options: StreamOptions | None = None
 
     def conversation_id(self) -> str | None:
         c = self.conversation
@@ -110,34 +114,39 @@ def check_request(req: ResponsesRequest, state: ServerState) -> None:
         raise invalid_value("input", "input must not be empty")
     num_chars = len(req.instructions or "") + sum(len(m.content) for m in req.new_messages())
     if num_chars > limits.max_prompt_chars:
-        raise too_large("prompt_too_large", "input",
-                        f"the input exceeds {limits.max_prompt_chars} characters")
+        raise too_large(
+            "prompt_too_large", "input", f"the input exceeds {limits.max_prompt_chars} characters"
+        )
     if req.tools:
         raise unsupported_parameter("tools", "tools are not available on this server")
     if req.include:
         raise unsupported_parameter("include", "include is not available on this server")
     if req.top_logprobs:
-        raise unsupported_parameter("top_logprobs", "top_logprobs is not available with the "
-                                    "Responses API on this server")
+        raise unsupported_parameter(
+            "top_logprobs", "top_logprobs is not available with the Responses API on this server"
+        )
     if req.background:
         raise unsupported_parameter("background", "background responses are not available")
     if req.max_tool_calls is not None and req.max_tool_calls < 0:
         raise invalid_value("max_tool_calls", "max_tool_calls must be >= 0")
     if req.previous_response_id is not None and req.conversation is not None:
-        raise invalid_value("conversation", "send previous_response_id or conversation, not "
-                            "both")
+        raise invalid_value("conversation", "send previous_response_id or conversation, not both")
     check_metadata(req.metadata)
 
 
 def _usage(chat_usage: dict) -> dict:
     cached = chat_usage["prompt_tokens_details"]["cached_tokens"]
-    return {"input_tokens": chat_usage["prompt_tokens"],
-            # written: the prompt tokens prefilled now, whose KV the cache then holds
-            "input_tokens_details": {"cached_tokens": cached,
-                                     "cache_write_tokens": chat_usage["prompt_tokens"] - cached},
-            "output_tokens": chat_usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": chat_usage["total_tokens"]}
+    return {
+        "input_tokens": chat_usage["prompt_tokens"],
+        # written: the prompt tokens prefilled now, whose KV the cache then holds
+        "input_tokens_details": {
+            "cached_tokens": cached,
+            "cache_write_tokens": chat_usage["prompt_tokens"] - cached,
+        },
+        "output_tokens": chat_usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": chat_usage["total_tokens"],
+    }
 
 
 class ResponseBuilder:
@@ -152,37 +161,65 @@ class ResponseBuilder:
         self.created_s = time.time()
         self.sequence_number = 0
 
-    def body(self, status: str, text: str = "", usage: dict | None = None,
-             finish_reason: str | None = None, error: dict | None = None) -> dict:
+    def body(
+        self,
+        status: str,
+        text: str = "",
+        usage: dict | None = None,
+        finish_reason: str | None = None,
+        error: dict | None = None,
+    ) -> dict:
         output = []
         if status not in ("in_progress", "failed"):
-            output = [self.message_item("completed" if status == "completed" else "incomplete",
-                                        text)]
+            output = [
+                self.message_item("completed" if status == "completed" else "incomplete", text)
+            ]
         conversation_id = self.req.conversation_id()
         req = self.req
         body = {
-            "id": self.response_id, "object": "response", "created_at": int(self.created_s),
-            "status": status, "model": self.model, "output": output, "error": error,
+            "id": self.response_id,
+            "object": "response",
+            "created_at": int(self.created_s),
+            "status": status,
+            "model": self.model,
+            "output": output,
+            "error": error,
             "incomplete_details": {"reason": "max_output_tokens"}
-            if finish_reason == "length" else None,
-            "instructions": req.instructions, "metadata": req.metadata or {},
+            if finish_reason == "length"
+            else None,
+            "instructions": req.instructions,
+            "metadata": req.metadata or {},
             "previous_response_id": req.previous_response_id,
             "conversation": {"id": conversation_id} if conversation_id else None,
-            "store": req.store, "background": False, "max_output_tokens": req.max_output_tokens,
-            "max_tool_calls": req.max_tool_calls, "temperature": req.temperature,
-            "top_p": req.top_p, "top_logprobs": 0, "parallel_tool_calls": False,
-            "tool_choice": req.tool_choice or "auto", "tools": [],
-            "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "store": req.store,
+            "background": False,
+            "max_output_tokens": req.max_output_tokens,
+            "max_tool_calls": req.max_tool_calls,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_logprobs": 0,
+            "parallel_tool_calls": False,
+            "tool_choice": req.tool_choice or "auto",
+            "tools": [],
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
             "reasoning": {"effort": None, "summary": None},
-            "service_tier": self.tier, "usage": _usage(usage) if usage else None}
+            "service_tier": self.tier,
+            "usage": _usage(usage) if usage else None,
+        }
         if req.user is not None:  # never "user": null
             body["user"] = req.user
         return body
 
     def message_item(self, status: str, text: str | None) -> dict:
         content = [] if text is None else [self.text_part(text)]
-        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",
-                "content": content}
+        return {
+            "type": "message",
+            "id": self.item_id,
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
 
     @staticmethod
     def text_part(text: str) -> dict:
@@ -237,25 +274,39 @@ async def resolve_history(flow: SessionFlow, tenant: str, req: ResponsesRequest)
     return History(session_id, [], 0)
 
 
-def call_input(req: ResponsesRequest, state: ServerState, messages: list[ChatMessage],
-               response_id: str) -> CallInput:
-    tier, auto = check_options(state.limits, temperature=req.temperature, top_p=req.top_p,
-                               max_tokens=req.max_output_tokens,
-                               max_tokens_param="max_output_tokens",
-                               service_tier=req.service_tier)
-    return CallInput(chat=True, params=plain_params(req.temperature, req.top_p, state.limits),
-                     max_tokens=req.max_output_tokens, messages=messages, model=req.model,
-                     stream=req.stream, tier=tier, auto_tier=auto, request_id=response_id,
-                     prompt_param="input", max_tokens_param="max_output_tokens")
+def call_input(
+    req: ResponsesRequest, state: ServerState, messages: list[ChatMessage], response_id: str
+) -> CallInput:
+    tier, auto = check_options(
+        state.limits,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        max_tokens=req.max_output_tokens,
+        max_tokens_param="max_output_tokens",
+        service_tier=req.service_tier,
+    )
+    return CallInput(
+        chat=True,
+        params=plain_params(req.temperature, req.top_p, state.limits),
+        max_tokens=req.max_output_tokens,
+        messages=messages,
+        model=req.model,
+        stream=req.stream,
+        tier=tier,
+        auto_tier=auto,
+        request_id=response_id,
+        prompt_param="input",
+        max_tokens_param="max_output_tokens",
+    )
 
 
-async def store_input(flow: SessionFlow, tenant: str, history: History,
-                      new: list[ChatMessage], response_id: str) -> str:
+async def store_input(
+    flow: SessionFlow, tenant: str, history: History, new: list[ChatMessage], response_id: str
+) -> str:
     """Persist the input; a reply to a response that is no longer the tip forks the session."""
     assert history.session_id is not None
     try:
-        await flow.append_turns(tenant, history.session_id, new, response_id,
-                                history.expect_seq)
+        await flow.append_turns(tenant, history.session_id, new, response_id, history.expect_seq)
         return history.session_id
     except SeqConflict:
         fork_id = new_conversation_id()
@@ -273,11 +324,15 @@ class ResponseCommit:
 
     async def __call__(self, run: GenerationRun, reason: str | None) -> str | None:
         response_id = self.builder.response_id
-        stored = await self.flow.commit_answer(run, reason, self.tenant, self.session_id,
-                                               f"{response_id}-a", response_id)
-        obj = StoredObject(self.builder.final(run), created_s=self.builder.created_s,
-                           session_id=self.session_id if stored is not None else None,
-                           seq=stored.seq if stored is not None else None)
+        stored = await self.flow.commit_answer(
+            run, reason, self.tenant, self.session_id, f"{response_id}-a", response_id
+        )
+        obj = StoredObject(
+            self.builder.final(run),
+            created_s=self.builder.created_s,
+            session_id=self.session_id if stored is not None else None,
+            seq=stored.seq if stored is not None else None,
+        )
         try:
             await self.flow.put_object(self.tenant, RESPONSE, response_id, obj)
         except APIError:  # the store is down (503 mapped by SessionFlow)
@@ -298,8 +353,7 @@ def responses_routes(state: ServerState) -> list[Route]:
         history = await resolve_history(flow, tenant, req)
         system = [ChatMessage("system", req.instructions)] if req.instructions else []
         messages = system + turns_to_messages(history.turns, flow.model_name) + new
-        run = await prepare_call(state, http.scope, call_input(req, state, messages,
-                                                                response_id))
+        run = await prepare_call(state, http.scope, call_input(req, state, messages, response_id))
         builder = ResponseBuilder(response_id, req, state.model_name, run.spec.tier.api_name)
         try:
             if history.session_id is not None and req.store:
@@ -309,9 +363,11 @@ def responses_routes(state: ServerState) -> list[Route]:
             run.finish()
             raise
         if req.stream:
-            return StreamingResponse(_stream(run, builder), media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache",
-                                              "x-request-id": response_id})
+            return StreamingResponse(
+                _stream(run, builder),
+                media_type="text/event-stream",
+                headers={"cache-control": "no-cache", "x-request-id": response_id},
+            )
         return await _respond_json(http, run, builder)
 
     async def get(http: HTTPRequest) -> Response:
@@ -334,8 +390,9 @@ def responses_routes(state: ServerState) -> list[Route]:
     ]
 
 
-async def _respond_json(http: HTTPRequest, run: GenerationRun, builder: ResponseBuilder
-                        ) -> Response:
+async def _respond_json(
+    http: HTTPRequest, run: GenerationRun, builder: ResponseBuilder
+) -> Response:
     try:
         if not await run.collect(http):
             return Response(status_code=499)
@@ -352,8 +409,9 @@ async def _stream(run: GenerationRun, b: ResponseBuilder):
     try:
         yield b.event("response.created", response=b.body("in_progress"))
         yield b.event("response.in_progress", response=b.body("in_progress"))
-        yield b.event("response.output_item.added", output_index=0,
-                      item=b.message_item("in_progress", None))
+        yield b.event(
+            "response.output_item.added", output_index=0, item=b.message_item("in_progress", None)
+        )
         yield b.event("response.content_part.added", part=b.text_part(""), **b.where())
         async for event in run.events():
             if isinstance(event, Ping):
@@ -361,21 +419,26 @@ async def _stream(run: GenerationRun, b: ResponseBuilder):
             elif isinstance(event, ChoiceDelta) and event.finish == "error":
                 break
             elif event.text:
-                yield b.event("response.output_text.delta", delta=event.text, logprobs=[],
-                              **b.where())
+                yield b.event(
+                    "response.output_text.delta", delta=event.text, logprobs=[], **b.where()
+                )
         error = await run.conclude()
         if error is not None and error.status >= 500 and run.choices[0].error:
-            yield b.event("response.failed", response=b.body(
-                "failed", error={"code": "server_error", "message": error.message}))
+            yield b.event(
+                "response.failed",
+                response=b.body("failed", error={"code": "server_error", "message": error.message}),
+            )
             return
         choice = run.choices[0]
         status = final_status(run)
         yield b.event("response.output_text.done", text=choice.text, logprobs=[], **b.where())
         yield b.event("response.content_part.done", part=b.text_part(choice.text), **b.where())
-        yield b.event("response.output_item.done", output_index=0,
-                      item=b.message_item(status, choice.text))
+        yield b.event(
+            "response.output_item.done", output_index=0, item=b.message_item(status, choice.text)
+        )
         body = b.final(run, error.code if error is not None else None)
-        yield b.event("response.completed" if status == "completed" else "response.incomplete",
-                      response=body)
+        yield b.event(
+            "response.completed" if status == "completed" else "response.incomplete", response=body
+        )
     finally:
         run.finish()

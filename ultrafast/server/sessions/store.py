@@ -56,7 +56,7 @@ class Turn:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Turn":
+    def from_json(cls, text: str | bytes) -> Turn:
         return cls(**json.loads(text))
 
 
@@ -79,7 +79,7 @@ class StoredObject:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "StoredObject":
+    def from_json(cls, text: str | bytes) -> StoredObject:
         return cls(**json.loads(text))
 
 
@@ -103,7 +103,9 @@ class SessionStore:
 
     config: StoreConfig
 
-    async def create(self, tenant: str, session_id: str, metadata: dict | None = None) -> SessionInfo:
+    async def create(
+        self, tenant: str, session_id: str, metadata: dict | None = None
+    ) -> SessionInfo:
         """Create the session, or return it if it exists (creation is idempotent too)."""
         raise NotImplementedError
 
@@ -114,8 +116,9 @@ class SessionStore:
         """The session's turns in seq order (those with seq <= upto_seq if given)."""
         raise NotImplementedError
 
-    async def append(self, tenant: str, session_id: str, turn: Turn,
-                     expect_seq: int | None = None) -> Turn:
+    async def append(
+        self, tenant: str, session_id: str, turn: Turn, expect_seq: int | None = None
+    ) -> Turn:
         """Store `turn` at the next seq; if its turn_id is already stored, return that turn.
 
         KeyError: no such session. SeqConflict: `expect_seq` given and the next seq differs."""
@@ -124,13 +127,13 @@ class SessionStore:
     async def delete(self, tenant: str, session_id: str) -> bool:
         raise NotImplementedError
 
-    async def set_metadata(self, tenant: str, session_id: str,
-                           metadata: dict) -> SessionInfo | None:
+    async def set_metadata(
+        self, tenant: str, session_id: str, metadata: dict
+    ) -> SessionInfo | None:
         """Replace the session's metadata; None: no such session."""
         raise NotImplementedError
 
-    async def put_object(self, tenant: str, kind: str, object_id: str,
-                         obj: StoredObject) -> None:
+    async def put_object(self, tenant: str, kind: str, object_id: str, obj: StoredObject) -> None:
         """Store (or replace) an API object; it expires `ttl_s` after this write."""
         raise NotImplementedError
 

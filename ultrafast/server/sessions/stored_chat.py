@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 _METADATA_QUERY = re.compile(r"metadata\[(.{1,64})\]")
 
 
-def store_chat_completion(flow: SessionFlow, http: HTTPRequest, req: ChatCompletionRequest,
-                          run: GenerationRun) -> None:
+def store_chat_completion(
+    flow: SessionFlow, http: HTTPRequest, req: ChatCompletionRequest, run: GenerationRun
+) -> None:
     """Make the run's commit the stored copy of the completion (n choices, as answered)."""
     tenant = tenant_of(http)
     messages = req.messages_for_template()  # content parts joined, as the model saw them
@@ -40,16 +41,27 @@ def store_chat_completion(flow: SessionFlow, http: HTTPRequest, req: ChatComplet
 
     async def commit(run: GenerationRun, reason: str | None) -> str | None:
         spec = run.spec
-        body = fmt.chat_response(spec.request_id, spec.model_name, spec.tier.api_name,
-                                 run.choices, run.usage(), run.deps.tokenizer.decode,
-                                 spec.want_logprobs)
+        body = fmt.chat_response(
+            spec.request_id,
+            spec.model_name,
+            spec.tier.api_name,
+            run.choices,
+            run.usage(),
+            run.deps.tokenizer.decode,
+            spec.want_logprobs,
+        )
         body["metadata"] = metadata
         try:
-            await flow.put_object(tenant, CHAT_COMPLETION, spec.request_id, StoredObject(
-                body, created_s=created_s, metadata=metadata, messages=messages))
+            await flow.put_object(
+                tenant,
+                CHAT_COMPLETION,
+                spec.request_id,
+                StoredObject(body, created_s=created_s, metadata=metadata, messages=messages),
+            )
         except APIError:
-            log.warning("stored chat completion %s not written: the store is unavailable",
-                        spec.request_id)
+            log.warning(
+                "stored chat completion %s not written: the store is unavailable", spec.request_id
+            )
         return None  # the answer itself stands either way
 
     run.set_commit(commit)
@@ -69,12 +81,17 @@ def _page(http: HTTPRequest, items: list[dict], default_order: str) -> JSONRespo
     after = query.get("after")
     if after is not None:
         ids = [item["id"] for item in items]
-        items = items[ids.index(after) + 1:] if after in ids else []
-    page = items[:int(limit_text)]
-    return JSONResponse({"object": "list", "data": page,
-                         "first_id": page[0]["id"] if page else None,
-                         "last_id": page[-1]["id"] if page else None,
-                         "has_more": len(items) > len(page)})
+        items = items[ids.index(after) + 1 :] if after in ids else []
+    page = items[: int(limit_text)]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > len(page),
+        }
+    )
 
 
 def stored_chat_routes(state: ServerState) -> list[Route]:
@@ -82,8 +99,9 @@ def stored_chat_routes(state: ServerState) -> list[Route]:
     assert flow is not None
 
     async def find(http: HTTPRequest) -> StoredObject:
-        obj = await flow.get_object(tenant_of(http), CHAT_COMPLETION,
-                                    http.path_params["completion_id"])
+        obj = await flow.get_object(
+            tenant_of(http), CHAT_COMPLETION, http.path_params["completion_id"]
+        )
         if obj is None:
             raise not_found("chat_completion", None)
         return obj
@@ -98,9 +116,12 @@ def stored_chat_routes(state: ServerState) -> list[Route]:
                 raise invalid_value(key[:64], f"unknown query parameter {key[:64]!r}")
         model = http.query_params.get("model")
         stored = await flow.list_objects(tenant_of(http), CHAT_COMPLETION)
-        items = [o.body for o in stored
-                 if all(o.metadata.get(k) == v for k, v in wanted.items())
-                 and (model is None or o.body.get("model") == model)]
+        items = [
+            o.body
+            for o in stored
+            if all(o.metadata.get(k) == v for k, v in wanted.items())
+            and (model is None or o.body.get("model") == model)
+        ]
         return _page(http, items, "asc")
 
     async def get(http: HTTPRequest) -> Response:
@@ -109,16 +130,18 @@ def stored_chat_routes(state: ServerState) -> list[Route]:
     async def messages(http: HTTPRequest) -> Response:
         obj = await find(http)
         completion_id = obj.body["id"]
-        items = [{"id": f"{completion_id}-{i}", "content": None, **m}
-                 for i, m in enumerate(obj.messages)]
+        items = [
+            {"id": f"{completion_id}-{i}", "content": None, **m} for i, m in enumerate(obj.messages)
+        ]
         return _page(http, items, "asc")
 
     async def delete(http: HTTPRequest) -> Response:
         completion_id = http.path_params["completion_id"]
         if not await flow.delete_object(tenant_of(http), CHAT_COMPLETION, completion_id):
             raise not_found("chat_completion", None)
-        return JSONResponse({"id": completion_id, "object": "chat.completion.deleted",
-                             "deleted": True})
+        return JSONResponse(
+            {"id": completion_id, "object": "chat.completion.deleted", "deleted": True}
+        )
 
     return [
         Route("/v1/chat/completions", list_completions, methods=["GET"]),
