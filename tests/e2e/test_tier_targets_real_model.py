@@ -11,6 +11,8 @@ import httpx
 import pytest
 
 from ultrafast.bench.server_process import ServerProcess
+from ultrafast.config import ServerConfig
+from ultrafast.engine.idle_speed import TYPICAL_PROMPT_TOKENS
 
 WORDS = ("apple", "river", "stone", "cloud", "green", "seven", "table", "light", "north", "paper")
 
@@ -48,9 +50,12 @@ def priority_chat(url: str, seed: int) -> httpx.Response:
 def test_the_targets_come_from_the_measured_speed(smollm2_server):
     ready = httpx.get(smollm2_server.url + "/ready", timeout=10).json()
     speed, priority = ready["idle_speed"], ready["tier_targets"]["priority"]
-    assert speed["prompt_tokens"] == 128 and speed["ttft_ms"] > 0 and speed["decode_ms"] > 0
+    assert speed["prompt_tokens"] == TYPICAL_PROMPT_TOKENS
+    assert speed["ttft_ms"] > 0 and speed["decode_ms"] > 0
     assert priority["ttft_source"] in ("measured", "floor")
-    assert priority["ttft_ms"] == pytest.approx(max(250.0, 3 * speed["ttft_ms"]), rel=1e-3)
+    rule = ServerConfig.priority
+    expected_ms = max(rule.ttft_floor_ms, rule.ttft_speed_factor * speed["ttft_ms"])
+    assert priority["ttft_ms"] == pytest.approx(expected_ms, rel=1e-3)
 
 
 @pytest.mark.real_model

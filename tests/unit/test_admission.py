@@ -11,7 +11,7 @@ import pytest
 from ultrafast.config import ServerConfig, TierTargets
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.engine.core import EngineCore
-from ultrafast.engine.idle_speed import measure_idle_speed
+from ultrafast.engine.idle_speed import TYPICAL_PROMPT_TOKENS, measure_idle_speed
 from ultrafast.engine.thread import EngineThread
 from ultrafast.executors.fake_exec import FakeExecutor
 from ultrafast.request import ServiceTier
@@ -20,13 +20,24 @@ from ultrafast.server.bridge import StepCostSnapshot
 from ultrafast.server.errors import APIError
 
 PRIORITY, DEFAULT = ServiceTier.PRIORITY, ServiceTier.DEFAULT
+PRIORITY_RULE, DEFAULT_RULE = ServerConfig.priority, ServerConfig.default  # floors, factors
+# the figures the tests below reason with, whatever the shipped defaults become
+CONFIG = replace(
+    ServerConfig(),
+    priority=replace(
+        ServerConfig.priority, ttft_ms=0.0, ttft_floor_ms=250.0, ttft_speed_factor=3.0
+    ),
+    default=replace(
+        ServerConfig.default, ttft_ms=0.0, ttft_floor_ms=5000.0, ttft_speed_factor=20.0
+    ),
+)
 # a slow model: 10 ms a step plus 2 ms a token (a 100-token prompt takes 210 ms alone)
 SLOW = StepCostSnapshot(base_s=0.010, per_token_s=0.002, per_seq_s=0.001)
 
 
 def admission(config=None, running=0, **speed) -> Admission:
     return Admission(
-        config or ServerConfig(),
+        config or CONFIG,
         step_costs=lambda: SLOW,
         num_running=lambda: running,
         **speed,
@@ -106,22 +117,24 @@ def test_a_long_prompt_may_wait_what_a_typical_prompt_may():
 
 
 def test_auto_ttft_targets_follow_the_measured_idle_speed():
-    adm = admission(typical_prompt_tokens=128, idle_ttft_s=0.5)
+    adm = admission(ServerConfig(), typical_prompt_tokens=128, idle_ttft_s=0.5)
     targets = adm.describe_targets()
-    assert targets["priority"]["ttft_ms"] == pytest.approx(3 * 500.0)
-    assert targets["default"]["ttft_ms"] == pytest.approx(20 * 500.0)
-    assert targets["flex"]["ttft_ms"] == pytest.approx(240 * 500.0)
+    for name, rule in (("priority", PRIORITY_RULE), ("default", DEFAULT_RULE)):
+        assert rule.ttft_speed_factor * 500.0 > rule.ttft_floor_ms  # the speed decides
+        assert targets[name]["ttft_ms"] == pytest.approx(rule.ttft_speed_factor * 500.0)
     assert {t["ttft_source"] for t in targets.values()} == {"measured"}
     assert targets["priority"]["itl_ms"] is None  # auto: the engine sizes it
-    fast = admission(typical_prompt_tokens=128, idle_ttft_s=0.004).describe_targets()
-    assert fast["priority"] == {**fast["priority"], "ttft_ms": 250.0, "ttft_source": "floor"}
-    assert fast["default"]["ttft_ms"] == 5000.0
-    unmeasured = admission().describe_targets()
+    fast = admission(ServerConfig(), typical_prompt_tokens=128, idle_ttft_s=0.001)
+    fast = fast.describe_targets()
+    assert fast["priority"]["ttft_ms"] == PRIORITY_RULE.ttft_floor_ms
+    assert fast["priority"]["ttft_source"] == "floor"
+    assert fast["default"]["ttft_ms"] == DEFAULT_RULE.ttft_floor_ms
+    unmeasured = admission(ServerConfig()).describe_targets()
     assert unmeasured["priority"]["ttft_source"] == "floor"
 
 
 def test_an_explicit_target_wins_over_the_measured_speed():
-    config = replace(ServerConfig(), priority=replace(ServerConfig.priority, ttft_ms=1000.0))
+    config = replace(CONFIG, priority=replace(CONFIG.priority, ttft_ms=1000.0))
     adm = admission(config, typical_prompt_tokens=100, idle_ttft_s=2.0)
     assert adm.targets(PRIORITY).ttft_ms == 1000.0
     assert adm.describe_targets()["priority"]["ttft_source"] == "configured"
@@ -172,7 +185,7 @@ def test_the_idle_speed_is_timed_on_a_warm_engine_that_is_left_clean():
     core = fake_core(step_s=0.02)
     core.warmup()
     speed = core.idle_speed
-    assert speed is not None and speed.prompt_tokens == 128
+    assert speed is not None and speed.prompt_tokens == TYPICAL_PROMPT_TOKENS
     assert speed.ttft_s >= 0.02 and speed.decode_s is not None and speed.decode_s >= 0.02
     assert not core.has_work() and core.pool.num_running == 0
     assert all(not s.hashes for s in core.pool.slots)  # no measured prompt left to match
