@@ -41,7 +41,7 @@ def test_playground_page_is_served(server):
     for needle in ('id="send"', 'id="stop"', 'id="tier"', "/v1/chat/completions",
                    "/v1/conversations", "session_id"):
         assert needle in r.text
-    assert "<script src" not in r.text and "<link" not in r.text  # one file, no other origin
+    assert "<script src" not in r.text and "stylesheet" not in r.text  # one file, nothing else
 
 
 @pytest.fixture
@@ -258,6 +258,8 @@ MARKDOWN_CASES = [
     ('[q](https://x.org/"onmouseover="a)',
      f'<p><a href="https://x.org/&quot;onmouseover=&quot;a" {NEW_TAB}>q</a></p>'),
     ("snake_case_name and __init__", "<p>snake_case_name and __init__</p>"),
+    ("def f(*args, **kwargs): a * b * c", "<p>def f(*args, **kwargs): a * b * c</p>"),
+    ("_x_ and __y__", "<p><em>x</em> and __y__</p>"),
     ("# Title", "<h3>Title</h3>"),
 ]
 
