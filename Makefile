@@ -9,7 +9,7 @@ WHEELS ?= $(HOME)/.cache/ultrafast/wheels/$(CPU_TAG)
 LLAMA_CPP_VERSION := 0.3.36
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup run generate test test-fast clean
+.PHONY: setup run generate lint format test test-fast clean
 
 setup: $(VENV)/.installed
 
@@ -42,7 +42,19 @@ run: setup
 generate: setup
 	$(BIN)/ultrafast generate "def fibonacci(n):" --max-tokens 96 --stats
 
-test: setup
+# the linter, the format check and the type checker (configured in pyproject.toml); `make test`
+# runs them first, so CI fails on a finding before it spends time on the tests
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy ultrafast
+
+# rewrite what the linter can fix and the formatter owns; review the diff before committing
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 test-fast: setup

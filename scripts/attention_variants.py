@@ -17,11 +17,12 @@ from ultrafast.bench.server_process import DEMO_MODEL_DIR  # noqa: E402
 from ultrafast.bench.sessions import llama_cpp_floor  # noqa: E402
 
 GGML_F32, GGML_F16, GGML_Q8_0 = 0, 1, 8
-VARIANTS = {"f16 KV": {}, "f16 KV + flash attention": {"flash_attn": True},
-            "f32 KV + flash attention": {"flash_attn": True, "type_k": GGML_F32,
-                                         "type_v": GGML_F32},
-            "q8_0 KV + flash attention": {"flash_attn": True, "type_k": GGML_Q8_0,
-                                          "type_v": GGML_Q8_0}}
+VARIANTS = {
+    "f16 KV": {},
+    "f16 KV + flash attention": {"flash_attn": True},
+    "f32 KV + flash attention": {"flash_attn": True, "type_k": GGML_F32, "type_v": GGML_F32},
+    "q8_0 KV + flash attention": {"flash_attn": True, "type_k": GGML_Q8_0, "type_v": GGML_Q8_0},
+}
 
 
 def main() -> None:
@@ -29,8 +30,10 @@ def main() -> None:
     threads = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     for name, kwargs in VARIANTS.items():
         t = llama_cpp_floor(gguf, threads, {"fresh": (0, 60), "after": (1800, 70)}, **kwargs)
-        print(f"{name:26s} 60 fresh {1e3 * t['fresh']:8.1f} ms, 70 after 1,800 "
-              f"{1e3 * t['after']:8.1f} ms, ratio {t['after'] / t['fresh']:.2f}")
+        print(
+            f"{name:26s} 60 fresh {1e3 * t['fresh']:8.1f} ms, 70 after 1,800 "
+            f"{1e3 * t['after']:8.1f} ms, ratio {t['after'] / t['fresh']:.2f}"
+        )
 
 
 if __name__ == "__main__":

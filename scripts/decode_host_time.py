@@ -41,8 +41,10 @@ def main() -> None:
     gguf = sys.argv[1] if len(sys.argv) > 1 else str(DEMO_MODEL_DIR / "demo-code-f16.gguf")
     threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     prompt = list(range(5, 37))
-    runners = {"ours": _ours(resolve_model(DEMO_MODEL_DIR), gguf, prompt, 128, threads, "ggml"),
-               "llama.cpp": _llama_cpp(gguf, prompt, 128, threads)}
+    runners = {
+        "ours": _ours(resolve_model(DEMO_MODEL_DIR), gguf, prompt, 128, threads, "ggml"),
+        "llama.cpp": _llama_cpp(gguf, prompt, 128, threads),
+    }
     rows: dict[str, list[tuple[float, float, float]]] = {name: [] for name in runners}
     for round_ in range(6):  # round 0 warms up; runners alternate
         for name, (run, _) in runners.items():
@@ -52,14 +54,22 @@ def main() -> None:
             total_s = time.perf_counter() - started
             calls = _inside_s[1]
             if round_:
-                rows[name].append((127 / decode_s, 1e6 * _inside_s[0] / calls,
-                                   1e6 * (total_s - _inside_s[0]) / calls))
+                rows[name].append(
+                    (
+                        127 / decode_s,
+                        1e6 * _inside_s[0] / calls,
+                        1e6 * (total_s - _inside_s[0]) / calls,
+                    )
+                )
     for name, (_, close) in runners.items():
         close()
-        tok_s, inside_us, outside_us = (statistics.median(r[k] for r in rows[name])
-                                        for k in range(3))
-        print(f"{name:10s} decode {tok_s:7.1f} tok/s; per llama_decode call: {inside_us:6.0f} us"
-              f" inside, {outside_us:5.0f} us around it (median of 5 rounds)")
+        tok_s, inside_us, outside_us = (
+            statistics.median(r[k] for r in rows[name]) for k in range(3)
+        )
+        print(
+            f"{name:10s} decode {tok_s:7.1f} tok/s; per llama_decode call: {inside_us:6.0f} us"
+            f" inside, {outside_us:5.0f} us around it (median of 5 rounds)"
+        )
 
 
 if __name__ == "__main__":

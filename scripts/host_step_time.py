@@ -26,8 +26,9 @@ NUM_STEPS = 512
 
 def main() -> None:
     gguf = sys.argv[1] if len(sys.argv) > 1 else str(DEMO_MODEL_DIR / "demo-code-f16.gguf")
-    run, close = _ours(resolve_model(DEMO_MODEL_DIR), gguf, list(range(5, 37)), NUM_STEPS, 2,
-                       "ggml")
+    run, close = _ours(
+        resolve_model(DEMO_MODEL_DIR), gguf, list(range(5, 37)), NUM_STEPS, 2, "ggml"
+    )
     run()  # a real run: the graph, buffers and caches exist
     engine = run.engine
     llama_cpp_lib.llama_decode = llama_cpp.llama_decode = lambda ctx, batch: 0
@@ -42,13 +43,18 @@ def main() -> None:
                 return inner(*args, **kwargs)
             finally:
                 totals[label] = totals.get(label, 0) + time.perf_counter_ns() - started
+
         setattr(owner, name, wrapper)
 
     best = None
     for timing in (False, True):  # untimed runs first: the wrappers add their own cost
         if timing:
-            for owner, name in ((engine.scheduler, "schedule"), (engine.scheduler, "update"),
-                                (engine.executor, "execute"), (engine.costs, "observe")):
+            for owner, name in (
+                (engine.scheduler, "schedule"),
+                (engine.scheduler, "update"),
+                (engine.executor, "execute"),
+                (engine.costs, "observe"),
+            ):
                 timed(owner, name, name)
         for _ in range(5):
             totals.clear()
@@ -58,10 +64,14 @@ def main() -> None:
             if not timing and (best is None or elapsed < best):
                 best = elapsed
     close()
-    print(f"host-only decode step: {1e6 * best / NUM_STEPS:.1f} us (best of 5 runs of "
-          f"{NUM_STEPS} steps)")
-    print("  last timed run, per step: " + ", ".join(
-        f"{label} {v / NUM_STEPS / 1e3:.1f} us" for label, v in totals.items()))
+    print(
+        f"host-only decode step: {1e6 * best / NUM_STEPS:.1f} us (best of 5 runs of "
+        f"{NUM_STEPS} steps)"
+    )
+    print(
+        "  last timed run, per step: "
+        + ", ".join(f"{label} {v / NUM_STEPS / 1e3:.1f} us" for label, v in totals.items())
+    )
 
 
 if __name__ == "__main__":

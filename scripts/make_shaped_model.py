@@ -21,16 +21,32 @@ import shutil
 from pathlib import Path
 
 DEMO = Path(__file__).resolve().parent.parent / "models" / "demo-code"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 
 # Layer shapes of public models; the vocabulary is the demo tokenizer's (4,096), so the
 # embedding is small and the layers carry nearly all of the weights, as in the originals.
 SHAPES = {
-    "llama-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64},
-    "qwen-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-                  "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64},
+    "llama-1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+    },
+    "qwen-0.5b": {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+    },
 }
 
 
@@ -60,8 +76,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     config = shaped_config(args.shape, args.max_positions)
     model = build_dummy_model(config, dtype=torch.float16, seed=args.seed)
-    tensors = {name: t.contiguous() for name, t in model.state_dict().items()
-               if name != "lm_head.weight"}  # tied: the embedding is the output layer
+    tensors = {
+        name: t.contiguous() for name, t in model.state_dict().items() if name != "lm_head.weight"
+    }  # tied: the embedding is the output layer
     num_params = sum(t.numel() for t in tensors.values())
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del model, tensors

@@ -32,9 +32,11 @@ def main() -> None:
             speculator._state(request).ngram.lookup(8)
             times.append(time.perf_counter() - started)
             speculator.release(name)
-    print(f"{num_history}-token history, first lookup (median of 20): fresh index "
-          f"{1e3 * statistics.median(fresh):.2f} ms, the previous turn's taken over "
-          f"{1e3 * statistics.median(taken):.2f} ms")
+    print(
+        f"{num_history}-token history, first lookup (median of 20): fresh index "
+        f"{1e3 * statistics.median(fresh):.2f} ms, the previous turn's taken over "
+        f"{1e3 * statistics.median(taken):.2f} ms"
+    )
 
 
 if __name__ == "__main__":

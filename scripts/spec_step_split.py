@@ -32,16 +32,29 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--model", default=str(DEMO_MODEL_DIR), help="HF dir or .gguf")
     args = ap.parse_args()
-    engine, tokenizer, _ = build_engine(EngineConfig(
-        model=args.model, num_slots=4, max_num_seqs=4, max_model_len=512,
-        n_threads=args.threads, spec=args.spec))
+    engine, tokenizer, _ = build_engine(
+        EngineConfig(
+            model=args.model,
+            num_slots=4,
+            max_num_seqs=4,
+            max_model_len=512,
+            n_threads=args.threads,
+            spec=args.spec,
+        )
+    )
     engine.warmup()
     prompt = tokenizer.encode(PROMPT)
     steps, rates = [], []
     for r in range(args.rounds + 1):  # round 0 warms up
         engine.pool.reset_cache()
-        engine.add_request(Request(f"r{r}", prompt, SamplingParams(
-            temperature=0, max_tokens=128, ignore_eos=True), tier=ServiceTier.PRIORITY))
+        engine.add_request(
+            Request(
+                f"r{r}",
+                prompt,
+                SamplingParams(temperature=0, max_tokens=128, ignore_eos=True),
+                tier=ServiceTier.PRIORITY,
+            )
+        )
         stamps = []
         first = True
         while engine.has_work():
@@ -52,28 +65,43 @@ def main() -> None:
             if produced:
                 stamps.append((time.perf_counter(), produced))
             if r and st.num_tokens and not first:  # decode steps only (not the prefill)
-                steps.append((st.num_tokens, produced, elapsed, st.propose_time_s,
-                              st.schedule_time_s, st.execute_time_s, st.sample_time_s,
-                              st.update_time_s))
+                steps.append(
+                    (
+                        st.num_tokens,
+                        produced,
+                        elapsed,
+                        st.propose_time_s,
+                        st.schedule_time_s,
+                        st.execute_time_s,
+                        st.sample_time_s,
+                        st.update_time_s,
+                    )
+                )
             first = False
         if r:
             rates.append(sum(n for _, n in stamps[1:]) / (stamps[-1][0] - stamps[0][0]))
     engine.executor.close()
     n = len(steps)
     mean = [1000 * sum(s[k] for s in steps) / n for k in range(2, 8)]
-    print(f"--spec {args.spec}, {args.threads} threads: decode {statistics.median(rates):.0f} tok/s"
-          f" (median of {args.rounds} rounds)")
-    print(f"{n} steps, {sum(s[1] for s in steps) / n:.2f} tokens out per step; step "
-          f"{mean[0]:.3f} ms = propose {mean[1]:.3f} + schedule {mean[2]:.3f} + execute "
-          f"{mean[3]:.3f} + sample {mean[4]:.3f} + update {mean[5]:.3f} (+ the rest)")
+    print(
+        f"--spec {args.spec}, {args.threads} threads: decode {statistics.median(rates):.0f} tok/s"
+        f" (median of {args.rounds} rounds)"
+    )
+    print(
+        f"{n} steps, {sum(s[1] for s in steps) / n:.2f} tokens out per step; step "
+        f"{mean[0]:.3f} ms = propose {mean[1]:.3f} + schedule {mean[2]:.3f} + execute "
+        f"{mean[3]:.3f} + sample {mean[4]:.3f} + update {mean[5]:.3f} (+ the rest)"
+    )
     by_width = collections.defaultdict(list)
     for s in steps:
         by_width[s[0]].append(s)
     for width in sorted(by_width):
         group = by_width[width]
-        print(f"  {width:2d} tokens verified: {len(group):4d} steps, "
-              f"{statistics.mean(s[1] for s in group):.2f} out, execute "
-              f"{1000 * statistics.median(s[5] for s in group):.3f} ms")
+        print(
+            f"  {width:2d} tokens verified: {len(group):4d} steps, "
+            f"{statistics.mean(s[1] for s in group):.2f} out, execute "
+            f"{1000 * statistics.median(s[5] for s in group):.3f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -65,7 +65,8 @@ def pass_times(path: str, threads: int, reps: int = 40) -> dict[int, float]:
 
 def ceiling(relative: dict[int, float], acceptance: float) -> float:
     def tokens(n: int) -> float:
-        return float(n) if acceptance >= 1 else (1 - acceptance ** n) / (1 - acceptance)
+        return float(n) if acceptance >= 1 else (1 - acceptance**n) / (1 - acceptance)
+
     return max(tokens(n) / cost for n, cost in relative.items())
 
 
@@ -75,8 +76,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     llama_cpp.llama_backend_init()
-    print("| model | " + " | ".join(f"{n} tok" for n in WIDTHS) + " | "
-          + " | ".join(f"ceiling a={a}" for a in ACCEPTANCE) + " |")
+    print(
+        "| model | "
+        + " | ".join(f"{n} tok" for n in WIDTHS)
+        + " | "
+        + " | ".join(f"ceiling a={a}" for a in ACCEPTANCE)
+        + " |"
+    )
     print("|---" * (1 + len(WIDTHS) + len(ACCEPTANCE)) + "|")
     for path in args.gguf:
         times = pass_times(path, args.threads)

@@ -11,6 +11,16 @@ DEMO_MODEL_DIR = REPO_ROOT / "models" / "demo-code"
 DEMO_DRAFT_DIR = REPO_ROOT / "models" / "demo-draft"
 
 
+EXECUTORS = ("auto", "ggml", "torch", "fake")
+SPEC_METHODS = ("off", "ngram", "draft", "auto")
+SPEC_TIERS = ("priority", "default", "flex")
+
+# Defaults that modules outside this file also state: they import these names instead.
+MAX_DRAFT_TOKENS = 8  # bound of the adaptive draft length (engine/speculation.py's SpecConfig too)
+SESSION_TTL_S = 30 * 24 * 3600.0  # OpenAI keeps stored responses 30 days (server/sessions/store.py)
+MAX_SESSIONS_PER_TENANT = 10_000  # live sessions one tenant may hold (server/sessions/store.py)
+
+
 def cache_dir() -> Path:
     """Where converted GGUF files and other derived artifacts go (ULTRAFAST_CACHE_DIR)."""
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ultrafast"
@@ -33,8 +43,8 @@ def default_model() -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # HF model directory, or a .gguf file with tokenizer.json beside it
-    executor: str = "auto"  # auto (ggml on CPU, torch on CUDA), ggml, torch
+    model: str  # HF model directory, or a .gguf file (its metadata holds the tokenizer)
+    executor: str = "auto"  # auto (ggml on CPU, torch on CUDA), ggml, torch, fake (tests only)
     num_slots: int = 8  # KV slots: concurrent sequences plus cached prefixes
     max_model_len: int = 2048  # positions per slot (capped by the model's own limit)
     max_num_seqs: int = 8  # running at once
@@ -53,16 +63,16 @@ class EngineConfig:
     spec: str = "auto"
     spec_tiers: tuple[str, ...] = ("priority",)  # tiers that draft (flex never by default)
     draft_model: str | None = None  # HF dir or .gguf; None = the bundled demo draft if it fits
-    max_draft_tokens: int = 8  # bound of the adaptive draft length
+    max_draft_tokens: int = MAX_DRAFT_TOKENS
 
     def __post_init__(self) -> None:
-        if self.executor not in ("auto", "ggml", "torch", "fake"):
-            raise ValueError("executor must be auto, ggml, torch or fake (tests only)")
-        if self.spec not in ("off", "ngram", "draft", "auto"):
-            raise ValueError("spec must be off, ngram, draft or auto")
-        bad = set(self.spec_tiers) - {"priority", "default", "flex"}
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}")
+        if self.spec not in SPEC_METHODS:
+            raise ValueError(f"spec must be one of {', '.join(SPEC_METHODS)}")
+        bad = set(self.spec_tiers) - set(SPEC_TIERS)
         if bad:
-            raise ValueError(f"unknown spec tier(s) {sorted(bad)}: use priority, default, flex")
+            raise ValueError(f"unknown spec tier(s) {sorted(bad)}: use {', '.join(SPEC_TIERS)}")
         if not 1 <= self.max_draft_tokens <= 32:
             raise ValueError("max_draft_tokens must be in [1, 32]")
         if self.max_num_seqs > self.num_slots:
@@ -98,8 +108,8 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_tokens_cap: int = 4096  # per-request ceiling on max_tokens
     session_store: str = ""  # sqlite:///path or redis://host:port/db; "" = default_session_store()
-    session_ttl_s: float = 30 * 24 * 3600.0  # a session expires this long after its last write
-    max_sessions_per_tenant: int = 10_000
+    session_ttl_s: float = SESSION_TTL_S  # a session expires this long after its last write
+    max_sessions_per_tenant: int = MAX_SESSIONS_PER_TENANT
     session_commit_grace_s: float = 30.0  # an answer's commit is retried this long (store outage)
     allowed_hosts: tuple[str, ...] = ()  # Host header names; () = loopback names on loopback
     api_keys_path: str | None = None  # tenants + sha256 keys; None = no auth, loopback only

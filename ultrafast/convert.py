@@ -34,16 +34,30 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", False),
     "Qwen3ForCausalLM": ("qwen3", False),
 }
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
-_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_GLOBAL_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
 _LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 _OUT_TYPES = {  # outtype -> (ggml tensor type for 2-D weights, gguf file type)
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -64,7 +78,9 @@ def _read_json(path: Path) -> dict:
 def _architecture(config: dict) -> str:
     names = config.get("architectures") or [_MODEL_TYPES.get(config.get("model_type", ""), "?")]
     if names[0] not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {names[0]!r}; supported: {sorted(ARCHITECTURES)}")
+        raise ValueError(
+            f"unsupported architecture {names[0]!r}; supported: {sorted(ARCHITECTURES)}"
+        )
     return names[0]
 
 
@@ -97,8 +113,11 @@ def llama3_rope_factors(config: dict) -> np.ndarray:
 def _permute_for_interleaved_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Reorder each head's rows from [first halves, second halves] to interleaved pairs."""
     rows = weight.shape[0]
-    return (weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def _gguf_name(hf_name: str) -> str | None:
@@ -123,7 +142,9 @@ def _hf_tensors(model_dir: Path):
                 yield name, f.get_tensor(name)
 
 
-def _encode(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[np.ndarray, object]:
+def _encode(
+    data: np.ndarray, qtype: gguf.GGMLQuantizationType
+) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
     """(array, raw_dtype for GGUFWriter.add_tensor). 1-D tensors (norms, biases) stay f32."""
     if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
         return data.astype(np.float32), None
@@ -156,7 +177,7 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict, name: str) -> None:
         raise ValueError(f"unsupported rope_type {rope['rope_type']!r}")
 
 
-def _token_text(token: str | dict) -> str | None:
+def _token_text(token: str | dict | None) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 
@@ -181,23 +202,32 @@ def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, config: dict) -> 
         types[token_id] = gguf.TokenType.NORMAL
     user_defined = {a["id"] for a in tok_json.get("added_tokens", []) if not a.get("special")}
     for token_id in special | user_defined:
-        types[token_id] = gguf.TokenType.CONTROL if token_id in special else gguf.TokenType.USER_DEFINED
+        types[token_id] = (
+            gguf.TokenType.CONTROL if token_id in special else gguf.TokenType.USER_DEFINED
+        )
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     pre_json = json.dumps(tok_json.get("pre_tokenizer"))
-    pre = next((n for frag, n in _PRE_TOKENIZERS if json.dumps(frag)[1:-1] in pre_json), "gpt-2")
+    pre = next((n for frag, n in _PRE_TOKENIZERS if json.dumps(frag)[1:-1] in pre_json), None)
+    if pre is None:  # GPT-2's regex; SmolLM/StarCoder first split every digit apart
+        pre = "smollm" if '"individual_digits": true' in pre_json else "gpt-2"
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    for key, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
-                     ("pad_token", writer.add_pad_token_id)):
+    for key, add in (
+        ("bos_token", writer.add_bos_token_id),
+        ("eos_token", writer.add_eos_token_id),
+        ("pad_token", writer.add_pad_token_id),
+    ):
         token_id = vocab.get(_token_text(tok_config.get(key)) or "")
         if token_id is None and isinstance(config.get(f"{key}_id"), int):
             token_id = config[f"{key}_id"]
         if token_id is not None:
             add(token_id)
-    writer.add_add_bos_token(bool(tok_config.get("add_bos_token", _post_processor_adds_bos(tok_json))))
+    writer.add_add_bos_token(
+        bool(tok_config.get("add_bos_token", _post_processor_adds_bos(tok_json)))
+    )
     template = tok_config.get("chat_template")
     if template is None and (model_dir / "chat_template.jinja").is_file():
         template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
@@ -217,8 +247,10 @@ def convert_hf_to_gguf(model_dir: str | Path, out_path: str | Path, outtype: str
     if outtype not in _OUT_TYPES:
         raise ValueError(f"unsupported outtype {outtype!r}; choose from {sorted(_OUT_TYPES)}")
     if (model_dir / "quantization.json").is_file():
-        raise ValueError(f"{model_dir} holds torch-quantized weights; make its GGUF from the "
-                         "full-precision model with `ultrafast quantize --format gguf`")
+        raise ValueError(
+            f"{model_dir} holds torch-quantized weights; make its GGUF from the "
+            "full-precision model with `ultrafast quantize --format gguf`"
+        )
     config = _read_json(model_dir / "config.json")
     arch, permute = ARCHITECTURES[_architecture(config)]
     qtype, file_type = _OUT_TYPES[outtype]

@@ -13,7 +13,8 @@ HELDOUT_BUCKETS = 5  # sha256(relative path)[0] < 5 is held out (about 2% of the
 def stdlib_split() -> tuple[list[Path], list[Path]]:
     """(training files, held-out files) of this interpreter's standard library."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    train, held = [], []
+    train: list[Path] = []
+    held: list[Path] = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if rel.startswith("site-packages/"):

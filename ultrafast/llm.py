@@ -12,7 +12,9 @@ from typing import Iterator
 from ultrafast.config import DEMO_DRAFT_DIR, EngineConfig, default_model
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.core.types import TokenLogprobs
-from ultrafast.model_files import ModelFiles, gguf_for, resolve_model
+from ultrafast.model.kv_budget import check_kv_fits
+from ultrafast.model_files import (ModelFiles, gguf_for, load_tokenizer, resolve_model,
+                                   tokenizer_fingerprint)
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.engine.core import EngineCore
 from ultrafast.engine.draft_model import DraftModelProposer
@@ -44,7 +46,10 @@ def build_executor(config: EngineConfig, files: ModelFiles):
     if kind == "ggml":
         from ultrafast.executors.ggml_exec import GgmlExecutor
 
-        return GgmlExecutor(gguf_for(files, config.gguf_type), num_slots=config.num_slots,
+        gguf_path = gguf_for(files, config.gguf_type)
+        check_kv_fits(gguf_path, None, config.num_slots, config.max_model_len,
+                      files.max_position_embeddings)  # a clear error before llama.cpp's
+        return GgmlExecutor(gguf_path, num_slots=config.num_slots,
                             max_model_len=config.max_model_len, n_threads=config.n_threads,
                             n_threads_batch=config.n_threads_batch,
                             max_num_batched_tokens=config.max_num_batched_tokens)
@@ -63,7 +68,7 @@ def build_engine(config: EngineConfig, priority_itl_target_s: float | None = Non
     if files.max_position_embeddings:
         config = replace(config, max_model_len=min(config.max_model_len,
                                                    files.max_position_embeddings))
-    tokenizer = Tokenizer.from_dir(files.tokenizer_dir)
+    tokenizer = load_tokenizer(files)
     executor = build_executor(config, files)
     try:
         speculator = build_speculator(config, files)
@@ -83,17 +88,12 @@ def _draft_files(config: EngineConfig, files: ModelFiles) -> ModelFiles | None:
     uses the same tokenizer (a draft with another vocabulary would only propose garbage)."""
     path = config.draft_model or str(DEMO_DRAFT_DIR)
     draft = resolve_model(path)
-    same = _tokenizer_bytes(draft) == _tokenizer_bytes(files)
+    same = tokenizer_fingerprint(draft) == tokenizer_fingerprint(files)
     if not same and config.draft_model is None:
         return None
     if not same:
         raise ValueError(f"draft model {path} does not use the target's tokenizer")
     return draft
-
-
-def _tokenizer_bytes(files: ModelFiles) -> bytes | None:
-    path = files.tokenizer_dir / "tokenizer.json"
-    return path.read_bytes() if path.is_file() else None
 
 
 def build_speculator(config: EngineConfig, files: ModelFiles) -> Speculator:

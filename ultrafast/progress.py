@@ -25,9 +25,17 @@ def _fmt_s(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, label: str, total: int | None = None, stream=None, unit: str = "",
-                 width: int = 24, redraw_s: float = 0.1, log_every_s: float = 10.0,
-                 clock=time.monotonic):
+    def __init__(
+        self,
+        label: str,
+        total: int | None = None,
+        stream=None,
+        unit: str = "",
+        width: int = 24,
+        redraw_s: float = 0.1,
+        log_every_s: float = 10.0,
+        clock=time.monotonic,
+    ):
         self.label = label
         self.total = total
         self.stream = stream if stream is not None else sys.stderr
@@ -46,7 +54,7 @@ class Progress:
         isatty = getattr(self.stream, "isatty", None)
         self.tty = bool(isatty and isatty())
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -76,12 +84,16 @@ class Progress:
             filled = int(frac * self.width)
             bar = "#" * filled + "-" * (self.width - filled)
             eta = _fmt_s((self.total - self.done) / rate) if rate > 0 else "?"
-            text = (f"{self.label} [{bar}] {self.done}/{self.total}{unit} {100 * frac:.0f}% "
-                    f"{rate:.1f}/s ETA {eta}")
+            text = (
+                f"{self.label} [{bar}] {self.done}/{self.total}{unit} {100 * frac:.0f}% "
+                f"{rate:.1f}/s ETA {eta}"
+            )
         else:
             spin = _SPINNER[self._ticks % len(_SPINNER)] if self.tty else "-"
-            text = f"{self.label} {spin} {self.done}{unit} {rate:.1f}/s " \
-                   f"{_fmt_s(self.clock() - self.started_s)}"
+            text = (
+                f"{self.label} {spin} {self.done}{unit} {rate:.1f}/s "
+                f"{_fmt_s(self.clock() - self.started_s)}"
+            )
         extra = " ".join(f"{k}={v}" for k, v in self.fields.items())
         return f"{text} {extra}".rstrip()
 

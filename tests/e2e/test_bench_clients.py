@@ -12,13 +12,15 @@ BODY = {"prompt": "def add(a, b):\n", "max_tokens": 12, "temperature": 0, "ignor
 
 
 def test_lean_client_text_matches_non_streamed(server):
-    expected = httpx.post(server.url + "/v1/completions", json=BODY,
-                          timeout=60).json()["choices"][0]["text"]
+    expected = httpx.post(server.url + "/v1/completions", json=BODY, timeout=60).json()["choices"][
+        0
+    ]["text"]
 
     async def collect() -> tuple[str, int]:
         text, finishes = "", 0
-        async for _, event in stream_events("127.0.0.1", server.port, "/v1/completions",
-                                            {**BODY, "stream": True}):
+        async for _, event in stream_events(
+            "127.0.0.1", server.port, "/v1/completions", {**BODY, "stream": True}
+        ):
             choice = event["choices"][0]
             text += choice["text"]
             finishes += choice["finish_reason"] is not None
@@ -30,8 +32,11 @@ def test_lean_client_text_matches_non_streamed(server):
 
 
 def test_lean_client_stamps_every_token(server):
-    start, stamps = asyncio.run(completion_token_stamps(
-        "127.0.0.1", server.port, {**BODY, "stream": True, "max_tokens": 16}))
+    start, stamps = asyncio.run(
+        completion_token_stamps(
+            "127.0.0.1", server.port, {**BODY, "stream": True, "max_tokens": 16}
+        )
+    )
     assert 1 <= len(stamps) <= 16  # one stamp per non-empty text delta
     assert stamps == sorted(stamps) and stamps[0] >= start
     assert asyncio.run(lean_round(server.port, 16)) > 0
@@ -39,8 +44,11 @@ def test_lean_client_stamps_every_token(server):
 
 def test_lean_client_reports_http_errors(server):
     with pytest.raises(StreamError, match="HTTP 400"):
-        asyncio.run(completion_token_stamps("127.0.0.1", server.port,
-                                            {**BODY, "stream": True, "max_tokens": -1}))
+        asyncio.run(
+            completion_token_stamps(
+                "127.0.0.1", server.port, {**BODY, "stream": True, "max_tokens": -1}
+            )
+        )
 
 
 def test_handoff_rounds_deliver_every_token_both_ways():

@@ -11,10 +11,31 @@ from ultrafast.config import DEMO_MODEL_DIR
 def test_bench_run_quick_mode_writes_json_markdown_png(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "ultrafast.cli", "bench", "--model", str(DEMO_MODEL_DIR),
-         "--max-tokens", "8", "--rounds", "1", "--concurrency", "1,2", "--prompt-tokens", "12",
-         "--threads", "1", "--roofline", "--out", str(out)],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "ultrafast.cli",
+            "bench",
+            "--model",
+            str(DEMO_MODEL_DIR),
+            "--max-tokens",
+            "8",
+            "--rounds",
+            "1",
+            "--concurrency",
+            "1,2",
+            "--prompt-tokens",
+            "12",
+            "--threads",
+            "1",
+            "--roofline",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["skipped"] == {}
@@ -23,7 +44,7 @@ def test_bench_run_quick_mode_writes_json_markdown_png(tmp_path):
     assert set(report["results"]["1"]) == set(report["runners"])
     assert "llama.cpp" not in report["results"]["2"]  # no batching: concurrency 1 only
     for level, by_runner in report["results"].items():
-        for name, r in by_runner.items():
+        for r in by_runner.values():
             assert r["num_streams"] == int(level) and r["num_tokens"] == 8 * int(level)
             assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p90"] <= r["ttft_ms"]["p99"]
             assert 0 < r["itl_ms"]["p50"] <= r["itl_ms"]["p99"] and r["tok_s"] > 0

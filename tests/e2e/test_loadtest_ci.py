@@ -25,8 +25,9 @@ def ctx():
 @pytest.mark.parametrize("name", CI_SCENARIOS)
 def test_scenario_keeps_nothing_lost(ctx, name):
     result = asyncio.run(run_one(ctx, BY_NAME[name]))
-    assert result.status == "pass", "\n".join(result.violations) + \
-        "\n" + str(result.metrics.get("traceback", ""))
+    assert result.status == "pass", (
+        "\n".join(result.violations) + "\n" + str(result.metrics.get("traceback", ""))
+    )
     assert result.num_requests > 0
     rest = result.metrics.get("at_rest")
     if rest is not None:  # (iii): nothing running or waiting, every slot and seat free

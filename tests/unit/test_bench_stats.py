@@ -46,9 +46,16 @@ def test_weight_count_matches_the_model(tied):
     from ultrafast.model.config import ModelConfig
     from ultrafast.model.loader import build_dummy_model
 
-    hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 32,
-          "intermediate_size": 80, "num_hidden_layers": 3, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "tie_word_embeddings": tied}
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 96,
+        "hidden_size": 32,
+        "intermediate_size": 80,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": tied,
+    }
     model = build_dummy_model(hf)
     unique = {id(p): p.numel() for p in model.parameters()}
     config = ModelConfig.from_hf(hf)

@@ -23,7 +23,7 @@ def test_chat_call_carries_typed_messages_params_and_the_names_errors_use():
                                                   {"type": "text", "text": "b"}]}],
         "max_completion_tokens": 7, "top_k": 5, "logit_bias": {"3": 1.5}, "n": 2,
         "service_tier": "auto", "stop": "x"}, LIMITS)
-    call = chat_call(req, LIMITS.vocab_size)
+    call = chat_call(req, LIMITS)
     assert [(m.role, m.content, m.token_ids) for m in call.messages] == [
         ("system", "s", None), ("user", "a\nb", None)]
     assert call.params.top_k == 5 and call.params.logit_bias == ((3, 1.5),)
@@ -35,7 +35,7 @@ def test_chat_call_carries_typed_messages_params_and_the_names_errors_use():
 def test_completion_call_keeps_prompts_and_names_the_prompt():
     req = parse_completion_request({"prompt": ["a", [1, 2]], "echo": True, "max_tokens": 3,
                                     "priority": "priority"}, LIMITS)
-    call = completion_call(req, LIMITS.vocab_size)
+    call = completion_call(req, LIMITS)
     assert call.prompts == ["a", [1, 2]] and call.echo and not call.chat
     assert call.tier == ServiceTier.PRIORITY and call.tier_param == "priority"
     assert call.prompt_param == "prompt" and call.max_tokens == 3
@@ -76,3 +76,21 @@ def test_admission_predicts_from_the_latest_published_step_costs():
         admission.admit(ticket, 200, auto=False)  # 2.001 s now
     assert (refused.value.status, refused.value.code) == (429, "priority_slo_unattainable")
     assert admission.in_flight[ServiceTier.PRIORITY] == 0
+
+
+def test_the_models_sampling_defaults_fill_only_what_the_client_left_out():
+    limits = Limits(vocab_size=100, sampling_defaults=(
+        ("min_p", 0.05), ("repetition_penalty", 1.1), ("temperature", 0.2), ("top_k", 20),
+        ("top_p", 0.9)))
+    plain = chat_call(parse_chat_request(
+        {"messages": [{"role": "user", "content": "hi"}]}, limits), limits).params
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.min_p,
+            plain.repetition_penalty) == (0.2, 0.9, 20, 0.05, 1.1)
+    own = completion_call(parse_completion_request(
+        {"prompt": "hi", "temperature": 1.0, "top_p": 1.0, "top_k": 3, "min_p": 0.0,
+         "repetition_penalty": 1.0}, limits), limits).params
+    assert (own.temperature, own.top_p, own.top_k, own.min_p,
+            own.repetition_penalty) == (1.0, 1.0, 3, 0.0, 1.0)
+    without = chat_call(parse_chat_request(
+        {"messages": [{"role": "user", "content": "hi"}]}, LIMITS), LIMITS).params
+    assert (without.temperature, without.top_p, without.top_k) == (1.0, 1.0, 0)

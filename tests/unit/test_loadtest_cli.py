@@ -6,8 +6,12 @@ import sys
 
 
 def loadtest(*args):
-    return subprocess.run([sys.executable, "-m", "ultrafast.cli", "loadtest", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "ultrafast.cli", "loadtest", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_help_lists_the_bounds():
@@ -18,8 +22,9 @@ def test_help_lists_the_bounds():
 
 
 def test_non_loopback_target_is_refused(tmp_path):
-    done = loadtest("--url", "http://192.168.1.20:8000", "--scenario", "L7",
-                    "--out", str(tmp_path / "r.json"))
+    done = loadtest(
+        "--url", "http://192.168.1.20:8000", "--scenario", "L7", "--out", str(tmp_path / "r.json")
+    )
     assert done.returncode == 2 and "loopback" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "r.json").exists()
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from ultrafast.bench.report import write_report
-from ultrafast.model_files import gguf_for, resolve_model
+from ultrafast.model_files import gguf_for, load_tokenizer, resolve_model
 from ultrafast.progress import Progress
 
 
@@ -26,16 +28,31 @@ class RunResult:
     acceptance: float | None = None  # speculative runners: accepted / drafted tokens
 
 
-def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind, spec="off"):
+# a runner: run() -> (time to first token, first-to-last token time) in seconds, and close()
+Runner = tuple[Callable[[], tuple[float, float]], Callable[[], None]]
+
+
+def _round_times(start: float, first: float | None, last: float | None) -> tuple[float, float]:
+    if first is None or last is None:
+        raise RuntimeError("the runner generated no token")
+    return first - start, last - first
+
+
+def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind, spec="off") -> Runner:
     """Our engine; with `spec` other than off, a priority request with speculative decoding."""
     from ultrafast.config import EngineConfig
     from ultrafast.llm import build_engine
     from ultrafast.request import Request, SamplingParams, ServiceTier
 
-    config = EngineConfig(model=str(gguf if executor_kind == "ggml" else files.hf_dir),
-                          executor=executor_kind, num_slots=1, max_num_seqs=1,
-                          max_model_len=len(prompt_ids) + num_new + 8, n_threads=threads,
-                          spec=spec)
+    config = EngineConfig(
+        model=str(gguf if executor_kind == "ggml" else files.hf_dir),
+        executor=executor_kind,
+        num_slots=1,
+        max_num_seqs=1,
+        max_model_len=len(prompt_ids) + num_new + 8,
+        n_threads=threads,
+        spec=spec,
+    )
     engine, tokenizer, _ = build_engine(config)
     params = SamplingParams(temperature=0.0, max_tokens=num_new, ignore_eos=True)
     tier = ServiceTier.PRIORITY if spec != "off" else ServiceTier.DEFAULT
@@ -46,13 +63,14 @@ def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind, spec="off"):
         engine.pool.reset_cache()  # each round prefills from scratch, like the peers
         start = time.perf_counter()
         engine.add_request(Request(f"bench-{counter[0]}", list(prompt_ids), params, tier=tier))
-        first = last = None
+        first: float | None = None
+        last: float | None = None
         while engine.has_work():
             for out in engine.step():
                 if out.new_token_ids:
                     last = time.perf_counter()
                     first = first or last
-        return first - start, last - first
+        return _round_times(start, first, last)
 
     def close() -> None:
         engine.executor.close()
@@ -63,31 +81,37 @@ def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind, spec="off"):
     return run, close
 
 
-def _llama_cpp(gguf, prompt_ids, num_new, threads):
+def _llama_cpp(gguf, prompt_ids, num_new, threads) -> Runner:
     from ultrafast.executors.llama_cpp_params import open_llama
 
-    llm = open_llama(str(gguf), n_ctx=len(prompt_ids) + num_new + 8,
-                          n_threads=threads, n_threads_batch=threads, n_batch=512,
-                          verbose=False, logits_all=False)
+    llm = open_llama(
+        str(gguf),
+        n_ctx=len(prompt_ids) + num_new + 8,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=512,
+        verbose=False,
+        logits_all=False,
+    )
 
     def run() -> tuple[float, float]:
         llm.reset()
         start = time.perf_counter()
-        first = last = None
+        first: float | None = None
+        last: float | None = None
         n = 0
-        for _ in llm.generate(list(prompt_ids), top_k=1, temp=0.0, repeat_penalty=1.0,
-                              reset=True):
+        for _ in llm.generate(list(prompt_ids), top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
             last = time.perf_counter()
             first = first or last
             n += 1
             if n >= num_new:
                 break
-        return first - start, last - first
+        return _round_times(start, first, last)
 
     return run, llm.close
 
 
-def _transformers(hf_dir, prompt_ids, num_new, threads):
+def _transformers(hf_dir, prompt_ids, num_new, threads) -> Runner:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -98,8 +122,7 @@ def _transformers(hf_dir, prompt_ids, num_new, threads):
     def generate(n: int) -> float:
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=0)
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         return time.perf_counter() - start
 
     def run() -> tuple[float, float]:
@@ -109,26 +132,30 @@ def _transformers(hf_dir, prompt_ids, num_new, threads):
     return run, lambda: None
 
 
-def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, rounds: int = 3,
-                     threads: int | None = None, peers: tuple[str, ...] = (
-                         "ultrafast-ggml", "llama.cpp", "ultrafast-torch", "transformers"),
-                     gguf_type: str = "f16", gguf_paths: list[str] | None = None,
-                     spec: tuple[str, ...] = ()) -> dict:
+def run_decode_bench(
+    model: str,
+    num_new: int = 128,
+    prompt_tokens: int = 32,
+    rounds: int = 3,
+    threads: int | None = None,
+    peers: tuple[str, ...] = ("ultrafast-ggml", "llama.cpp", "ultrafast-torch", "transformers"),
+    gguf_type: str = "f16",
+    gguf_paths: list[str] | None = None,
+    spec: tuple[str, ...] = (),
+) -> dict:
     """gguf_paths: compare these GGUF files instead (our ggml executor, plain and with each
     `spec` method, and llama.cpp on each file, runners named `...[file stem]`; transformers
     fp32 stays as the common reference).
     `spec`: speculative variants of the ggml runner (ngram, draft, auto) run alongside."""
     import os
 
-    from ultrafast.tokenizer import Tokenizer
-
     threads = threads or len(os.sched_getaffinity(0))
     files = resolve_model(model)
     gguf = gguf_for(files, gguf_type)
-    tokenizer = Tokenizer.from_dir(files.tokenizer_dir)
+    tokenizer = load_tokenizer(files)
     text = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
     prompt_ids = (tokenizer.encode(text) * 8)[:prompt_tokens]
-    makers = {
+    makers: dict[str, Callable[[], Runner]] = {
         "ultrafast-ggml": lambda: _ours(files, gguf, prompt_ids, num_new, threads, "ggml"),
         "ultrafast-torch": lambda: _ours(files, gguf, prompt_ids, num_new, threads, "torch"),
         "llama.cpp": lambda: _llama_cpp(gguf, prompt_ids, num_new, threads),
@@ -136,23 +163,27 @@ def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, ro
     }
     extra_peers = [f"ultrafast-ggml-spec-{m}" for m in spec]
     for method in spec:
-        makers[f"ultrafast-ggml-spec-{method}"] = (
-            lambda m=method: _ours(files, gguf, prompt_ids, num_new, threads, "ggml", m))
+        makers[f"ultrafast-ggml-spec-{method}"] = partial(
+            _ours, files, gguf, prompt_ids, num_new, threads, "ggml", method
+        )
     if gguf_paths:  # per file: ours plain and speculative vs llama.cpp; transformers fp32 once
         extra_peers = []
         for path in gguf_paths:
             stem = Path(path).stem
-            makers[f"ultrafast-ggml[{stem}]"] = (
-                lambda p=path: _ours(files, p, prompt_ids, num_new, threads, "ggml"))
-            makers[f"llama.cpp[{stem}]"] = lambda p=path: _llama_cpp(p, prompt_ids, num_new,
-                                                                     threads)
+            makers[f"ultrafast-ggml[{stem}]"] = partial(
+                _ours, files, path, prompt_ids, num_new, threads, "ggml"
+            )
+            makers[f"llama.cpp[{stem}]"] = partial(_llama_cpp, path, prompt_ids, num_new, threads)
             for method in spec:
-                makers[f"ultrafast-ggml-spec-{method}[{stem}]"] = (
-                    lambda p=path, m=method: _ours(files, p, prompt_ids, num_new, threads,
-                                                   "ggml", m))
-            extra_peers += [f"ultrafast-ggml[{stem}]", f"llama.cpp[{stem}]",
-                           *(f"ultrafast-ggml-spec-{m}[{stem}]" for m in spec)]
-        peers = ["transformers"] if "transformers" in peers else []
+                makers[f"ultrafast-ggml-spec-{method}[{stem}]"] = partial(
+                    _ours, files, path, prompt_ids, num_new, threads, "ggml", method
+                )
+            extra_peers += [
+                f"ultrafast-ggml[{stem}]",
+                f"llama.cpp[{stem}]",
+                *(f"ultrafast-ggml-spec-{m}[{stem}]" for m in spec),
+            ]
+        peers = ("transformers",) if "transformers" in peers else ()
         gguf = Path(gguf_paths[0])
     peers = tuple(peers) + tuple(extra_peers)
     runners = {name: makers[name]() for name in peers}
@@ -172,27 +203,44 @@ def run_decode_bench(model: str, num_new: int = 128, prompt_tokens: int = 32, ro
     for name, runs in samples.items():
         decode_s = statistics.median(d for _, d in runs)
         stats = getattr(runners[name][0], "spec_stats", None)
-        results[name] = asdict(RunResult(name, (num_new - 1) / decode_s,
-                                         1000 * statistics.median(t for t, _ in runs),
-                                         stats.acceptance_rate() if stats else None))
-    return {"model": files.name, "gguf": gguf.name, "threads": threads, "new_tokens": num_new,
-            "prompt_tokens": len(prompt_ids), "rounds": rounds, "results": results}
+        results[name] = asdict(
+            RunResult(
+                name,
+                (num_new - 1) / decode_s,
+                1000 * statistics.median(t for t, _ in runs),
+                stats.acceptance_rate() if stats else None,
+            )
+        )
+    return {
+        "model": files.name,
+        "gguf": gguf.name,
+        "threads": threads,
+        "new_tokens": num_new,
+        "prompt_tokens": len(prompt_ids),
+        "rounds": rounds,
+        "results": results,
+    }
 
 
 def markdown(report: dict) -> str:
     res = report["results"]
-    lines = [f"model `{report['model']}` ({report['gguf']}), batch 1, {report['prompt_tokens']} "
-             f"prompt tokens, {report['new_tokens']} new tokens, {report['threads']} threads, "
-             f"median of {report['rounds']} interleaved rounds", "",
-             "| runner | decode tok/s | TTFT ms | vs llama.cpp | vs transformers | accepted |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"model `{report['model']}` ({report['gguf']}), batch 1, {report['prompt_tokens']} "
+        f"prompt tokens, {report['new_tokens']} new tokens, {report['threads']} threads, "
+        f"median of {report['rounds']} interleaved rounds",
+        "",
+        "| runner | decode tok/s | TTFT ms | vs llama.cpp | vs transformers | accepted |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in res.items():
-        peer = "llama.cpp" + name[name.index("["):] if "[" in name else "llama.cpp"
+        peer = "llama.cpp" + name[name.index("[") :] if "[" in name else "llama.cpp"
         vs_llama = _ratio(r, res.get(peer))  # "-": no llama.cpp run of the same file
         vs_hf = _ratio(r, res.get("transformers"))
         accepted = "" if r.get("acceptance") is None else f"{r['acceptance']:.0%}"
-        lines.append(f"| {name} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.1f} | "
-                     f"{vs_llama} | {vs_hf} | {accepted} |")
+        lines.append(
+            f"| {name} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.1f} | "
+            f"{vs_llama} | {vs_hf} | {accepted} |"
+        )
     return "\n".join(lines)
 
 
@@ -201,8 +249,14 @@ def _ratio(result: dict, peer: dict | None) -> str:
 
 
 def main(args) -> int:
-    spec = tuple(m.strip() for m in (getattr(args, "spec", "") or "").split(",") if m.strip())
-    report = run_decode_bench(args.model, num_new=args.new_tokens, rounds=args.rounds or 3,
-                              threads=args.threads, gguf_type=args.gguf_type,
-                              gguf_paths=getattr(args, "gguf", None), spec=spec)
+    spec = tuple(m.strip() for m in (args.spec or "").split(",") if m.strip())
+    report = run_decode_bench(
+        args.model,
+        num_new=args.new_tokens,
+        rounds=args.rounds,
+        threads=args.threads,
+        gguf_type=args.gguf_type,
+        gguf_paths=args.gguf,
+        spec=spec,
+    )
     return write_report(report, args.out, markdown(report))

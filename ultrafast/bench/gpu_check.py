@@ -20,13 +20,27 @@ import time
 from pathlib import Path
 
 LLAMA_1B_SHAPE = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
-    "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    "torch_dtype": "bfloat16"}
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "torch_dtype": "bfloat16",
+}
 
 
 def _environment() -> dict:
@@ -34,11 +48,15 @@ def _environment() -> dict:
         import torch
     except ImportError:
         return {"torch": None, "cuda": False, "why": "torch is not installed on this machine"}
-    env = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
-           "cuda": torch.cuda.is_available()}
+    env: dict[str, object] = {
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda": torch.cuda.is_available(),
+    }
     if not env["cuda"]:
-        env["why"] = (f"torch {torch.__version__} sees no CUDA device (built for CUDA "
-                      f"{torch.version.cuda})")
+        env["why"] = (
+            f"torch {torch.__version__} sees no CUDA device (built for CUDA {torch.version.cuda})"
+        )
         return env
     props = torch.cuda.get_device_properties(0)
     env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1))
@@ -50,8 +68,9 @@ def _environment() -> dict:
     return env
 
 
-def _decode_rate(model, mode: str, prompt_len: int, num_decode: int, rounds: int,
-                 device: str = "cuda") -> dict:
+def _decode_rate(
+    model, mode: str, prompt_len: int, num_decode: int, rounds: int, device: str = "cuda"
+) -> dict:
     """Batch-1 decode through EngineCore; the first (warm-up) request compiles and captures.
     (device is a parameter so the CPU test suite can run this exact code on a tiny model.)"""
     import torch
@@ -62,8 +81,7 @@ def _decode_rate(model, mode: str, prompt_len: int, num_decode: int, rounds: int
     from ultrafast.engine.core import EngineCore
 
     max_len = 1024
-    executor = TorchExecutor(model, num_slots=1, max_model_len=max_len, device=device,
-                             compile=mode)
+    executor = TorchExecutor(model, num_slots=1, max_model_len=max_len, device=device, compile=mode)
     core = EngineCore(executor, SchedulerConfig(max_num_seqs=1, max_model_len=max_len))
     params = SamplingParams(temperature=0.0, max_tokens=num_decode + 1, ignore_eos=True)
     vocab = executor.vocab_size
@@ -78,8 +96,9 @@ def _decode_rate(model, mode: str, prompt_len: int, num_decode: int, rounds: int
         while core.has_work():
             if any(o.new_token_ids for o in core.step()):
                 stamps.append(time.perf_counter())
-                if i and len(stamps) > 1:
-                    exec_s += core.last_stats.execute_time_s + core.last_stats.sample_time_s
+                stats = core.last_stats
+                if i and len(stamps) > 1 and stats is not None:
+                    exec_s += stats.execute_time_s + stats.sample_time_s
                     num_steps += 1
         if i == 0:
             warmup_s = time.perf_counter() - start
@@ -87,11 +106,16 @@ def _decode_rate(model, mode: str, prompt_len: int, num_decode: int, rounds: int
         ttfts.append(stamps[0] - start)
         rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
     decode = executor.decode
-    out = {"mode": mode, "decode_tok_s": max(rates), "decode_tok_s_rounds": rates,
-           "ttft_ms": 1000 * min(ttfts), "warmup_s": warmup_s,
-           "executor_ms_per_token": 1000 * exec_s / max(1, num_steps),
-           "compiled_steps": decode.num_steps if decode else 0,
-           "compiled_disabled": decode.disabled_reason if decode else None}
+    out = {
+        "mode": mode,
+        "decode_tok_s": max(rates),
+        "decode_tok_s_rounds": rates,
+        "ttft_ms": 1000 * min(ttfts),
+        "warmup_s": warmup_s,
+        "executor_ms_per_token": 1000 * exec_s / max(1, num_steps),
+        "compiled_steps": decode.num_steps if decode else 0,
+        "compiled_disabled": decode.disabled_reason if decode else None,
+    }
     executor.close()
     del core
     if device == "cuda":
@@ -99,16 +123,18 @@ def _decode_rate(model, mode: str, prompt_len: int, num_decode: int, rounds: int
     return out
 
 
-def _transformers_rate(model, prompt_len: int, num_decode: int, shape: dict = LLAMA_1B_SHAPE,
-                       device: str = "cuda") -> dict:
+def _transformers_rate(
+    model, prompt_len: int, num_decode: int, shape: dict = LLAMA_1B_SHAPE, device: str = "cuda"
+) -> dict:
     """transformers generate on the same weights (state dict names match HF's)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ultrafast.bench.peers import _StampStreamer
 
-    config = LlamaConfig(**{k: v for k, v in shape.items()
-                            if k not in ("architectures", "torch_dtype")})
+    config = LlamaConfig(
+        **{k: v for k, v in shape.items() if k not in ("architectures", "torch_dtype")}
+    )
     with torch.device(device):  # (no dtype= keyword: its name differs across versions)
         hf = LlamaForCausalLM(config).to(model.lm_head.weight.dtype)
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
@@ -116,15 +142,20 @@ def _transformers_rate(model, prompt_len: int, num_decode: int, shape: dict = LL
         raise RuntimeError(f"weights do not map onto transformers: {missing} {unexpected}")
     hf.eval()
     vocab = shape["vocab_size"]
-    ids = torch.tensor([[(i * 7919) % (vocab - 8) + 4 for i in range(prompt_len)]],
-                       device=device)
+    ids = torch.tensor([[(i * 7919) % (vocab - 8) + 4 for i in range(prompt_len)]], device=device)
     rates = []
     for _ in range(2):  # the first run warms the kernels up
         streamer = _StampStreamer(time.perf_counter())
         with torch.inference_mode():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_decode,
-                        min_new_tokens=num_decode, do_sample=False, pad_token_id=0,
-                        streamer=streamer)
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=num_decode,
+                min_new_tokens=num_decode,
+                do_sample=False,
+                pad_token_id=0,
+                streamer=streamer,
+            )
         t = streamer.stamps_s
         rates.append((len(t) - 1) / (t[-1] - t[0]))
     del hf
@@ -134,13 +165,21 @@ def _transformers_rate(model, prompt_len: int, num_decode: int, shape: dict = LL
 
 
 def _roofline(prompt_len: int, num_decode: int) -> dict:
-    from ultrafast.bench.roofline import (count_weight_params, kv_bytes_per_position,
-                                          measure_bandwidth_gb_s, roofline)
+    from ultrafast.bench.roofline import (
+        count_weight_params,
+        kv_bytes_per_position,
+        measure_bandwidth_gb_s,
+        roofline,
+    )
     from ultrafast.model.config import ModelConfig
 
     config = ModelConfig.from_hf(LLAMA_1B_SHAPE)
-    line = roofline(2 * count_weight_params(config), kv_bytes_per_position(config, 2.0),
-                    prompt_len + num_decode / 2, measure_bandwidth_gb_s(device="cuda"))
+    line = roofline(
+        2 * count_weight_params(config),
+        kv_bytes_per_position(config, 2.0),
+        prompt_len + num_decode / 2,
+        measure_bandwidth_gb_s(device="cuda"),
+    )
     return line.as_dict()
 
 
@@ -148,8 +187,14 @@ def _run_gpu_tests(timeout_s: float) -> dict:
     repo = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"]
     try:
-        done = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=timeout_s,
-                              env={**os.environ, "PYTHONPATH": str(repo)})
+        done = subprocess.run(
+            cmd,
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, "PYTHONPATH": str(repo)},
+        )
     except subprocess.TimeoutExpired:
         return {"rc": None, "tail": f"timed out after {timeout_s:.0f} s"}
     return {"rc": done.returncode, "tail": (done.stdout + done.stderr)[-3000:]}
@@ -160,24 +205,34 @@ def markdown(report: dict) -> str:
     if not env.get("cuda"):
         return f"GPU check not run: {env.get('why')}"
     roof = report.get("roofline") or {}
-    lines = [f"{env['gpu']} ({env['gpu_memory_gib']} GiB), torch {env['torch']} (CUDA "
-             f"{env['torch_cuda']}); Llama-3.2-1B-shaped dummy bf16, batch 1, "
-             f"{report['prompt_tokens']} prompt tokens, {report['decode_tokens']} decoded", ""]
+    lines = [
+        f"{env['gpu']} ({env['gpu_memory_gib']} GiB), torch {env['torch']} (CUDA "
+        f"{env['torch_cuda']}); Llama-3.2-1B-shaped dummy bf16, batch 1, "
+        f"{report['prompt_tokens']} prompt tokens, {report['decode_tokens']} decoded",
+        "",
+    ]
     if roof:
-        lines += [f"HBM roofline: {roof['bytes_per_token'] / 1e9:.3f} GB/token at "
-                  f"{roof['bandwidth_gb_s']:.0f} GB/s measured = {roof['roofline_tok_s']:.0f} "
-                  "tok/s", ""]
-    lines += ["| decode | tok/s | of roofline | executor ms/token | TTFT ms | warm-up s |",
-              "|---|---|---|---|---|---|"]
+        lines += [
+            f"HBM roofline: {roof['bytes_per_token'] / 1e9:.3f} GB/token at "
+            f"{roof['bandwidth_gb_s']:.0f} GB/s measured = {roof['roofline_tok_s']:.0f} "
+            "tok/s",
+            "",
+        ]
+    lines += [
+        "| decode | tok/s | of roofline | executor ms/token | TTFT ms | warm-up s |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in report["modes"].items():
         if "error" in r or "skipped" in r:
             lines.append(f"| {name} | {r.get('error') or r.get('skipped')} | | | | |")
             continue
         frac = r["decode_tok_s"] / roof["roofline_tok_s"] if roof else None
-        lines.append(f"| {name} | {r['decode_tok_s']:.1f} | "
-                     f"{'' if frac is None else f'{100 * frac:.1f}%'} | "
-                     f"{r.get('executor_ms_per_token', float('nan')):.3f} | "
-                     f"{r.get('ttft_ms', float('nan')):.1f} | {r.get('warmup_s', 0):.1f} |")
+        lines.append(
+            f"| {name} | {r['decode_tok_s']:.1f} | "
+            f"{'' if frac is None else f'{100 * frac:.1f}%'} | "
+            f"{r.get('executor_ms_per_token', float('nan')):.3f} | "
+            f"{r.get('ttft_ms', float('nan')):.1f} | {r.get('warmup_s', 0):.1f} |"
+        )
     tests = report.get("tests")
     if tests:
         lines += ["", f"tests/gpu: rc {tests['rc']}", "", "```", tests["tail"][-800:], "```"]
@@ -191,9 +246,13 @@ def main(args) -> int:
     def left_s() -> float:
         return budget_s - (time.monotonic() - started)
 
-    prompt_len, num_decode = args.prompt_tokens or 128, args.decode_tokens
-    report: dict = {"environment": _environment(), "prompt_tokens": prompt_len,
-                    "decode_tokens": num_decode, "modes": {}}
+    prompt_len, num_decode = args.prompt_tokens, args.decode_tokens
+    report: dict = {
+        "environment": _environment(),
+        "prompt_tokens": prompt_len,
+        "decode_tokens": num_decode,
+        "modes": {},
+    }
     if report["environment"].get("cuda"):
         import torch
 
@@ -207,16 +266,19 @@ def main(args) -> int:
                 report["modes"][mode] = {"skipped": "time budget"}
                 continue
             try:
-                report["modes"][mode] = _decode_rate(model, mode, prompt_len, num_decode,
-                                                     rounds=max(1, args.rounds or 3))
+                report["modes"][mode] = _decode_rate(
+                    model, mode, prompt_len, num_decode, rounds=max(1, args.rounds)
+                )
             except Exception as exc:  # noqa: BLE001 - report and carry on with the next mode
                 report["modes"][mode] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-            print(f"[{time.monotonic() - started:.0f} s] {mode}: {report['modes'][mode]}",
-                  flush=True)
+            print(
+                f"[{time.monotonic() - started:.0f} s] {mode}: {report['modes'][mode]}", flush=True
+            )
         if report["environment"].get("transformers") and left_s() > 60:
             try:
-                report["modes"]["transformers"] = _transformers_rate(model, prompt_len,
-                                                                     min(num_decode, 128))
+                report["modes"]["transformers"] = _transformers_rate(
+                    model, prompt_len, min(num_decode, 128)
+                )
             except Exception as exc:  # noqa: BLE001
                 report["modes"]["transformers"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
         del model

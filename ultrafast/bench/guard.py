@@ -29,20 +29,39 @@ EXAMPLE_PATTERNS = Path(__file__).resolve().parents[2] / "deploy" / "guard-patte
 
 def _configs(hold_back: int, patterns_file: Path) -> dict:
     guard = ["--guard-patterns", str(patterns_file)]
-    return {"none": [], "guard_hold_0": guard + ["--guard-hold-back-tokens", "0"],
-            f"guard_hold_{hold_back}": guard + ["--guard-hold-back-tokens", str(hold_back)]}
+    return {
+        "none": [],
+        "guard_hold_0": guard + ["--guard-hold-back-tokens", "0"],
+        f"guard_hold_{hold_back}": guard + ["--guard-hold-back-tokens", str(hold_back)],
+    }
 
 
 async def _probe(url: str, count: int, max_tokens: int) -> tuple[list, list, list]:
     ttfts, gaps, rates = [], [], []
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        await stream_once(client, {"prompt": PROMPT, "max_tokens": 8, "stream": True,
-                                   "ignore_eos": True, "temperature": 0})  # warm-up
+        await stream_once(
+            client,
+            {
+                "prompt": PROMPT,
+                "max_tokens": 8,
+                "stream": True,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+        )  # warm-up
         for i in range(count):
             start = time.perf_counter()
-            ttft, g = await stream_once(client, {
-                "prompt": PROMPT + f"# probe {i}\n", "max_tokens": max_tokens, "stream": True,
-                "ignore_eos": True, "temperature": 0, "service_tier": "priority"})
+            ttft, g = await stream_once(
+                client,
+                {
+                    "prompt": PROMPT + f"# probe {i}\n",
+                    "max_tokens": max_tokens,
+                    "stream": True,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "service_tier": "priority",
+                },
+            )
             total_s = time.perf_counter() - start
             ttfts.append(ttft)
             gaps.extend(g)
@@ -51,11 +70,14 @@ async def _probe(url: str, count: int, max_tokens: int) -> tuple[list, list, lis
 
 
 def _summary(ttfts: list, gaps: list, rates: list) -> dict:
-    return {"ttft_p50_ms": 1000 * statistics.median(ttfts),
-            "ttft_p99_ms": 1000 * percentile(ttfts, 99),
-            "itl_p50_ms": 1000 * statistics.median(gaps) if gaps else None,
-            "itl_p99_ms": 1000 * percentile(gaps, 99) if gaps else None,
-            "tokens_per_s_median": statistics.median(rates), "requests": len(ttfts)}
+    return {
+        "ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "ttft_p99_ms": 1000 * percentile(ttfts, 99),
+        "itl_p50_ms": 1000 * statistics.median(gaps) if gaps else None,
+        "itl_p99_ms": 1000 * percentile(gaps, 99) if gaps else None,
+        "tokens_per_s_median": statistics.median(rates),
+        "requests": len(ttfts),
+    }
 
 
 def guard_cpu_cost_us(patterns_file: Path, num_tokens: int = 2000) -> float:
@@ -69,15 +91,24 @@ def guard_cpu_cost_us(patterns_file: Path, num_tokens: int = 2000) -> float:
         for i, piece in enumerate(pieces):
             await choice.push(piece, [], 1, i == num_tokens - 1)
         return time.perf_counter() - start
+
     return 1e6 * asyncio.run(run()) / num_tokens
 
 
 def metrics_cpu_cost_us(num: int = 20000) -> dict:
     """Microseconds per engine step (on the engine thread) and per streamed token (event loop)."""
     metrics = ServerMetrics()
-    stats = StepStats(step_id=1, num_seqs=4, num_tokens=4, num_running=4, num_waiting=0,
-                      schedule_time_s=1e-4, execute_time_s=2e-3, sample_time_s=1e-4,
-                      update_time_s=5e-5)
+    stats = StepStats(
+        step_id=1,
+        num_seqs=4,
+        num_tokens=4,
+        num_running=4,
+        num_waiting=0,
+        schedule_time_s=1e-4,
+        execute_time_s=2e-3,
+        sample_time_s=1e-4,
+        update_time_s=5e-5,
+    )
     start = time.perf_counter()
     for _ in range(num):
         metrics.on_step(stats)
@@ -86,23 +117,28 @@ def metrics_cpu_cost_us(num: int = 20000) -> dict:
     start = time.perf_counter()
     for i in range(num):
         timer.output(0, 1, 0.0, now_s=0.001 * (i + 1))
-    return {"per_step_us": per_step_us,
-            "per_token_us": 1e6 * (time.perf_counter() - start) / num}
+    return {"per_step_us": per_step_us, "per_token_us": 1e6 * (time.perf_counter() - start) / num}
 
 
 def main(args) -> int:
-    patterns = Path(getattr(args, "guard_patterns", None) or EXAMPLE_PATTERNS)
-    hold_back = getattr(args, "hold_back_tokens", 4)
+    patterns = Path(args.guard_patterns or EXAMPLE_PATTERNS)
+    hold_back = args.hold_back_tokens
     configs = _configs(hold_back, patterns)
-    raw = {name: ([], [], []) for name in configs}
+    raw: dict[str, tuple[list, list, list]] = {name: ([], [], []) for name in configs}
     for round_index in range(args.rounds):
         order = list(configs) if round_index % 2 == 0 else list(reversed(configs))
         for name in order:
-            srv = ServerProcess(*configs[name], "--priority-ttft-ms", "60000", model=args.model,
-                                num_slots=args.num_slots)
+            srv = ServerProcess(
+                *configs[name],
+                "--priority-ttft-ms",
+                "60000",
+                model=args.model,
+                num_slots=args.num_slots,
+            )
             try:
-                for into, values in zip(raw[name], asyncio.run(
-                        _probe(srv.url, args.probes, args.new_tokens))):
+                for into, values in zip(
+                    raw[name], asyncio.run(_probe(srv.url, args.probes, args.new_tokens))
+                ):
                     into.extend(values)
             finally:
                 srv.stop()
@@ -110,20 +146,34 @@ def main(args) -> int:
     cpu_us = guard_cpu_cost_us(patterns)
     metrics_us = metrics_cpu_cost_us()
     base = results["none"]
-    lines = ["| config | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tok/s | "
-             "tok/s vs none |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| config | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tok/s | tok/s vs none |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
-                     f"{r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | "
-                     f"{r['tokens_per_s_median']:.1f} | "
-                     f"{r['tokens_per_s_median'] / base['tokens_per_s_median']:.3f} |")
+        lines.append(
+            f"| {name} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
+            f"{r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | "
+            f"{r['tokens_per_s_median']:.1f} | "
+            f"{r['tokens_per_s_median'] / base['tokens_per_s_median']:.3f} |"
+        )
     lines.append(f"\nguard CPU per token (in-process, {patterns.name}): {cpu_us:.1f} us")
-    lines.append(f"metrics CPU: {metrics_us['per_step_us']:.1f} us per engine step, "
-                 f"{metrics_us['per_token_us']:.1f} us per streamed token")
-    report = {"suite": "guard", "model": str(args.model), "patterns": str(patterns),
-              "hold_back_tokens": hold_back, "rounds": args.rounds, "probes": args.probes,
-              "new_tokens": args.new_tokens, "results": results,
-              "guard_cpu_us_per_token": cpu_us, "metrics_cpu_us": metrics_us}
+    lines.append(
+        f"metrics CPU: {metrics_us['per_step_us']:.1f} us per engine step, "
+        f"{metrics_us['per_token_us']:.1f} us per streamed token"
+    )
+    report = {
+        "suite": "guard",
+        "model": str(args.model),
+        "patterns": str(patterns),
+        "hold_back_tokens": hold_back,
+        "rounds": args.rounds,
+        "probes": args.probes,
+        "new_tokens": args.new_tokens,
+        "results": results,
+        "guard_cpu_us_per_token": cpu_us,
+        "metrics_cpu_us": metrics_us,
+    }
     return write_report(report, args.out, "\n".join(lines))
 
 

@@ -1,4 +1,4 @@
-"""`ultrafast bench` (suite `run`): ours vs peers on one model, in one invocation, side by side.
+"""`ultrafast bench harness` (or bare `ultrafast bench`): ours vs peers on one model, side by side.
 
 For every concurrency level (default 1, 4, 16) every runner (see `peers.py`) gets the same
 prompts (distinct per stream and per round, so no prefix cache helps anyone), generates the
@@ -20,11 +20,18 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
-from ultrafast.bench.peers import (Batch, EngineRunner, LlamaCppRunner, ServerRunner,
-                                   TransformersRunner, VllmRunner)
-from ultrafast.bench.tiers import serve_default_threads
-from ultrafast.model_files import gguf_for, resolve_model
+from ultrafast.bench.peers import (
+    Batch,
+    EngineRunner,
+    LlamaCppRunner,
+    ServerRunner,
+    TransformersRunner,
+    VllmRunner,
+)
+from ultrafast.cli_serve import serve_default_threads
+from ultrafast.model_files import gguf_for, load_tokenizer, resolve_model
 
 PROMPT_TEXT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
 OURS = ("ours-engine", "ours-engine-torch", "ours-server")
@@ -72,19 +79,33 @@ def build_runners(names: list[str], files, gguf: Path, opts: dict) -> tuple[dict
     """Runner objects by name, and {name: why it was skipped} for those that could not start."""
     hf_dir = str(files.hf_dir) if files.hf_dir else None
     ours_model = str(files.hf_dir or gguf)
-    common = dict(num_slots=opts["num_slots"], max_model_len=opts["max_model_len"],
-                  threads=opts["threads"], compile=opts["compile"])
+
+    def hf() -> str:  # the runners that read it start only when it exists (checked below)
+        if hf_dir is None:
+            raise ValueError("needs an HF directory")
+        return hf_dir
+
+    common = dict(
+        num_slots=opts["num_slots"],
+        max_model_len=opts["max_model_len"],
+        threads=opts["threads"],
+        compile=opts["compile"],
+    )
     makers = {
-        "ours-engine": lambda: EngineRunner("ours-engine", ours_model, opts["executor"],
-                                            **common),
-        "ours-engine-torch": lambda: EngineRunner("ours-engine-torch", ours_model, "torch",
-                                                  **common),
-        "ours-server": lambda: ServerRunner("ours-server", ours_model, opts["executor"],
-                                            **{**common, "threads": opts["server_threads"]}),
+        "ours-engine": lambda: EngineRunner("ours-engine", ours_model, opts["executor"], **common),
+        "ours-engine-torch": lambda: EngineRunner(
+            "ours-engine-torch", ours_model, "torch", **common
+        ),
+        "ours-server": lambda: ServerRunner(
+            "ours-server",
+            ours_model,
+            opts["executor"],
+            **{**common, "threads": opts["server_threads"]},
+        ),
         "llama.cpp": lambda: LlamaCppRunner(str(gguf), opts["max_model_len"], opts["threads"]),
-        "transformers": lambda: TransformersRunner(hf_dir, opts["threads"], "cpu"),
-        "transformers-cuda": lambda: TransformersRunner(hf_dir, opts["threads"], "cuda"),
-        "vllm": lambda: VllmRunner(hf_dir, opts["max_model_len"]),
+        "transformers": lambda: TransformersRunner(hf(), opts["threads"], "cpu"),
+        "transformers-cuda": lambda: TransformersRunner(hf(), opts["threads"], "cuda"),
+        "vllm": lambda: VllmRunner(hf(), opts["max_model_len"]),
     }
     runners, skipped = {}, {}
     for name in names:
@@ -104,16 +125,23 @@ def build_runners(names: list[str], files, gguf: Path, opts: dict) -> tuple[dict
 def summarize(batches: list[Batch]) -> dict:
     ttfts = [s.ttft_s for b in batches for s in b.streams if s.ttft_s is not None]
     gaps = [g for b in batches for s in b.streams for g in s.gaps_s]
-    rates = [(len(s.token_times_s) - 1) / (s.token_times_s[-1] - s.token_times_s[0])
-             for b in batches for s in b.streams
-             if len(s.token_times_s) > 1 and s.token_times_s[-1] > s.token_times_s[0]]
+    rates = [
+        (len(s.token_times_s) - 1) / (s.token_times_s[-1] - s.token_times_s[0])
+        for b in batches
+        for s in b.streams
+        if len(s.token_times_s) > 1 and s.token_times_s[-1] > s.token_times_s[0]
+    ]
     num_tokens = sum(s.num_tokens for b in batches for s in b.streams)
     wall_s = sum(b.wall_s for b in batches)
-    return {"ttft_ms": percentiles_ms(ttfts), "itl_ms": percentiles_ms(gaps),
-            "tok_s": num_tokens / wall_s if wall_s else None,
-            "decode_tok_s_per_stream": statistics.median(rates) if rates else None,
-            "num_streams": sum(len(b.streams) for b in batches), "num_tokens": num_tokens,
-            "samples": {"ttft_ms": [1000 * t for t in ttfts], "itl_ms": [1000 * g for g in gaps]}}
+    return {
+        "ttft_ms": percentiles_ms(ttfts),
+        "itl_ms": percentiles_ms(gaps),
+        "tok_s": num_tokens / wall_s if wall_s else None,
+        "decode_tok_s_per_stream": statistics.median(rates) if rates else None,
+        "num_streams": sum(len(b.streams) for b in batches),
+        "num_tokens": num_tokens,
+        "samples": {"ttft_ms": [1000 * t for t in ttfts], "itl_ms": [1000 * g for g in gaps]},
+    }
 
 
 def _ratio(a, b):
@@ -128,15 +156,23 @@ def ratios(level: dict) -> dict:
             o, p = level[ours], level[peer]
             out[f"{ours} / {peer}"] = {
                 "tok_s": _ratio(o["tok_s"], p["tok_s"]),
-                "ttft_p50": _ratio((o["ttft_ms"] or {}).get("p50"),
-                                   (p["ttft_ms"] or {}).get("p50")),
-                "itl_p50": _ratio((o["itl_ms"] or {}).get("p50"),
-                                  (p["itl_ms"] or {}).get("p50"))}
+                "ttft_p50": _ratio(
+                    (o["ttft_ms"] or {}).get("p50"), (p["ttft_ms"] or {}).get("p50")
+                ),
+                "itl_p50": _ratio((o["itl_ms"] or {}).get("p50"), (p["itl_ms"] or {}).get("p50")),
+            }
     return out
 
 
-def measure(runners: dict, concurrency: list[int], base_ids: list[int], vocab_size: int,
-            max_tokens: int, rounds: int, failed: dict[str, str]) -> dict:
+def measure(
+    runners: dict,
+    concurrency: list[int],
+    base_ids: list[int],
+    vocab_size: int,
+    max_tokens: int,
+    rounds: int,
+    failed: dict[str, str],
+) -> dict:
     """Summaries by concurrency and runner; a runner that fails is recorded in `failed` and
     dropped from the remaining runs (its earlier batches are dropped too: no partial rows)."""
     batches: dict[int, dict[str, list[Batch]]] = {c: {} for c in concurrency}
@@ -144,8 +180,9 @@ def measure(runners: dict, concurrency: list[int], base_ids: list[int], vocab_si
         for c in concurrency:
             prompts = make_prompts(base_ids, vocab_size, c, round_idx)
             for name, runner in runners.items():
-                if name in failed or (runner.max_concurrency is not None
-                                      and c > runner.max_concurrency):
+                if name in failed or (
+                    runner.max_concurrency is not None and c > runner.max_concurrency
+                ):
                     continue
                 time.sleep(SETTLE_S)
                 try:
@@ -155,8 +192,10 @@ def measure(runners: dict, concurrency: list[int], base_ids: list[int], vocab_si
                     continue
                 if round_idx > 0:
                     batches[c].setdefault(name, []).append(batch)
-    return {c: {n: summarize(b) for n, b in by_name.items() if n not in failed}
-            for c, by_name in batches.items()}
+    return {
+        c: {n: summarize(b) for n, b in by_name.items() if n not in failed}
+        for c, by_name in batches.items()
+    }
 
 
 def _decode_profile(name: str, executor: str, cuda: bool, gguf_type: str) -> tuple:
@@ -174,66 +213,106 @@ def _decode_profile(name: str, executor: str, cuda: bool, gguf_type: str) -> tup
 
 
 def _add_roofline(report: dict, files, gguf_type: str, cuda: bool) -> None:
-    from ultrafast.bench.roofline import (count_weight_params, kv_bytes_per_position,
-                                          measure_bandwidth_gb_s, roofline)
+    from ultrafast.bench.roofline import (
+        count_weight_params,
+        kv_bytes_per_position,
+        measure_bandwidth_gb_s,
+        roofline,
+    )
     from ultrafast.model.loader import read_config
 
     config = read_config(files.hf_dir)
     num_params = count_weight_params(config)
     mean_context = report["prompt_tokens"] + report["max_tokens"] / 2
     bandwidth: dict[str, float] = {}
-    out = {"bandwidth_gb_s": bandwidth, "num_weight_params": num_params,
-           "mean_context_tokens": mean_context, "runners": {}}
+    out = {
+        "bandwidth_gb_s": bandwidth,
+        "num_weight_params": num_params,
+        "mean_context_tokens": mean_context,
+        "runners": {},
+    }
     for name, r in report["results"].get(1, {}).items():
         device, weight_b, kv_b = _decode_profile(name, report["executor"], cuda, gguf_type)
         if device not in bandwidth:
             bandwidth[device] = measure_bandwidth_gb_s(device=device)
-        line = roofline(int(num_params * weight_b), kv_bytes_per_position(config, kv_b),
-                        mean_context, bandwidth[device])
+        line = roofline(
+            int(num_params * weight_b),
+            kv_bytes_per_position(config, kv_b),
+            mean_context,
+            bandwidth[device],
+        )
         tok_s = r["decode_tok_s_per_stream"]
-        out["runners"][name] = {"device": device, **line.as_dict(), "measured_tok_s": tok_s,
-                                "fraction": line.fraction(tok_s) if tok_s else None}
+        out["runners"][name] = {
+            "device": device,
+            **line.as_dict(),
+            "measured_tok_s": tok_s,
+            "fraction": line.fraction(tok_s) if tok_s else None,
+        }
     report["roofline"] = out
 
 
-def run_harness(model: str, max_tokens: int = 128, rounds: int = 3,
-                concurrency: tuple[int, ...] = (1, 4, 16), peers: list[str] | None = None,
-                threads: int | None = None, prompt_tokens: int = 32, executor: str = "auto",
-                compile: str = "auto", gguf_type: str = "f16", with_roofline: bool = False) -> dict:
-    from ultrafast.tokenizer import Tokenizer
-
+def run_harness(
+    model: str,
+    max_tokens: int = 128,
+    rounds: int = 3,
+    concurrency: tuple[int, ...] = (1, 4, 16),
+    peers: list[str] | None = None,
+    threads: int | None = None,
+    prompt_tokens: int = 32,
+    executor: str = "auto",
+    compile: str = "auto",
+    gguf_type: str = "f16",
+    with_roofline: bool = False,
+) -> dict:
     # the server keeps one core for its event loop and the clients, as `serve` does by default
-    # (kernel threads spinning on every core slow HTTP streaming several-fold on 2 cores)
+    # (kernel threads spinning on every core starve it and slow HTTP streaming)
     server_threads = threads or serve_default_threads()
     threads = threads or len(os.sched_getaffinity(0))
     cuda = _gpu_available()
     files = resolve_model(model)
     gguf = gguf_for(files, gguf_type)
-    tokenizer = Tokenizer.from_dir(files.tokenizer_dir)
-    base_ids = (tokenizer.encode(PROMPT_TEXT) * 16)[:max(1, prompt_tokens - 2)]
+    tokenizer = load_tokenizer(files)
+    base_ids = (tokenizer.encode(PROMPT_TEXT) * 16)[: max(1, prompt_tokens - 2)]
     vocab_size = tokenizer.vocab_size
     names = peers or default_peers(cuda)
-    concurrency = sorted(set(concurrency))
-    opts = {"num_slots": max(concurrency), "max_model_len": prompt_tokens + max_tokens + 16,
-            "threads": threads, "server_threads": server_threads, "compile": compile,
-            "executor": executor}
+    levels = sorted(set(concurrency))
+    opts = {
+        "num_slots": max(levels),
+        "max_model_len": prompt_tokens + max_tokens + 16,
+        "threads": threads,
+        "server_threads": server_threads,
+        "compile": compile,
+        "executor": executor,
+    }
     runners, skipped = build_runners(names, files, gguf, opts)
     try:
-        results = measure(runners, concurrency, base_ids, vocab_size, max_tokens, rounds,
-                          skipped)
+        results = measure(runners, levels, base_ids, vocab_size, max_tokens, rounds, skipped)
     finally:
         for runner in runners.values():
             runner.close()
-    notes = {"llama.cpp": "llama.cpp: llama-cpp-python's generate cannot batch, so it runs at "
-             "concurrency 1 only",
-             "ours-server": f"ours-server: default tier, admission TTFT target raised to 600 s so "
-             f"that no stream is refused; {server_threads} kernel thread(s) (the serve default)"}
-    report = {"model": files.name, "gguf": gguf.name, "threads": threads, "cuda": cuda,
-              "executor": executor, "compile": compile, "max_tokens": max_tokens,
-              "prompt_tokens": len(base_ids) + 2, "rounds": rounds, "concurrency": concurrency,
-              "runners": list(runners), "skipped": skipped,
-              "notes": {n: v for n, v in notes.items() if n in runners},
-              "results": results, "ratios": {c: ratios(level) for c, level in results.items()}}
+    notes = {
+        "llama.cpp": "llama.cpp: llama-cpp-python's generate cannot batch, so it runs at "
+        "concurrency 1 only",
+        "ours-server": f"ours-server: default tier, admission TTFT target raised to 600 s so "
+        f"that no stream is refused; {server_threads} kernel thread(s) (the serve default)",
+    }
+    report: dict[str, Any] = {
+        "model": files.name,
+        "gguf": gguf.name,
+        "threads": threads,
+        "cuda": cuda,
+        "executor": executor,
+        "compile": compile,
+        "max_tokens": max_tokens,
+        "prompt_tokens": len(base_ids) + 2,
+        "rounds": rounds,
+        "concurrency": levels,
+        "runners": list(runners),
+        "skipped": skipped,
+        "notes": {n: v for n, v in notes.items() if n in runners},
+        "results": results,
+        "ratios": {c: ratios(level) for c, level in results.items()},
+    }
     if with_roofline and files.hf_dir is None:
         report["notes"]["roofline"] = "roofline: needs the model's config.json (an HF dir)"
     elif with_roofline:

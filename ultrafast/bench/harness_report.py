@@ -1,4 +1,4 @@
-"""The outputs of `ultrafast bench` (suite `run`): JSON, Markdown tables and the latency PNG,
+"""The outputs of `ultrafast bench harness`: JSON, Markdown tables and the latency PNG,
 plus the command's entry point."""
 
 from __future__ import annotations
@@ -16,40 +16,62 @@ def _pcts(p: dict | None, digits: int) -> list[str]:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"model `{report['model']}` (ggml runners: {report['gguf']}), {report['prompt_tokens']} "
-             f"prompt tokens, {report['max_tokens']} new tokens per stream (greedy, EOS ignored), "
-             f"{report['threads']} threads, {report['rounds']} interleaved rounds after a "
-             f"warm-up; ours = executor `{report['executor']}`, compile `{report['compile']}`", ""]
+    lines = [
+        f"model `{report['model']}` (ggml runners: {report['gguf']}), {report['prompt_tokens']} "
+        f"prompt tokens, {report['max_tokens']} new tokens per stream (greedy, EOS ignored), "
+        f"{report['threads']} threads, {report['rounds']} interleaved rounds after a "
+        f"warm-up; ours = executor `{report['executor']}`, compile `{report['compile']}`",
+        "",
+    ]
     for note in report["notes"].values():
         lines.append(f"- {note}")
     for name, why in report["skipped"].items():
         lines.append(f"- {name} not run: {why}")
-    lines += ["", "| concurrency | runner | TTFT p50 / p90 / p99 ms | per-token p50 / p90 / p99 ms "
-              "| tok/s (all streams) | decode tok/s per stream |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| concurrency | runner | TTFT p50 / p90 / p99 ms | per-token p50 / p90 / p99 ms "
+        "| tok/s (all streams) | decode tok/s per stream |",
+        "|---|---|---|---|---|---|",
+    ]
     for c, level in report["results"].items():
         for name, r in level.items():
-            lines.append(f"| {c} | {name} | {' / '.join(_pcts(r['ttft_ms'], 1))} | "
-                         f"{' / '.join(_pcts(r['itl_ms'], 2))} | {_f(r['tok_s'])} | "
-                         f"{_f(r['decode_tok_s_per_stream'])} |")
-    lines += ["", "ours / peer, same concurrency, same run (tok/s: higher is better; latencies: "
-              "lower is better)", "", "| concurrency | pair | tok/s | TTFT p50 | per-token p50 |",
-              "|---|---|---|---|---|"]
+            lines.append(
+                f"| {c} | {name} | {' / '.join(_pcts(r['ttft_ms'], 1))} | "
+                f"{' / '.join(_pcts(r['itl_ms'], 2))} | {_f(r['tok_s'])} | "
+                f"{_f(r['decode_tok_s_per_stream'])} |"
+            )
+    lines += [
+        "",
+        "ours / peer, same concurrency, same run (tok/s: higher is better; latencies: "
+        "lower is better)",
+        "",
+        "| concurrency | pair | tok/s | TTFT p50 | per-token p50 |",
+        "|---|---|---|---|---|",
+    ]
     for c, pairs in report["ratios"].items():
         for pair, r in pairs.items():
-            lines.append(f"| {c} | {pair} | {_f(r['tok_s'], 2, 'x')} | "
-                         f"{_f(r['ttft_p50'], 2, 'x')} | {_f(r['itl_p50'], 2, 'x')} |")
+            lines.append(
+                f"| {c} | {pair} | {_f(r['tok_s'], 2, 'x')} | "
+                f"{_f(r['ttft_p50'], 2, 'x')} | {_f(r['itl_p50'], 2, 'x')} |"
+            )
     roof = report.get("roofline")
     if roof:
         bw = ", ".join(f"{d} {v:.1f} GB/s" for d, v in roof["bandwidth_gb_s"].items())
-        lines += ["", f"batch-1 decode vs the memory roofline (measured read bandwidth: {bw}; "
-                  f"mean context {roof['mean_context_tokens']:.0f} tokens)", "",
-                  "| runner | bytes / token | roofline tok/s | measured tok/s | fraction |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"batch-1 decode vs the memory roofline (measured read bandwidth: {bw}; "
+            f"mean context {roof['mean_context_tokens']:.0f} tokens)",
+            "",
+            "| runner | bytes / token | roofline tok/s | measured tok/s | fraction |",
+            "|---|---|---|---|---|",
+        ]
         for name, r in roof["runners"].items():
             tok_s = r["measured_tok_s"]
-            lines.append(f"| {name} | {r['bytes_per_token'] / 1e6:.2f} MB | "
-                         f"{r['roofline_tok_s']:.0f} | {_f(tok_s)} | "
-                         f"{_f(r['fraction'] and 100 * r['fraction'], 1, '%')} |")
+            lines.append(
+                f"| {name} | {r['bytes_per_token'] / 1e6:.2f} MB | "
+                f"{r['roofline_tok_s']:.0f} | {_f(tok_s)} | "
+                f"{_f(r['fraction'] and 100 * r['fraction'], 1, '%')} |"
+            )
     return "\n".join(lines)
 
 
@@ -59,13 +81,17 @@ def write_outputs(report: dict, out_json: str | Path) -> dict[str, Path]:
 
     out_json = Path(out_json)
     out_json.parent.mkdir(parents=True, exist_ok=True)
-    samples = {c: {n: r.pop("samples") for n, r in level.items()}
-               for c, level in report["results"].items()}
+    samples = {
+        c: {n: r.pop("samples") for n, r in level.items()} for c, level in report["results"].items()
+    }
     report["results"] = {str(c): level for c, level in report["results"].items()}
     report["ratios"] = {str(c): level for c, level in report["ratios"].items()}
     table = markdown(report)
-    paths = {"json": out_json, "markdown": out_json.with_suffix(".md"),
-             "png": out_json.with_suffix(".png")}
+    paths = {
+        "json": out_json,
+        "markdown": out_json.with_suffix(".md"),
+        "png": out_json.with_suffix(".png"),
+    }
     plot_latencies(samples, paths["png"], f"{report['model']}: latency distributions")
     report["latency_samples_ms"] = {str(c): v for c, v in samples.items()}
     out_json.write_text(json.dumps(report, indent=1))
@@ -83,11 +109,18 @@ def main(args) -> int:
     if not concurrency or min(concurrency) < 1:
         raise ValueError("--concurrency takes positive integers, e.g. 1,4,16")
     peers = [p.strip() for p in args.peers.split(",")] if args.peers else None
-    rounds = 3 if args.rounds is None else args.rounds  # main's --rounds defaults to None
-    report = run_harness(args.model, max_tokens=args.new_tokens, rounds=rounds,
-                         concurrency=concurrency, peers=peers, threads=args.threads,
-                         prompt_tokens=args.prompt_tokens or 32, executor=args.executor,
-                         compile=args.compile, gguf_type=args.gguf_type,
-                         with_roofline=args.roofline)
+    report = run_harness(
+        args.model,
+        max_tokens=args.new_tokens,
+        rounds=args.rounds,
+        concurrency=concurrency,
+        peers=peers,
+        threads=args.threads,
+        prompt_tokens=args.prompt_tokens,
+        executor=args.executor,
+        compile=args.compile,
+        gguf_type=args.gguf_type,
+        with_roofline=args.roofline,
+    )
     write_outputs(report, args.out)
     return 0

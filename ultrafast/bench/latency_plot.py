@@ -22,8 +22,7 @@ def plot_latencies(samples: dict, out: str | Path, title: str) -> Path:
             names = [n for n in runners if runners[n][key]]
             if names:
                 ax.boxplot([runners[n][key] for n in names], whis=(1, 99), showfliers=False)
-                ax.set_xticks(range(1, len(names) + 1), names, rotation=30, ha="right",
-                              fontsize=8)
+                ax.set_xticks(range(1, len(names) + 1), names, rotation=30, ha="right", fontsize=8)
                 ax.set_yscale("log")
             ax.set_title(f"concurrency {level}: {label}", fontsize=10)
             ax.grid(axis="y", alpha=0.3)

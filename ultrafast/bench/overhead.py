@@ -38,8 +38,13 @@ def _rate(stamps: list[float], num_tokens: int) -> float:
 def _body(max_tokens: int) -> dict:
     # the default tier on both sides: plain decode (the priority tier would add speculative
     # decoding on the server only), exactly max_tokens tokens (EOS ignored)
-    return {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    return {
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
 
 
 def process_cpu_s(pid: int) -> float:
@@ -52,8 +57,11 @@ def in_process_round(engine, prompt_ids: list[int], max_tokens: int, tag: str) -
     from ultrafast.request import Request, SamplingParams
 
     engine.pool.reset_cache()  # every round prefills, like a new HTTP request with no cache hit
-    engine.add_request(Request(tag, prompt_ids, SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
+    engine.add_request(
+        Request(
+            tag, prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        )
+    )
     stamps = []
     while engine.has_work():
         if any(o.new_token_ids for o in engine.step()):
@@ -77,8 +85,9 @@ async def httpx_round(url: str, max_tokens: int) -> float:
     return _rate(stamps, max_tokens)
 
 
-def handoff_rounds(engine, prompt_ids: list[int], max_tokens: int,
-                   rounds: int) -> tuple[list[float], list[float]]:
+def handoff_rounds(
+    engine, prompt_ids: list[int], max_tokens: int, rounds: int
+) -> tuple[list[float], list[float]]:
     """The engine on its own long-lived thread (as in the server), each output either recorded
     by the engine thread itself or handed to a sleeping consumer thread, as the server hands
     it to its event loop; alternating rounds. The pair isolates what one cross-thread wake
@@ -87,11 +96,13 @@ def handoff_rounds(engine, prompt_ids: list[int], max_tokens: int,
     from ultrafast.engine.thread import EngineThread
 
     inbox: queue.SimpleQueue = queue.SimpleQueue()
-    consumer = threading.Thread(target=lambda: [f(o) for f, o in iter(inbox.get, None)],
-                                daemon=True)
+    consumer = threading.Thread(
+        target=lambda: [f(o) for f, o in iter(inbox.get, None)], daemon=True
+    )
     consumer.start()
     thread = EngineThread(engine).start()
-    kept, handed = [], []
+    kept: list[float] = []
+    handed: list[float] = []
     try:
         for i in range(2 * rounds + 1):  # round 0 warms the thread up, then alternate
             to_thread = i % 2 == 0
@@ -104,10 +115,18 @@ def handoff_rounds(engine, prompt_ids: list[int], max_tokens: int,
                 if output.finished:
                     done.set()
 
+            def hand_over(output, record=record) -> None:
+                inbox.put((record, output))
+
             engine.pool.reset_cache()  # the engine thread is idle between rounds
-            thread.submit(Request(f"handoff{i}", prompt_ids, SamplingParams(
-                temperature=0.0, max_tokens=max_tokens, ignore_eos=True)),
-                (lambda o, record=record: inbox.put((record, o))) if to_thread else record)
+            thread.submit(
+                Request(
+                    f"handoff{i}",
+                    prompt_ids,
+                    SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                ),
+                hand_over if to_thread else record,
+            )
             if not done.wait(120):
                 raise RuntimeError("the engine thread did not finish a benchmark round")
             if i:
@@ -121,23 +140,38 @@ def handoff_rounds(engine, prompt_ids: list[int], max_tokens: int,
 
 def _summary(in_process: list[float], over_http: list[float]) -> dict:
     ratios = [h / p for h, p in zip(over_http, in_process)]
-    return {"http_tok_s": statistics.median(over_http),
-            "overhead": 1 - statistics.median(ratios),
-            "overhead_per_round": [1 - r for r in ratios]}
+    return {
+        "http_tok_s": statistics.median(over_http),
+        "overhead": 1 - statistics.median(ratios),
+        "overhead_per_round": [1 - r for r in ratios],
+    }
 
 
-def run_overhead_bench(model: str, threads: int, num_slots: int = 4, max_model_len: int = 512,
-                       max_tokens: int = 128, rounds: int = 10) -> dict:
+def run_overhead_bench(
+    model: str,
+    threads: int,
+    num_slots: int = 4,
+    max_model_len: int = 512,
+    max_tokens: int = 128,
+    rounds: int = 10,
+) -> dict:
     from ultrafast.config import EngineConfig
     from ultrafast.llm import build_engine
 
-    engine, tokenizer, _ = build_engine(EngineConfig(
-        model=model, num_slots=num_slots, max_num_seqs=num_slots, max_model_len=max_model_len,
-        n_threads=threads))
+    engine, tokenizer, _ = build_engine(
+        EngineConfig(
+            model=model,
+            num_slots=num_slots,
+            max_num_seqs=num_slots,
+            max_model_len=max_model_len,
+            n_threads=threads,
+        )
+    )
     engine.warmup()
     ids = tokenizer.encode(PROMPT)
-    server = ServerProcess("--threads", str(threads), model=model, num_slots=num_slots,
-                           max_model_len=max_model_len)
+    server = ServerProcess(
+        "--threads", str(threads), model=model, num_slots=num_slots, max_model_len=max_model_len
+    )
     in_process, lean, lib = [], [], []
     cpu_in_process_s = cpu_server_s = 0.0  # CPU per token does not depend on machine load
     try:
@@ -155,30 +189,47 @@ def run_overhead_bench(model: str, threads: int, num_slots: int = 4, max_model_l
     finally:
         server.stop()
         engine.executor.close()
-    return {"threads": threads, "num_slots": num_slots, "max_tokens": max_tokens,
-            "rounds": rounds, "in_process_tok_s": statistics.median(in_process),
-            "cpu_us_per_token": {"in_process": 1e6 * cpu_in_process_s / (rounds * max_tokens),
-                                 "server": 1e6 * cpu_server_s / (rounds * max_tokens)},
-            "in_process_per_round": in_process,
-            "handoff": {"kept_tok_s": statistics.median(kept), **_summary(kept, handed),
-                        "kept_per_round": kept, "handed_per_round": handed},
-            "lean_client": {**_summary(in_process, lean), "per_round": lean},
-            "httpx_client": {**_summary(in_process, lib), "per_round": lib}}
+    return {
+        "threads": threads,
+        "num_slots": num_slots,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "in_process_tok_s": statistics.median(in_process),
+        "cpu_us_per_token": {
+            "in_process": 1e6 * cpu_in_process_s / (rounds * max_tokens),
+            "server": 1e6 * cpu_server_s / (rounds * max_tokens),
+        },
+        "in_process_per_round": in_process,
+        "handoff": {
+            "kept_tok_s": statistics.median(kept),
+            **_summary(kept, handed),
+            "kept_per_round": kept,
+            "handed_per_round": handed,
+        },
+        "lean_client": {**_summary(in_process, lean), "per_round": lean},
+        "httpx_client": {**_summary(in_process, lib), "per_round": lib},
+    }
 
 
 def markdown(s: dict) -> str:
     lean, lib = s["lean_client"], s["httpx_client"]
-    return "\n".join([
-        f"batch-1 streaming, {s['rounds']} alternating rounds of {s['max_tokens']} tokens, "
-        f"{s['threads']} kernel thread(s) on both sides", "",
-        "| path | tok/s (median) | overhead vs in-process (median of per-round ratios) |",
-        "|---|---|---|",
-        f"| in-process engine | {s['in_process_tok_s']:.1f} | |",
-        f"| HTTP SSE, lean client | {lean['http_tok_s']:.1f} | {100 * lean['overhead']:.1f}% |",
-        f"| HTTP SSE, httpx client | {lib['http_tok_s']:.1f} | {100 * lib['overhead']:.1f}% |",
-        "", f"CPU per token (all threads): in-process {s['cpu_us_per_token']['in_process']:.0f} us,"
-        f" server with the lean client {s['cpu_us_per_token']['server']:.0f} us", "",
-        f"Handing each output to a sleeping thread, no HTTP (engine thread in-process, same "
-        f"rounds): {s['handoff']['kept_tok_s']:.1f} -> {s['handoff']['http_tok_s']:.1f} tok/s,"
-        f" {100 * s['handoff']['overhead']:.1f}% slower: the share of the HTTP overhead that is"
-        f" the wake alone"])
+    return "\n".join(
+        [
+            f"batch-1 streaming, {s['rounds']} alternating rounds of {s['max_tokens']} tokens, "
+            f"{s['threads']} kernel thread(s) on both sides",
+            "",
+            "| path | tok/s (median) | overhead vs in-process (median of per-round ratios) |",
+            "|---|---|---|",
+            f"| in-process engine | {s['in_process_tok_s']:.1f} | |",
+            f"| HTTP SSE, lean client | {lean['http_tok_s']:.1f} | {100 * lean['overhead']:.1f}% |",
+            f"| HTTP SSE, httpx client | {lib['http_tok_s']:.1f} | {100 * lib['overhead']:.1f}% |",
+            "",
+            f"CPU per token (all threads): in-process {s['cpu_us_per_token']['in_process']:.0f} us,"
+            f" server with the lean client {s['cpu_us_per_token']['server']:.0f} us",
+            "",
+            f"Handing each output to a sleeping thread, no HTTP (engine thread in-process, same "
+            f"rounds): {s['handoff']['kept_tok_s']:.1f} -> {s['handoff']['http_tok_s']:.1f} tok/s,"
+            f" {100 * s['handoff']['overhead']:.1f}% slower: the share of the HTTP overhead that is"
+            f" the wake alone",
+        ]
+    )

@@ -57,15 +57,29 @@ class EngineRunner:
 
     max_concurrency = None
 
-    def __init__(self, name: str, model: str, executor: str, num_slots: int, max_model_len: int,
-                 threads: int, compile: str = "auto"):
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        executor: str,
+        num_slots: int,
+        max_model_len: int,
+        threads: int,
+        compile: str = "auto",
+    ):
         from ultrafast.config import EngineConfig
         from ultrafast.llm import build_engine
 
         self.name = name
-        config = EngineConfig(model=model, executor=executor, num_slots=num_slots,
-                              max_num_seqs=num_slots, max_model_len=max_model_len,
-                              n_threads=threads, compile=compile)
+        config = EngineConfig(
+            model=model,
+            executor=executor,
+            num_slots=num_slots,
+            max_num_seqs=num_slots,
+            max_model_len=max_model_len,
+            n_threads=threads,
+            compile=compile,
+        )
         self.engine, _, _ = build_engine(config)
         self.engine.warmup()
         self._ids = 0
@@ -103,22 +117,46 @@ class ServerRunner:
 
     max_concurrency = None
 
-    def __init__(self, name: str, model: str, executor: str, num_slots: int, max_model_len: int,
-                 threads: int, compile: str = "auto"):
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        executor: str,
+        num_slots: int,
+        max_model_len: int,
+        threads: int,
+        compile: str = "auto",
+    ):
         from ultrafast.bench.server_process import ServerProcess
 
         self.name = name
         # default tier with a loose TTFT target: a benchmark wants every stream served and
         # timed, not refused by admission control (which has its own tests and `bench tiers`)
-        self.server = ServerProcess("--executor", executor, "--threads", str(threads),
-                                    "--compile", compile, "--default-ttft-ms", "600000",
-                                    model=model, num_slots=num_slots,
-                                    max_model_len=max_model_len)
+        self.server = ServerProcess(
+            "--executor",
+            executor,
+            "--threads",
+            str(threads),
+            "--compile",
+            compile,
+            "--default-ttft-ms",
+            "600000",
+            model=model,
+            num_slots=num_slots,
+            max_model_len=max_model_len,
+        )
 
-    async def _stream(self, client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
-                      start: float) -> Stream:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
+    async def _stream(
+        self, client: httpx.AsyncClient, prompt: list[int], max_tokens: int, start: float
+    ) -> Stream:
+        body = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
         stream = Stream()
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -137,11 +175,13 @@ class ServerRunner:
 
     async def _run(self, prompts: list[list[int]], max_tokens: int) -> Batch:
         limits = httpx.Limits(max_connections=len(prompts) + 4)
-        async with httpx.AsyncClient(base_url=self.server.url, timeout=600,
-                                     limits=limits) as client:
+        async with httpx.AsyncClient(
+            base_url=self.server.url, timeout=600, limits=limits
+        ) as client:
             start = time.perf_counter()
-            streams = await asyncio.gather(*(self._stream(client, p, max_tokens, start)
-                                             for p in prompts))
+            streams = await asyncio.gather(
+                *(self._stream(client, p, max_tokens, start) for p in prompts)
+            )
             return Batch(list(streams), time.perf_counter() - start)
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> Batch:
@@ -160,16 +200,21 @@ class LlamaCppRunner:
         from ultrafast.executors.llama_cpp_params import open_llama
 
         self.name = "llama.cpp"
-        self.llm = open_llama(str(gguf), n_ctx=max_model_len, n_threads=threads,
-                                   n_threads_batch=threads, n_batch=512, verbose=False)
+        self.llm = open_llama(
+            str(gguf),
+            n_ctx=max_model_len,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=512,
+            verbose=False,
+        )
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> Batch:
         (prompt,) = prompts
         self.llm.reset()
         stream = Stream()
         start = time.perf_counter()
-        for _ in self.llm.generate(list(prompt), top_k=1, temp=0.0, repeat_penalty=1.0,
-                                   reset=True):
+        for _ in self.llm.generate(list(prompt), top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
             stream.token_times_s.append(time.perf_counter() - start)
             stream.num_tokens += 1
             if stream.num_tokens >= max_tokens:
@@ -213,7 +258,9 @@ class TransformersRunner:
             torch.set_num_threads(threads)
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         self.device = device
-        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
+        # transformers types `.to` through a decorator that drops the bound self
+        self.model = model.to(device).eval()  # type: ignore[arg-type]
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> Batch:
         torch = self.torch
@@ -221,9 +268,15 @@ class TransformersRunner:
         start = time.perf_counter()
         streamer = _StampStreamer(start)
         with torch.inference_mode():
-            self.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                do_sample=False, pad_token_id=0, streamer=streamer)
+            self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                streamer=streamer,
+            )
         wall_s = time.perf_counter() - start
         streams = [Stream(list(streamer.stamps_s), len(streamer.stamps_s)) for _ in prompts]
         return Batch(streams, wall_s)
@@ -242,15 +295,19 @@ class VllmRunner:
 
         self.name = "vllm"
         self.vllm = vllm
-        self.llm = vllm.LLM(model=hf_dir, max_model_len=max_model_len, enforce_eager=False,
-                            gpu_memory_utilization=0.3)
+        self.llm = vllm.LLM(
+            model=hf_dir,
+            max_model_len=max_model_len,
+            enforce_eager=False,
+            gpu_memory_utilization=0.3,
+        )
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> Batch:
-        params = self.vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                          ignore_eos=True)
+        params = self.vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                    use_tqdm=False)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
         wall_s = time.perf_counter() - start
         streams = []
         for out in outputs:

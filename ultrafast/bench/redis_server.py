@@ -24,10 +24,12 @@ class RedisServerMissing(RuntimeError):
 
 class RedisServer:
     def __init__(self, data_dir: str | Path | None = None, port: int | None = None):
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
-            raise RedisServerMissing("redis-server is not installed: run `make setup` (it "
-                                     "apt-installs redis-server)")
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RedisServerMissing(
+                "redis-server is not installed: run `make setup` (it apt-installs redis-server)"
+            )
+        self.binary = binary
         self._own_dir = data_dir is None
         self.dir = Path(data_dir or tempfile.mkdtemp(prefix="ultrafast-redis-"))
         self.port = port or free_port()
@@ -37,10 +39,30 @@ class RedisServer:
 
     def start(self, timeout_s: float = 20.0) -> None:
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-             "--appendonly", "yes", "--appendfsync", "always", "--save", "",
-             "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+                "--protected-mode",
+                "yes",
+                "--daemonize",
+                "no",
+                "--loglevel",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -36,8 +36,13 @@ def count_weight_params(config) -> int:
     """Parameters of a ModelConfig's Llama, counting a tied embedding matrix once."""
     h, kv_dim = config.hidden_size, config.num_key_value_heads * config.head_dim
     q_dim = config.num_attention_heads * config.head_dim
-    per_layer = (h * q_dim + 2 * h * kv_dim + q_dim * h  # q, k, v, o
-                 + 3 * h * config.intermediate_size + 2 * h)  # gate, up, down; two norms
+    per_layer = (
+        h * q_dim
+        + 2 * h * kv_dim
+        + q_dim * h  # q, k, v, o
+        + 3 * h * config.intermediate_size
+        + 2 * h
+    )  # gate, up, down; two norms
     if config.attention_bias:
         per_layer += q_dim + 2 * kv_dim
     embed = config.vocab_size * h
@@ -46,12 +51,18 @@ def count_weight_params(config) -> int:
 
 
 def kv_bytes_per_position(config, kv_bytes_per_value: float) -> int:
-    return int(2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-               * kv_bytes_per_value)
+    return int(
+        2
+        * config.num_hidden_layers
+        * config.num_key_value_heads
+        * config.head_dim
+        * kv_bytes_per_value
+    )
 
 
-def measure_bandwidth_gb_s(num_bytes: int | None = None, passes: int = 5,
-                           device: str = "cpu") -> float:
+def measure_bandwidth_gb_s(
+    num_bytes: int | None = None, passes: int = 5, device: str = "cpu"
+) -> float:
     """Read bandwidth: sum a float32 buffer of num_bytes, best of `passes`.
 
     Default size: 512 MiB on the CPU, 4 GiB on a GPU: far beyond any cache (H200 L2: 60 MiB).
@@ -73,8 +84,15 @@ def measure_bandwidth_gb_s(num_bytes: int | None = None, passes: int = 5,
     return num_bytes / best_s / 1e9
 
 
-def roofline(weight_bytes: int, kv_bytes_per_pos: int, mean_context_tokens: float,
-             bandwidth_gb_s: float) -> Roofline:
+def roofline(
+    weight_bytes: int, kv_bytes_per_pos: int, mean_context_tokens: float, bandwidth_gb_s: float
+) -> Roofline:
     per_token = weight_bytes + kv_bytes_per_pos * mean_context_tokens
-    return Roofline(weight_bytes, kv_bytes_per_pos, mean_context_tokens, per_token,
-                    bandwidth_gb_s, bandwidth_gb_s * 1e9 / per_token)
+    return Roofline(
+        weight_bytes,
+        kv_bytes_per_pos,
+        mean_context_tokens,
+        per_token,
+        bandwidth_gb_s,
+        bandwidth_gb_s * 1e9 / per_token,
+    )

@@ -21,19 +21,42 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, model: Path | str = DEMO_MODEL_DIR, num_slots: int = 4,
-                 max_model_len: int = 512, startup_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        *args: str,
+        model: Path | str = DEMO_MODEL_DIR,
+        num_slots: int = 4,
+        max_model_len: int = 512,
+        startup_timeout_s: float = 120.0,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "ultrafast.cli", "serve", str(model), "--port",
-               str(self.port), "--num-slots", str(num_slots), "--max-model-len",
-               str(max_model_len), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "ultrafast.cli",
+            "serve",
+            str(model),
+            "--port",
+            str(self.port),
+            "--num-slots",
+            str(num_slots),
+            "--max-model-len",
+            str(max_model_len),
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         deadline = time.monotonic() + startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()[-2000:]}")
+                output = self.proc.stdout.read() if self.proc.stdout else ""
+                raise RuntimeError(f"server exited: {output[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return

@@ -24,18 +24,21 @@ import httpx
 
 from ultrafast.bench.report import write_report
 
-CODE_WORDS = ("def load_config(path): with open(path) as f: return json.load(f) "
-              "class Cache: def __init__(self, size): self.size = size self.items = {} "
-              "for key, value in sorted(items.items()): print(key, value) ").split()
+CODE_WORDS = (
+    "def load_config(path): with open(path) as f: return json.load(f) "
+    "class Cache: def __init__(self, size): self.size = size self.items = {} "
+    "for key, value in sorted(items.items()): print(key, value) "
+).split()
 
 
 def user_text(base_url: str, num_tokens: int, salt: int) -> str:
     """Code-like text of about `num_tokens` tokens (cut with the server's own tokenizer)."""
-    words = [f"x{salt}"] + [CODE_WORDS[(salt + i) % len(CODE_WORDS)]
-                            for i in range(num_tokens * 2)]
-    ids = httpx.post(base_url + "/tokenize", json={"prompt": " ".join(words),
-                                                   "add_special_tokens": False},
-                     timeout=60).json()["tokens"][:num_tokens]
+    words = [f"x{salt}"] + [CODE_WORDS[(salt + i) % len(CODE_WORDS)] for i in range(num_tokens * 2)]
+    ids = httpx.post(
+        base_url + "/tokenize",
+        json={"prompt": " ".join(words), "add_special_tokens": False},
+        timeout=60,
+    ).json()["tokens"][:num_tokens]
     return httpx.post(base_url + "/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
 
 
@@ -45,7 +48,9 @@ def _stream_chat(client: httpx.Client, body: dict) -> tuple[float, str, dict]:
     import json
 
     started = time.perf_counter()
-    first_s, parts, usage = None, [], {}
+    first_s: float | None = None
+    parts: list[str] = []
+    usage: dict = {}
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
@@ -70,17 +75,28 @@ def prefill_shape(usage: dict) -> tuple[int, int]:
     return cached, usage["prompt_tokens"] - cached
 
 
-def ttft_by_turn(base_url: str, num_turns: int, turn_tokens: int, new_tokens: int,
-                 stateful: bool, salt: int, shapes: list | None = None) -> list[float]:
+def ttft_by_turn(
+    base_url: str,
+    num_turns: int,
+    turn_tokens: int,
+    new_tokens: int,
+    stateful: bool,
+    salt: int,
+    shapes: list | None = None,
+) -> list[float]:
     """TTFT per turn; `shapes` (if given) gets each turn's prefill_shape."""
     texts = [user_text(base_url, turn_tokens, salt * 1000 + k) for k in range(num_turns)]
     history: list[dict] = []
     ttfts = []
     with httpx.Client(base_url=base_url, timeout=300) as client:
-        for k, text in enumerate(texts):
+        for text in texts:
             new = {"role": "user", "content": text}
-            body = {"max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
-                    "service_tier": "priority"}
+            body = {
+                "max_tokens": new_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "service_tier": "priority",
+            }
             if stateful:
                 body.update(messages=[new], session_id=f"bench-ttft-{salt}")
             else:
@@ -93,16 +109,24 @@ def ttft_by_turn(base_url: str, num_turns: int, turn_tokens: int, new_tokens: in
     return ttfts
 
 
-def llama_cpp_floor(gguf: str, threads: int, shapes: dict[str, tuple[int, int]],
-                    rounds: int = 5, **llama_kwargs) -> dict[str, float]:
+def llama_cpp_floor(
+    gguf: str, threads: int, shapes: dict[str, tuple[int, int]], rounds: int = 5, **llama_kwargs
+) -> dict[str, float]:
     """llama.cpp's own `eval` of the same prefills, no server: per name, the median seconds to
     evaluate `new` tokens after `cached` ones. Turn N over turn 1 here is what exact attention
     over the history costs on this model and machine, the floor for any server's ratio."""
     from ultrafast.executors.llama_cpp_params import open_llama
 
     longest = max(c + n for c, n in shapes.values())
-    llm = open_llama(gguf, n_ctx=longest + 16, n_threads=threads, n_threads_batch=threads,
-                     n_batch=512, verbose=False, **llama_kwargs)  # e.g. flash_attn, type_k
+    llm = open_llama(
+        gguf,
+        n_ctx=longest + 16,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=512,
+        verbose=False,
+        **llama_kwargs,
+    )  # e.g. flash_attn, type_k
     tokens = [(7 * i + 3) % (llm.n_vocab() - 1) + 1 for i in range(longest)]
     out = {}
     try:
@@ -113,7 +137,7 @@ def llama_cpp_floor(gguf: str, threads: int, shapes: dict[str, tuple[int, int]],
             for _ in range(rounds):
                 llm.n_tokens = cached  # eval drops the KV past n_tokens first
                 started = time.perf_counter()
-                llm.eval(tokens[cached:cached + new])
+                llm.eval(tokens[cached : cached + new])
                 times.append(time.perf_counter() - started)
             out[name] = statistics.median(times)
     finally:
@@ -121,8 +145,9 @@ def llama_cpp_floor(gguf: str, threads: int, shapes: dict[str, tuple[int, int]],
     return out
 
 
-def torch_floor(model_dir: str, threads: int, shapes: dict[str, tuple[int, int]],
-                rounds: int = 5) -> dict[str, float]:
+def torch_floor(
+    model_dir: str, threads: int, shapes: dict[str, tuple[int, int]], rounds: int = 5
+) -> dict[str, float]:
     """`llama_cpp_floor` for the torch executor: its own forward pass over the same prefills,
     no server, no scheduler (CPU, float32, eager as the server runs prefills). Each shape has
     its own KV slot, so the timed passes alternate between shapes round by round and a machine
@@ -132,8 +157,14 @@ def torch_floor(model_dir: str, threads: int, shapes: dict[str, tuple[int, int]]
     from ultrafast.request import SamplingParams
 
     longest = max(c + n for c, n in shapes.values())
-    executor = TorchExecutor(model_dir, num_slots=len(shapes), max_model_len=longest,
-                             device="cpu", compile="off", n_threads=threads)
+    executor = TorchExecutor(
+        model_dir,
+        num_slots=len(shapes),
+        max_model_len=longest,
+        device="cpu",
+        compile="off",
+        n_threads=threads,
+    )
     tokens = [(7 * i + 3) % (executor.vocab_size - 1) + 1 for i in range(longest)]
     greedy = SamplingParams(temperature=0.0)
 
@@ -159,6 +190,7 @@ def torch_floor(model_dir: str, threads: int, shapes: dict[str, tuple[int, int]]
 
 # ---- exactly once under a Redis restart -----------------------------------------------------
 
+
 @dataclass
 class ConversationRun:
     session_ids: list[str]
@@ -170,11 +202,22 @@ class ConversationRun:
     elapsed_s: float = 0.0
 
 
-def _turn(client: httpx.Client, run: ConversationRun, lock, session_id: str, k: int,
-          max_tokens: int, deadline_s: float = 120.0) -> None:
+def _turn(
+    client: httpx.Client,
+    run: ConversationRun,
+    lock,
+    session_id: str,
+    k: int,
+    max_tokens: int,
+    deadline_s: float = 120.0,
+) -> None:
     text = f"# {session_id} turn {k}\ndef step_{k}(state):"
-    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0, "session_id": session_id}
+    body = {
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "session_id": session_id,
+    }
     headers = {"Idempotency-Key": f"{session_id}-t{k}"}
     give_up = time.monotonic() + deadline_s
     while True:
@@ -196,9 +239,16 @@ def _turn(client: httpx.Client, run: ConversationRun, lock, session_id: str, k: 
     run.sent[session_id].append(text)
 
 
-def run_conversations(base_url: str, num_sessions: int, num_turns: int, concurrency: int,
-                      max_tokens: int, restart=None, restart_after_turns: int | None = None,
-                      session_prefix: str = "bench") -> ConversationRun:
+def run_conversations(
+    base_url: str,
+    num_sessions: int,
+    num_turns: int,
+    concurrency: int,
+    max_tokens: int,
+    restart=None,
+    restart_after_turns: int | None = None,
+    session_prefix: str = "bench",
+) -> ConversationRun:
     """Each worker runs whole conversations; `restart()` runs once, in its own thread, when
     `restart_after_turns` turns are done (so calls are in flight while Redis is down)."""
     stamp = f"{int(time.time() * 1000) % 10**9}"
@@ -219,8 +269,11 @@ def run_conversations(base_url: str, num_sessions: int, num_turns: int, concurre
                 _turn(client, run, lock, session_id, k, max_tokens)
                 with lock:
                     done_turns[0] += 1
-                    if (restart is not None and not restarter
-                            and done_turns[0] >= (restart_after_turns or 0)):
+                    if (
+                        restart is not None
+                        and not restarter
+                        and done_turns[0] >= (restart_after_turns or 0)
+                    ):
                         run.num_restarts += 1
                         restarter.append(threading.Thread(target=restart_and_count))
                         restarter[0].start()
@@ -242,7 +295,9 @@ def check_exactly_once(base_url: str, run: ConversationRun) -> dict:
         for session_id in run.session_ids:
             items, after = [], None
             while True:
-                params = {"order": "asc", "limit": 100, **({"after": after} if after else {})}
+                params: dict[str, str | int] = {"order": "asc", "limit": 100}
+                if after:
+                    params["after"] = after
                 page = client.get(f"/v1/conversations/{session_id}/items", params=params).json()
                 items += page["data"]
                 if not page["has_more"]:
@@ -255,14 +310,17 @@ def check_exactly_once(base_url: str, run: ConversationRun) -> dict:
             if len(set(ids)) != len(ids):
                 problems.append(f"{session_id}: duplicate turn ids")
             if users != run.sent[session_id]:
-                problems.append(f"{session_id}: user turns {len(users)} stored vs "
-                                f"{len(run.sent[session_id])} sent, or out of order")
+                problems.append(
+                    f"{session_id}: user turns {len(users)} stored vs "
+                    f"{len(run.sent[session_id])} sent, or out of order"
+                )
             if roles != ["user", "assistant"] * len(run.sent[session_id]):
                 problems.append(f"{session_id}: roles {roles[:6]}... are not one answer per turn")
     return {"num_turns_found": num_found, "problems": problems[:20]}
 
 
 # ---- the command ----------------------------------------------------------------------------
+
 
 def _median(runs: list[list[float]], k: int) -> float:
     return statistics.median(r[k] for r in runs)
@@ -271,32 +329,52 @@ def _median(runs: list[list[float]], k: int) -> float:
 def main(args) -> int:
     from ultrafast.bench.redis_server import RedisServer
     from ultrafast.bench.server_process import DEMO_MODEL_DIR, ServerProcess
-    from ultrafast.bench.tiers import serve_default_threads
+    from ultrafast.cli_serve import serve_default_threads
     from ultrafast.model_files import gguf_for, resolve_model
 
     redis = RedisServer()
     torch_executor = args.executor == "torch"
-    server_args = ("--priority-ttft-ms", "60000", "--session-store", redis.url,
-                   *(["--executor", args.executor] if args.executor != "auto" else []),
-                   "--default-queue", str(max(64, args.concurrency * 2)),
-                   *(["--threads", str(args.threads)] if args.threads else []),
-                   *(["--batch-threads", str(args.batch_threads)] if args.batch_threads
-                     else []))
-    srv = ServerProcess(*server_args, model=args.model or DEMO_MODEL_DIR,
-                        num_slots=args.num_slots, max_model_len=args.max_model_len)
+    server_args = (
+        "--priority-ttft-ms",
+        "60000",
+        "--session-store",
+        redis.url,
+        *(["--executor", args.executor] if args.executor != "auto" else []),
+        "--default-queue",
+        str(max(64, args.concurrency * 2)),
+        *(["--threads", str(args.threads)] if args.threads else []),
+        *(["--batch-threads", str(args.batch_threads)] if args.batch_threads else []),
+    )
+    srv = ServerProcess(
+        *server_args,
+        model=args.model or DEMO_MODEL_DIR,
+        num_slots=args.num_slots,
+        max_model_len=args.max_model_len,
+    )
     try:
         ttft = {}
         ttft_by_turn(srv.url, 3, args.turn_tokens, args.reply_tokens, True, salt=999)  # warm-up
         shapes: list[tuple[int, int]] = []  # (cached, prefilled) per turn, sessions mode
         for mode, stateful in (("sessions", True), ("stateless", False)):
-            runs = [ttft_by_turn(srv.url, args.turns, args.turn_tokens, args.reply_tokens,
-                                 stateful, salt=r + (100 if stateful else 200),
-                                 shapes=shapes if stateful and r == 0 else None)
-                    for r in range(args.rounds)]
+            runs = [
+                ttft_by_turn(
+                    srv.url,
+                    args.turns,
+                    args.turn_tokens,
+                    args.reply_tokens,
+                    stateful,
+                    salt=r + (100 if stateful else 200),
+                    shapes=shapes if stateful and r == 0 else None,
+                )
+                for r in range(args.rounds)
+            ]
             first, last = _median(runs, 0), _median(runs, args.turns - 1)
-            ttft[mode] = {"turn_1_ms": 1000 * first, f"turn_{args.turns}_ms": 1000 * last,
-                          "ratio": last / first,
-                          "by_turn_ms": [1000 * _median(runs, k) for k in range(args.turns)]}
+            ttft[mode] = {
+                "turn_1_ms": 1000 * first,
+                f"turn_{args.turns}_ms": 1000 * last,
+                "ratio": last / first,
+                "by_turn_ms": [1000 * _median(runs, k) for k in range(args.turns)],
+            }
         ttft["sessions"]["prefill_turn_1"] = shapes[0]  # (cached, prefilled) tokens
         ttft["sessions"][f"prefill_turn_{args.turns}"] = shapes[-1]
         srv.stop()  # the floor runs alone on the machine
@@ -305,34 +383,56 @@ def main(args) -> int:
         floor_threads = args.batch_threads or args.threads or serve_default_threads()
         floor_shapes = {"turn_1": shapes[0], "turn_n": shapes[-1]}
         if torch_executor:
-            floor = torch_floor(str(files.hf_dir), args.threads or serve_default_threads(),
-                                floor_shapes)
+            floor = torch_floor(
+                str(files.hf_dir), args.threads or serve_default_threads(), floor_shapes
+            )
         else:
             floor = llama_cpp_floor(str(gguf_for(files)), floor_threads, floor_shapes)
         ttft["torch executor eval (floor)" if torch_executor else "llama.cpp eval (floor)"] = {
-            "turn_1_ms": 1000 * floor["turn_1"], f"turn_{args.turns}_ms": 1000 * floor["turn_n"],
-            "ratio": floor["turn_n"] / floor["turn_1"]}
+            "turn_1_ms": 1000 * floor["turn_1"],
+            f"turn_{args.turns}_ms": 1000 * floor["turn_n"],
+            "ratio": floor["turn_n"] / floor["turn_1"],
+        }
         conv, check = ConversationRun([]), {"num_turns_found": 0, "problems": []}
         if args.sessions:  # 0: time to first token only (e.g. a model too slow for 4,000 turns)
-            srv = ServerProcess(*server_args, model=args.model or DEMO_MODEL_DIR,
-                                num_slots=args.num_slots, max_model_len=args.max_model_len)
-            conv = run_conversations(srv.url, args.sessions, args.turns, args.concurrency,
-                                     args.answer_tokens, restart=redis.restart,
-                                     restart_after_turns=args.sessions * args.turns // 2)
+            srv = ServerProcess(
+                *server_args,
+                model=args.model or DEMO_MODEL_DIR,
+                num_slots=args.num_slots,
+                max_model_len=args.max_model_len,
+            )
+            conv = run_conversations(
+                srv.url,
+                args.sessions,
+                args.turns,
+                args.concurrency,
+                args.answer_tokens,
+                restart=redis.restart,
+                restart_after_turns=args.sessions * args.turns // 2,
+            )
             check = check_exactly_once(srv.url, conv)
     finally:
         srv.stop()
         redis.close()
     expected = 2 * args.sessions * args.turns
-    report = {"ttft": ttft, "turn_tokens": args.turn_tokens, "reply_tokens": args.reply_tokens,
-              "num_slots": args.num_slots,
-              "exactly_once": {"sessions": args.sessions, "turns": args.turns,
-                               "concurrency": args.concurrency, "expected_turns": expected,
-                               **check, "retries": conv.num_retries, "refused_503": conv.num_503,
-                               "redis_restarts": conv.num_restarts,
-                               "turns_done_when_redis_was_back":
-                                   conv.num_turns_before_restart_end,
-                               "elapsed_s": conv.elapsed_s}}
+    report = {
+        "ttft": ttft,
+        "turn_tokens": args.turn_tokens,
+        "reply_tokens": args.reply_tokens,
+        "num_slots": args.num_slots,
+        "exactly_once": {
+            "sessions": args.sessions,
+            "turns": args.turns,
+            "concurrency": args.concurrency,
+            "expected_turns": expected,
+            **check,
+            "retries": conv.num_retries,
+            "refused_503": conv.num_503,
+            "redis_restarts": conv.num_restarts,
+            "turns_done_when_redis_was_back": conv.num_turns_before_restart_end,
+            "elapsed_s": conv.elapsed_s,
+        },
+    }
     ok = check["num_turns_found"] == expected and not check["problems"]
     write_report(report, args.out, markdown(report, args.turns))
     if not ok:
@@ -341,22 +441,30 @@ def main(args) -> int:
 
 
 def markdown(report: dict, num_turns: int) -> str:
-    rows = ["| client | TTFT turn 1 (ms) | TTFT turn %d (ms) | ratio (target <= 1.2) |" % num_turns,
-            "|---|---|---|---|"]
+    rows = [
+        f"| client | TTFT turn 1 (ms) | TTFT turn {num_turns} (ms) | ratio (target <= 1.2) |",
+        "|---|---|---|---|",
+    ]
     for mode, t in report["ttft"].items():
-        rows.append(f"| {mode} | {t['turn_1_ms']:.1f} | {t[f'turn_{num_turns}_ms']:.1f} | "
-                    f"{t['ratio']:.2f} |")
+        rows.append(
+            f"| {mode} | {t['turn_1_ms']:.1f} | {t[f'turn_{num_turns}_ms']:.1f} | "
+            f"{t['ratio']:.2f} |"
+        )
     sessions = report["ttft"]["sessions"]
     if "prefill_turn_1" in sessions:
         (c1, n1), (cn, nn) = sessions["prefill_turn_1"], sessions[f"prefill_turn_{num_turns}"]
-        rows.append(f"\nprompt tokens with sessions, cached + prefilled: turn 1 {c1} + {n1}, "
-                    f"turn {num_turns} {cn} + {nn} (the floor row evaluates the same counts)")
+        rows.append(
+            f"\nprompt tokens with sessions, cached + prefilled: turn 1 {c1} + {n1}, "
+            f"turn {num_turns} {cn} + {nn} (the floor row evaluates the same counts)"
+        )
     e = report["exactly_once"]
     if not e["sessions"]:
         return "\n".join(rows)
-    rows.append(f"\n{e['sessions']} sessions x {e['turns']} turns, {e['concurrency']} concurrent,"
-                f" {e['redis_restarts']} Redis restart: {e['num_turns_found']} of "
-                f"{e['expected_turns']} turns stored (user + assistant), problems: "
-                f"{len(e['problems'])}, retried calls: {e['retries']} ({e['refused_503']} x 503),"
-                f" {e['elapsed_s']:.0f} s")
+    rows.append(
+        f"\n{e['sessions']} sessions x {e['turns']} turns, {e['concurrency']} concurrent,"
+        f" {e['redis_restarts']} Redis restart: {e['num_turns_found']} of "
+        f"{e['expected_turns']} turns stored (user + assistant), problems: "
+        f"{len(e['problems'])}, retried calls: {e['retries']} ({e['refused_503']} x 503),"
+        f" {e['elapsed_s']:.0f} s"
+    )
     return "\n".join(rows)

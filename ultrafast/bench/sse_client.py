@@ -46,9 +46,12 @@ async def stream_events(host: str, port: int, path: str, body: dict):
     reader, writer = await asyncio.open_connection(host, port)
     try:
         payload = orjson.dumps(body)
-        writer.write(b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n" % (path.encode(), host.encode(), port,
-                                                      len(payload)) + payload)
+        writer.write(
+            b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n"
+            % (path.encode(), host.encode(), port, len(payload))
+            + payload
+        )
         await writer.drain()
         status, headers = await _read_head(reader)
         if status != 200:

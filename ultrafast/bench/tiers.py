@@ -14,9 +14,11 @@ import time
 
 import httpx
 
-from ultrafast.bench.overhead import markdown as overhead_markdown, run_overhead_bench
+from ultrafast.bench.overhead import markdown as overhead_markdown
+from ultrafast.bench.overhead import run_overhead_bench
 from ultrafast.bench.report import write_report
 from ultrafast.bench.server_process import ServerProcess
+from ultrafast.cli_serve import serve_default_threads
 from ultrafast.progress import Progress
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
@@ -43,23 +45,43 @@ async def stream_once(client: httpx.AsyncClient, body: dict) -> tuple[float, lis
 async def probe(client, tier: str, count: int, max_tokens: int) -> dict:
     ttfts, gaps = [], []
     for i in range(count):
-        ttft, g = await stream_once(client, {
-            "prompt": PROMPT + f"# probe {i}\n", "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True, "service_tier": tier})
+        ttft, g = await stream_once(
+            client,
+            {
+                "prompt": PROMPT + f"# probe {i}\n",
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+                "service_tier": tier,
+            },
+        )
         ttfts.append(ttft)
         gaps.extend(g)
-    return {"ttft_p50_ms": 1000 * statistics.median(ttfts),
-            "ttft_p99_ms": 1000 * percentile(ttfts, 99),
-            "itl_p50_ms": 1000 * statistics.median(gaps), "itl_p99_ms": 1000 * percentile(gaps, 99),
-            "requests": count, "tokens": count * max_tokens}
+    return {
+        "ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "ttft_p99_ms": 1000 * percentile(ttfts, 99),
+        "itl_p50_ms": 1000 * statistics.median(gaps),
+        "itl_p99_ms": 1000 * percentile(gaps, 99),
+        "requests": count,
+        "tokens": count * max_tokens,
+    }
 
 
 async def load(client, num_streams: int, stop: asyncio.Event, done: list[int]) -> None:
     async def one(k: int) -> None:
         while not stop.is_set():
-            _, gaps = await stream_once(client, {
-                "prompt": PROMPT + f"# load {k}\n", "max_tokens": 200, "temperature": 0,
-                "stream": True, "ignore_eos": True, "service_tier": "default"})
+            _, gaps = await stream_once(
+                client,
+                {
+                    "prompt": PROMPT + f"# load {k}\n",
+                    "max_tokens": 200,
+                    "temperature": 0,
+                    "stream": True,
+                    "ignore_eos": True,
+                    "service_tier": "default",
+                },
+            )
             done.append(len(gaps) + 1)
 
     await asyncio.gather(*(one(k) for k in range(num_streams)))
@@ -81,7 +103,7 @@ async def tier_scenario(url: str, num_slots: int, probes: int, max_tokens: int) 
         progress.update(phase="warm-up")
         idle = await probe(client, "priority", probes, max_tokens)
         progress.update(phase="idle")
-        stop, done = asyncio.Event(), []
+        stop, done = asyncio.Event(), list[int]()
         load_task = asyncio.create_task(load(client, num_slots - 1, stop, done))
         await wait_running(client, num_slots - 1)
         loaded = await probe(client, "priority", probes, max_tokens)
@@ -91,10 +113,14 @@ async def tier_scenario(url: str, num_slots: int, probes: int, max_tokens: int) 
         stall = await long_prompt_stall(client, idle["itl_p99_ms"])
         progress.update(phase="long prompt")
     progress.close()
-    return {"idle": idle, "loaded": loaded, "background_streams": num_slots - 1,
-            "long_prompt": stall,
-            "ttft_p50_ratio": loaded["ttft_p50_ms"] / idle["ttft_p50_ms"],
-            "itl_p99_ratio": loaded["itl_p99_ms"] / idle["itl_p99_ms"]}
+    return {
+        "idle": idle,
+        "loaded": loaded,
+        "background_streams": num_slots - 1,
+        "long_prompt": stall,
+        "ttft_p50_ratio": loaded["ttft_p50_ms"] / idle["ttft_p50_ms"],
+        "itl_p99_ratio": loaded["itl_p99_ms"] / idle["itl_p99_ms"],
+    }
 
 
 async def long_prompt_stall(client, idle_itl_p99_ms: float) -> dict:
@@ -104,60 +130,91 @@ async def long_prompt_stall(client, idle_itl_p99_ms: float) -> dict:
 
     async def intruder() -> None:
         await asyncio.sleep(0.05)
-        await client.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 1,
-                                                   "service_tier": "default"})
+        await client.post(
+            "/v1/completions",
+            json={"prompt": long_prompt, "max_tokens": 1, "service_tier": "default"},
+        )
 
     task = asyncio.create_task(intruder())
-    _, gaps = await stream_once(client, {"prompt": PROMPT, "max_tokens": 96, "temperature": 0,
-                                         "stream": True, "ignore_eos": True,
-                                         "service_tier": "priority"})
+    _, gaps = await stream_once(
+        client,
+        {
+            "prompt": PROMPT,
+            "max_tokens": 96,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "service_tier": "priority",
+        },
+    )
     await task
-    return {"max_gap_ms": 1000 * max(gaps), "itl_p99_ms": 1000 * percentile(gaps, 99),
-            "idle_itl_p99_ms": idle_itl_p99_ms}
+    return {
+        "max_gap_ms": 1000 * max(gaps),
+        "itl_p99_ms": 1000 * percentile(gaps, 99),
+        "idle_itl_p99_ms": idle_itl_p99_ms,
+    }
 
 
-def run_tier_bench(model: str, num_slots: int = 4, probes: int = 8, max_tokens: int = 64,
-                   rounds: int = 10, threads: int | None = None) -> dict:
+def run_tier_bench(
+    model: str,
+    num_slots: int = 4,
+    probes: int = 8,
+    max_tokens: int = 64,
+    rounds: int = 10,
+    threads: int | None = None,
+) -> dict:
     threads = threads or serve_default_threads()
     streaming = run_overhead_bench(model, threads, num_slots=num_slots, rounds=rounds)
     # speculative decoding off: this measures the lane (scheduling, preemption, chunked
     # prefill); with drafts a priority event carries several tokens and event gaps stop being
     # per-token latencies (`bench decode --spec` measures speculation)
-    server = ServerProcess("--threads", str(threads), "--spec", "off", model=model,
-                           num_slots=num_slots)
+    server = ServerProcess(
+        "--threads", str(threads), "--spec", "off", model=model, num_slots=num_slots
+    )
     try:
         tiers = asyncio.run(tier_scenario(server.url, num_slots, probes, max_tokens))
     finally:
         server.stop()
-    return {"model": str(model), "num_slots": num_slots, "threads": threads, "tiers": tiers,
-            "streaming": streaming}
-
-
-def serve_default_threads() -> int:
-    from ultrafast.executors.ggml_exec import physical_cores
-
-    return max(1, physical_cores() - 1)  # what `ultrafast serve` uses without --threads
+    return {
+        "model": str(model),
+        "num_slots": num_slots,
+        "threads": threads,
+        "tiers": tiers,
+        "streaming": streaming,
+    }
 
 
 def markdown(report: dict) -> str:
     t, s = report["tiers"], report["streaming"]
     i, lo = t["idle"], t["loaded"]
-    return "\n".join([
-        f"priority streams ({i['requests']} x {i['tokens'] // i['requests']} tokens), idle vs "
-        f"with {t['background_streams']} default-tier streams saturating the other slots", "",
-        "| | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |", "|---|---|---|---|---|",
-        f"| idle | {i['ttft_p50_ms']:.1f} | {i['ttft_p99_ms']:.1f} | {i['itl_p50_ms']:.2f} | "
-        f"{i['itl_p99_ms']:.2f} |",
-        f"| loaded | {lo['ttft_p50_ms']:.1f} | {lo['ttft_p99_ms']:.1f} | {lo['itl_p50_ms']:.2f} "
-        f"| {lo['itl_p99_ms']:.2f} |",
-        f"| loaded / idle | {t['ttft_p50_ratio']:.2f}x | | | {t['itl_p99_ratio']:.2f}x |", "",
-        f"a ~380-token default prompt arriving mid-stream: priority worst gap "
-        f"{t['long_prompt']['max_gap_ms']:.1f} ms, p99 {t['long_prompt']['itl_p99_ms']:.2f} ms "
-        f"(idle p99 {t['long_prompt']['idle_itl_p99_ms']:.2f} ms)", "",
-        overhead_markdown(s)])
+    return "\n".join(
+        [
+            f"priority streams ({i['requests']} x {i['tokens'] // i['requests']} tokens), idle vs "
+            f"with {t['background_streams']} default-tier streams saturating the other slots",
+            "",
+            "| | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
+            "|---|---|---|---|---|",
+            f"| idle | {i['ttft_p50_ms']:.1f} | {i['ttft_p99_ms']:.1f} | {i['itl_p50_ms']:.2f} | "
+            f"{i['itl_p99_ms']:.2f} |",
+            f"| loaded | {lo['ttft_p50_ms']:.1f} | {lo['ttft_p99_ms']:.1f} | "
+            f"{lo['itl_p50_ms']:.2f} | {lo['itl_p99_ms']:.2f} |",
+            f"| loaded / idle | {t['ttft_p50_ratio']:.2f}x | | | {t['itl_p99_ratio']:.2f}x |",
+            "",
+            f"a ~380-token default prompt arriving mid-stream: priority worst gap "
+            f"{t['long_prompt']['max_gap_ms']:.1f} ms, p99 {t['long_prompt']['itl_p99_ms']:.2f} ms "
+            f"(idle p99 {t['long_prompt']['idle_itl_p99_ms']:.2f} ms)",
+            "",
+            overhead_markdown(s),
+        ]
+    )
 
 
 def main(args) -> int:
-    report = run_tier_bench(args.model, num_slots=args.num_slots,
-                            probes=args.probes, rounds=args.rounds or 10, threads=args.threads)
+    report = run_tier_bench(
+        args.model,
+        num_slots=args.num_slots,
+        probes=args.probes,
+        rounds=args.rounds,
+        threads=args.threads,
+    )
     return write_report(report, args.out, markdown(report))

@@ -41,6 +41,7 @@ import collections
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ultrafast.config import MAX_DRAFT_TOKENS
 from ultrafast.core.types import Draft, DraftVerification
 from ultrafast.engine.step_costs import StepCostModel
 from ultrafast.request import Request, ServiceTier
@@ -52,7 +53,7 @@ SPEC_METHODS = ("off", "ngram", "draft", "auto")
 class SpecConfig:
     method: str = "auto"  # off, ngram, draft (model), auto (ngram, then the draft model)
     tiers: tuple[ServiceTier, ...] = (ServiceTier.PRIORITY,)  # where n-gram/model drafts run
-    max_draft_tokens: int = 5  # upper bound of the adaptive k
+    max_draft_tokens: int = MAX_DRAFT_TOKENS  # upper bound of the adaptive k
     ngram_min: int = 1  # n-gram lookup: the longest suffix of n in [min, max] tokens that
     ngram_max: int = 4  # occurred before decides the draft
     prior_acceptance: float = 0.6  # per-token acceptance assumed for a new request ...

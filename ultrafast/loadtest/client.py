@@ -77,9 +77,14 @@ def _parse_event(rec: CallRecord, data: str, now_s: float) -> None:
             rec.finish_reasons.append(choice["finish_reason"])
 
 
-async def stream_call(client: httpx.AsyncClient, body: dict, tag: str = "",
-                      cancel_after_events: int | None = None, path: str = "/v1/completions",
-                      headers: dict | None = None) -> CallRecord:
+async def stream_call(
+    client: httpx.AsyncClient,
+    body: dict,
+    tag: str = "",
+    cancel_after_events: int | None = None,
+    path: str = "/v1/completions",
+    headers: dict | None = None,
+) -> CallRecord:
     """One streamed completion. `cancel_after_events`: close the connection (FIN) after that
     many text events, as a client that gives up mid-stream."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
@@ -98,8 +103,10 @@ async def stream_call(client: httpx.AsyncClient, body: dict, tag: str = "",
                     rec.num_pings += 1
                 elif line.startswith("data: "):
                     _parse_event(rec, line[6:], now_s)
-                    if (cancel_after_events is not None
-                            and len(rec.token_times_s) >= cancel_after_events):
+                    if (
+                        cancel_after_events is not None
+                        and len(rec.token_times_s) >= cancel_after_events
+                    ):
                         rec.cancelled = True
                         break  # leaving the block closes the connection mid-stream
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
@@ -108,8 +115,13 @@ async def stream_call(client: httpx.AsyncClient, body: dict, tag: str = "",
     return rec
 
 
-async def plain_call(client: httpx.AsyncClient, body: dict, tag: str = "",
-                     path: str = "/v1/completions", headers: dict | None = None) -> CallRecord:
+async def plain_call(
+    client: httpx.AsyncClient,
+    body: dict,
+    tag: str = "",
+    path: str = "/v1/completions",
+    headers: dict | None = None,
+) -> CallRecord:
     rec = CallRecord(tag, {**body, "stream": False}, started_s=time.monotonic())
     try:
         r = await client.post(path, json=rec.body, headers=headers)
@@ -131,15 +143,19 @@ async def plain_call(client: httpx.AsyncClient, body: dict, tag: str = "",
 
 # ---- raw sockets ----------------------------------------------------------------------------
 
+
 def http_request_bytes(url: str, body: dict | bytes, path: str = "/v1/completions") -> bytes:
     host = urlsplit(url).netloc
     payload = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode() + payload
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    ).encode() + payload
 
 
-async def open_raw(url: str, rcvbuf_bytes: int | None = None
-                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def open_raw(
+    url: str, rcvbuf_bytes: int | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     parts = urlsplit(url)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     if rcvbuf_bytes:
@@ -156,8 +172,9 @@ def close_with_rst(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-async def raw_call_then_leave(url: str, body: dict, read_bytes: int, rst: bool,
-                              timeout_s: float = 30.0) -> int:
+async def raw_call_then_leave(
+    url: str, body: dict, read_bytes: int, rst: bool, timeout_s: float = 30.0
+) -> int:
     """Send a call, read at least `read_bytes` of the answer (0: leave before any answer),
     then close with FIN or RST. Returns the bytes read."""
     reader, writer = await open_raw(url)
@@ -182,8 +199,11 @@ def parse_raw_sse(raw: bytes, tag: str, body: dict) -> CallRecord:
     rec = CallRecord(tag, body)
     head, _, rest = raw.partition(b"\r\n\r\n")
     rec.status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
-    text = _dechunk(rest).decode("utf-8", "replace") if b"chunked" in head.lower() else \
-        rest.decode("utf-8", "replace")
+    text = (
+        _dechunk(rest).decode("utf-8", "replace")
+        if b"chunked" in head.lower()
+        else rest.decode("utf-8", "replace")
+    )
     for line in text.split("\n"):
         if line.startswith("data: "):
             _parse_event(rec, line[6:].strip(), 0.0)
@@ -199,7 +219,7 @@ def _dechunk(data: bytes) -> bytes:
         size = int(data[i:j].split(b";")[0] or b"0", 16)
         if size == 0:
             break
-        out.append(data[j + 2:j + 2 + size])
+        out.append(data[j + 2 : j + 2 + size])
         i = j + 2 + size + 2
     return b"".join(out)
 

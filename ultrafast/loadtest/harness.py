@@ -46,9 +46,21 @@ class ServerSpec:
     extra: tuple[str, ...] = ()  # further `serve` flags
 
     def argv(self, port: int) -> list[str]:
-        cmd = [sys.executable, "-m", "ultrafast.cli", "serve", str(DEMO_MODEL_DIR), "--port",
-               str(port), "--num-slots", str(self.num_slots), "--max-model-len",
-               str(self.max_model_len), "--priority-ttft-ms", "10000"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ultrafast.cli",
+            "serve",
+            str(DEMO_MODEL_DIR),
+            "--port",
+            str(port),
+            "--num-slots",
+            str(self.num_slots),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--priority-ttft-ms",
+            "10000",
+        ]
         if self.executor == "fake":
             cmd += ["--executor", "fake", "--fake-step-ms", str(self.fake_step_ms)]
         return cmd + list(self.extra)
@@ -60,9 +72,12 @@ class ServerHandle:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="ultrafast-loadtest-", suffix=".log")
-        self.proc = subprocess.Popen(spec.argv(self.port), stdout=self.log,
-                                     stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            spec.argv(self.port),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         deadline = time.monotonic() + startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -124,8 +139,10 @@ class Budget:
 
     def more(self) -> bool:
         """May one more request start? Counts it when yes."""
-        if self.num_started >= self.max_requests or time.monotonic() - self.started_s > \
-                self.duration_s:
+        if (
+            self.num_started >= self.max_requests
+            or time.monotonic() - self.started_s > self.duration_s
+        ):
             return False
         self.num_started += 1
         return True
@@ -151,8 +168,14 @@ class Result:
 
 
 class Context:
-    def __init__(self, duration_s: float, max_requests: int, ci: bool, url: str | None = None,
-                 progress_stream=None):
+    def __init__(
+        self,
+        duration_s: float,
+        max_requests: int,
+        ci: bool,
+        url: str | None = None,
+        progress_stream=None,
+    ):
         self.duration_s = duration_s
         self.max_requests = max_requests
         self.ci = ci
@@ -169,8 +192,10 @@ class Context:
         return ci if self.ci else full
 
     def budget(self, max_requests: int | None = None, duration_s: float | None = None) -> Budget:
-        return Budget(min(duration_s or self.duration_s, self.duration_s),
-                      min(max_requests or self.max_requests, self.max_requests))
+        return Budget(
+            min(duration_s or self.duration_s, self.duration_s),
+            min(max_requests or self.max_requests, self.max_requests),
+        )
 
     def progress(self, label: str, total: int | None) -> Progress:
         return Progress(label, total=total, stream=self.progress_stream)
@@ -201,8 +226,9 @@ class Context:
         """A fresh token-id prompt (distinct per call, so no two calls share an answer)."""
         self._prompt_seq += 1
         n = self._prompt_seq
-        return [self.word_ids[(n * 7919 + i * 104729) % len(self.word_ids)]
-                for i in range(length - 2)] + [n % 4000 + 10, n // 4000 + 10]
+        return [
+            self.word_ids[(n * 7919 + i * 104729) % len(self.word_ids)] for i in range(length - 2)
+        ] + [n % 4000 + 10, n // 4000 + 10]
 
     def fake_expected(self, prompt: list[int], max_tokens: int) -> str:
         return self.tokenizer.decode(reference_tokens(prompt, max_tokens, self.word_ids))
@@ -211,8 +237,11 @@ class Context:
         """The non-streamed temperature-0 answer of the demo model (the stream must match)."""
         key = (client.base_url, prompt, max_tokens)
         if key not in self._baselines:
-            rec = await plain_call(client, {"prompt": prompt, "max_tokens": max_tokens,
-                                            "temperature": 0, "ignore_eos": True}, "baseline")
+            rec = await plain_call(
+                client,
+                {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+                "baseline",
+            )
             if rec.status != 200:
                 raise RuntimeError(f"baseline call failed: {rec.status} {rec.error}")
             self._baselines[key] = rec.text

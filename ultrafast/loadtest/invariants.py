@@ -19,8 +19,9 @@ import httpx
 from ultrafast.loadtest.client import CallRecord
 
 
-def check_terminal(rec: CallRecord, allowed_finish: tuple[str, ...] = ("length", "stop")
-                   ) -> list[str]:
+def check_terminal(
+    rec: CallRecord, allowed_finish: tuple[str, ...] = ("length", "stop")
+) -> list[str]:
     """(i) for one accepted (200) streamed call that the client read to the end."""
     where = f"{rec.tag} call"
     problems = []
@@ -43,19 +44,22 @@ def check_content(rec: CallRecord, expected_text: str, expected_tokens: int | No
     where = f"{rec.tag} call"
     problems = []
     if rec.text != expected_text:
-        cut = next((i for i, (a, b) in enumerate(zip(rec.text, expected_text)) if a != b),
-                   min(len(rec.text), len(expected_text)))
-        problems.append(f"{where}: text differs from the expected at char {cut} (got "
-                        f"{len(rec.text)} chars, want {len(expected_text)}): lost, duplicated "
-                        f"or reordered tokens")
+        cut = next(
+            (i for i, (a, b) in enumerate(zip(rec.text, expected_text)) if a != b),
+            min(len(rec.text), len(expected_text)),
+        )
+        problems.append(
+            f"{where}: text differs from the expected at char {cut} (got "
+            f"{len(rec.text)} chars, want {len(expected_text)}): lost, duplicated "
+            f"or reordered tokens"
+        )
     got_tokens = (rec.usage or {}).get("completion_tokens")
     if expected_tokens is not None and got_tokens != expected_tokens:
         problems.append(f"{where}: usage.completion_tokens={got_tokens}, want {expected_tokens}")
     return problems
 
 
-def check_rejection(rec: CallRecord, status: int, code: str, retry_after: bool = True
-                    ) -> list[str]:
+def check_rejection(rec: CallRecord, status: int, code: str, retry_after: bool = True) -> list[str]:
     where = f"{rec.tag} call"
     if rec.status != status:
         return [f"{where}: status {rec.status}, want {status} {code}"]
@@ -71,7 +75,9 @@ def check_rejection(rec: CallRecord, status: int, code: str, retry_after: bool =
     return problems
 
 
-async def wait_at_rest(client: httpx.AsyncClient, timeout_s: float = 10.0) -> tuple[list[str], dict]:
+async def wait_at_rest(
+    client: httpx.AsyncClient, timeout_s: float = 10.0
+) -> tuple[list[str], dict]:
     """(iii): poll /ready until nothing runs, waits or holds a slot or seat."""
     deadline = time.monotonic() + timeout_s
     state: dict = {}
@@ -91,8 +97,7 @@ async def wait_at_rest(client: httpx.AsyncClient, timeout_s: float = 10.0) -> tu
 def _busy(state: dict) -> list[str]:
     if state.get("status") != "ready":
         return [f"/ready status {state.get('status')!r}"]
-    busy = [f"{k}={state.get(k)}" for k in ("running", "waiting", "kv_slots_busy")
-            if state.get(k)]
+    busy = [f"{k}={state.get(k)}" for k in ("running", "waiting", "kv_slots_busy") if state.get(k)]
     busy += [f"in_flight[{t}]={n}" for t, n in (state.get("in_flight") or {}).items() if n]
     return busy
 
@@ -114,8 +119,9 @@ def num_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-async def check_fds_back(pid: int, baseline: int, tolerance: int = 5, wait_s: float = 3.0
-                         ) -> tuple[list[str], int]:
+async def check_fds_back(
+    pid: int, baseline: int, tolerance: int = 5, wait_s: float = 3.0
+) -> tuple[list[str], int]:
     """(iii) open file descriptors back to the baseline (+-tolerance) once clients are gone."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -124,8 +130,10 @@ async def check_fds_back(pid: int, baseline: int, tolerance: int = 5, wait_s: fl
             break
         await asyncio.sleep(0.1)
     if now > baseline + tolerance:
-        return [f"server holds {now} file descriptors at rest, baseline {baseline} "
-                f"(tolerance {tolerance}): leaked sockets or files"], now
+        return [
+            f"server holds {now} file descriptors at rest, baseline {baseline} "
+            f"(tolerance {tolerance}): leaked sockets or files"
+        ], now
     return [], now
 
 
@@ -157,16 +165,20 @@ class MemoryWatch:
         self.end_kib = mem_kib(self.pid)
         growth_mib = (self.end_kib - self.warm_kib) / 1024
         if growth_mib >= self.limit_mib:
-            return [f"server memory grew {growth_mib:.1f} MiB after warm-up "
-                    f"(limit {self.limit_mib:.0f} MiB)"]
+            return [
+                f"server memory grew {growth_mib:.1f} MiB after warm-up "
+                f"(limit {self.limit_mib:.0f} MiB)"
+            ]
         return []
 
     def summary(self) -> dict:
         if self.warm_kib is None or self.end_kib is None:
             return {}
-        return {"mem_warm_mib": round(self.warm_kib / 1024, 1),
-                "mem_end_mib": round(self.end_kib / 1024, 1),
-                "mem_growth_mib": round((self.end_kib - self.warm_kib) / 1024, 2)}
+        return {
+            "mem_warm_mib": round(self.warm_kib / 1024, 1),
+            "mem_end_mib": round(self.end_kib / 1024, 1),
+            "mem_growth_mib": round((self.end_kib - self.warm_kib) / 1024, 2),
+        }
 
 
 def percentiles_ms(values_s: list[float]) -> dict:

@@ -11,11 +11,14 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ultrafast.loadtest import scenarios_client as c
 from ultrafast.loadtest import scenarios_fault as f
 from ultrafast.loadtest import scenarios_load as s
+from ultrafast.loadtest import scenarios_redis as rd
 from ultrafast.loadtest import scenarios_state as st
 from ultrafast.loadtest.harness import Context, Result
 from ultrafast.loadtest.invariants import check_fds_back
@@ -25,7 +28,7 @@ from ultrafast.loadtest.invariants import check_fds_back
 class Scenario:
     name: str
     title: str
-    run: object  # async (ctx, result) -> None
+    run: Callable[[Context, Result], Awaitable[None]]
     in_ci: bool = False
     external_ok: bool = False  # meaningful against a server started by someone else (--url)
 
@@ -34,58 +37,106 @@ SCENARIOS = [
     Scenario("L1", "steady streams, back to back", s.l1_steady, in_ci=True),
     Scenario("L2", "overload burst: exactly the capacity admitted", s.l2_overload, in_ci=True),
     Scenario("L3", "churn: 30% of streams cancelled at a random token", s.l3_churn, in_ci=True),
-    Scenario("L4", "priority lane under saturation (preempting)", s.l4_priority_lane,
-             in_ci=True),
-    Scenario("L5", "sessions x turns on redis-server with a restart", st.l5_sessions,
-             in_ci=True),
+    Scenario("L4", "priority lane under saturation (preempting)", s.l4_priority_lane, in_ci=True),
+    Scenario("L5", "sessions x turns on redis-server with a restart", st.l5_sessions, in_ci=True),
     Scenario("L6", "tenant flood vs tenant under quota", st.l6_tenants, in_ci=True),
-    Scenario("L7", "real demo model: stream == non-stream", s.l7_demo_model, in_ci=True,
-             external_ok=True),
-    Scenario("IRR", "irregular burst: 1-token calls + every 16th 64 tokens, shaper on/off",
-             s.irregular_burst, in_ci=True),
-    Scenario("B0", "malformed and oversized bodies mid-load", f.b0_bad_inputs, in_ci=True),
-    Scenario("F1", "client disconnect mid-stream (FIN, RST) and before the first token",
-             f.f1_disconnect, in_ci=True),
-    Scenario("F2", "client disconnect of a non-streaming call", f.f2_disconnect_plain,
-             in_ci=True),
+    Scenario(
+        "L7", "real demo model: stream == non-stream", s.l7_demo_model, in_ci=True, external_ok=True
+    ),
+    Scenario(
+        "IRR",
+        "irregular burst: 1-token calls + every 16th 64 tokens, shaper on/off",
+        s.irregular_burst,
+        in_ci=True,
+    ),
+    Scenario("B0", "malformed and oversized bodies mid-load", c.b0_bad_inputs, in_ci=True),
+    Scenario(
+        "F1",
+        "client disconnect mid-stream (FIN, RST) and before the first token",
+        f.f1_disconnect,
+        in_ci=True,
+    ),
+    Scenario("F2", "client disconnect of a non-streaming call", f.f2_disconnect_plain, in_ci=True),
     Scenario("F3", "engine exception in one request", f.f3_request_fault, in_ci=True),
     Scenario("F3b", "engine exception failing a whole step", f.f3b_step_fault, in_ci=True),
     Scenario("F4", "fatal engine failure (the engine thread dies)", f.f4_fatal, in_ci=True),
     Scenario("F5", "SIGTERM under load (drain)", f.f5_sigterm, in_ci=True),
     Scenario("F5b", "a second SIGTERM during the drain exits at once", f.f5b_second_signal),
-    Scenario("F6", "Redis down before a session request", st.f6_redis_down, in_ci=True),
-    Scenario("F7", "Redis restart mid-stream (link reset, then a Redis restart)",
-             st.f7_redis_restart_mid_stream, in_ci=True),
-    Scenario("F8", "kill -9 redis right after an acknowledged turn", st.f8_redis_killed,
-             in_ci=True),
-    Scenario("F9", "Redis slow (2 s added per exchange)", st.f9_redis_slow, in_ci=True),
-    Scenario("F10", "KV cache full: waiting, preemption, unservable prompt", f.f10_kv_full,
-             in_ci=True),
+    Scenario("F6", "Redis down before a session request", rd.f6_redis_down, in_ci=True),
+    Scenario(
+        "F7",
+        "Redis restart mid-stream (link reset, then a Redis restart)",
+        rd.f7_redis_restart_mid_stream,
+        in_ci=True,
+    ),
+    Scenario(
+        "F8", "kill -9 redis right after an acknowledged turn", rd.f8_redis_killed, in_ci=True
+    ),
+    Scenario("F9", "Redis slow (2 s added per exchange)", rd.f9_redis_slow, in_ci=True),
+    Scenario(
+        "F10", "KV cache full: waiting, preemption, unservable prompt", f.f10_kv_full, in_ci=True
+    ),
     Scenario("F11", "queue full: burst of 4x capacity", f.f11_queue_full, in_ci=True),
-    Scenario("F12", "slow / stalled reader", f.f12_slow_reader, in_ci=True),
-    Scenario("F12b", "stalled reader that never resumes (write-stall timeout)",
-             f.f12b_stalled_reader, in_ci=True),
-    Scenario("F13", "slowloris headers, a stalled body, the per-IP connection cap",
-             f.f13_slowloris, in_ci=True),
+    Scenario("F12", "slow / stalled reader", c.f12_slow_reader, in_ci=True),
+    Scenario(
+        "F12b",
+        "stalled reader that never resumes (write-stall timeout)",
+        c.f12b_stalled_reader,
+        in_ci=True,
+    ),
+    Scenario(
+        "F13",
+        "slowloris headers, a stalled body, the per-IP connection cap",
+        c.f13_slowloris,
+        in_ci=True,
+    ),
     Scenario("F14", "SSE ping while waiting > 15 s", f.f14_ping),
-    Scenario("F15", "near-cap and over-cap prompts in parallel", f.f15_huge_prompts,
-             in_ci=True),
-    Scenario("F16", "retry with the same Idempotency-Key", st.f16_idempotent_retry,
-             in_ci=True),
+    Scenario("F15", "near-cap and over-cap prompts in parallel", f.f15_huge_prompts, in_ci=True),
+    Scenario("F16", "retry with the same Idempotency-Key", st.f16_idempotent_retry, in_ci=True),
 ]
 BY_NAME = {sc.name: sc for sc in SCENARIOS}
 # Run order: scenarios that share a server spec run back to back (one server start each group;
 # starts cost seconds on a busy 2-core box); the two that kill their server run last.
-RUN_ORDER = ["L1", "L3", "L4", "B0", "F1", "F2", "F3", "F3b", "F12", "F15", "L2", "F11",
-             "F10", "F14", "L7", "IRR", "F13", "F12b", "F16", "F6", "F9", "F8", "F7", "L6", "L5", "F4", "F5",
-             "F5b"]
+RUN_ORDER = [
+    "L1",
+    "L3",
+    "L4",
+    "B0",
+    "F1",
+    "F2",
+    "F3",
+    "F3b",
+    "F12",
+    "F15",
+    "L2",
+    "F11",
+    "F10",
+    "F14",
+    "L7",
+    "IRR",
+    "F13",
+    "F12b",
+    "F16",
+    "F6",
+    "F9",
+    "F8",
+    "F7",
+    "L6",
+    "L5",
+    "F4",
+    "F5",
+    "F5b",
+]
 
 
 # The spec's timing targets (docs/RELIABILITY.md 7c/7b), evaluated on the full tier and reported
 # beside the result; they never fail a run (timing on a shared box is not a verdict).
-TARGETS = {
-    "L1": [("TTFT p99 < 300 ms", "ttft.p99_ms", 300), ("ITL p99 < 100 ms", "itl.p99_ms", 100),
-           ("server CPU < 1.6 cores", "server_cpu_cores", 1.6)],
+TARGETS: dict[str, list[tuple[str, str, float]]] = {
+    "L1": [
+        ("TTFT p99 < 300 ms", "ttft.p99_ms", 300),
+        ("ITL p99 < 100 ms", "itl.p99_ms", 100),
+        ("server CPU < 1.6 cores", "server_cpu_cores", 1.6),
+    ],
     "L2": [("rejection p99 < 50 ms", "rejection_latency.p99_ms", 50)],
     "F11": [("rejection p99 < 50 ms", "rejection_latency.p99_ms", 50)],
     "L4": [("priority TTFT p99 <= 150 ms", "priority_ttft.p99_ms", 150)],
@@ -98,9 +149,9 @@ TARGETS = {
 
 
 def targets(result: Result) -> list[dict]:
-    rows = []
+    rows: list[dict] = []
     for label, path, limit in TARGETS.get(result.name, []):
-        value = result.metrics
+        value: object = result.metrics
         for key in path.split("."):
             value = value.get(key) if isinstance(value, dict) else None
         if isinstance(value, (int, float)):
@@ -118,8 +169,9 @@ def select(spec: str) -> list[Scenario]:
         names = [n.strip() for n in spec.split(",") if n.strip()]
         unknown = [n for n in names if n not in BY_NAME]
         if unknown:
-            raise ValueError(f"unknown scenario(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(BY_NAME)}, ci, all")
+            raise ValueError(
+                f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}, ci, all"
+            )
         chosen = [BY_NAME[n] for n in dict.fromkeys(names)]
     rank = {name: i for i, name in enumerate(RUN_ORDER)}
     return sorted(chosen, key=lambda sc: rank.get(sc.name, len(rank)))
@@ -129,8 +181,10 @@ async def run_one(ctx: Context, sc: Scenario) -> Result:
     result = Result(sc.name, sc.title)
     if ctx.url and not sc.external_ok:
         result.status = "skipped"
-        result.gaps.append(f"{sc.name} needs a server the loadtest starts itself (its own "
-                           f"executor and flags); not run against --url")
+        result.gaps.append(
+            f"{sc.name} needs a server the loadtest starts itself (its own "
+            f"executor and flags); not run against --url"
+        )
         return result
     started = time.monotonic()
     try:
@@ -138,7 +192,8 @@ async def run_one(ctx: Context, sc: Scenario) -> Result:
         srv = ctx.current
         if srv is not None and srv.alive:  # clients closed: sockets must be closed too
             problems, result.metrics["server_fds"] = await check_fds_back(
-                srv.pid, srv.num_fds_at_start)
+                srv.pid, srv.num_fds_at_start
+            )
             result.fail(problems)
     except Exception as exc:  # a broken scenario is reported, the others still run
         result.status = "error"
@@ -158,42 +213,63 @@ async def run_all(ctx: Context, scenarios: list[Scenario]) -> list[Result]:
         for i, sc in enumerate(scenarios, 1):
             results.append(await run_one(ctx, sc))
             r = results[-1]
-            print(f"[{i}/{len(scenarios)}] {sc.name} {r.status} ({r.duration_s} s, "
-                  f"{r.num_requests} calls){': ' + r.violations[0] if r.violations else ''}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{i}/{len(scenarios)}] {sc.name} {r.status} ({r.duration_s} s, "
+                f"{r.num_requests} calls){': ' + r.violations[0] if r.violations else ''}",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         ctx.close()
     return results
 
 
 def markdown(results: list[Result], header: dict) -> str:
-    lines = [f"loadtest ({header['tier']} tier, duration cap {header['duration_s']} s, request "
-             f"cap {header['max_requests']}), loopback only", "",
-             "| scenario | status | calls | time s | key figures | violations |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"loadtest ({header['tier']} tier, duration cap {header['duration_s']} s, request "
+        f"cap {header['max_requests']}), loopback only",
+        "",
+        "| scenario | status | calls | time s | key figures | violations |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r.name} {r.title} | {r.status} | {r.num_requests} | {r.duration_s} "
-                     f"| {_figures(r)} | {'; '.join(r.violations[:3]) or '-'} |")
+        lines.append(
+            f"| {r.name} {r.title} | {r.status} | {r.num_requests} | {r.duration_s} "
+            f"| {_figures(r)} | {'; '.join(r.violations[:3]) or '-'} |"
+        )
     rows = [(r.name, t) for r in results for t in r.metrics.get("targets", [])]
     if rows:
-        lines += ["", "Spec timing targets (reported, not asserted):", "",
-                  "| scenario | target | measured | met |", "|---|---|---|---|"]
-        lines += [f"| {name} | {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |"
-                  for name, t in rows]
+        lines += [
+            "",
+            "Spec timing targets (reported, not asserted):",
+            "",
+            "| scenario | target | measured | met |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {name} | {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |"
+            for name, t in rows
+        ]
     gaps = [g for r in results for g in r.gaps]
     if gaps:
         lines += ["", "Not covered / not met yet:", *[f"- {g}" for g in gaps]]
     irr = next((r for r in results if r.name == "IRR" and r.metrics), None)
     if irr:
-        lines += ["", "Irregular burst: 1-token calls, every 16th asks 64 tokens (ms):", "",
-                  "| shaper | group | n | latency p50 | latency p99 | TTFT p50 | TTFT p99 |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Irregular burst: 1-token calls, every 16th asks 64 tokens (ms):",
+            "",
+            "| shaper | group | n | latency p50 | latency p99 | TTFT p50 | TTFT p99 |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for label in ("shaper_on", "shaper_off"):
             for tag, m in irr.metrics.get(label, {}).items():
                 lat, ttft = m["latency"], m["ttft"]
-                lines.append(f"| {label} | {tag} | {lat.get('n')} | {lat.get('p50_ms')} | "
-                             f"{lat.get('p99_ms')} | {ttft.get('p50_ms')} | "
-                             f"{ttft.get('p99_ms')} |")
+                lines.append(
+                    f"| {label} | {tag} | {lat.get('n')} | {lat.get('p50_ms')} | "
+                    f"{lat.get('p99_ms')} | {ttft.get('p50_ms')} | "
+                    f"{ttft.get('p99_ms')} |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -212,8 +288,9 @@ def _figures(r: Result) -> str:
 def write(results: list[Result], header: dict, out: str) -> str:
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**header, "results": [asdict(r) for r in results]}, indent=2,
-                               default=str))
+    path.write_text(
+        json.dumps({**header, "results": [asdict(r) for r in results]}, indent=2, default=str)
+    )
     md = markdown(results, header)
     path.with_suffix(".md").write_text(md)
     return md
@@ -223,8 +300,12 @@ def main(args) -> int:
     scenarios = select(args.scenario)
     ctx = Context(args.duration_s, args.max_requests, ci=args.tier == "ci", url=args.url)
     results = asyncio.run(run_all(ctx, scenarios))
-    header = {"tier": args.tier, "duration_s": args.duration_s,
-              "max_requests": args.max_requests, "scenarios": [sc.name for sc in scenarios]}
+    header = {
+        "tier": args.tier,
+        "duration_s": args.duration_s,
+        "max_requests": args.max_requests,
+        "scenarios": [sc.name for sc in scenarios],
+    }
     print(write(results, header, args.out))
     print(f"wrote {args.out} and {Path(args.out).with_suffix('.md')}")
     return 0 if all(r.status in ("pass", "skipped") for r in results) else 1

@@ -63,8 +63,9 @@ class TcpProxy:
         self._open.update((writer, up_writer))
         self.max_open = max(self.max_open, len(self._open) // 2)
         try:
-            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer),
-                                 return_exceptions=True)
+            await asyncio.gather(
+                self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True
+            )
         except asyncio.CancelledError:
             pass  # the proxy (or the loop) is closing: end this connection quietly
         for w in (writer, up_writer):

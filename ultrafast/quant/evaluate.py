@@ -19,6 +19,7 @@ import torch
 from ultrafast.corpus import stdlib_split
 from ultrafast.model.attention import SeqSpan, SlotKVCache
 
+
 def _read_texts(paths: list[Path], max_chars: int | None = None) -> list[str]:
     texts, total = [], 0
     for path in paths:
@@ -59,8 +60,9 @@ def heldout_ids(tokenizer_dir: Path, text_file: str | Path | None = None) -> lis
     return _encode(tokenizer_dir, _read_texts(stdlib_split()[1]))
 
 
-def calibration_ids(tokenizer_dir: Path, num_tokens: int,
-                    text_file: str | Path | None = None) -> list[int]:
+def calibration_ids(
+    tokenizer_dir: Path, num_tokens: int, text_file: str | Path | None = None
+) -> list[int]:
     """`num_tokens` of calibration text: the given file, else training-side stdlib files."""
     if text_file is not None:
         ids = text_file_ids(tokenizer_dir, text_file)
@@ -70,13 +72,13 @@ def calibration_ids(tokenizer_dir: Path, num_tokens: int,
         ids = _encode(tokenizer_dir, _read_texts(train[::7], max_chars=8 * num_tokens))
     if len(ids) < 2:
         raise ValueError("calibration text is empty")
-    return ids[:num_tokens + 1]
+    return ids[: num_tokens + 1]
 
 
 def windows(ids: list[int], seq_len: int, max_tokens: int | None = None) -> list[list[int]]:
     """Non-overlapping windows of seq_len + 1 tokens (inputs and their next tokens)."""
     limit = len(ids) if not max_tokens else min(len(ids), max_tokens + 1)
-    out = [ids[b:b + seq_len + 1] for b in range(0, limit - seq_len, seq_len)]
+    out = [ids[b : b + seq_len + 1] for b in range(0, limit - seq_len, seq_len)]
     if not out and limit >= 2:  # shorter than one window: score what there is
         out = [ids[:limit]]
     return out
@@ -90,8 +92,16 @@ def torch_nll(model, token_windows: list[list[int]]) -> tuple[float, int]:
     max_len = max(len(w) for w in token_windows)
     if model.max_positions < max_len:
         model.set_max_positions(max_len)
-    kv = SlotKVCache(config.num_hidden_layers, 1, max_len, config.num_key_value_heads,
-                     config.head_dim, weight.dtype, weight.device, config.layer_sliding_windows)
+    kv = SlotKVCache(
+        config.num_hidden_layers,
+        1,
+        max_len,
+        config.num_key_value_heads,
+        config.head_dim,
+        weight.dtype,
+        weight.device,
+        config.layer_sliding_windows,
+    )
     total_nll, total = 0.0, 0
     for window in token_windows:
         x = torch.tensor(window, dtype=torch.long, device=weight.device)
@@ -104,15 +114,20 @@ def torch_nll(model, token_windows: list[list[int]]) -> tuple[float, int]:
     return total_nll, total
 
 
-def torch_perplexity(model, ids: list[int], seq_len: int = 256,
-                     max_tokens: int | None = None) -> tuple[float, int]:
+def torch_perplexity(
+    model, ids: list[int], seq_len: int = 256, max_tokens: int | None = None
+) -> tuple[float, int]:
     nll, count = torch_nll(model, windows(ids, seq_len, max_tokens))
     return math.exp(nll / count), count
 
 
-def gguf_perplexity(gguf_path: str | Path, ids: list[int], seq_len: int = 256,
-                    max_tokens: int | None = None,
-                    n_threads: int | None = None) -> tuple[float, int]:
+def gguf_perplexity(
+    gguf_path: str | Path,
+    ids: list[int],
+    seq_len: int = 256,
+    max_tokens: int | None = None,
+    n_threads: int | None = None,
+) -> tuple[float, int]:
     """Perplexity from llama.cpp's logits (llama-cpp-python's `Llama`, every position scored)."""
     from ultrafast.executors.llama_cpp_params import open_llama
 
@@ -121,9 +136,16 @@ def gguf_perplexity(gguf_path: str | Path, ids: list[int], seq_len: int = 256,
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     token_windows = windows(ids, seq_len, max_tokens)
     n_ctx = max(len(w) for w in token_windows)
-    llm = open_llama(str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx,
-                          n_ubatch=n_ctx, logits_all=True, verbose=False,
-                          n_threads=n_threads, n_threads_batch=n_threads)
+    llm = open_llama(
+        str(gguf_path),
+        n_ctx=n_ctx,
+        n_batch=n_ctx,
+        n_ubatch=n_ctx,
+        logits_all=True,
+        verbose=False,
+        n_threads=n_threads,
+        n_threads_batch=n_threads,
+    )
     total_nll, total = 0.0, 0
     try:
         for window in token_windows:

@@ -38,8 +38,9 @@ def q4_blocks(qw: QuantizedWeight) -> np.ndarray:
     packed = codes[..., :half] | (codes[..., half:] << 4)  # element j low, j + 16 high
     parts = [qw.scales.numpy().astype(np.float16).view(np.uint8).reshape(num_rows, num_groups, 2)]
     if qw.mins is not None:
-        parts.append(qw.mins.numpy().astype(np.float16).view(np.uint8)
-                     .reshape(num_rows, num_groups, 2))
+        parts.append(
+            qw.mins.numpy().astype(np.float16).view(np.uint8).reshape(num_rows, num_groups, 2)
+        )
     parts.append(packed.astype(np.uint8))
     return np.concatenate(parts, axis=-1).reshape(num_rows, -1)
 
@@ -71,11 +72,19 @@ def _file_type(plan: dict[str, str], zero_point: bool) -> gguf.LlamaFileType:
 
 
 def gguf_tensor_name(hf_name: str) -> str:
-    return "output.weight" if hf_name == LM_HEAD else convert._gguf_name(hf_name)
+    name = "output.weight" if hf_name == LM_HEAD else convert._gguf_name(hf_name)
+    if name is None:
+        raise ValueError(f"{hf_name} has no GGUF tensor")
+    return name
 
 
-def export_gguf(model_dir: str | Path, out_path: str | Path, plan: dict[str, str],
-                zero_point: bool = False, untie: bool = False) -> dict[str, str]:
+def export_gguf(
+    model_dir: str | Path,
+    out_path: str | Path,
+    plan: dict[str, str],
+    zero_point: bool = False,
+    untie: bool = False,
+) -> dict[str, str]:
     """Write the full-precision HF checkpoint at `model_dir` as a GGUF typed by `plan`.
 
     Returns {gguf tensor name: ggml type name} of the 2-D weights as written. `untie` writes

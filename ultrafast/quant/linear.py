@@ -10,11 +10,10 @@ reference path, and `kernel` says which one runs. Measured limits of the kernels
 out_features % 16 == 0 (it raises otherwise); int8 in bf16 crashes on K = 70, so int8 runs the
 kernel only for in_features % 32 == 0.
 
-Measured on the 2-core AVX2 machine (no AVX-512, so torch falls back to generic loops; one
-thread, a 1024x384 weight): the int8 kernel takes ~0.8 ms for one row but ~450 ms for 256 rows,
-where dequantize + F.linear takes ~4 ms (fp32 F.linear: ~0.1 ms per row). So the kernel only
-serves batches of up to `max_kernel_rows` rows (decode steps); prefill chunks and perplexity
-windows take the dequantize path. On this CPU the fast path for quantized weights is the ggml
+On a CPU without AVX-512 torch's int8 kernel falls back to generic loops: cheap for one row,
+but for a few hundred rows far slower than dequantize + F.linear. So the kernel only serves
+batches of up to `max_kernel_rows` rows (decode steps); prefill chunks and perplexity windows
+take the dequantize path. On this CPU the fast path for quantized weights is the ggml
 executor on a GGUF (`gguf_export`); the torch modules are the reference and the GPU-ready path.
 """
 
@@ -41,8 +40,9 @@ class _QuantLinear(nn.Module):
         self.in_features, self.out_features = qw.in_features, qw.out_features
         self.qtype, self.group_size = qw.qtype, qw.group_size
         self.compute_dtype = dtype
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype),
-                                                           requires_grad=False)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        )
         self.use_kernel = True
         self.max_kernel_rows = 1  # see the module docstring: larger batches dequantize
         self.kernel = "reference"
@@ -53,34 +53,50 @@ class _QuantLinear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize(self.quantized_weight(), self.compute_dtype)
 
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def _reference(self, x2: torch.Tensor) -> torch.Tensor:
         return F.linear(x2, self.dequantized_weight().to(x2.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        kernel = (self.use_kernel and self.kernel != "reference"
-                  and x2.shape[0] <= self.max_kernel_rows)
+        kernel = (
+            self.use_kernel and self.kernel != "reference" and x2.shape[0] <= self.max_kernel_rows
+        )
         y = self._kernel(x2) if kernel else self._reference(x2)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"qtype={self.qtype}, group_size={self.group_size}, kernel={self.kernel}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"qtype={self.qtype}, group_size={self.group_size}, kernel={self.kernel}"
+        )
 
 
 class Int8Linear(_QuantLinear):
     """Symmetric per-output-channel int8 weights; activations stay in `dtype`."""
 
-    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None,
-                 dtype: torch.dtype = torch.float32):
+    qweight: torch.Tensor  # buffers, declared for the type checker
+    scales: torch.Tensor
+
+    def __init__(
+        self,
+        qw: QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__(qw, bias, dtype)
         self.register_buffer("qweight", qw.codes.contiguous())
         self.register_buffer("scales", qw.scales.to(dtype))
         # the bf16 kernel segfaults on odd row lengths (K = 70), a probe cannot catch that
-        if self.in_features % 32 == 0 and hasattr(torch.ops.aten, "_weight_int8pack_mm") and \
-                _probe(self._kernel, self.in_features, dtype, self.qweight.device):
+        if (
+            self.in_features % 32 == 0
+            and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+            and _probe(self._kernel, self.in_features, dtype, self.qweight.device)
+        ):
             self.kernel = "aten._weight_int8pack_mm"
 
     def quantized_weight(self) -> QuantizedWeight:
@@ -93,8 +109,18 @@ class Int8Linear(_QuantLinear):
 class Int4Linear(_QuantLinear):
     """Group-wise int4 weights (q4_0 or q4_1 semantics, see tensors.py)."""
 
-    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None,
-                 dtype: torch.dtype = torch.float32):
+    codes: torch.Tensor  # buffers, declared for the type checker
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    kernel_weight: torch.Tensor
+    kernel_scales_zeros: torch.Tensor
+
+    def __init__(
+        self,
+        qw: QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__(qw, bias, dtype)
         self.padded_in_features = qw.codes.shape[1]
         self.register_buffer("codes", qw.codes.contiguous())  # the reference path's input
@@ -112,24 +138,30 @@ class Int4Linear(_QuantLinear):
         # [num_groups, N, 2]; q4_0 has zero 0, q4_1's "q * d + min" is zero = min + 8 * d
         d = qw.scales.float()
         zero = torch.zeros_like(d) if qw.mins is None else qw.mins.float() + 8.0 * d
-        self.register_buffer("kernel_scales_zeros",
-                             torch.stack([d.t(), zero.t()], dim=-1).contiguous().to(dtype))
-        self.register_buffer("kernel_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            qw.codes.to(torch.int32), 1))
+        self.register_buffer(
+            "kernel_scales_zeros", torch.stack([d.t(), zero.t()], dim=-1).contiguous().to(dtype)
+        )
+        self.register_buffer(
+            "kernel_weight",
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.codes.to(torch.int32), 1),
+        )
 
     def quantized_weight(self) -> QuantizedWeight:
-        return QuantizedWeight(INT4, self.codes, self.scales, self.mins, self.in_features,
-                               self.group_size)
+        return QuantizedWeight(
+            INT4, self.codes, self.scales, self.mins, self.in_features, self.group_size
+        )
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         if self.padded_in_features != self.in_features:  # padding codes multiply zeros
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2.contiguous(), self.kernel_weight, self.group_size, self.kernel_scales_zeros)
+            x2.contiguous(), self.kernel_weight, self.group_size, self.kernel_scales_zeros
+        )
 
 
-def make_quant_linear(qw: QuantizedWeight, bias: torch.Tensor | None,
-                      dtype: torch.dtype) -> _QuantLinear:
+def make_quant_linear(
+    qw: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype
+) -> _QuantLinear:
     return (Int8Linear if qw.qtype == INT8 else Int4Linear)(qw, bias, dtype)
 
 

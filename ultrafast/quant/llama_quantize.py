@@ -21,11 +21,19 @@ from pathlib import Path
 import gguf
 
 FILE_TYPES = {"q4_K_M": 15, "q4_K_S": 14, "q4_0": 2, "q8_0": 7}  # llama_ftype values
-_GGML_TYPES = {"f16": int(gguf.GGMLQuantizationType.F16), "q8_0": int(gguf.GGMLQuantizationType.Q8_0)}
+_GGML_TYPES = {
+    "f16": int(gguf.GGMLQuantizationType.F16),
+    "q8_0": int(gguf.GGMLQuantizationType.Q8_0),
+}
 
 
-def quantize_gguf(src_path: str | Path, dst_path: str | Path, file_type: str = "q4_K_M",
-                  overrides: dict[str, str] | None = None, n_threads: int = 0) -> Path:
+def quantize_gguf(
+    src_path: str | Path,
+    dst_path: str | Path,
+    file_type: str = "q4_K_M",
+    overrides: dict[str, str] | None = None,
+    n_threads: int = 0,
+) -> Path:
     """Quantize a full-precision GGUF; overrides: {exact gguf tensor name: "f16" | "q8_0"}."""
     import llama_cpp
 
@@ -46,10 +54,13 @@ def quantize_gguf(src_path: str | Path, dst_path: str | Path, file_type: str = "
         slot.pattern, slot.type = pattern, _GGML_TYPES[type_name]
     array[len(items)].pattern = None  # the terminator
     if items:
-        params.tt_overrides = ctypes.cast(array, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
+        params.tt_overrides = ctypes.cast(
+            array, ctypes.POINTER(llama_cpp.llama_model_tensor_override)
+        )
     dst_path.parent.mkdir(parents=True, exist_ok=True)
-    rc = llama_cpp.llama_model_quantize(str(src_path).encode(), str(dst_path).encode(),
-                                        ctypes.byref(params))
+    rc = llama_cpp.llama_model_quantize(
+        str(src_path).encode(), str(dst_path).encode(), ctypes.byref(params)
+    )
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize failed ({rc}) on {src_path}")
     return dst_path

@@ -40,22 +40,30 @@ def uniform_plan(model: nn.Module, qtype: str) -> dict[str, str]:
 
 
 def num_params(model: nn.Module, name: str) -> int:
-    return _get_weight(model, name).numel()
+    return get_weight(model, name).numel()
 
 
 def _module_name(weight_name: str) -> str:
     return weight_name.rsplit(".", 1)[0]
 
 
-def _get_weight(model: nn.Module, name: str) -> torch.Tensor:
-    return model.get_submodule(_module_name(name)).weight
+def get_weight(model: nn.Module, name: str) -> torch.Tensor:
+    """The weight tensor `name` ("model.layers.0.mlp.up_proj.weight") of `model`."""
+    weight = model.get_submodule(_module_name(name)).weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name} is not a tensor")
+    return weight
 
 
-def quantize_weights(model: nn.Module, plan: dict[str, str], group_size: int,
-                     zero_point: bool) -> dict[str, QuantizedWeight]:
+def quantize_weights(
+    model: nn.Module, plan: dict[str, str], group_size: int, zero_point: bool
+) -> dict[str, QuantizedWeight]:
     """QuantizedWeight for every quantized entry of the plan (weights read from `model`)."""
-    return {name: quantize(_get_weight(model, name), qtype, group_size, zero_point)
-            for name, qtype in plan.items() if qtype != KEEP}
+    return {
+        name: quantize(get_weight(model, name), qtype, group_size, zero_point)
+        for name, qtype in plan.items()
+        if qtype != KEEP
+    }
 
 
 def validate_plan(model: nn.Module, plan: dict[str, str]) -> None:
@@ -68,12 +76,13 @@ def validate_plan(model: nn.Module, plan: dict[str, str]) -> None:
         raise ValueError(f"unknown tensor types {bad}; expected one of {TENSOR_TYPES}")
 
 
-def apply_quantized(model: nn.Module, quantized: dict[str, QuantizedWeight],
-                    dtype: torch.dtype | None = None) -> nn.Module:
+def apply_quantized(
+    model: nn.Module, quantized: dict[str, QuantizedWeight], dtype: torch.dtype | None = None
+) -> nn.Module:
     """Swap the quantized modules in (in place) and return the model."""
     for name, qw in quantized.items():
         module = model.get_submodule(_module_name(name))
-        compute_dtype = dtype or module.weight.dtype
+        compute_dtype = dtype or get_weight(model, name).dtype
         if name == EMBED:
             table = dequantize(qw, compute_dtype)  # on the codes' device
             # a new Parameter: a tied lm_head keeps the original (unquantized) one
@@ -84,8 +93,9 @@ def apply_quantized(model: nn.Module, quantized: dict[str, QuantizedWeight],
     return model
 
 
-def quantize_model(model: nn.Module, plan: dict[str, str], group_size: int = 32,
-                   zero_point: bool = False) -> dict[str, QuantizedWeight]:
+def quantize_model(
+    model: nn.Module, plan: dict[str, str], group_size: int = 32, zero_point: bool = False
+) -> dict[str, QuantizedWeight]:
     """Quantize `model` in place by `plan`; returns the codes (for saving and GGUF export)."""
     validate_plan(model, plan)
     quantized = quantize_weights(model, plan, group_size, zero_point)

@@ -24,7 +24,15 @@ import torch
 from torch import nn
 
 from ultrafast.quant.evaluate import torch_nll
-from ultrafast.quant.plan import INT4, INT8, KEEP, fake_quantized, num_params, weight_names
+from ultrafast.quant.plan import (
+    INT4,
+    INT8,
+    KEEP,
+    fake_quantized,
+    get_weight,
+    num_params,
+    weight_names,
+)
 from ultrafast.quant.tensors import dequantize, quantize
 
 
@@ -55,18 +63,20 @@ def _mean_loss(model: nn.Module, token_windows: list[list[int]]) -> float:
     return nll / count
 
 
-def int4_weights(model: nn.Module, names: list[str], group_size: int,
-                 zero_point: bool) -> dict[str, torch.Tensor]:
+def int4_weights(
+    model: nn.Module, names: list[str], group_size: int, zero_point: bool
+) -> dict[str, torch.Tensor]:
     """The reference dequantization of each named weight's int4 version."""
     out = {}
     for name in names:
-        weight = model.get_submodule(name.rsplit(".", 1)[0]).weight
+        weight = get_weight(model, name)
         out[name] = dequantize(quantize(weight, INT4, group_size, zero_point), weight.dtype)
     return out
 
 
-def measure_sensitivity(model: nn.Module, token_windows: list[list[int]],
-                        fake: dict[str, torch.Tensor], fp_loss: float) -> dict[str, float]:
+def measure_sensitivity(
+    model: nn.Module, token_windows: list[list[int]], fake: dict[str, torch.Tensor], fp_loss: float
+) -> dict[str, float]:
     sensitivity = {}
     for name, tensor in fake.items():
         with fake_quantized(model, {name: tensor}):
@@ -74,10 +84,16 @@ def measure_sensitivity(model: nn.Module, token_windows: list[list[int]],
     return sensitivity
 
 
-def hybrid_plan(model: nn.Module, token_windows: list[list[int]], group_size: int = 32,
-                zero_point: bool = False, recover: float = 0.5, max_ppl_ratio: float = 1.03,
-                max_keep_fraction: float = 0.15,
-                keep_type: str = KEEP) -> tuple[dict[str, str], HybridReport]:
+def hybrid_plan(
+    model: nn.Module,
+    token_windows: list[list[int]],
+    group_size: int = 32,
+    zero_point: bool = False,
+    recover: float = 0.5,
+    max_ppl_ratio: float = 1.03,
+    max_keep_fraction: float = 0.15,
+    keep_type: str = KEEP,
+) -> tuple[dict[str, str], HybridReport]:
     """(per-tensor type plan, report); `model` is full precision and left unchanged."""
     if not 0.0 <= recover <= 1.0 or not 0.0 <= max_keep_fraction <= 1.0:
         raise ValueError("recover and max_keep_fraction must lie in [0, 1]")
@@ -103,12 +119,17 @@ def hybrid_plan(model: nn.Module, token_windows: list[list[int]], group_size: in
         plan[name] = keep_type
         used += size
         if keep_type == INT8:  # evaluate what will run: the int8 dequantization
-            weight = model.get_submodule(name.rsplit(".", 1)[0]).weight
+            weight = get_weight(model, name)
             fake8[name] = dequantize(quantize(weight, INT8), weight.dtype)
-        with fake_quantized(model, {**fake8, **{n: fake[n] for n, t in plan.items()
-                                                if t == INT4}}):
+        with fake_quantized(model, {**fake8, **{n: fake[n] for n, t in plan.items() if t == INT4}}):
             report.hybrid_loss = _mean_loss(model, token_windows)
         report.kept.append(name)
-        report.steps.append({"kept": name, "params": size, "sensitivity": sensitivity[name],
-                             "ppl_ratio": report.hybrid_ppl_ratio})
+        report.steps.append(
+            {
+                "kept": name,
+                "params": size,
+                "sensitivity": sensitivity[name],
+                "ppl_ratio": report.hybrid_ppl_ratio,
+            }
+        )
     return plan, report

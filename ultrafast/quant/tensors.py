@@ -55,8 +55,9 @@ def _pad_to_groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.nn.functional.pad(w, (0, pad)) if pad else w
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int = 32,
-                  zero_point: bool = False) -> QuantizedWeight:
+def quantize_int4(
+    weight: torch.Tensor, group_size: int = 32, zero_point: bool = False
+) -> QuantizedWeight:
     """Group-wise int4; q4_0 semantics when symmetric, q4_1 with a zero point (see module doc)."""
     if group_size < 2 or group_size % 2:
         raise ValueError(f"group_size must be an even number >= 2, got {group_size}")
@@ -90,11 +91,12 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
         w = (groups - 8.0) * d
     else:
         w = groups * d + qw.mins.float()[..., None]
-    return w.view(qw.out_features, -1)[:, :qw.in_features].to(dtype)
+    return w.view(qw.out_features, -1)[:, : qw.in_features].to(dtype)
 
 
-def quantize(weight: torch.Tensor, qtype: str, group_size: int = 32,
-             zero_point: bool = False) -> QuantizedWeight:
+def quantize(
+    weight: torch.Tensor, qtype: str, group_size: int = 32, zero_point: bool = False
+) -> QuantizedWeight:
     if qtype == INT8:
         return quantize_int8(weight)
     if qtype == INT4:

@@ -21,7 +21,8 @@ from starlette.routing import Route
 
 from ultrafast.server import auth
 from ultrafast.server.bridge import EngineBridge
-from ultrafast.server.calls import chat_call, chat_messages, completion_call, prepare_call
+from ultrafast.server.calls import (chat_call, chat_messages, completion_call, prepare_call,
+                                   template_error)
 from ultrafast.server.errors import APIError
 from ultrafast.server.models_api import model_routes
 from ultrafast.server.playground import playground_routes
@@ -34,12 +35,12 @@ from ultrafast.server.sessions.responses import responses_routes
 from ultrafast.server.sessions.stored_chat import stored_chat_routes, store_chat_completion
 from ultrafast.server.state import (ServerState, check_model, check_ready, error_response,
                                     read_json)
+from ultrafast.tokenizer import ChatTemplateError
 
 log = logging.getLogger(__name__)
 
 
 async def _chat(http: HTTPRequest, state: ServerState, req: ChatCompletionRequest) -> Response:
-    vocab_size = state.limits.vocab_size
     session = None
     if req.session_id is not None:  # history from the store, joined with the new turn
         check_model(state, req.model)
@@ -50,7 +51,7 @@ async def _chat(http: HTTPRequest, state: ServerState, req: ChatCompletionReques
             return replay_response(state.model_name, state.tokenizer, req, session.replay)
     try:
         run = await prepare_call(state, http.scope, chat_call(
-            req, vocab_size, session.messages if session else None))
+            req, state.limits, session.messages if session else None))
     except BaseException:
         if session is not None:
             session.release()
@@ -70,7 +71,7 @@ async def _chat(http: HTTPRequest, state: ServerState, req: ChatCompletionReques
 
 
 async def _completion(http: HTTPRequest, state: ServerState, req: CompletionRequest) -> Response:
-    run = await prepare_call(state, http.scope, completion_call(req, state.limits.vocab_size))
+    run = await prepare_call(state, http.scope, completion_call(req, state.limits))
     if run.spec.stream:
         return await run.respond_stream()
     return await run.respond_json(http)
@@ -189,7 +190,10 @@ def _tokenize_input(state: ServerState, body: dict) -> str:
     messages = body.get("messages")
     if isinstance(messages, list) and messages:
         req = parse_chat_request({"messages": messages}, state.limits)
-        return state.tokenizer.apply_chat_template(req.messages_for_template())
+        try:
+            return state.tokenizer.apply_chat_template(req.messages_for_template())
+        except ChatTemplateError as exc:
+            raise template_error(exc, "messages") from None
     raise APIError(400, "send `prompt` (a string) or `messages`", "invalid_request_error",
                    "missing_required_field", "prompt")
 

@@ -22,6 +22,7 @@ from typing import Any
 from ultrafast.request import SamplingParams, ServiceTier
 from ultrafast.server import auth
 from ultrafast.server.sessions.chat_tokens import ChatMessage, encode_chat
+from ultrafast.tokenizer import ChatTemplateError, NoChatTemplateError
 from ultrafast.server.errors import APIError, invalid_value
 from ultrafast.server.generate import GenerationRun, GenerationSpec
 from ultrafast.server.protocol import ChatCompletionRequest, CompletionRequest, Limits
@@ -55,11 +56,11 @@ class CallInput:
 
 # ---- chat completions / completions: from their validated protocol models -------------------
 
-def chat_call(req: ChatCompletionRequest, vocab_size: int,
+def chat_call(req: ChatCompletionRequest, limits: Limits,
               messages: list[ChatMessage] | None = None) -> CallInput:
     """`messages` replaces the request's own (a session's history joined with the new turn)."""
     return CallInput(
-        chat=True, params=req.sampling_params(vocab_size, 1),
+        chat=True, params=req.sampling_params(limits.vocab_size, 1, limits.sampling_defaults),
         max_tokens=req.requested_max_tokens(),
         messages=messages if messages is not None else chat_messages(req), model=req.model,
         n=req.n, stream=bool(req.stream), include_usage=req.include_usage(),
@@ -70,9 +71,9 @@ def chat_call(req: ChatCompletionRequest, vocab_size: int,
         else "max_tokens")
 
 
-def completion_call(req: CompletionRequest, vocab_size: int) -> CallInput:
+def completion_call(req: CompletionRequest, limits: Limits) -> CallInput:
     return CallInput(
-        chat=False, params=req.sampling_params(vocab_size, 1),
+        chat=False, params=req.sampling_params(limits.vocab_size, 1, limits.sampling_defaults),
         max_tokens=req.requested_max_tokens(),
         prompts=req.prompt_list(), model=req.model, n=req.n, stream=bool(req.stream),
         include_usage=req.include_usage(), stops=req.stop_list(), tier=req.tier(),
@@ -111,9 +112,16 @@ def check_options(limits: Limits, *, temperature: float | None, top_p: float | N
     return tier, service_tier == "auto"
 
 
-def plain_params(temperature: float | None, top_p: float | None) -> SamplingParams:
-    return SamplingParams(max_tokens=1, temperature=1.0 if temperature is None else temperature,
-                          top_p=1.0 if top_p is None else top_p)
+def plain_params(temperature: float | None, top_p: float | None,
+                 limits: Limits) -> SamplingParams:
+    """Responses / Realtime: what the client set, else the model's defaults, else OpenAI's."""
+    model = dict(limits.sampling_defaults)
+    return SamplingParams(
+        max_tokens=1, temperature=model.get("temperature", 1.0) if temperature is None
+        else temperature, top_p=model.get("top_p", 1.0) if top_p is None else top_p,
+        top_k=int(model.get("top_k", 0)) if 0 < model.get("top_k", 0) < limits.vocab_size
+        else 0, min_p=model.get("min_p", 0.0),
+        repetition_penalty=model.get("repetition_penalty", 1.0))
 
 
 # ---- the pipeline ------------------------------------------------------------------------------
@@ -136,7 +144,11 @@ async def prepare_call(state: ServerState, scope: dict, call: CallInput) -> Gene
         prediction_ids: list[int] | None = None
         echo: list[str] | None = None
         if call.chat:
-            prompts = [await loop.run_in_executor(state.pool, encode_chat, tok, call.messages)]
+            try:
+                prompts = [await loop.run_in_executor(state.pool, encode_chat, tok,
+                                                      call.messages)]
+            except ChatTemplateError as exc:  # no template, or one that raised: the caller's 400
+                raise template_error(exc, call.prompt_param) from None
             if call.prediction_text:  # predicted outputs: the engine drafts from these ids
                 prediction_ids = await loop.run_in_executor(
                     state.pool, tok.encode, call.prediction_text, False)
@@ -177,6 +189,11 @@ async def prepare_call(state: ServerState, scope: dict, call: CallInput) -> Gene
     except BaseException:
         state.admission.release(ticket)
         raise
+
+
+def template_error(exc: ChatTemplateError, param: str) -> APIError:
+    code = "no_chat_template" if isinstance(exc, NoChatTemplateError) else "chat_template_error"
+    return APIError(400, str(exc), "invalid_request_error", code, param)
 
 
 def _resolve_max_tokens(state: ServerState, call: CallInput, num_prompt: int) -> int:

@@ -47,6 +47,9 @@ class Limits:
     max_schema_bytes: int = 64 * 1024
     max_choices: int = 32  # completions: number of prompts x n
     features: frozenset = frozenset()  # which of OPTIONAL_FEATURES the server has wired
+    # the model's own sampling defaults (generation_config.json / GGUF general.sampling.*),
+    # used for each of temperature, top_p, top_k, min_p, repetition_penalty a request leaves out
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
 
 
 # ---- models ---------------------------------------------------------------------------------
@@ -222,23 +225,28 @@ class _Common(_Strict):
     def _prompt_logprobs(self, max_tokens: int) -> int | None:
         return None
 
-    def sampling_params(self, vocab_size: int, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, vocab_size: int, default_max_tokens: int,
+                        model_defaults: tuple[tuple[str, float], ...] = ()) -> SamplingParams:
         """`default_max_tokens` is used when the client sent no limit; the server picks it
-        (min of the per-key cap and the context left after the prompt)."""
+        (min of the per-key cap and the context left after the prompt). `model_defaults`
+        (Limits.sampling_defaults) fill the sampling fields the client left out."""
         requested = self.requested_max_tokens()
         max_tokens = default_max_tokens if requested is None else requested
-        top_k = self.top_k if self.top_k is not None and 0 < self.top_k < vocab_size else 0
+        model = dict(model_defaults)
+        top_k = self.top_k if self.top_k is not None else int(model.get("top_k", 0))
+        top_k = top_k if 0 < top_k < vocab_size else 0
         logprobs, top_logprobs = self._logprobs()
         bias = sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
-        temperature = 1.0 if self.temperature is None else self.temperature
-        top_p = 1.0 if self.top_p is None else self.top_p
+        temperature = model.get("temperature", 1.0) if self.temperature is None \
+            else self.temperature
+        top_p = model.get("top_p", 1.0) if self.top_p is None else self.top_p
         if top_p == 0.0:  # a nucleus of probability 0 holds just the most likely token
             temperature, top_p = 0.0, 1.0
         return SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            min_p=self.min_p or 0.0, seed=self.seed,
-            repetition_penalty=1.0 if self.repetition_penalty is None
-            else self.repetition_penalty,
+            min_p=model.get("min_p", 0.0) if self.min_p is None else self.min_p, seed=self.seed,
+            repetition_penalty=model.get("repetition_penalty", 1.0)
+            if self.repetition_penalty is None else self.repetition_penalty,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=tuple((k, v) for k, v in bias if k < vocab_size),

@@ -161,7 +161,8 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
     metrics.set_occupancy_source(engine.snapshot)
     engine.on_stats = metrics.on_step
     limits = Limits(vocab_size=tokenizer.vocab_size, max_tokens_cap=config.max_tokens_cap,
-                    features=frozenset({"session_id"}))
+                    features=frozenset({"session_id"}),
+                    sampling_defaults=tuple(sorted(tokenizer.generation_defaults.items())))
     store = open_store(config.session_store or default_session_store(), config.session_ttl_s,
                        config.max_sessions_per_tenant)
     return ServerState(config=config, engine=engine, tokenizer=tokenizer,

@@ -109,7 +109,7 @@ class RealtimeConnection:
                            "invalid_request_error", "invalid_value", None)
         response_id = "resp_" + uuid.uuid4().hex
         run = await prepare_call(self.state, self.ws.scope, CallInput(
-            chat=True, params=plain_params(temperature, top_p), max_tokens=max_tokens,
+            chat=True, params=plain_params(temperature, top_p, self.state.limits), max_tokens=max_tokens,
             messages=messages, stream=True, tier=tier, auto_tier=auto, request_id=response_id,
             prompt_param="conversation", max_tokens_param="max_output_tokens"))
         self.run = run

@@ -243,7 +243,7 @@ def call_input(req: ResponsesRequest, state: ServerState, messages: list[ChatMes
                                max_tokens=req.max_output_tokens,
                                max_tokens_param="max_output_tokens",
                                service_tier=req.service_tier)
-    return CallInput(chat=True, params=plain_params(req.temperature, req.top_p),
+    return CallInput(chat=True, params=plain_params(req.temperature, req.top_p, state.limits),
                      max_tokens=req.max_output_tokens, messages=messages, model=req.model,
                      stream=req.stream, tier=tier, auto_tier=auto, request_id=response_id,
                      prompt_param="input", max_tokens_param="max_output_tokens")

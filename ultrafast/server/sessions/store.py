@@ -22,8 +22,10 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
-DEFAULT_TTL_S = 30 * 24 * 3600.0  # OpenAI keeps stored responses 30 days
-DEFAULT_MAX_SESSIONS_PER_TENANT = 10_000
+from ultrafast.config import MAX_SESSIONS_PER_TENANT, SESSION_TTL_S
+
+DEFAULT_TTL_S = SESSION_TTL_S  # the one default lives in config.py
+DEFAULT_MAX_SESSIONS_PER_TENANT = MAX_SESSIONS_PER_TENANT
 
 
 class StoreUnavailable(Exception):

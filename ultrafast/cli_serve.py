@@ -1,0 +1,387 @@
+"""`ultrafast generate` and `ultrafast serve`: the commands that run the engine.
+
+Every default comes from the config dataclasses (EngineConfig, ServerConfig), so a flag and the
+field it sets cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from ultrafast.config import EXECUTORS, SPEC_METHODS, EngineConfig, ServerConfig
+
+COMPILE_MODES = ("auto", "inductor", "graphs", "off")
+
+
+def serve_default_threads() -> int:
+    """Kernel threads of `ultrafast serve` without --threads: every core but one."""
+    from ultrafast.executors.ggml_exec import physical_cores
+
+    # one core stays with the event loop, tokenizer and clients: kernels on every core compete
+    # with them and slow streaming over HTTP on a small machine
+    return max(1, physical_cores() - 1)
+
+
+def add_compile_arg(p: argparse.ArgumentParser, help_text: str | None = None) -> None:
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=EngineConfig.compile,
+        choices=COMPILE_MODES,
+        help=help_text
+        or "torch executor decode steps: torch.compile (inductor) and, "
+        "on CUDA, CUDA graphs; graphs = CUDA graphs of eager kernels; auto = on with "
+        "CUDA (bare --compile = inductor)",
+    )
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory or .gguf file (default: $ULTRAFAST_MODEL or the "
+        "bundled demo model)",
+    )
+    p.add_argument(
+        "--executor",
+        choices=EXECUTORS,
+        default=EngineConfig.executor,
+        help="auto = ggml (llama.cpp kernels) on CPU, torch on CUDA; fake = no model, "
+        "deterministic word tokens (load and fault tests only)",
+    )
+    p.add_argument(
+        "--fake-step-ms",
+        type=float,
+        default=1000 * EngineConfig.fake_step_s,
+        help=argparse.SUPPRESS,
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=EngineConfig.max_model_len,
+        help="positions per KV slot",
+    )
+    p.add_argument(
+        "--num-slots",
+        type=int,
+        default=EngineConfig.num_slots,
+        help="KV slots (concurrent sequences)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="kernel threads: ggml's, or torch's on CPU (default: all cores; serve: all but one)",
+    )
+    p.add_argument(
+        "--batch-threads",
+        type=int,
+        default=None,
+        help="ggml threads for passes of more than one token: prefill chunks, draft "
+        "verification, several streams' decodes (default: --threads)",
+    )
+    p.add_argument(
+        "--spec",
+        choices=SPEC_METHODS,
+        default=EngineConfig.spec,
+        help="speculative decoding: n-gram prompt lookup, a draft model, or auto "
+        "(n-gram, else the draft model); a request's `prediction` is always used",
+    )
+    p.add_argument(
+        "--spec-tiers",
+        default=",".join(EngineConfig.spec_tiers),
+        help="comma-separated tiers that draft (priority, default, flex)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft model (HF dir or .gguf, same tokenizer; default: the bundled "
+        "demo draft when it fits the model)",
+    )
+    p.add_argument(
+        "--max-draft-tokens",
+        type=int,
+        default=EngineConfig.max_draft_tokens,
+        help="upper bound of the adaptive number of draft tokens per step",
+    )
+    add_compile_arg(p)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig's keyword arguments (all but the model) from the engine flags."""
+    tiers = tuple(t.strip() for t in args.spec_tiers.split(",") if t.strip())
+    return dict(
+        executor=args.executor,
+        max_model_len=args.max_model_len,
+        num_slots=args.num_slots,
+        max_num_seqs=args.num_slots,
+        n_threads=args.threads,
+        n_threads_batch=args.batch_threads,
+        fake_step_s=args.fake_step_ms / 1000,
+        spec=args.spec,
+        spec_tiers=tiers,
+        draft_model=args.draft_model,
+        max_draft_tokens=args.max_draft_tokens,
+        compile=args.compile,
+    )
+
+
+def add_generate_parser(sub: Any) -> None:
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stats", action="store_true", help="print TTFT and speed to stderr")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ultrafast.llm import LLM
+    from ultrafast.request import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    llm = LLM(args.model, **engine_options(args))
+    started = time.perf_counter()
+    first_s = None
+    pieces = []
+    sys.stdout.write(args.prompt)
+    for delta in llm.stream(args.prompt, params):
+        if first_s is None:
+            first_s = time.perf_counter() - started
+        pieces.append(delta)
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    total_s = time.perf_counter() - started
+    sys.stdout.write("\n")
+    num_tokens = len(llm.tokenizer.encode("".join(pieces), add_special_tokens=False))
+    if args.stats:
+        spec = llm.engine.spec_stats
+        drafted = sum(spec.num_draft_tokens.values()) if spec else 0
+        accepted = sum(spec.num_accepted_tokens.values()) if spec else 0
+        print(
+            f"[{llm.files.name} on {type(llm.engine.executor).__name__}: "
+            f"ttft {1000 * (first_s or total_s):.1f} ms, ~{num_tokens} tokens in "
+            f"{total_s:.2f} s; spec {args.spec}: {accepted}/{drafted} drafts accepted]",
+            file=sys.stderr,
+        )
+    llm.close()
+    return 0
+
+
+def _add_tier_args(srv: argparse.ArgumentParser) -> None:
+    priority, default = ServerConfig.priority, ServerConfig.default
+    srv.add_argument(
+        "--priority-ttft-ms",
+        type=float,
+        default=priority.ttft_ms,
+        help="priority tier time-to-first-token target; later is refused (429)",
+    )
+    srv.add_argument(
+        "--priority-itl-ms",
+        type=float,
+        default=priority.itl_ms,
+        help="priority inter-token target; steps carrying priority work are sized "
+        "to it (0 = auto: 1.2x the measured idle inter-token time)",
+    )
+    srv.add_argument(
+        "--priority-queue",
+        type=int,
+        default=priority.max_in_flight,
+        help="priority calls in flight",
+    )
+    srv.add_argument("--default-ttft-ms", type=float, default=default.ttft_ms)
+    srv.add_argument("--default-itl-ms", type=float, default=default.itl_ms)
+    srv.add_argument(
+        "--default-queue", type=int, default=default.max_in_flight, help="default calls in flight"
+    )
+    srv.add_argument(
+        "--shaper-window-ms",
+        type=float,
+        default=ServerConfig.shaper_window_ms,
+        help="coalesce default-tier arrivals this long (0 = off)",
+    )
+    srv.add_argument("--drain-timeout-s", type=float, default=ServerConfig.drain_timeout_s)
+    srv.add_argument(
+        "--alert-priority-itl-p99-ms",
+        type=float,
+        default=ServerConfig.alert_priority_itl_p99_ms,
+        help="exported threshold of the priority per-token p99 alert "
+        "(default 2 on GPU, off on CPU; 0 = off)",
+    )
+
+
+def _add_session_args(srv: argparse.ArgumentParser) -> None:
+    srv.add_argument(
+        "--session-store",
+        default=ServerConfig.session_store,
+        help="conversation history: sqlite:///path (default: sessions.db under "
+        "the user data dir) or redis://host:port/db",
+    )
+    srv.add_argument(
+        "--session-ttl-s",
+        type=float,
+        default=ServerConfig.session_ttl_s,
+        help="a session expires this long after its last turn",
+    )
+    srv.add_argument(
+        "--max-sessions-per-tenant", type=int, default=ServerConfig.max_sessions_per_tenant
+    )
+
+
+def _add_access_args(srv: argparse.ArgumentParser) -> None:
+    srv.add_argument(
+        "--api-keys",
+        default=ServerConfig.api_keys_path,
+        metavar="FILE",
+        help="tenants and sha256-hashed keys (YAML/JSON, see deploy/); without it "
+        "there is no auth and the server listens on loopback only",
+    )
+    srv.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="Host header names to accept (repeatable; default on loopback: "
+        "127.0.0.1, localhost, ::1; otherwise any)",
+    )
+    srv.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=ServerConfig.header_timeout_s,
+        help="close a connection whose request head is not complete in this long "
+        "(slowloris; 408 when part of it came; 0 = off)",
+    )
+    srv.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=ServerConfig.body_timeout_s,
+        help="answer 408 request_timeout when a request body is not complete this "
+        "long after its head (a slow body; 0 = off)",
+    )
+    srv.add_argument(
+        "--max-connections-per-ip",
+        type=int,
+        default=ServerConfig.max_connections_per_ip,
+        help="refuse (429 too_many_connections) a connection beyond this many open "
+        "ones from one client address (0 = no cap; behind a proxy all clients "
+        "share its address)",
+    )
+    srv.add_argument(
+        "--write-stall-timeout-s",
+        type=float,
+        default=ServerConfig.write_stall_timeout_s,
+        help="abort a stream whose client reads nothing for this long, freeing "
+        "its KV slot (0 = off)",
+    )
+
+
+def _add_guard_args(srv: argparse.ArgumentParser) -> None:
+    srv.add_argument(
+        "--guard-pattern",
+        action="append",
+        default=[],
+        metavar="REGEX",
+        help="output safety filter: cut a stream matching REGEX (repeatable)",
+    )
+    srv.add_argument(
+        "--guard-patterns",
+        default=ServerConfig.guard_patterns_path,
+        metavar="FILE",
+        help='output safety filter patterns, JSON {"patterns": [...]}',
+    )
+    srv.add_argument(
+        "--guard-classifier",
+        default=ServerConfig.guard_classifier,
+        metavar="MODULE:FUNCTION",
+        help="output safety filter: a function text -> score in [0, 1], run off "
+        "the event loop; scores >= --guard-classifier-threshold cut the stream",
+    )
+    srv.add_argument(
+        "--guard-classifier-threshold", type=float, default=ServerConfig.guard_classifier_threshold
+    )
+    srv.add_argument(
+        "--guard-hold-back-tokens",
+        type=int,
+        default=ServerConfig.guard_hold_back_tokens,
+        help="tokens withheld after each cleared chunk (>= longest pattern)",
+    )
+
+
+def add_serve_parser(sub: Any) -> None:
+    srv = sub.add_parser("serve", help="start the OpenAI-compatible server")
+    srv.add_argument(
+        "model_path",
+        nargs="?",
+        default=None,
+        help="HF model directory or .gguf (default: the bundled demo model)",
+    )
+    srv.add_argument("--host", default=ServerConfig.host, help="bind address (loopback by default)")
+    srv.add_argument("--port", type=int, default=ServerConfig.port)
+    srv.add_argument(
+        "--served-model-name", default=ServerConfig.served_model_name, help="model id clients send"
+    )
+    _add_tier_args(srv)
+    _add_session_args(srv)
+    _add_access_args(srv)
+    _add_guard_args(srv)
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig the serve flags describe."""
+    from ultrafast.config import TierTargets
+
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        priority=TierTargets(args.priority_ttft_ms, args.priority_itl_ms, args.priority_queue),
+        default=TierTargets(args.default_ttft_ms, args.default_itl_ms, args.default_queue),
+        shaper_window_ms=args.shaper_window_ms,
+        drain_timeout_s=args.drain_timeout_s,
+        session_store=args.session_store,
+        session_ttl_s=args.session_ttl_s,
+        max_sessions_per_tenant=args.max_sessions_per_tenant,
+        api_keys_path=args.api_keys,
+        allowed_hosts=tuple(args.allowed_host),
+        guard_patterns=tuple(args.guard_pattern),
+        guard_patterns_path=args.guard_patterns,
+        guard_hold_back_tokens=args.guard_hold_back_tokens,
+        guard_classifier=args.guard_classifier,
+        guard_classifier_threshold=args.guard_classifier_threshold,
+        alert_priority_itl_p99_ms=args.alert_priority_itl_p99_ms,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        write_stall_timeout_s=args.write_stall_timeout_s,
+        max_connections_per_ip=args.max_connections_per_ip,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ultrafast.config import default_model
+    from ultrafast.server.serve import serve
+
+    if args.threads is None:
+        args.threads = serve_default_threads()
+    # --batch-threads stays opt-in: more threads on multi-token passes shorten a long prompt's
+    # prefill, but on a small machine they take the cores the event loop and clients need and
+    # slow short priority prompts
+    engine = EngineConfig(
+        model=args.model_path or args.model or default_model(), **engine_options(args)
+    )
+    return serve(engine, server_config(args))
