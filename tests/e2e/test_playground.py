@@ -38,8 +38,14 @@ def test_playground_page_is_served(server):
     r = httpx.get(server.url + "/")
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/html")
-    for needle in ('id="send"', 'id="stop"', 'id="tier"', "/v1/chat/completions",
-                   "/v1/conversations", "session_id"):
+    for needle in (
+        'id="send"',
+        'id="stop"',
+        'id="tier"',
+        "/v1/chat/completions",
+        "/v1/conversations",
+        "session_id",
+    ):
         assert needle in r.text
     assert "<script src" not in r.text and "stylesheet" not in r.text  # one file, nothing else
 
@@ -53,8 +59,15 @@ def browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-extensions", "--no-first-run", "--window-size=1000,800"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-extensions",
+        "--no-first-run",
+        "--window-size=1000,800",
+    ):
         options.add_argument(flag)
     os.environ.setdefault("SE_OFFLINE", "true")  # selenium manager: never reach the network
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
@@ -102,8 +115,7 @@ def _type_and_send(driver, text: str) -> None:
 def _wait_state(driver, states: tuple[str, ...], timeout_s: float = 60) -> str:
     from selenium.webdriver.support.ui import WebDriverWait
 
-    WebDriverWait(driver, timeout_s).until(
-        lambda d: d.find_element("id", "status").text in states)
+    WebDriverWait(driver, timeout_s).until(lambda d: d.find_element("id", "status").text in states)
     return driver.find_element("id", "status").text
 
 
@@ -119,8 +131,8 @@ def test_playground_streams_with_live_stats(server, browser, tier):
     Select(browser.find_element("id", "tier")).select_by_value(tier)
     _set_number(browser, "max_tokens", 24)
     browser.find_element("id", "send").click()
-    assert _wait_state(browser, ("done", "error", "stopped")) == "done", \
-        browser.find_element("id", "output").text
+    state = _wait_state(browser, ("done", "error", "stopped"))
+    assert state == "done", browser.find_element("id", "output").text
     answer = _answers(browser)[-1]
     assert _field(answer, "body").strip()  # streamed text arrived
     ttft = _number(answer, "ttft")
@@ -169,8 +181,9 @@ def chat_server(tmp_path_factory):
     """Room for a long answer (so Stop lands mid-stream even on a busy machine) and a
     conversation store of its own."""
     db = tmp_path_factory.mktemp("playground") / "sessions.db"
-    srv = ServerProcess("--priority-ttft-ms", "10000", "--session-store", f"sqlite:///{db}",
-                        max_model_len=2048)
+    srv = ServerProcess(
+        "--priority-ttft-ms", "10000", "--session-store", f"sqlite:///{db}", max_model_len=2048
+    )
     yield srv
     srv.stop()
 
@@ -196,10 +209,12 @@ def test_two_turns_and_a_stop_keep_one_conversation_on_the_server(chat_server, b
     _set_number(browser, "max_tokens", LONG_ANSWER)
     _type_and_send(browser, turns[1])
     WebDriverWait(browser, 60, poll_frequency=0.02).until(
-        lambda d: len(_answers(d)) == 2 and _field(_answers(d)[1], "ttft") != "-")
+        lambda d: len(_answers(d)) == 2 and _field(_answers(d)[1], "ttft") != "-"
+    )
     browser.find_element("id", "stop").click()
     WebDriverWait(browser, 30, poll_frequency=0.02).until(
-        lambda d: _field(_answers(d)[1], "state") != "streaming")
+        lambda d: _field(_answers(d)[1], "state") != "streaming"
+    )
     # turn 3 sent at once, before the server can have stored the stopped answer: the page
     # waits for that, so the history keeps its order
     _set_number(browser, "max_tokens", 16)
@@ -229,8 +244,9 @@ def test_two_turns_and_a_stop_keep_one_conversation_on_the_server(chat_server, b
     sent = [json.loads(body) for body in browser.execute_script("return window.sentBodies")]
     assert [b["messages"] for b in sent] == [[{"role": "user", "content": t}] for t in turns]
     assert {b["session_id"] for b in sent} == {conversation}
-    items = httpx.get(f"{server.url}/v1/conversations/{conversation}/items",
-                      params={"order": "asc"}).json()["data"]
+    items = httpx.get(
+        f"{server.url}/v1/conversations/{conversation}/items", params={"order": "asc"}
+    ).json()["data"]
     assert [i["role"] for i in items] == ["user", "assistant"] * 3
     assert [i["content"][0]["text"] for i in items[0::2]] == turns
     assert [i["status"] for i in items[1::2]] == ["completed", "incomplete", "completed"]
@@ -246,17 +262,25 @@ NEW_TAB = 'target="_blank" rel="noopener noreferrer"'
 MARKDOWN_CASES = [
     # (source, html the renderer must produce)
     ("<script>alert(1)</script>", "<p>&lt;script&gt;alert(1)&lt;/script&gt;</p>"),
-    ("```python\nif a < b:\n    pass\n```",
-     '<pre><code class="language-python">if a &lt; b:\n    pass</code></pre>'),
+    (
+        "```python\nif a < b:\n    pass\n```",
+        '<pre><code class="language-python">if a &lt; b:\n    pass</code></pre>',
+    ),
     ("```\nopen fence", "<pre><code>open fence</code></pre>"),  # while still streaming
-    ("use `x<y` and **bold** and *it*",
-     "<p>use <code>x&lt;y</code> and <strong>bold</strong> and <em>it</em></p>"),
+    (
+        "use `x<y` and **bold** and *it*",
+        "<p>use <code>x&lt;y</code> and <strong>bold</strong> and <em>it</em></p>",
+    ),
     ("- one\n- two\n\n1. first", "<ul><li>one</li><li>two</li></ul><ol><li>first</li></ol>"),
-    ("[ok](https://example.com/a_b_c)",
-     f'<p><a href="https://example.com/a_b_c" {NEW_TAB}>ok</a></p>'),
+    (
+        "[ok](https://example.com/a_b_c)",
+        f'<p><a href="https://example.com/a_b_c" {NEW_TAB}>ok</a></p>',
+    ),
     ("[bad](javascript:alert(1))", "<p>[bad](javascript:alert(1))</p>"),
-    ('[q](https://x.org/"onmouseover="a)',
-     f'<p><a href="https://x.org/&quot;onmouseover=&quot;a" {NEW_TAB}>q</a></p>'),
+    (
+        '[q](https://x.org/"onmouseover="a)',
+        f'<p><a href="https://x.org/&quot;onmouseover=&quot;a" {NEW_TAB}>q</a></p>',
+    ),
     ("snake_case_name and __init__", "<p>snake_case_name and __init__</p>"),
     ("def f(*args, **kwargs): a * b * c", "<p>def f(*args, **kwargs): a * b * c</p>"),
     ("_x_ and __y__", "<p><em>x</em> and __y__</p>"),
@@ -267,5 +291,6 @@ MARKDOWN_CASES = [
 def test_markdown_renderer_escapes_first(server, browser):
     browser.get(server.url + "/")
     got = browser.execute_script(
-        "return arguments[0].map((s) => renderMarkdown(s))", [s for s, _ in MARKDOWN_CASES])
+        "return arguments[0].map((s) => renderMarkdown(s))", [s for s, _ in MARKDOWN_CASES]
+    )
     assert got == [html for _, html in MARKDOWN_CASES]
