@@ -74,7 +74,8 @@ def _ours(files, gguf, prompt_ids, num_new, threads, executor_kind, spec="off") 
 
     def close() -> None:
         engine.executor.close()
-        engine.speculator.close()
+        if engine.speculator is not None:
+            engine.speculator.close()
 
     run.spec_stats = engine.spec_stats if spec != "off" else None  # type: ignore[attr-defined]
     run.engine = engine  # type: ignore[attr-defined]  # for scripts that look inside
