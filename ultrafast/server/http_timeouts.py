@@ -75,6 +75,7 @@ class TimedH11Protocol(H11Protocol):
     send_buffer_bytes: int = 256 * 1024  # SO_SNDBUF per connection; 0 = the kernel's autotuning
     open_by_ip: dict[str, int]  # per server (protocol_class gives each its own dict)
 
+    # asyncio.Protocol takes a BaseTransport; uvicorn's H11Protocol narrows it, with this ignore
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         sock = transport.get_extra_info("socket")
