@@ -79,7 +79,7 @@ _MESSAGE_SHAPE = re.compile(r"messages\[\d+\]\.(role|content)(\[\d+\].*)?")
 
 
 # A union picked by JSON type: `Annotated[Annotated[A, JSON_STRING] | Annotated[B, JSON_ARRAY],
-# BY_JSON_TYPE]`, each member tagged with the name `_json_type` gives its values.
+# BY_JSON_TYPE]`; each member is tagged with the name `_json_type` gives a value of its type.
 JSON_STRING, JSON_ARRAY, JSON_OBJECT = Tag("string"), Tag("array"), Tag("object")
 BY_JSON_TYPE = Discriminator(_json_type)
 
