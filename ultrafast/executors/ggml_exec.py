@@ -68,9 +68,10 @@ class _NativeLog:
 _native_log: _NativeLog | None = None
 
 # llama_get_logits with an integer restype: the binding's POINTER(c_float) result costs a cast
-_get_logits_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
-    ctypes.cast(llama_cpp.llama_get_logits, ctypes.c_void_p).value
-)
+_llama_get_logits = ctypes.cast(llama_cpp.llama_get_logits, ctypes.c_void_p).value
+if _llama_get_logits is None:
+    raise ImportError("the loaded libllama has no llama_get_logits")
+_get_logits_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(_llama_get_logits)
 
 
 def _init_native(verbose: bool) -> _NativeLog:
