@@ -104,6 +104,33 @@ def _starcoder2_tensors(rng, add, vocab: int) -> None:
     _linear(rng, add, "output", vocab, EMBED, bias=False)
 
 
+_SSM_INNER, _SSM_STATE, _SSM_CONV, _SSM_DT_RANK = 2 * EMBED, 16, 4, 8
+
+
+def _mamba_tensors(rng, add, vocab: int) -> None:
+    """A recurrent model: llama.cpp runs it, but its state cannot be cut back to a position."""
+    add("token_embd.weight", _normal(rng, vocab, EMBED, scale=1.0))
+    for i in range(LAYERS):
+        blk = f"blk.{i}"
+        add(f"{blk}.attn_norm.weight", np.ones(EMBED, dtype=np.float32))
+        _linear(rng, add, f"{blk}.ssm_in", 2 * _SSM_INNER, EMBED, bias=False)
+        _linear(rng, add, f"{blk}.ssm_conv1d", _SSM_INNER, _SSM_CONV)
+        _linear(rng, add, f"{blk}.ssm_x", _SSM_DT_RANK + 2 * _SSM_STATE, _SSM_INNER, bias=False)
+        _linear(rng, add, f"{blk}.ssm_dt", _SSM_INNER, _SSM_DT_RANK)
+        add(f"{blk}.ssm_a", -np.ones((_SSM_INNER, _SSM_STATE), dtype=np.float32))
+        add(f"{blk}.ssm_d", np.ones(_SSM_INNER, dtype=np.float32))
+        _linear(rng, add, f"{blk}.ssm_out", EMBED, _SSM_INNER, bias=False)
+    add("output_norm.weight", np.ones(EMBED, dtype=np.float32))
+
+
+def _mamba_keys(writer) -> None:
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_ssm_conv_kernel(_SSM_CONV)
+    writer.add_ssm_inner_size(_SSM_INNER)
+    writer.add_ssm_state_size(_SSM_STATE)
+    writer.add_ssm_time_step_rank(_SSM_DT_RANK)
+
+
 def _gpt2_keys(writer) -> None:
     writer.add_layer_norm_eps(1e-5)
 
@@ -118,12 +145,14 @@ def _starcoder2_keys(writer) -> None:
 _BUILDERS: dict[str, tuple[Callable, Callable]] = {
     "gpt2": (_gpt2_keys, _gpt2_tensors),
     "starcoder2": (_starcoder2_keys, _starcoder2_tensors),
+    "mamba": (_mamba_keys, _mamba_tensors),  # not in ARCHS: the executor refuses it
 }
 
 
 def write_arch_gguf(path: Path, arch: str, seed: int = 0, declare_as: str | None = None) -> Path:
-    """A random-weight f32 GGUF of `arch` (one of ARCHS) with the demo model's vocabulary;
-    `declare_as` names another architecture in its metadata (one llama.cpp does not know)."""
+    """A random-weight f32 GGUF of `arch` (one of ARCHS, or "mamba") with the demo model's
+    vocabulary; `declare_as` names another architecture in its metadata (one llama.cpp does
+    not know)."""
     import gguf
 
     add_keys, add_tensors = _BUILDERS[arch]

@@ -2,7 +2,8 @@
 model implements: random-weight gpt2 and starcoder2 GGUFs written here (tests/model/arch_ggufs.py)
 generate exactly what llama-cpp-python's own greedy loop generates from the same prompt ids,
 through the offline API and `ultrafast generate`; n-gram speculation keeps the greedy tokens;
-a file llama.cpp cannot load is a clear error that carries llama.cpp's reason.
+a file llama.cpp cannot load is a clear error that carries llama.cpp's reason, and a recurrent
+model (mamba), which llama.cpp runs, is refused for the KV rollback our slots need.
 """
 
 from __future__ import annotations
@@ -169,3 +170,31 @@ def test_learned_positions_cap_the_context_at_the_trained_length(arch_gguf):
         assert llm.engine.executor.max_model_len == CONTEXT
     finally:
         llm.close()
+
+
+def test_a_recurrent_model_is_refused_for_what_the_slots_need_not_its_name(tmp_path):
+    path = write_arch_gguf(tmp_path / "tiny-mamba.gguf", "mamba")
+    llm = llama_cpp.Llama(str(path), n_ctx=64, verbose=False)  # llama.cpp itself runs it
+    llm.close()
+    done = ultrafast("generate", "--model", str(path), "hi", "--spec", "off")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "recurrent state, which cannot be rolled back" in done.stderr
+
+
+def test_kv_budget_sums_per_layer_head_counts(tmp_path):
+    """Hybrid models write head_count_kv per layer, 0 on layers without attention."""
+    import gguf
+
+    path = tmp_path / "hybrid.gguf"
+    writer = gguf.GGUFWriter(str(path), "somehybrid")
+    writer.add_block_count(4)
+    writer.add_embedding_length(EMBED)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv([0, KV_HEADS, 0, KV_HEADS])
+    writer.add_key_length(32)
+    writer.add_value_length(16)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert kv_bytes_per_position(path, None) == 2 * KV_HEADS * (32 + 16) * 2
