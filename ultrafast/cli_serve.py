@@ -188,7 +188,10 @@ def _add_tier_args(srv: argparse.ArgumentParser) -> None:
         "--priority-ttft-ms",
         type=float,
         default=priority.ttft_ms,
-        help="priority tier time-to-first-token target; later is refused (429)",
+        help=f"priority tier time-to-first-token target (0 = auto: "
+        f"{priority.ttft_speed_factor:g}x the idle TTFT of a typical prompt measured at start, "
+        f"at least {priority.ttft_floor_ms:g} ms); a priority call that the work queued ahead "
+        "would make miss it is refused (429)",
     )
     srv.add_argument(
         "--priority-itl-ms",
@@ -203,7 +206,12 @@ def _add_tier_args(srv: argparse.ArgumentParser) -> None:
         default=priority.max_in_flight,
         help="priority calls in flight",
     )
-    srv.add_argument("--default-ttft-ms", type=float, default=default.ttft_ms)
+    srv.add_argument(
+        "--default-ttft-ms",
+        type=float,
+        default=default.ttft_ms,
+        help="default tier time-to-first-token target (0 = auto, from the measured speed)",
+    )
     srv.add_argument("--default-itl-ms", type=float, default=default.itl_ms)
     srv.add_argument(
         "--default-queue", type=int, default=default.max_in_flight, help="default calls in flight"
@@ -344,14 +352,25 @@ def add_serve_parser(sub: Any) -> None:
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """The ServerConfig the serve flags describe."""
-    from ultrafast.config import TierTargets
+    from dataclasses import replace
 
     return ServerConfig(
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
-        priority=TierTargets(args.priority_ttft_ms, args.priority_itl_ms, args.priority_queue),
-        default=TierTargets(args.default_ttft_ms, args.default_itl_ms, args.default_queue),
+        # replace: each tier keeps its own floor and speed factor for an auto TTFT target
+        priority=replace(
+            ServerConfig.priority,
+            ttft_ms=args.priority_ttft_ms,
+            itl_ms=args.priority_itl_ms,
+            max_in_flight=args.priority_queue,
+        ),
+        default=replace(
+            ServerConfig.default,
+            ttft_ms=args.default_ttft_ms,
+            itl_ms=args.default_itl_ms,
+            max_in_flight=args.default_queue,
+        ),
         shaper_window_ms=args.shaper_window_ms,
         drain_timeout_s=args.drain_timeout_s,
         session_store=args.session_store,

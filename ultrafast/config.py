@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -81,11 +81,35 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class TierTargets:
-    """Latency objectives of one service tier; admission refuses what cannot meet them."""
+    """Latency objectives of one service tier; admission refuses what cannot meet them.
 
-    ttft_ms: float  # time to first token
+    A TTFT target of 0 is set at start from the model's measured speed (engine/idle_speed.py):
+    `ttft_speed_factor` times the idle time to first token of a typical prompt, never below
+    `ttft_floor_ms`, so a slower model gets a looser target. A target given explicitly wins.
+    """
+
+    ttft_ms: float  # time to first token; 0 = auto (see `resolved`)
     itl_ms: float  # inter-token latency
     max_in_flight: int  # admitted (running + queued) requests of this tier
+    ttft_floor_ms: float = 250.0  # auto TTFT: at least this
+    ttft_speed_factor: float = 3.0  # auto TTFT: this many idle TTFTs of a typical prompt
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "itl_ms", "ttft_floor_ms", "ttft_speed_factor"):
+            if not getattr(self, name) >= 0:  # NaN too
+                raise ValueError(f"tier target {name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def ttft_auto(self) -> bool:
+        return self.ttft_ms == 0
+
+    def resolved(self, idle_ttft_s: float | None) -> TierTargets:
+        """The auto TTFT target made concrete from the measured idle TTFT of a typical prompt
+        (None: not measured, the floor stands in); an explicit target is kept as it is."""
+        if not self.ttft_auto:
+            return self
+        measured_ms = 0.0 if idle_ttft_s is None else self.ttft_speed_factor * idle_ttft_s * 1000
+        return replace(self, ttft_ms=max(self.ttft_floor_ms, measured_ms))
 
 
 @dataclass(frozen=True)
@@ -93,10 +117,21 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback by default; 0.0.0.0 needs an explicit --host
     port: int = 8000
     served_model_name: str | None = None  # default: the model directory name
+    # ttft_ms 0 = auto: from the model's speed measured at start (TierTargets.resolved);
     # itl_ms 0 = auto: 1.2x the measured idle inter-token time
-    priority: TierTargets = TierTargets(ttft_ms=250.0, itl_ms=0.0, max_in_flight=8)
-    default: TierTargets = TierTargets(ttft_ms=5000.0, itl_ms=250.0, max_in_flight=64)
-    flex: TierTargets = TierTargets(ttft_ms=60000.0, itl_ms=2000.0, max_in_flight=64)
+    priority: TierTargets = TierTargets(
+        ttft_ms=0.0, itl_ms=0.0, max_in_flight=8, ttft_floor_ms=250.0, ttft_speed_factor=3.0
+    )
+    default: TierTargets = TierTargets(
+        ttft_ms=0.0, itl_ms=250.0, max_in_flight=64, ttft_floor_ms=5000.0, ttft_speed_factor=20.0
+    )
+    flex: TierTargets = TierTargets(
+        ttft_ms=0.0,
+        itl_ms=2000.0,
+        max_in_flight=64,
+        ttft_floor_ms=60000.0,
+        ttft_speed_factor=240.0,
+    )
     shaper_window_ms: float = 2.0  # default-tier arrivals coalesce this long; 0 = off
     drain_timeout_s: float = 10.0  # SIGTERM: running streams get this long to finish
     sse_ping_interval_s: float = 15.0  # keeps proxies from cutting idle streams

@@ -13,20 +13,42 @@ from ultrafast.bench.server_process import ServerProcess
 BODY = {"messages": [{"role": "user", "content": "def fibonacci(n):"}], "max_tokens": 4}
 
 
-def test_priority_refused_when_target_unreachable_and_auto_falls_back():
-    srv = ServerProcess("--priority-ttft-ms", "0.001")
+def wait_until_running(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(url + "/ready", timeout=10).json()["running"] < 1:
+        assert time.monotonic() < deadline, "the engine never showed a running request"
+        time.sleep(0.01)
+
+
+def test_priority_is_refused_only_for_the_queues_wait_and_auto_falls_back():
+    srv = ServerProcess("--priority-ttft-ms", "0.001")  # no request can meet it
+    chat = srv.url + "/v1/chat/completions"
     try:
-        r = httpx.post(
-            srv.url + "/v1/chat/completions", json={**BODY, "service_tier": "priority"}, timeout=30
-        )
-        assert r.status_code == 429, r.text
-        err = r.json()["error"]
-        assert err["code"] == "priority_slo_unattainable" and err["predicted_ttft_ms"] > 0
-        assert int(r.headers["retry-after"]) >= 1
-        auto = httpx.post(
-            srv.url + "/v1/chat/completions", json={**BODY, "service_tier": "auto"}, timeout=30
-        )
-        assert auto.status_code == 200 and auto.json()["service_tier"] == "default"
+        ready = httpx.get(srv.url + "/ready", timeout=10).json()
+        assert ready["tier_targets"]["priority"]["ttft_source"] == "configured"
+        assert ready["idle_speed"]["prompt_tokens"] > 0  # measured at start
+        # idle: its own prefill is never a reason to refuse
+        idle = httpx.post(chat, json={**BODY, "service_tier": "priority"}, timeout=30)
+        assert idle.status_code == 200 and idle.json()["service_tier"] == "priority", idle.text
+        with httpx.stream(
+            "POST",
+            srv.url + "/v1/completions",
+            timeout=60,
+            json={"prompt": "import os", "max_tokens": 480, "stream": True, "ignore_eos": True},
+        ) as busy:
+            lines = busy.iter_lines()  # kept: a closed iterator would close the stream
+            next(line for line in lines if line.startswith("data:"))
+            wait_until_running(srv.url)  # a running sequence shares every step from here
+            r = httpx.post(chat, json={**BODY, "service_tier": "priority"}, timeout=30)
+            assert r.status_code == 429, r.text
+            err = r.json()["error"]
+            assert err["code"] == "priority_slo_unattainable" and err["queue_wait_ms"] > 0
+            assert (
+                err["predicted_ttft_ms"] > err["queue_wait_ms"] and "queued ahead" in err["message"]
+            )
+            assert int(r.headers["retry-after"]) >= 1
+            auto = httpx.post(chat, json={**BODY, "service_tier": "auto"}, timeout=30)
+            assert auto.status_code == 200 and auto.json()["service_tier"] == "default"
     finally:
         srv.stop()
 

@@ -99,11 +99,13 @@ def test_admission_predicts_from_the_latest_published_step_costs():
     admission.admit(ticket, 200, auto=False)  # 0.201 s: within the 250 ms target
     admission.release(ticket)
     published.append(StepCostSnapshot(base_s=0.001, per_token_s=0.01))  # the engine slowed
+    ahead = admission.admit(admission.reserve(ServiceTier.PRIORITY), 200, auto=False)
     ticket = admission.reserve(ServiceTier.PRIORITY)
     with pytest.raises(APIError) as refused:
-        admission.admit(ticket, 200, auto=False)  # 2.001 s now
+        admission.admit(ticket, 10, auto=False)  # 200 queued tokens add 2 s now
     assert (refused.value.status, refused.value.code) == (429, "priority_slo_unattainable")
-    assert admission.in_flight[ServiceTier.PRIORITY] == 0
+    assert admission.in_flight[ServiceTier.PRIORITY] == 1
+    admission.release(ahead)
 
 
 def test_the_models_sampling_defaults_fill_only_what_the_client_left_out():

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from ultrafast.core.kv_pool import KVSlotPool
 from ultrafast.core.scheduler import Scheduler, SchedulerConfig
 from ultrafast.core.types import Draft, RequestOutput, StepPlan, StepResult
+from ultrafast.engine.idle_speed import IdleSpeed, measure_idle_speed
 from ultrafast.engine.speculation import SpecStats, Speculator
 from ultrafast.engine.step_costs import StepCostModel
 from ultrafast.executors.base import Executor
@@ -85,15 +86,17 @@ class EngineCore:
         # after each step that had a priority request running, None = no cap
         self.priority_token_budget: int | None = None
         self.speculator = speculator
+        self.idle_speed: IdleSpeed | None = None  # timed by warmup(measure_speed=True)
 
     @property
     def spec_stats(self) -> SpecStats | None:
         """Drafted / accepted tokens per draft source; None without speculation."""
         return None if self.speculator is None else self.speculator.stats
 
-    def warmup(self, num_prompt_tokens: int = 16) -> None:
+    def warmup(self, num_prompt_tokens: int = 16, measure_speed: bool = True) -> None:
         """Run a short prefill and decode before serving: the first pass of a fresh executor
-        allocates its compute graph and would otherwise land on the first client's TTFT."""
+        allocates its compute graph and would otherwise land on the first client's TTFT.
+        Then, with `measure_speed`, time a typical prompt on the warm engine (`idle_speed`)."""
         prompt = [i % self.executor.vocab_size for i in range(1, num_prompt_tokens + 1)]
         self.add_request(
             Request(
@@ -108,7 +111,9 @@ class EngineCore:
         while self.has_work():
             self.step()
         self.pool.reset_cache()
-        self.costs = StepCostModel()  # learn from real traffic, not from the cold first pass
+        self.costs = StepCostModel()  # learn from warm passes, not from the cold first one
+        if measure_speed:  # its passes are the fit's first points
+            self.idle_speed = measure_idle_speed(self)
 
     def add_request(self, request: Request) -> None:
         for token in request.prompt_token_ids:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from ultrafast.engine.core import EngineCore
+from ultrafast.engine.idle_speed import IdleSpeed
 from ultrafast.engine.step_costs import StepCostModel
 from ultrafast.executors.base import Executor
 
@@ -66,6 +67,7 @@ class EngineSnapshot:
     device_kind: str = "cpu"  # "cpu" or "gpu"
     max_model_len: int = 0  # the scheduler's limits, fixed at start
     max_num_seqs: int = 0
+    idle_speed: IdleSpeed | None = None  # a typical prompt timed at start (None: not measured)
 
     @property
     def num_running(self) -> int:
@@ -116,6 +118,7 @@ def build_snapshot(core: EngineCore, device_kind: str) -> EngineSnapshot:
         device_kind=device_kind,
         max_model_len=core.scheduler.config.max_model_len,
         max_num_seqs=core.scheduler.config.max_num_seqs,
+        idle_speed=core.idle_speed,
     )
 
 

@@ -2,15 +2,23 @@
 
 Runs on the event loop only (single-threaded, so counts are exact under races). Step costs
 come from the engine's own online fit, read as the frozen `StepCostSnapshot` the engine thread
-publishes (server/bridge.py), never the live model: a priority request is refused at once with
-429 when the prefill work ahead of it, at that measured cost, would miss its target; `auto`
-requests fall back to the default tier instead. Capacity checks come before any tokenizing.
+publishes (server/bridge.py), never the live model.
+
+A priority request is refused at once with 429 only for the wait the server's load adds: the
+prefill queued ahead of it and the running sequences that share its steps, at the measured
+cost. Its own prefill is never a reason: an idle server runs whatever arrives, however long
+its prompt. The queue may add up to the TTFT target minus the request's own prefill, that
+prefill counted at most as a typical prompt's (so a long prompt may wait as long as a typical
+one may). `auto` requests fall back to the default tier instead. Capacity checks come before
+any tokenizing. Auto TTFT targets are resolved here from the engine's measured idle speed
+(TierTargets.resolved).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ultrafast.config import ServerConfig, TierTargets
 from ultrafast.request import ServiceTier
@@ -30,24 +38,69 @@ class Ticket:
     released: bool = False
 
 
+def _num_nothing_running() -> int:
+    return 0
+
+
 @dataclass
 class Admission:
-    config: ServerConfig
+    config: ServerConfig  # auto TTFT targets are resolved in __post_init__
     # the engine's latest published fit (EngineThread.snapshot().step_costs)
     step_costs: Callable[[], StepCostSnapshot] = StepCostSnapshot
+    # sequences the engine runs now (EngineThread.snapshot().num_running)
+    num_running: Callable[[], int] = _num_nothing_running
+    # the engine's idle speed measured at start (EngineSnapshot.idle_speed): a typical prompt's
+    # length and its time to first token; None = not measured (auto targets take their floor)
+    typical_prompt_tokens: int = 0
+    idle_ttft_s: float | None = None
     in_flight: dict = field(default_factory=lambda: {t: 0 for t in ServiceTier})
     pending_prefill_tokens: dict = field(default_factory=lambda: {t: 0 for t in ServiceTier})
     refused: dict = field(default_factory=dict)  # reason -> count, for metrics
     # committed capacity: tenant -> priority seats that no other tenant may take
     priority_reserved: dict = field(default_factory=dict)
     priority_by_tenant: dict = field(default_factory=dict)  # tenant -> priority calls in flight
+    # tiers whose TTFT target was auto (0) as configured: resolved from the measured speed
+    auto_ttft_tiers: frozenset = field(init=False, default=frozenset())
+
+    def __post_init__(self) -> None:
+        config = self.config
+        self.auto_ttft_tiers = frozenset(
+            t for t in ServiceTier if self._configured(config, t).ttft_auto
+        )
+        self.config = replace(
+            config,
+            priority=config.priority.resolved(self.idle_ttft_s),
+            default=config.default.resolved(self.idle_ttft_s),
+            flex=config.flex.resolved(self.idle_ttft_s),
+        )
+
+    @staticmethod
+    def _configured(config: ServerConfig, tier: ServiceTier) -> TierTargets:
+        return {
+            ServiceTier.PRIORITY: config.priority,
+            ServiceTier.DEFAULT: config.default,
+            ServiceTier.FLEX: config.flex,
+        }[tier]
 
     def targets(self, tier: ServiceTier) -> TierTargets:
-        return {
-            ServiceTier.PRIORITY: self.config.priority,
-            ServiceTier.DEFAULT: self.config.default,
-            ServiceTier.FLEX: self.config.flex,
-        }[tier]
+        """The tier's targets, its TTFT resolved (never 0 = auto here)."""
+        return self._configured(self.config, tier)
+
+    def describe_targets(self) -> dict:
+        """The targets in force and where each TTFT came from, for /ready and the start log."""
+        tiers = {}
+        for tier in ServiceTier:
+            targets = self.targets(tier)
+            source = "configured"
+            if tier in self.auto_ttft_tiers:  # the floor, or the measured speed past it
+                source = "floor" if targets.ttft_ms == targets.ttft_floor_ms else "measured"
+            tiers[tier.api_name] = {
+                "ttft_ms": round(targets.ttft_ms, 3),
+                "ttft_source": source,
+                "itl_ms": targets.itl_ms or None,  # None: auto (1.2x the idle inter-token time)
+                "max_in_flight": targets.max_in_flight,
+            }
+        return tiers
 
     def _refuse(self, reason: str, error: APIError) -> APIError:
         self.refused[reason] = self.refused.get(reason, 0) + 1
@@ -95,42 +148,70 @@ class Admission:
             by_tenant = self.priority_by_tenant
             by_tenant[ticket.tenant] = by_tenant.get(ticket.tenant, 0) + delta
 
-    def predict_ttft_s(self, tier: ServiceTier, num_prompt_tokens: int) -> float:
-        """Prefill work at or above this tier's precedence, plus one step, at measured rates."""
+    def queue_wait_s(self, tier: ServiceTier) -> float:
+        """The wait the server's load adds before a new request of `tier` has its first token:
+        prefill queued at or above its precedence, and one token of each running sequence in
+        the steps it shares with them, at the measured costs. 0 on an idle server."""
+        costs = self.step_costs()
         ahead = sum(n for t, n in self.pending_prefill_tokens.items() if t <= tier)
-        # before the engine has measured anything, the snapshot falls back to fixed figures
-        return self.step_costs().predict_s(ahead + num_prompt_tokens)
+        running = max(0, self.num_running())
+        # the step's base is paid once whatever it holds: only the added tokens and sequences
+        return costs.predict_s(ahead + running) - costs.predict_s(0) + costs.per_seq_s * running
+
+    def own_prefill_s(self, num_prompt_tokens: int) -> float:
+        """The request's own prefill on an idle engine (one step at the measured rates; before
+        the engine has measured anything, the snapshot's fixed figures)."""
+        return self.step_costs().predict_s(num_prompt_tokens)
+
+    def predict_ttft_s(self, tier: ServiceTier, num_prompt_tokens: int) -> float:
+        """The wait the load adds, plus the request's own prefill."""
+        return self.queue_wait_s(tier) + self.own_prefill_s(num_prompt_tokens)
+
+    def allowed_wait_s(self, tier: ServiceTier, own_s: float) -> float:
+        """How long the queue may make a request wait: the target less its own prefill, that
+        counted at most as a typical prompt's (a long prompt may wait what a typical one may)."""
+        if self.typical_prompt_tokens > 0:
+            own_s = min(own_s, self.own_prefill_s(self.typical_prompt_tokens))
+        return max(0.0, self.targets(tier).ttft_ms / 1000 - own_s)
 
     def admit(self, ticket: Ticket, num_prompt_tokens: int, auto: bool) -> Ticket:
-        """After tokenizing: check the TTFT target; priority misses give 429 (auto: default)."""
-        predicted = self.predict_ttft_s(ticket.tier, num_prompt_tokens)
-        target_s = self.targets(ticket.tier).ttft_ms / 1000
-        if ticket.tier == ServiceTier.PRIORITY and predicted > target_s:
-            if auto and self.in_flight[ServiceTier.DEFAULT] < self.config.default.max_in_flight:
-                self._move(ticket, ServiceTier.DEFAULT)
-                predicted = self.predict_ttft_s(ticket.tier, num_prompt_tokens)
-            else:
-                self.release(ticket)
-                wait_s = max(1, int(predicted - target_s + 0.999))
-                raise self._refuse(
-                    "slo_unattainable",
-                    APIError(
-                        429,
-                        f"the priority tier cannot start this request within its "
-                        f"{self.config.priority.ttft_ms:.0f} ms target (predicted "
-                        f"{predicted * 1000:.0f} ms); retry later or use the default tier",
-                        "rate_limit_error",
-                        "priority_slo_unattainable",
-                        "service_tier",
-                        headers={"Retry-After": str(wait_s)},
-                        extra={"predicted_ttft_ms": round(predicted * 1000, 1)},
-                    ),
-                )
+        """After tokenizing: may the queue's wait let it meet its TTFT target? Priority
+        misses give 429 (auto: default). An idle server admits every request."""
+        own_s = self.own_prefill_s(num_prompt_tokens)
+        wait_s = self.queue_wait_s(ticket.tier)
+        predicted = wait_s + own_s
+        if ticket.tier == ServiceTier.PRIORITY:
+            over_s = wait_s - self.allowed_wait_s(ticket.tier, own_s)
+            if over_s > 0:
+                if auto and self.in_flight[ServiceTier.DEFAULT] < self.config.default.max_in_flight:
+                    self._move(ticket, ServiceTier.DEFAULT)
+                    predicted = self.predict_ttft_s(ticket.tier, num_prompt_tokens)
+                else:
+                    self.release(ticket)
+                    raise self._refuse("slo_unattainable", self._slo_error(own_s, wait_s, over_s))
         ticket.num_prompt_tokens = num_prompt_tokens
         ticket.prefill_pending = True
         ticket.predicted_ttft_s = predicted
         self.pending_prefill_tokens[ticket.tier] += num_prompt_tokens
         return ticket
+
+    def _slo_error(self, own_s: float, wait_s: float, over_s: float) -> APIError:
+        target_ms = self.config.priority.ttft_ms
+        return APIError(
+            429,
+            f"the priority tier cannot start this request within its {target_ms:.0f} ms "
+            f"target: the work queued ahead of it adds ~{wait_s * 1000:.0f} ms (its own "
+            f"prefill ~{own_s * 1000:.0f} ms); retry later or use the default tier",
+            "rate_limit_error",
+            "priority_slo_unattainable",
+            "service_tier",
+            headers={"Retry-After": str(max(1, math.ceil(over_s)))},
+            extra={
+                "predicted_ttft_ms": round((wait_s + own_s) * 1000, 1),
+                "queue_wait_ms": round(wait_s * 1000, 1),
+                "target_ttft_ms": round(target_ms, 1),
+            },
+        )
 
     def _move(self, ticket: Ticket, tier: ServiceTier) -> None:
         self._count(ticket, -1)

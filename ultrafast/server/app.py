@@ -113,6 +113,9 @@ def build_app(state: ServerState) -> Starlette:
                 "kv_slots_busy": snap.num_kv_slots_running,
                 "kv_slots_total": snap.num_kv_slots_total,
                 "in_flight": {t.api_name: n for t, n in state.admission.in_flight.items()},
+                # TTFT targets in force (measured from the model's idle speed, or configured)
+                "tier_targets": state.admission.describe_targets(),
+                "idle_speed": _idle_speed(snap.idle_speed),
                 "session_store": None
                 if state.sessions is None
                 else "ok"
@@ -250,6 +253,17 @@ def _tokenize_input(state: ServerState, body: dict) -> str:
         "missing_required_field",
         "prompt",
     )
+
+
+def _idle_speed(speed) -> dict | None:
+    """EngineSnapshot.idle_speed for /ready: a typical prompt timed on the idle engine at start."""
+    if speed is None:
+        return None
+    return {
+        "prompt_tokens": speed.prompt_tokens,
+        "ttft_ms": round(speed.ttft_s * 1000, 2),
+        "decode_ms": None if speed.decode_s is None else round(speed.decode_s * 1000, 3),
+    }
 
 
 __all__ = ["ServerState", "build_app"]

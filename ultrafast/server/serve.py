@@ -148,6 +148,24 @@ def build_guard(config: ServerConfig) -> GuardConfig | None:
     return GuardConfig(guard, hold_back_tokens=config.guard_hold_back_tokens)
 
 
+def log_tier_targets(admission: Admission, idle_decode_s: float | None) -> None:
+    """One line: the idle speed measured at start and each tier's TTFT target, with its source."""
+    if admission.idle_ttft_s is None:
+        measured = "idle speed not measured"
+    else:
+        measured = (
+            f"idle TTFT {admission.idle_ttft_s * 1000:.1f} ms for a "
+            f"{admission.typical_prompt_tokens}-token prompt"
+        )
+        if idle_decode_s:
+            measured += f", decode {idle_decode_s * 1000:.1f} ms/token"
+    targets = ", ".join(
+        f"{name} {t['ttft_ms']:.0f} ms ({t['ttft_source']})"
+        for name, t in admission.describe_targets().items()
+    )
+    log.info("%s; TTFT targets: %s", measured, targets)
+
+
 def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerState:
     api_keys = load_api_keys(config.api_keys_path) if config.api_keys_path else None
     guard = build_guard(config)  # bad files fail before the model loads
@@ -159,7 +177,16 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
     engine = start_engine(core, shaper_window_s=config.shaper_window_ms / 1000)
     del core
     snapshot = engine.snapshot()
-    admission = Admission(config, step_costs=lambda: engine.snapshot().step_costs)
+    speed = snapshot.idle_speed  # timed after the warm-up: the auto TTFT targets follow it
+    admission = Admission(
+        config,
+        step_costs=lambda: engine.snapshot().step_costs,
+        num_running=lambda: engine.snapshot().num_running,
+        typical_prompt_tokens=speed.prompt_tokens if speed else 0,
+        idle_ttft_s=speed.ttft_s if speed else None,
+    )
+    config = admission.config  # the TTFT targets resolved
+    log_tier_targets(admission, speed.decode_s if speed else None)
     if api_keys is not None:  # committed capacity, at both admission and the KV slots
         admission.priority_reserved = api_keys.priority_seats(config.priority.max_in_flight)
         engine.configure(
