@@ -9,6 +9,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeGuard
 
 from ultrafast.config import DEMO_DRAFT_DIR, EngineConfig, default_model
 from ultrafast.core.scheduler import SchedulerConfig
@@ -185,9 +186,7 @@ class LLM:
     ) -> list[GenerationOutput]:
         """Generate for every prompt, batched by the scheduler. Output order = prompt order."""
         params = params or SamplingParams()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        requests = [self._request(p, params, tier) for p in prompts]
+        requests = [self._request(p, params, tier) for p in _prompt_batch(prompts)]
         stops = {r.request_id: StopStringMatcher(stop or []) for r in requests}
         detoks = {r.request_id: self.tokenizer.detokenizer(r.prompt_token_ids) for r in requests}
         texts = {r.request_id: "" for r in requests}
@@ -248,3 +247,21 @@ class LLM:
         self.engine.executor.close()
         if self.engine.speculator is not None:
             self.engine.speculator.close()
+
+
+def _is_token_ids(prompts: list[int] | list[str] | list[list[int]]) -> TypeGuard[list[int]]:
+    return bool(prompts) and isinstance(prompts[0], int)
+
+
+def _prompt_batch(
+    prompts: str | list[int] | list[str] | list[list[int]],
+) -> list[str | list[int]]:
+    """One prompt (a text or its token ids) or a list of prompts, as a list of prompts."""
+    if isinstance(prompts, str) or _is_token_ids(prompts):
+        return [prompts]
+    batch: list[str | list[int]] = []
+    for prompt in prompts:
+        if isinstance(prompt, int):
+            raise TypeError("a list of prompts holds texts or token-id lists, not bare ids")
+        batch.append(prompt)
+    return batch

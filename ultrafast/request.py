@@ -85,7 +85,10 @@ class SamplingParams:
                 self.max_tokens >= (0 if scoring else 1),
                 "max_tokens must be >= 1 (0 only when scoring the prompt)",
             ),
-            (not scoring or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs must be in [0, 20]",
+            ),
             (0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be >= 0"),
@@ -160,6 +163,13 @@ class Request:
             raise ValueError("prompt must contain at least one token")
         seed = self.sampling_params.seed
         self.sampling_seed = seed if seed is not None else random.getrandbits(63)
+
+    @property
+    def held_slot_id(self) -> int:
+        """The KV slot of a request the scheduler has placed (running or planned)."""
+        if self.slot_id is None:
+            raise RuntimeError(f"request {self.request_id} holds no KV slot")
+        return self.slot_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -290,7 +290,7 @@ class Scheduler:
             return False
         victim = max(victims, key=lambda r: (r.tier, r.arrival_time_s))
         self.running.remove(victim)
-        self.pool.release(victim.slot_id)  # its KV stays cached; it may get it straight back
+        self.pool.release(victim.held_slot_id)  # its KV stays cached; it may get it straight back
         victim.slot_id = None
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -332,7 +332,7 @@ class Scheduler:
         plan.seqs.append(
             ScheduledSeq(
                 request_id=request.request_id,
-                slot_id=request.slot_id,
+                slot_id=request.held_slot_id,
                 token_ids=token_ids,
                 start_position=start,
                 num_logits=1 + num_drafts if samples else 0,
@@ -369,7 +369,7 @@ class Scheduler:
             if not seq.num_logits:
                 request.num_computed_tokens += seq.num_tokens
                 self.pool.commit(
-                    request.slot_id,
+                    request.held_slot_id,
                     request.all_token_ids,
                     request.num_computed_tokens,
                     request.tenant,
@@ -405,7 +405,10 @@ class Scheduler:
                 )
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
             self.pool.commit(
-                request.slot_id, request.all_token_ids, request.num_computed_tokens, request.tenant
+                request.held_slot_id,
+                request.all_token_ids,
+                request.num_computed_tokens,
+                request.tenant,
             )
             if status is not None:
                 self._finish(request, status)

@@ -200,7 +200,7 @@ class EngineCore:
             and self.priority_itl_target_s is not None
             and any(r.tier == ServiceTier.PRIORITY for r in self.scheduler.running)
         ):
-            target_s = self.priority_itl_target_s
+            target_s: float | None = self.priority_itl_target_s
             if target_s == 0:  # auto: stay within 1.2x of the idle inter-token time
                 target_s = self.costs.auto_itl_target_s()
             if target_s:  # the cap applies from the next step, to priority steps only

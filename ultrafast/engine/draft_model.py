@@ -55,9 +55,10 @@ class DraftModelProposer:
         """(start position, tokens to feed) so the draft KV holds the whole context."""
         rid, context = request.request_id, request.all_token_ids
         kv = self._kv.get(rid)
-        if kv is None or kv.slot_id != request.slot_id or self._slot_owner.get(kv.slot_id) != rid:
-            kv = self._kv[rid] = _DraftKV(request.slot_id, [], 0)
-            self._slot_owner[request.slot_id] = rid
+        slot_id = request.held_slot_id
+        if kv is None or kv.slot_id != slot_id or self._slot_owner.get(kv.slot_id) != rid:
+            kv = self._kv[rid] = _DraftKV(slot_id, [], 0)
+            self._slot_owner[slot_id] = rid
         valid = min(kv.num_valid, len(context))
         limit = min(len(kv.token_ids), len(context) - 1)  # the last token is always fed
         while valid < limit and kv.token_ids[valid] == context[valid]:
@@ -115,7 +116,14 @@ class DraftModelProposer:
     @staticmethod
     def _seq(request: Request, token_ids: list[int], start: int, num_logits: int) -> ScheduledSeq:
         return ScheduledSeq(
-            request.request_id, request.slot_id, token_ids, start, num_logits, _GREEDY_ONE, 0, 0
+            request.request_id,
+            request.held_slot_id,
+            token_ids,
+            start,
+            num_logits,
+            _GREEDY_ONE,
+            0,
+            0,
         )
 
     def _run(self, seqs: list[ScheduledSeq], drafts: dict, probs: dict, by_id: dict) -> None:

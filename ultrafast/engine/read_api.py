@@ -35,8 +35,10 @@ class StepCostSnapshot:
     def predict_s(self, num_tokens: int, fallback: tuple[float, float] = (0.01, 0.002)) -> float:
         """One step holding `num_tokens` tokens of one sequence; before any measurement, the
         `fallback` (base_s, per_token_s) stands in."""
-        base_s, per_token_s = (self.base_s, self.per_token_s) if self.measured else fallback
-        return base_s + num_tokens * per_token_s  # type: ignore[operator]
+        base_s, per_token_s = fallback
+        if self.base_s is not None and self.per_token_s is not None:  # measured
+            base_s, per_token_s = self.base_s, self.per_token_s
+        return base_s + num_tokens * per_token_s
 
     @classmethod
     def of(cls, costs: StepCostModel) -> StepCostSnapshot:

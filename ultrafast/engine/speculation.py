@@ -40,11 +40,15 @@ import bisect
 import collections
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ultrafast.config import MAX_DRAFT_TOKENS
 from ultrafast.core.types import Draft, DraftVerification
 from ultrafast.engine.step_costs import StepCostModel
 from ultrafast.request import Request, ServiceTier
+
+if TYPE_CHECKING:  # the draft model brings torch; speculation itself does not need it
+    from ultrafast.engine.draft_model import DraftModelProposer
 
 SPEC_METHODS = ("off", "ngram", "draft", "auto")
 
@@ -200,8 +204,9 @@ def best_draft_length(
     is then judged by its measured time."""
 
     def pass_s(num_tokens: int) -> float:
-        if num_tokens < len(measured_pass_s) and measured_pass_s[num_tokens] is not None:
-            return measured_pass_s[num_tokens]
+        measured = measured_pass_s[num_tokens] if num_tokens < len(measured_pass_s) else None
+        if measured is not None:
+            return measured
         return base_s + per_token_s * num_tokens
 
     best_k, best_rate = 0, 1.0 / pass_s(1)
@@ -232,7 +237,7 @@ class _RequestState:
 class Speculator:
     """propose() before each schedule, observe() after each update. Owned by the engine."""
 
-    def __init__(self, config: SpecConfig, draft_model=None):
+    def __init__(self, config: SpecConfig, draft_model: DraftModelProposer | None = None):
         """draft_model: an engine.draft_model.DraftModelProposer (needed by method draft)."""
         if config.method == "draft" and draft_model is None:
             raise ValueError("spec method 'draft' needs a draft model")
@@ -297,12 +302,13 @@ class Speculator:
                 if source == "draft":
                     model_wants.append((request, k))
                     break
+                # _state() built the index of every source it listed
                 index = state.aligner if source == "prediction" else state.ngram
-                tokens = index.lookup(k)
+                tokens = index.lookup(k) if index is not None else []
                 if tokens:
                     out[request.request_id] = Draft(tokens, None, source)
                     break
-        if model_wants:
+        if model_wants and self.draft_model is not None:  # "draft" is a source only with one
             out.update(self.draft_model.propose(model_wants))
         return out
 
@@ -313,7 +319,8 @@ class Speculator:
         `retry_after_steps` steps so a request whose text turns predictable gets drafts again."""
         cfg = self.config
         base_s, per_token_s = cfg.default_step_base_s, cfg.default_step_per_token_s
-        extra_s, measured = 0.0, ()
+        extra_s = 0.0
+        measured: Sequence[float | None] = ()
         # a seeded request sizes k from its own history only: with sampled draft-model drafts
         # the text depends on k, and timings must not change a seeded text
         # a prediction is the client's own draft (OpenAI uses it whenever it is given): it is
@@ -326,7 +333,7 @@ class Speculator:
             if step_costs is not None and step_costs.base_s and step_costs.per_token_s:
                 base_s, per_token_s = step_costs.base_s, step_costs.per_token_s
                 measured = step_costs.lone_pass_s
-            if source == "draft":
+            if source == "draft" and self.draft_model is not None:
                 extra_s = self.draft_model.per_draft_s
         costs = (cfg.max_draft_tokens, base_s, per_token_s, extra_s, measured)
         k = best_draft_length(state.num_accepted[source] / state.num_tried[source], *costs)

@@ -99,6 +99,8 @@ class EngineThread(EngineReadAPI):
 
     def _handle(self, kind: str, payload, on_output: OutputCallback | None) -> None:
         if kind == "add":
+            if on_output is None:
+                raise TypeError("an added request needs its output callback")
             try:
                 with self.pool_lock:
                     self.core.add_request(payload)

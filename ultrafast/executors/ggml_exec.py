@@ -29,9 +29,10 @@ import numpy as np
 from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
 from ultrafast.executors.llama_cpp_params import model_params as llama_model_params
 from ultrafast.executors.prompt_scoring import scoring_problem, split_prompt_rows
+from ultrafast.model.config import ModelLoadError
 from ultrafast.sampling.sampler import sample_plan
 
-_LOG_LEVEL_ERROR = 3  # ggml_log_level
+_LOG_LEVEL_ERROR = 4  # ggml_log_level: 3 is WARN, 4 ERROR, 5 CONT
 _LOG_LEVEL_CONT = 5
 _KV_CACHE_DTYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # ggml_type ids of the K/V cache tensors
 
@@ -68,9 +69,10 @@ class _NativeLog:
 _native_log: _NativeLog | None = None
 
 # llama_get_logits with an integer restype: the binding's POINTER(c_float) result costs a cast
-_get_logits_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
-    ctypes.cast(llama_cpp.llama_get_logits, ctypes.c_void_p).value
-)
+_llama_get_logits = ctypes.cast(llama_cpp.llama_get_logits, ctypes.c_void_p).value
+if _llama_get_logits is None:
+    raise ImportError("the loaded libllama has no llama_get_logits")
+_get_logits_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(_llama_get_logits)
 
 
 def _init_native(verbose: bool) -> _NativeLog:
@@ -80,6 +82,31 @@ def _init_native(verbose: bool) -> _NativeLog:
         llama_cpp.llama_backend_init()
     _native_log.to_stderr = verbose
     return _native_log
+
+
+def _meta_str(model, key: str) -> str:
+    buf = ctypes.create_string_buffer(256)
+    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", errors="replace") if n >= 0 else ""
+
+
+def _unservable(model, arch: str, max_model_len: int, n_ctx_train: int) -> str | None:
+    """Why this executor cannot serve a model llama.cpp loaded, or None. Never the architecture
+    itself: only what our slot model needs (decoder-only, KV that can be cut at a position)."""
+    if llama_cpp.llama_model_has_encoder(model):
+        return f"{arch!r} is an encoder-decoder model; only decoder-only models are served"
+    if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+        return (
+            f"{arch!r} keeps a recurrent state, which cannot be rolled back to a position "
+            "(prefix caching and speculation need that); it is not served yet"
+        )
+    # learned position embeddings (no RoPE) have no row past the trained context
+    if llama_cpp.llama_model_rope_type(model) < 0 and 0 < n_ctx_train < max_model_len:
+        return (
+            f"{arch!r} has no RoPE and was trained on {n_ctx_train} positions; "
+            f"--max-model-len {max_model_len} exceeds them"
+        )
+    return None
 
 
 def physical_cores() -> int:
@@ -134,10 +161,20 @@ class GgmlExecutor:
         model_params.n_gpu_layers = 0
         self._model = llama_cpp.llama_model_load_from_file(str(gguf_path).encode(), model_params)
         if not self._model:
-            raise RuntimeError(f"llama.cpp could not load {gguf_path}: {self._log.take_errors()}")
+            reason = self._log.take_errors() or "no reason given"
+            raise ModelLoadError(f"llama.cpp could not load {gguf_path}: {reason}")
+        # Sizes come from llama.cpp, whatever the architecture: our own model code is not asked
+        self.architecture = _meta_str(self._model, "general.architecture")
         self.vocab_size = llama_cpp.llama_vocab_n_tokens(
             llama_cpp.llama_model_get_vocab(self._model)
         )
+        self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
+        self.n_layer = llama_cpp.llama_model_n_layer(self._model)
+        self.n_embd = llama_cpp.llama_model_n_embd(self._model)
+        problem = _unservable(self._model, self.architecture, max_model_len, self.n_ctx_train)
+        if problem:
+            self.close()
+            raise ModelLoadError(f"{gguf_path}: {problem}")
 
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = num_slots * max_model_len
@@ -164,7 +201,7 @@ class GgmlExecutor:
         if not self._ctx:
             errors = self._log.take_errors()
             self.close()
-            raise RuntimeError(
+            raise ModelLoadError(
                 f"llama.cpp could not create a context "
                 f"(num_slots={num_slots}, max_model_len={max_model_len}): {errors}"
             )

@@ -27,10 +27,13 @@ import torch.nn.functional as F
 from ultrafast.core.types import ScheduledSeq
 from ultrafast.model.attention import SlotKVCache
 from ultrafast.model.llama import LlamaForCausalLM
+from ultrafast.request import SamplingParams
 
 log = logging.getLogger(__name__)
 
 MODES = ("off", "graphs", "inductor")
+# capture() runs the model on a scratch slot and samples nothing: any valid params do
+_CAPTURE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 def resolve_mode(compile: bool | str | None, device: torch.device) -> str:
@@ -87,7 +90,7 @@ class _DecodeAttention:
         self.num_keys = key_positions.shape[0]
         causal = key_positions[None, :] <= positions[:, None]  # [B, K]
         self.masks: dict[int | None, torch.Tensor] = {None: causal[:, None, None, :]}
-        for window in set(cache.layer_sliding_windows) - {None}:
+        for window in {w for w in cache.layer_sliding_windows if w is not None}:
             windowed = causal & (key_positions[None, :] > positions[:, None] - window)
             self.masks[window] = windowed[:, None, None, :]
 
@@ -264,7 +267,9 @@ class CompiledDecode:
         for batch in batch_sizes or self.batch_sizes:
             for keys in key_lens or self.key_lens:
                 b, k = self.bucket(batch, keys)
-                fake = [ScheduledSeq("capture", self.scratch_slot, [0], k - 1, 1, None, 0, 0)]
+                fake = [
+                    ScheduledSeq("capture", self.scratch_slot, [0], k - 1, 1, _CAPTURE_PARAMS, 0, 0)
+                ]
                 if self.use_cuda_graphs:
                     if (b, k) not in self._graphs:
                         self._capture(b, k)

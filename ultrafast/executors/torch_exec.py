@@ -147,7 +147,10 @@ class TorchExecutor:
     def _inputs(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Flattened ids and positions, and the rows to sample (after a sequence's prompt-scoring
         rows, if any), in one host->device copy."""
-        ids, positions, rows, offset = [], [], [], 0
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        offset = 0
         for seq in seqs:
             ids += seq.token_ids
             positions += range(seq.start_position, seq.start_position + seq.num_tokens)

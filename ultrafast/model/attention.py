@@ -92,7 +92,8 @@ class StepAttention:
             raise ValueError("a step needs at least one sequence")
         self.cache = cache
         dev = cache.device
-        slots, positions = [], []
+        slots: list[int] = []
+        positions: list[int] = []
         for s in spans:
             if (
                 s.num_tokens < 1
@@ -113,7 +114,8 @@ class StepAttention:
         self.long = [
             (s, off) for s, off in zip(spans, offsets) if s.num_tokens > MAX_BATCHED_QUERY_TOKENS
         ]
-        self.short_rows = None  # token rows the batched call answers (None: no short seqs)
+        # token rows the batched call answers (None: no short seqs)
+        self.short_rows: torch.Tensor | None = None
         if short:
             self._plan_batched([spans[i] for i in short], [offsets[i] for i in short])
         self._masks: dict[int | None, torch.Tensor] = {}

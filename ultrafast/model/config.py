@@ -130,7 +130,7 @@ class ModelConfig:
 
 def _architecture(hf: dict) -> str:
     archs = hf.get("architectures") or []
-    arch = archs[0] if archs else _MODEL_TYPES.get(hf.get("model_type"))
+    arch = archs[0] if archs else _MODEL_TYPES.get(hf.get("model_type", ""))
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"

@@ -24,33 +24,52 @@ def _first_int(value) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+def _per_layer(value, layers: int) -> list[int] | None:
+    """A generic `<arch>.*` value as one int per layer: a scalar repeats, an array (hybrid and
+    variable-width models: 0 heads on a layer without attention) is taken as written."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value] * layers
+    if isinstance(value, list) and len(value) == layers and all(isinstance(v, int) for v in value):
+        return list(value)
+    return None
+
+
+def _gguf_bytes_per_position(gguf_path: Path) -> int | None:
+    """From the generic keys every llama.cpp architecture writes (block_count,
+    attention.head_count[_kv], attention.key_length / value_length, embedding_length), so any
+    architecture is sized the same way; MLA models declare their compressed widths there too."""
+    meta = read_gguf_metadata(gguf_path)
+    layers = _first_int(meta.arch_value("block_count"))
+    if not layers:
+        return None
+    heads = _per_layer(meta.arch_value("attention.head_count"), layers)
+    kv_heads = _per_layer(meta.arch_value("attention.head_count_kv"), layers) or heads
+    width = _first_int(meta.arch_value("embedding_length"))
+    head_dim = width // max(heads) if width and heads and max(heads) > 0 else None
+    k_len = _first_int(meta.arch_value("attention.key_length")) or head_dim
+    v_len = _first_int(meta.arch_value("attention.value_length")) or head_dim
+    if not (kv_heads and k_len and v_len):
+        return None
+    return sum(kv_heads) * (k_len + v_len) * _F16_BYTES
+
+
 def kv_bytes_per_position(gguf_path: Path | None, hf_dir: Path | None) -> int | None:
     """K and V bytes one position costs across all layers, or None when the files do not say."""
     if gguf_path is not None:
-        meta = read_gguf_metadata(gguf_path)
-        layers = _first_int(meta.arch_value("block_count"))
-        kv_heads = _first_int(meta.arch_value("attention.head_count_kv")) or _first_int(
-            meta.arch_value("attention.head_count")
-        )
-        heads = _first_int(meta.arch_value("attention.head_count"))
-        width = _first_int(meta.arch_value("embedding_length"))
-        head_dim = width // heads if width and heads else None
-        k_len = _first_int(meta.arch_value("attention.key_length")) or head_dim
-        v_len = _first_int(meta.arch_value("attention.value_length")) or head_dim
-    elif hf_dir is not None:
-        try:
-            config = json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
-        layers = _first_int(config.get("num_hidden_layers"))
-        heads = _first_int(config.get("num_attention_heads"))
-        kv_heads = _first_int(config.get("num_key_value_heads")) or heads
-        width = _first_int(config.get("hidden_size"))
-        k_len = v_len = _first_int(config.get("head_dim")) or (
-            width // heads if width and heads else None
-        )
-    else:
+        return _gguf_bytes_per_position(gguf_path)
+    if hf_dir is None:
         return None
+    try:
+        config = json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    layers = _first_int(config.get("num_hidden_layers"))
+    heads = _first_int(config.get("num_attention_heads"))
+    kv_heads = _first_int(config.get("num_key_value_heads")) or heads
+    width = _first_int(config.get("hidden_size"))
+    k_len = v_len = _first_int(config.get("head_dim")) or (
+        width // heads if width and heads else None
+    )
     if not (layers and kv_heads and k_len and v_len):
         return None
     return layers * kv_heads * (k_len + v_len) * _F16_BYTES

@@ -140,7 +140,10 @@ def load_quantized_model(
         try:
             for name, qtype in plan.items():
                 if qtype in (INT8, INT4):
-                    in_features = model.get_submodule(_stem(name)).weight.shape[1]
+                    weight = model.get_submodule(_stem(name)).weight
+                    if not isinstance(weight, torch.Tensor):
+                        raise TypeError(f"{_stem(name)} has no weight tensor")
+                    in_features = weight.shape[1]
                     quantized[name] = _quantized_weight(
                         f, _stem(name), qtype, in_features, group_size
                     )

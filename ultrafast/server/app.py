@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -211,15 +213,17 @@ def build_app(state: ServerState) -> Starlette:
         Middleware(auth.HostAllowListMiddleware, allowed_hosts=hosts),
         Middleware(auth.AuthMiddleware, keys=state.api_keys, refused=state.auth_refused),
     ]
+    # Starlette calls each handler with an instance of the class it is registered for
+    handlers: dict[Any, Callable[..., Awaitable[Response]]] = {
+        APIError: on_api_error,
+        HTTPException: on_http_error,
+        Exception: on_crash,
+    }
     return Starlette(
         routes=routes,
         lifespan=lifespan,
         middleware=middleware,
-        exception_handlers={
-            APIError: on_api_error,
-            HTTPException: on_http_error,
-            Exception: on_crash,
-        },
+        exception_handlers=handlers,
     )
 
 

@@ -18,6 +18,7 @@ import re
 import uuid
 
 from starlette.responses import JSONResponse
+from starlette.types import Scope
 
 from ultrafast.request import ServiceTier
 from ultrafast.server.errors import APIError
@@ -30,7 +31,7 @@ OPEN_PATHS = {"/health"}
 SCOPED_PATHS = {"/metrics": "metrics"}
 
 
-def tenant_of(scope: dict) -> Tenant:
+def tenant_of(scope: Scope) -> Tenant:
     return scope.get(SCOPE_KEY, ANONYMOUS)
 
 

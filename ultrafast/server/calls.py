@@ -19,6 +19,8 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from starlette.types import Scope
+
 from ultrafast.request import SamplingParams, ServiceTier
 from ultrafast.server import auth
 from ultrafast.server.errors import APIError, invalid_value
@@ -162,7 +164,7 @@ def plain_params(temperature: float | None, top_p: float | None, limits: Limits)
 # ---- the pipeline ------------------------------------------------------------------------------
 
 
-async def prepare_call(state: ServerState, scope: dict, call: CallInput) -> GenerationRun:
+async def prepare_call(state: ServerState, scope: Scope, call: CallInput) -> GenerationRun:
     """Check, tokenize and admit one call; the run is not started (the caller starts it, and
     must `finish()` it). `scope` is the HTTP or WebSocket scope (its tenant)."""
     arrival_s = time.monotonic()

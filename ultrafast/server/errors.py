@@ -8,6 +8,11 @@ through `quote()`, which bounds it, so an error body cannot be used to echo mega
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
 INVALID_REQUEST = "invalid_request_error"
 
 
@@ -139,19 +144,21 @@ def param_path(
     return out or None
 
 
-def from_validation_error(exc, body: object, union_tags: frozenset = frozenset()) -> APIError:
+def from_validation_error(
+    exc: ValidationError, body: object, union_tags: frozenset = frozenset()
+) -> APIError:
     """One APIError for a pydantic ValidationError: unknown fields first, then missing ones,
     then bad values, then bad types; `param` is an OpenAI-style path into `body`."""
-    best = None
-    for err in exc.errors(include_url=False, include_input=False):
-        rank, code = _error_rank(err["type"])
-        if best is None or rank < best[0]:
-            best = (rank, code, err)
-    _, code, err = best
+    # the first error of the lowest rank (a ValidationError always carries at least one)
+    err = min(
+        exc.errors(include_url=False, include_input=False),
+        key=lambda e: _error_rank(e["type"])[0],
+    )
+    code = _error_rank(err["type"])[1]
     param = param_path(err["loc"], body, err["type"] == "missing", union_tags)
-    if code == "unknown_parameter":
+    if code == "unknown_parameter" and param is not None:
         return unknown_parameter(param)
-    if code == "missing_required_field":
+    if code == "missing_required_field" and param is not None:
         return missing_field(param)
     detail = _PLAIN_DETAIL.get(err["type"], err["msg"])
     if err["type"].startswith("union_tag"):

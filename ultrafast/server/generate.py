@@ -397,12 +397,13 @@ class GenerationRun:
         try:
             # with prompt logprobs, a choice's echo waits for its first output, which has them
             echo_later = set(range(len(self.choices))) if self.scores_prompt else set()
+            echo_texts = spec.echo_texts or []  # scores_prompt implies echo texts
             for choice in self.choices:
                 if spec.chat:
                     yield writer.role(choice.index)
-                elif spec.echo_texts and choice.index not in echo_later:
+                elif echo_texts and choice.index not in echo_later:
                     yield writer.echo(
-                        choice.index, spec.echo_texts[self.choice_prompts[choice.index]], None
+                        choice.index, echo_texts[self.choice_prompts[choice.index]], None
                     )
             async for event in _chained(first, events):
                 if (
@@ -413,7 +414,7 @@ class GenerationRun:
                     echo_later.discard(event.index)
                     yield writer.echo(
                         event.index,
-                        spec.echo_texts[self.choice_prompts[event.index]],
+                        echo_texts[self.choice_prompts[event.index]],
                         self.choices[event.index].prompt_part(),
                     )
                 if isinstance(event, Ping):

@@ -21,7 +21,7 @@ import collections
 import importlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +69,7 @@ class PatternGuard(OutputGuard):
         return self.check_sync(text, num_checked_chars)  # microseconds: no thread hop
 
     @classmethod
-    def from_file(cls, path: str | Path, extra: list[str] = ()) -> PatternGuard:
+    def from_file(cls, path: str | Path, extra: Sequence[str] = ()) -> PatternGuard:
         """JSON: {"patterns": [...], "ignore_case": true, "max_match_chars": 256}; `extra`
         patterns (from flags) are added."""
         try:

@@ -75,6 +75,7 @@ class TimedH11Protocol(H11Protocol):
     send_buffer_bytes: int = 256 * 1024  # SO_SNDBUF per connection; 0 = the kernel's autotuning
     open_by_ip: dict[str, int]  # per server (protocol_class gives each its own dict)
 
+    # asyncio.Protocol takes a BaseTransport; uvicorn's H11Protocol narrows it, with this ignore
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         sock = transport.get_extra_info("socket")
@@ -128,7 +129,8 @@ class TimedH11Protocol(H11Protocol):
             self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
 
     def _cancel_head_timer(self) -> None:
-        self._head_timer = _cancelled(self._head_timer)
+        _cancel(self._head_timer)
+        self._head_timer = None
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -159,7 +161,8 @@ class TimedH11Protocol(H11Protocol):
             self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_timed_out)
 
     def _cancel_body_timer(self) -> None:
-        self._body_timer = _cancelled(self._body_timer)
+        _cancel(self._body_timer)
+        self._body_timer = None
 
     def _body_timed_out(self) -> None:
         self._body_timer = None
@@ -195,7 +198,8 @@ class TimedH11Protocol(H11Protocol):
         super().resume_writing()
 
     def _cancel_stall_timer(self) -> None:
-        self._stall_timer = _cancelled(self._stall_timer)
+        _cancel(self._stall_timer)
+        self._stall_timer = None
 
     def _write_stalled(self) -> None:
         self._stall_timer = None
@@ -209,7 +213,7 @@ class TimedH11Protocol(H11Protocol):
         self.transport.abort()  # close() would wait for the full buffer to drain: never
 
 
-def _cancelled(timer: asyncio.TimerHandle | None) -> None:
+def _cancel(timer: asyncio.TimerHandle | None) -> None:
     if timer is not None:
         timer.cancel()
 

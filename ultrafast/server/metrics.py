@@ -26,6 +26,7 @@ import bisect
 import gc
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -57,6 +58,28 @@ REFUSAL_REASONS = (
 ANONYMOUS_TENANT = "anonymous"  # every call when the server runs without --api-keys
 OTHER = "other"
 GC_GENERATIONS = (0, 1, 2)
+
+
+class EngineCounts(Protocol):
+    """What a scrape reads of the engine: EngineSnapshot and EngineOccupancy both fit."""
+
+    @property
+    def num_waiting_by_tier(self) -> tuple[int, ...]: ...
+    @property
+    def num_running_by_tier(self) -> tuple[int, ...]: ...
+    @property
+    def num_kv_slots_running(self) -> int: ...
+    @property
+    def num_kv_slots_total(self) -> int: ...
+    @property
+    def num_prefix_queries(self) -> int: ...
+    @property
+    def num_prefix_query_tokens(self) -> int: ...
+    @property
+    def num_prefix_hit_tokens(self) -> int: ...
+    @property
+    def num_preemptions(self) -> int: ...
+
 
 # Per-token gaps and step phases are sub-millisecond on a GPU: fine buckets around the 2 ms alert.
 _FAST_BUCKETS_S = (
@@ -146,7 +169,7 @@ class ServerMetrics:
         # CPython never runs two collections at once
         self.gc_pause_s = {str(gen): _Buckets(_FAST_BUCKETS_S) for gen in GC_GENERATIONS}
         self._gc_started_s = 0.0
-        self._occupancy_source: Callable[[], object] | None = None
+        self._occupancy_source: Callable[[], EngineCounts] | None = None
         self.prompt_tokens = Counter(
             "ultrafast_prompt_tokens", "Prompt tokens, per tenant", ("tenant",), registry=reg
         )
@@ -203,7 +226,7 @@ class ServerMetrics:
         """Returns cumulative draft counters per source (the engine snapshot), or None."""
         self._spec_source = read
 
-    def set_occupancy_source(self, read: Callable[[], object]) -> None:
+    def set_occupancy_source(self, read: Callable[[], EngineCounts]) -> None:
         """Returns the engine's latest EngineSnapshot (or EngineOccupancy), at scrape time."""
         self._occupancy_source = read
 
@@ -356,7 +379,7 @@ class _ScrapeTimeCollector:
         yield in_flight
 
     @staticmethod
-    def _engine_families(m: ServerMetrics, occ):
+    def _engine_families(m: ServerMetrics, occ: EngineCounts | None):
         yield _histogram(
             "ultrafast_inter_token_latency_seconds",
             "Gap between consecutive output tokens of one choice",

@@ -271,7 +271,7 @@ def _check_chat(req: ChatCompletionRequest, limits: Limits) -> None:
     if req.prediction is not None:
         if isinstance(req.prediction.content, list):
             _check_parts(req.prediction.content, "prediction.content")
-        if len(req.prediction_text()) > limits.max_prompt_chars:
+        if len(req.prediction_text() or "") > limits.max_prompt_chars:
             raise too_large(
                 "prompt_too_large",
                 "prediction",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
@@ -78,10 +78,10 @@ _UNION_TAGS = frozenset({"string", "array", "object"})
 _MESSAGE_SHAPE = re.compile(r"messages\[\d+\]\.(role|content)(\[\d+\].*)?")
 
 
-def _by_json_type(**members: Any) -> Any:
-    # a Union built at run time: `X | Y` cannot take a tuple of members
-    members_union = Union[tuple(Annotated[t, Tag(k)] for k, t in members.items())]  # noqa: UP007
-    return Annotated[members_union, Discriminator(_json_type)]
+# A union picked by JSON type: `Annotated[Annotated[A, JSON_STRING] | Annotated[B, JSON_ARRAY],
+# BY_JSON_TYPE]`; each member is tagged with the name `_json_type` gives a value of its type.
+JSON_STRING, JSON_ARRAY, JSON_OBJECT = Tag("string"), Tag("array"), Tag("object")
+BY_JSON_TYPE = Discriminator(_json_type)
 
 
 class _Strict(BaseModel):
@@ -106,7 +106,9 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
-Content = _by_json_type(string=str, array=list[ContentPart])
+Content = Annotated[
+    Annotated[str, JSON_STRING] | Annotated[list[ContentPart], JSON_ARRAY], BY_JSON_TYPE
+]
 
 
 class FunctionCall(_Strict):
@@ -189,7 +191,10 @@ class _Common(_Strict):
     top_k: Int | None = None
     min_p: float | None = None
     n: Int = 1
-    stop: _by_json_type(string=str, array=list[str]) | None = None
+    stop: (
+        Annotated[Annotated[str, JSON_STRING] | Annotated[list[str], JSON_ARRAY], BY_JSON_TYPE]
+        | None
+    ) = None
     seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -289,7 +294,12 @@ class ChatCompletionRequest(_Common):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: (
-        _by_json_type(string=Literal["none", "auto", "required"], object=ToolChoiceFunction) | None
+        Annotated[
+            Annotated[Literal["none", "auto", "required"], JSON_STRING]
+            | Annotated[ToolChoiceFunction, JSON_OBJECT],
+            BY_JSON_TYPE,
+        ]
+        | None
     ) = None
     parallel_tool_calls: bool | None = None
     session_id: Any = None  # checked by hand against NAME_RE (B43)

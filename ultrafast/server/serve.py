@@ -32,6 +32,7 @@ from ultrafast.server.guard import (
     AllGuards,
     ClassifierGuard,
     GuardConfig,
+    OutputGuard,
     PatternGuard,
     load_score_function,
 )
@@ -70,7 +71,7 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(self._spawn, self._abort_now() if second else self._drain())
 
     def _spawn(self, coro) -> None:
-        task = self._loop.create_task(coro)
+        task = asyncio.get_running_loop().create_task(coro)  # a callback on the serving loop
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -128,7 +129,8 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def build_guard(config: ServerConfig) -> GuardConfig | None:
-    patterns, guards = list(config.guard_patterns), []
+    patterns = list(config.guard_patterns)
+    guards: list[OutputGuard] = []
     if config.guard_patterns_path:
         guards.append(PatternGuard.from_file(config.guard_patterns_path, extra=patterns))
     elif patterns:

@@ -190,7 +190,7 @@ def _parse_tenant(entry, where: str) -> Tenant:
     scopes = entry.get("scopes", ["inference"])
     if not isinstance(scopes, list) or not set(scopes) <= set(SCOPES):
         raise ValueError(f"{where}: `scopes` must list some of {list(SCOPES)}")
-    numbers = {}
+    numbers: dict[str, float] = {}
     for name_, low, high in (
         ("requests_per_s", 0, 1e9),
         ("tokens_per_s", 0, 1e12),
@@ -210,5 +210,8 @@ def _parse_tenant(entry, where: str) -> Tenant:
         tiers=tiers,
         scopes=frozenset(scopes),
         disabled=bool(entry.get("disabled", False)),
-        **numbers,
+        requests_per_s=numbers["requests_per_s"],
+        tokens_per_s=numbers["tokens_per_s"],
+        burst_s=numbers["burst_s"],
+        committed_priority_share=numbers["committed_priority_share"],
     )

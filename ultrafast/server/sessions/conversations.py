@@ -11,7 +11,7 @@ a refusal names the exact item path (`input[2].content[0].text`).
 from __future__ import annotations
 
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request as HTTPRequest
@@ -21,11 +21,13 @@ from starlette.routing import Route
 from ultrafast.server.errors import from_validation_error, invalid_value
 from ultrafast.server.protocol_models import (
     _UNION_TAGS,
+    BY_JSON_TYPE,
+    JSON_ARRAY,
+    JSON_STRING,
     MAX_METADATA_KEY,
     MAX_METADATA_PAIRS,
     MAX_METADATA_VALUE,
     NAME_RE,
-    _by_json_type,
     _Strict,
 )
 from ultrafast.server.sessions.chat_tokens import ChatMessage
@@ -45,7 +47,9 @@ class TextPart(_Strict):
 class InputItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: _by_json_type(string=str, array=list[TextPart])  # type: ignore[valid-type]
+    content: Annotated[
+        Annotated[str, JSON_STRING] | Annotated[list[TextPart], JSON_ARRAY], BY_JSON_TYPE
+    ]
     id: str | None = None  # echoed items from a previous output
     status: str | None = None
 
@@ -68,7 +72,7 @@ class AddItems(_Strict):
     items: list[InputItem]
 
 
-def validate(model: type[BaseModel], body: dict):
+def validate(model: type[BaseModel], body: object):
     if not isinstance(body, dict):
         raise invalid_value(None, "the body must be a JSON object")
     body = {k: v for k, v in body.items() if v is not None}

@@ -150,7 +150,8 @@ class RedisStore(SessionStore):
     async def delete(self, tenant, session_id):
         keys = self._keys(tenant, session_id)
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(*keys[:3]).zrem(keys[3], keys[0])
+            pipe.delete(*keys[:3])
+            pipe.zrem(keys[3], keys[0])
             deleted, _ = await self._call(pipe.execute())
         return deleted > 0
 
@@ -171,7 +172,8 @@ class RedisStore(SessionStore):
     async def put_object(self, tenant, kind, object_id, obj):
         key, index = self._object_keys(tenant, kind, object_id)
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(key, obj.to_json(), px=self._ttl_ms).zadd(index, {object_id: obj.created_s})
+            pipe.set(key, obj.to_json(), px=self._ttl_ms)
+            pipe.zadd(index, {object_id: obj.created_s})
             pipe.pexpire(index, self._ttl_ms)
             await self._call(pipe.execute())
 
@@ -182,7 +184,8 @@ class RedisStore(SessionStore):
     async def delete_object(self, tenant, kind, object_id):
         key, index = self._object_keys(tenant, kind, object_id)
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(key).zrem(index, object_id)
+            pipe.delete(key)
+            pipe.zrem(index, object_id)
             deleted, _ = await self._call(pipe.execute())
         return deleted > 0
 

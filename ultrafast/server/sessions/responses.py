@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from starlette.requests import Request as HTTPRequest
@@ -29,7 +29,14 @@ from starlette.routing import Route
 from ultrafast.server.calls import CallInput, check_options, plain_params, prepare_call
 from ultrafast.server.errors import APIError, invalid_value, too_large, unsupported_parameter
 from ultrafast.server.generate import ChoiceDelta, GenerationRun, Ping
-from ultrafast.server.protocol_models import NAME_RE, _by_json_type, _Strict
+from ultrafast.server.protocol_models import (
+    BY_JSON_TYPE,
+    JSON_ARRAY,
+    JSON_OBJECT,
+    JSON_STRING,
+    NAME_RE,
+    _Strict,
+)
 from ultrafast.server.sessions.chat_tokens import ChatMessage
 from ultrafast.server.sessions.conversations import (
     InputItem,
@@ -69,10 +76,17 @@ class StreamOptions(_Strict):
 
 class ResponsesRequest(_Strict):
     model: str | None = None
-    input: _by_json_type(string=str, array=list[InputItem])  # type: ignore[valid-type]
+    input: Annotated[
+        Annotated[str, JSON_STRING] | Annotated[list[InputItem], JSON_ARRAY], BY_JSON_TYPE
+    ]
     instructions: str | None = None
     previous_response_id: str | None = None
-    conversation: _by_json_type(string=str, object=ConversationRef) | None = None
+    conversation: (
+        Annotated[
+            Annotated[str, JSON_STRING] | Annotated[ConversationRef, JSON_OBJECT], BY_JSON_TYPE
+        ]
+        | None
+    ) = None
     store: bool = True
     stream: bool = False
     max_output_tokens: int | None = None
