@@ -159,6 +159,20 @@ def test_other_architectures_are_refused_with_a_pointer_to_ggml(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "starcoder2"])
+def test_real_foreign_architectures_are_refused(arch, tmp_path):
+    """Random-weight GGUFs the ggml executor serves (tests/model/arch_ggufs.py); declared as
+    llama, their tensors still give them away."""
+    from tests.model.arch_ggufs import write_arch_gguf
+
+    path = write_arch_gguf(tmp_path / f"{arch}.gguf", arch)
+    with pytest.raises(ModelLoadError, match=rf"'{arch}'.*--executor ggml"):
+        load_gguf_model(path)
+    disguised = write_arch_gguf(tmp_path / "disguised.gguf", arch, declare_as="llama")
+    with pytest.raises(ModelLoadError, match=r"--executor ggml"):
+        load_gguf_model(disguised)
+
+
 def test_cli_generates_from_a_gguf_on_the_torch_executor(make_tiny_gguf):
     """Greedy text from the f32 file: torch (dequantized) and ggml tell the same story."""
     path = str(make_tiny_gguf("llama", "f32"))

@@ -248,7 +248,7 @@ def load_gguf_model(
     loaded: dict[str, torch.Tensor] = {}
     for name, tensor in gguf_tensors(meta, config):
         if name not in expected:
-            raise ModelLoadError(f"{meta.path}: unexpected tensor for {name!r} in this config")
+            raise _refuse(meta, f"a tensor for {name!r}, which it has no place for")
         if tensor.shape != expected[name]:
             raise ModelLoadError(
                 f"{meta.path}: tensor for {name!r} has shape {tuple(tensor.shape)}, expected "
