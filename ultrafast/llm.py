@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TypeGuard
 
 from ultrafast.config import DEMO_DRAFT_DIR, EngineConfig, default_model
@@ -66,12 +67,10 @@ def build_executor(config: EngineConfig, files: ModelFiles):
             n_threads_batch=config.n_threads_batch,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
-    if files.hf_dir is None:
-        raise ValueError("the torch executor needs an HF directory (config.json + safetensors)")
     from ultrafast.executors.torch_exec import TorchExecutor
 
     return TorchExecutor(
-        files.hf_dir,
+        torch_weights(files),
         num_slots=config.num_slots,
         max_model_len=config.max_model_len,
         device=config.device,
@@ -79,6 +78,16 @@ def build_executor(config: EngineConfig, files: ModelFiles):
         compile=config.compile,
         n_threads=config.n_threads,
     )
+
+
+def torch_weights(files: ModelFiles) -> Path:
+    """What the torch executor loads: a .gguf the user named (dequantized, so both executors
+    serve the same file), else the HF directory, else the directory's GGUF."""
+    if files.gguf_path is not None and (files.gguf_named or files.hf_dir is None):
+        return files.gguf_path
+    if files.hf_dir is None:
+        raise ValueError("the torch executor needs an HF directory or a GGUF file")
+    return files.hf_dir
 
 
 def build_engine(

@@ -29,6 +29,7 @@ class ModelFiles:
     tokenizer_dir: Path  # where tokenizer.json lives (or would)
     max_position_embeddings: int | None  # the model's declared context
     tokenizer_gguf: Path | None = None  # set: the tokenizer comes from this GGUF's metadata
+    gguf_named: bool = False  # the user named the .gguf file itself: every executor runs it
 
 
 def resolve_model(model: str | Path) -> ModelFiles:
@@ -49,6 +50,7 @@ def resolve_model(model: str | Path) -> ModelFiles:
             path.parent,
             _gguf_context(meta),
             tokenizer_gguf=path,
+            gguf_named=True,
         )
     ggufs = sorted(path.glob("*.gguf"))
     preferred = [g for g in ggufs if "f16" in g.name] or ggufs

@@ -90,9 +90,10 @@ def write_vocab_gguf(
     context_length: int = 2048,
     extra: dict | None = None,
     name: str = "vocab-test",
+    arch: str = "llama",
 ) -> Path:
-    """A tensor-less llama-architecture GGUF holding a byte-level BPE vocabulary (the demo
-    model's unless given); `extra_tokens` appends {text: gguf token type}."""
+    """A tensor-less GGUF (architecture `arch`, llama by default) holding a byte-level BPE
+    vocabulary (the demo model's unless given); `extra_tokens` appends {text: gguf token type}."""
     import gguf
 
     if tokens is None:
@@ -101,7 +102,7 @@ def write_vocab_gguf(
     for text, kind in (extra_tokens or {}).items():
         tokens.append(text)
         types.append(int(kind))
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(name)
     writer.add_block_count(1)
     writer.add_context_length(context_length)
@@ -152,4 +153,18 @@ def _gguf_type(value):
 
 def truncated_copy(src: Path, dst: Path, keep_bytes: int) -> Path:
     dst.write_bytes(src.read_bytes()[:keep_bytes])
+    return dst
+
+
+def llama_cpp_requantize(src: Path, dst: Path, ftype: int = 0) -> Path:
+    """llama.cpp's own rewrite of `src` as llama_ftype `ftype` (0: all F32, its dequantization;
+    2: q4_0, 3: q4_1, 7: q8_0, 15: q4_K_M), quantized tensors allowed as input."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = ftype, True, 1
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    assert rc == 0, f"llama_model_quantize failed ({rc}) on {src}"
     return dst

@@ -75,6 +75,9 @@ class ModelConfig:
     torch_dtype: str  # the checkpoint's dtype, e.g. "bfloat16"
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # per-frequency divisors of RoPE's angle, as a GGUF stores them (its `rope_freqs` tensor for
+    # Llama 3 scaling, or one factor for linear scaling); used instead of rope_scaling
+    rope_freq_factors: tuple[float, ...] | None = None
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:

@@ -67,6 +67,7 @@ class GgufMetadata:
     version: int
     fields: dict = field(repr=False)
     tensors: tuple[TensorInfo, ...] = field(repr=False)
+    data_offset: int = 0  # where the tensor data section starts (TensorInfo.offset counts from it)
 
     def get(self, key: str, default=None):
         return self.fields.get(key, default)
@@ -125,7 +126,7 @@ class _Cursor:
         raise ValueError(f"unknown value type {vtype}")
 
 
-def _tensor_nbytes(info: TensorInfo) -> int:
+def tensor_nbytes(info: TensorInfo) -> int:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     try:
@@ -166,10 +167,10 @@ def _parse(path: Path, buf, size: int) -> GgufMetadata:
         raise ValueError(f"bad general.alignment {alignment!r}")
     data_start = -(-cur.pos // alignment) * alignment
     for info in tensors:
-        end = data_start + info.offset + _tensor_nbytes(info)
+        end = data_start + info.offset + tensor_nbytes(info)
         if end > size:
             raise _Truncated()
-    return GgufMetadata(path, version, fields, tuple(tensors))
+    return GgufMetadata(path, version, fields, tuple(tensors), data_start)
 
 
 @lru_cache(maxsize=16)

@@ -36,6 +36,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
+    if config.rope_freq_factors is not None:  # a GGUF's precomputed divisors
+        return inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq

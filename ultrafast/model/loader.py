@@ -145,8 +145,13 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """The model in eval mode on `device`; dtype None = float32 on CPU, bfloat16 elsewhere."""
+    """The model in eval mode on `device`; dtype None = float32 on CPU, bfloat16 elsewhere.
+    `model_dir` may also be a .gguf file: its tensors are dequantized (model/gguf_weights.py)."""
     model_dir = Path(model_dir)
+    if model_dir.suffix == ".gguf" and model_dir.is_file():
+        from ultrafast.model.gguf_weights import load_gguf_model
+
+        return load_gguf_model(model_dir, dtype, device)
     config = read_config(model_dir)
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device, config.torch_dtype)
