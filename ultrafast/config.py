@@ -76,6 +76,12 @@ def default_model() -> str:
     return default_model_choice().path
 
 
+def benchmark_model() -> str:
+    """The benchmarks' model without --model: $ULTRAFAST_MODEL, else the demo model their
+    recorded figures are on (the default chat model would change what they compare)."""
+    return os.environ.get("ULTRAFAST_MODEL", str(DEMO_MODEL_DIR))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # HF model directory, or a .gguf file (its metadata holds the tokenizer)
