@@ -10,7 +10,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from ultrafast.config import DEMO_DRAFT_DIR, EngineConfig, default_model
+from ultrafast.config import DEMO_DRAFT_DIR, EngineConfig, default_model_choice
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.core.types import TokenLogprobs
 from ultrafast.engine.core import EngineCore
@@ -150,7 +150,12 @@ class GenerationOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options):
-        self.config = EngineConfig(model=model or default_model(), **engine_options)
+        if not model:  # the default: SmolLM2 once fetched, else demo-code (with a warning)
+            choice = default_model_choice()
+            if choice.fallback_notice:
+                log.warning("%s", choice.fallback_notice)
+            model = choice.path
+        self.config = EngineConfig(model=model, **engine_options)
         self.engine, self.tokenizer, self.files = build_engine(self.config)
         self._ids = itertools.count()
 
