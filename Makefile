@@ -1,4 +1,5 @@
-# Everything a fresh machine needs: `make run` (server on the bundled demo model), `make test`.
+# Everything a fresh machine needs: `make run` (server on SmolLM2-135M-Instruct, fetched by the
+# setup; the bundled demo model when it cannot be fetched), `make test`.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,6 +13,11 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: setup run generate lint format test test-fast clean
 
 setup: $(VENV)/.installed
+	@# the default chat model, SmolLM2-135M-Instruct (94 MB GGUF, sha256 checked), cached outside
+	@# the repo like the llama.cpp wheel: a no-op when it is there. Without it (no network) the
+	@# setup goes on and `ultrafast serve` falls back to the demo model, saying so.
+	$(BIN)/python -m ultrafast.model_fetch || \
+		echo "warning: SmolLM2 not fetched: ultrafast serve will serve the demo model demo-code"
 
 $(VENV)/.installed: pyproject.toml Makefile
 	# headless Chromium + its WebDriver for the playground test (Debian packages), if missing

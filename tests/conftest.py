@@ -29,3 +29,20 @@ def private_data_dir(tmp_path_factory):
         os.environ.pop("XDG_DATA_HOME", None)
     else:
         os.environ["XDG_DATA_HOME"] = saved
+
+
+@pytest.fixture(scope="session", autouse=True)
+def demo_model_by_default():
+    """Commands the tests run without a model serve the small demo model (fast, and what they
+    assert on), not SmolLM2, the default for users; tests of that default unset this."""
+    import os
+
+    from ultrafast.config import DEMO_MODEL_DIR
+
+    saved = os.environ.get("ULTRAFAST_MODEL")
+    os.environ["ULTRAFAST_MODEL"] = str(DEMO_MODEL_DIR)
+    yield
+    if saved is None:
+        os.environ.pop("ULTRAFAST_MODEL", None)
+    else:
+        os.environ["ULTRAFAST_MODEL"] = saved

@@ -26,9 +26,9 @@ class SuiteRunner:
 
     def __call__(self, args: argparse.Namespace) -> int:
         if "model" in vars(args) and args.model is None:
-            from ultrafast.config import default_model
+            from ultrafast.config import benchmark_model
 
-            args.model = default_model()
+            args.model = benchmark_model()
         main: Callable[[argparse.Namespace], int] = importlib.import_module(self.module).main
         return main(args)
 

@@ -43,8 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="HF model directory or .gguf file (default: $ULTRAFAST_MODEL or the "
-        "bundled demo model)",
+        help="HF model directory or .gguf file (default: $ULTRAFAST_MODEL, else "
+        "SmolLM2-135M-Instruct as fetched by `make setup`, else the bundled demo model)",
     )
     p.add_argument(
         "--executor",
@@ -111,6 +111,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_compile_arg(p)
 
 
+def chosen_model(explicit: str | None) -> tuple[str, str | None]:
+    """(model path, served name or None) for a command given `explicit` or no model. Without
+    one, SmolLM2 serves as `smollm2-135m-instruct`; when it was never fetched, one line on
+    stderr says so and the demo model serves instead."""
+    from pathlib import Path
+
+    from ultrafast.config import SMOLLM2_SERVED_NAME, default_model_choice, smollm2_gguf
+
+    if explicit:
+        smollm2 = smollm2_gguf()
+        same = smollm2.is_file() and Path(explicit).expanduser().resolve() == smollm2.resolve()
+        return explicit, SMOLLM2_SERVED_NAME if same else None
+    choice = default_model_choice()
+    if choice.fallback_notice:
+        print(f"ultrafast: {choice.fallback_notice}", file=sys.stderr)
+    return choice.path, choice.served_name
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig's keyword arguments (all but the model) from the engine flags."""
     tiers = tuple(t.strip() for t in args.spec_tiers.split(",") if t.strip())
@@ -154,7 +172,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    llm = LLM(args.model, **engine_options(args))
+    model, _ = chosen_model(args.model)
+    llm = LLM(model, **engine_options(args))
     started = time.perf_counter()
     first_s = None
     pieces = []
@@ -335,7 +354,8 @@ def add_serve_parser(sub: Any) -> None:
         "model_path",
         nargs="?",
         default=None,
-        help="HF model directory or .gguf (default: the bundled demo model)",
+        help="HF model directory or .gguf (default: SmolLM2-135M-Instruct, served as "
+        "smollm2-135m-instruct, when `make setup` fetched it; else the bundled demo model)",
     )
     srv.add_argument("--host", default=ServerConfig.host, help="bind address (loopback by default)")
     srv.add_argument("--port", type=int, default=ServerConfig.port)
@@ -392,7 +412,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ultrafast.config import default_model
     from ultrafast.server.serve import serve
 
     if args.threads is None:
@@ -400,7 +419,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # --batch-threads stays opt-in: more threads on multi-token passes shorten a long prompt's
     # prefill, but on a small machine they take the cores the event loop and clients need and
     # slow short priority prompts
-    engine = EngineConfig(
-        model=args.model_path or args.model or default_model(), **engine_options(args)
-    )
+    model, served_name = chosen_model(args.model_path or args.model)
+    if args.served_model_name is None:
+        args.served_model_name = served_name
+    engine = EngineConfig(model=model, **engine_options(args))
     return serve(engine, server_config(args))

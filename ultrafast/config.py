@@ -37,7 +37,48 @@ def default_session_store() -> str:
     return f"sqlite:///{data_dir() / 'sessions.db'}"
 
 
+# The real chat model `ultrafast serve` runs by default: the setup fetches it (model_fetch.py)
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SERVED_NAME = "smollm2-135m-instruct"
+
+
+def smollm2_gguf() -> Path:
+    """Where the setup puts SmolLM2 (ULTRAFAST_SMOLLM2_GGUF overrides, as in the tests)."""
+    env = os.environ.get("ULTRAFAST_SMOLLM2_GGUF")
+    return Path(env) if env else cache_dir() / "models" / SMOLLM2_GGUF_NAME
+
+
+@dataclass(frozen=True)
+class DefaultModel:
+    """The model used when none is given, its served name, and why it is not SmolLM2."""
+
+    path: str
+    served_name: str | None  # None: the file or directory name
+    fallback_notice: str | None = None  # set when SmolLM2 is missing and demo-code serves
+
+
+def default_model_choice() -> DefaultModel:
+    """$ULTRAFAST_MODEL, else SmolLM2 when the setup fetched it, else the bundled demo model."""
+    env = os.environ.get("ULTRAFAST_MODEL")
+    if env:
+        return DefaultModel(env, None)
+    gguf = smollm2_gguf()
+    if gguf.is_file():
+        return DefaultModel(str(gguf), SMOLLM2_SERVED_NAME)
+    notice = (
+        f"SmolLM2-135M-Instruct is not at {gguf} (`make setup` fetches it): "
+        f"serving the bundled demo model demo-code instead"
+    )
+    return DefaultModel(str(DEMO_MODEL_DIR), None, notice)
+
+
 def default_model() -> str:
+    return default_model_choice().path
+
+
+def benchmark_model() -> str:
+    """The benchmarks' model without --model: $ULTRAFAST_MODEL, else the demo model their
+    recorded figures are on (the default chat model would change what they compare)."""
     return os.environ.get("ULTRAFAST_MODEL", str(DEMO_MODEL_DIR))
 
 

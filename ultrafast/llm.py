@@ -6,12 +6,13 @@ Same engine core as the server, driven synchronously on the caller's thread.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeGuard
 
-from ultrafast.config import DEMO_DRAFT_DIR, EngineConfig, default_model
+from ultrafast.config import DEMO_DRAFT_DIR, EngineConfig, default_model_choice
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.core.types import TokenLogprobs
 from ultrafast.engine.core import EngineCore
@@ -27,6 +28,8 @@ from ultrafast.model_files import (
 )
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.tokenizer import StopStringMatcher, Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def _cuda_available() -> bool:
@@ -117,16 +120,17 @@ def build_engine(
 
 
 def _draft_files(config: EngineConfig, files: ModelFiles) -> ModelFiles | None:
-    """The draft model's files: --draft-model, else the bundled demo draft when the target
-    uses the same tokenizer (a draft with another vocabulary would only propose garbage)."""
-    path = config.draft_model or str(DEMO_DRAFT_DIR)
-    draft = resolve_model(path)
-    same = tokenizer_fingerprint(draft) == tokenizer_fingerprint(files)
-    if not same and config.draft_model is None:
-        return None
-    if not same:
-        raise ValueError(f"draft model {path} does not use the target's tokenizer")
-    return draft
+    """The draft model's files (--draft-model, else the bundled demo draft) when it uses the
+    target's tokenizer. A draft with another vocabulary would only propose garbage: with
+    `--spec draft` that is an error at start; with `auto` a warning, and n-gram drafts alone."""
+    draft = resolve_model(config.draft_model or str(DEMO_DRAFT_DIR))
+    if tokenizer_fingerprint(draft) == tokenizer_fingerprint(files):
+        return draft
+    mismatch = f"draft model {draft.name} does not use the tokenizer of {files.name}"
+    if config.spec == "draft":
+        raise ValueError(f"{mismatch}: --spec draft needs a --draft-model that does")
+    log.warning("%s: it does not draft (speculation: n-gram and predicted outputs)", mismatch)
+    return None
 
 
 def build_speculator(config: EngineConfig, files: ModelFiles) -> Speculator:
@@ -134,11 +138,6 @@ def build_speculator(config: EngineConfig, files: ModelFiles) -> Speculator:
     draft_model = None
     if config.spec in ("draft", "auto"):
         draft_files = _draft_files(config, files)
-        if draft_files is None and config.spec == "draft":
-            raise ValueError(
-                "--spec draft needs --draft-model (the bundled draft model only "
-                "fits the demo model's tokenizer)"
-            )
         if draft_files is not None:  # same executor kind, slots and lengths as the target
             draft_model = DraftModelProposer(build_executor(config, draft_files))
     spec = SpecConfig(
@@ -161,7 +160,12 @@ class GenerationOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options):
-        self.config = EngineConfig(model=model or default_model(), **engine_options)
+        if not model:  # the default: SmolLM2 once fetched, else demo-code (with a warning)
+            choice = default_model_choice()
+            if choice.fallback_notice:
+                log.warning("%s", choice.fallback_notice)
+            model = choice.path
+        self.config = EngineConfig(model=model, **engine_options)
         self.engine, self.tokenizer, self.files = build_engine(self.config)
         self._ids = itertools.count()
 

@@ -95,6 +95,12 @@ def add_parsers(sub) -> None:
     e = sub.add_parser("eval-ppl", help="held-out perplexity of models, side by side")
     e.add_argument("models", nargs="+", help="HF / quantized directories or .gguf files")
     _add_eval_args(e)
+    e.add_argument(
+        "--parity",
+        action="store_true",
+        help="for each .gguf: perplexity through our engine (ggml executor, prompt "
+        "logprobs) beside llama.cpp's own on the same tokens and windows",
+    )
     e.set_defaults(func=cmd_eval_ppl)
 
 
@@ -126,7 +132,10 @@ def perplexity_of(
 def _evaluate(paths: dict[str, Path], tokenizer_dir: Path, args) -> dict[str, dict]:
     from ultrafast.quant.evaluate import heldout_ids
 
-    ids = heldout_ids(tokenizer_dir, args.heldout)
+    return _evaluate_ids(paths, heldout_ids(tokenizer_dir, args.heldout), args)
+
+
+def _evaluate_ids(paths: dict[str, Path], ids: list[int], args) -> dict[str, dict]:
     results: dict[str, dict] = {}
     for label, path in paths.items():
         t0 = time.perf_counter()
@@ -281,7 +290,7 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_eval_ppl(args) -> int:
-    from ultrafast.model_files import resolve_model
+    from ultrafast.quant.evaluate import model_heldout_ids
 
     if args.threads:
         import torch
@@ -291,10 +300,33 @@ def cmd_eval_ppl(args) -> int:
     for path in paths.values():
         if not path.exists():
             raise FileNotFoundError(f"model path {path} does not exist")
-    tokenizer_dir = resolve_model(args.models[0]).tokenizer_dir
-    results = _evaluate(paths, tokenizer_dir, args)
+    if args.parity and not any(p.suffix == ".gguf" for p in paths.values()):
+        raise ValueError("--parity compares .gguf files: give at least one")
+    # the first model's tokenizer: its tokenizer.json, or a lone GGUF's own metadata
+    ids = model_heldout_ids(args.models[0], args.heldout)
+    if args.parity:
+        return _print_parity(paths, ids, args)
+    results = _evaluate_ids(paths, ids, args)
     first = args.models[0]
     print(markdown(results, {p: first for p in args.models[1:]}))
     json.dump(results, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+def _print_parity(paths: dict[str, Path], ids: list[int], args) -> int:
+    from dataclasses import asdict
+
+    from ultrafast.bench.perplexity import parity_markdown, perplexity_parity
+
+    results = {
+        label: perplexity_parity(path, ids, args.seq_len, args.eval_tokens or None, args.threads)
+        for label, path in paths.items()
+        if path.suffix == ".gguf"
+    }
+    print(parity_markdown(results))
+    json.dump(
+        {k: {**asdict(r), "ratio": r.ratio} for k, r in results.items()}, sys.stdout, indent=1
+    )
     print()
     return 0

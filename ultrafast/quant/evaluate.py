@@ -60,6 +60,29 @@ def heldout_ids(tokenizer_dir: Path, text_file: str | Path | None = None) -> lis
     return _encode(tokenizer_dir, _read_texts(stdlib_split()[1]))
 
 
+def model_heldout_ids(model: str | Path, text_file: str | Path | None = None) -> list[int]:
+    """Held-out ids for any model path. With a tokenizer.json, as `heldout_ids`; a GGUF alone
+    is encoded by its own metadata's tokenizer (llama.cpp's ids), each text followed by the
+    model's end-of-sequence token."""
+    from ultrafast.model_files import load_tokenizer, resolve_model
+
+    files = resolve_model(model)
+    if files.tokenizer_gguf is None:
+        return heldout_ids(files.tokenizer_dir, text_file)
+    if text_file is not None and not Path(text_file).is_file():
+        raise FileNotFoundError(f"text file {text_file} does not exist")
+    if text_file is not None:
+        texts = [Path(text_file).read_text(encoding="utf-8", errors="replace")]
+    else:
+        texts = _read_texts(stdlib_split()[1])
+    tokenizer = load_tokenizer(files)
+    end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer.encode(text, add_special_tokens=False) + end)
+    return ids
+
+
 def calibration_ids(
     tokenizer_dir: Path, num_tokens: int, text_file: str | Path | None = None
 ) -> list[int]:
