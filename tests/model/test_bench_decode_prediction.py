@@ -51,9 +51,9 @@ def test_gguf_alone_skips_transformers_with_a_note(tmp_path):
         prompt_tokens=8,
         rounds=1,
         threads=1,
-        peers=("ultrafast-ggml", "transformers"),
+        peers=("ultrafast-ggml", "ultrafast-torch", "transformers"),
     )
-    assert set(report["results"]) == {"ultrafast-ggml"}
+    assert set(report["results"]) == {"ultrafast-ggml", "ultrafast-torch"}
     assert any("transformers skipped" in note for note in report["notes"])
     assert "transformers skipped" in markdown(report)
 
