@@ -43,6 +43,13 @@ def _suite(
     return p
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction in [0, 1]")
+    return value
+
+
 def _add_out(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument(
         "--out", default=default, help=f"JSON report, Markdown beside it (default {default})"
@@ -137,7 +144,7 @@ def _add_decode(suites: Any) -> None:
         "ultrafast.bench.decode",
         "batch-1 decode speed: ours vs llama.cpp vs transformers",
     )
-    _add_model(p)
+    _add_model(p, "HF model directory or .gguf file (a GGUF alone skips transformers)")
     _add_new_tokens(p, "tokens decoded per round")
     _add_rounds(p, 3)
     _add_threads(p, "kernel threads (default: all cores)")
@@ -154,7 +161,16 @@ def _add_decode(suites: Any) -> None:
         "--spec",
         default="ngram,draft",
         help="speculative variants of our ggml runner to add, comma-separated from "
-        "ngram, draft, auto (empty: none; default ngram,draft)",
+        "ngram, draft, auto, prediction (empty: none; default ngram,draft); prediction: "
+        "predicted outputs made from the plain greedy output, see --prediction-edit-rate",
+    )
+    p.add_argument(
+        "--prediction-edit-rate",
+        type=_fraction,
+        default=0.1,
+        metavar="RATE",
+        help="fraction of the plain greedy tokens replaced (seeded) to make the prediction "
+        "of --spec prediction (default 0.1)",
     )
     _add_out(p, "runs/bench_decode.json")
 
