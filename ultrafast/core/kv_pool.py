@@ -159,10 +159,18 @@ class KVSlotPool:
             n += 1
         return n
 
-    def num_cached_prefix_tokens(self, token_ids: list[int], tenant: str) -> int:
+    def prefix_hashes(self, token_ids: list[int], tenant: str) -> list[bytes]:
+        """The block hashes a prefix lookup compares (pure: any thread may compute them)."""
+        return block_hashes(token_ids[: len(token_ids) - 1], tenant, self.block_size)
+
+    def num_cached_prefix_tokens(
+        self, token_ids: list[int], tenant: str, wanted: list[bytes] | None = None
+    ) -> int:
         """Read-only, for admission's TTFT estimate: how many leading tokens some slot holds
-        now (a conversation's next turn: nearly all). The engine may still evict them first."""
-        wanted = block_hashes(token_ids[: len(token_ids) - 1], tenant, self.block_size)
+        now (a conversation's next turn: nearly all). The engine may still evict them first.
+        `wanted`: `prefix_hashes(token_ids, tenant)`, if the caller computed them already."""
+        if wanted is None:
+            wanted = self.prefix_hashes(token_ids, tenant)
         best = 0
         for slot in self.slots:
             n = _common_prefix(slot.hashes, wanted)

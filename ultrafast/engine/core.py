@@ -7,6 +7,7 @@ cost model and the speculator; `engine.thread.EngineThread` runs it for the serv
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -78,6 +79,8 @@ class EngineCore:
             or getattr(executor, "one_pass_per_length", False),
         )
         self.pool = KVSlotPool(executor.num_slots)
+        # held while the pool changes, so another thread may read it (cached_prefix_tokens)
+        self.pool_lock = threading.Lock()
         self.scheduler = Scheduler(config, self.pool)
         self.last_stats: StepStats | None = None
         self.priority_itl_target_s = priority_itl_target_s
@@ -110,7 +113,8 @@ class EngineCore:
         )
         while self.has_work():
             self.step()
-        self.pool.reset_cache()
+        with self.pool_lock:
+            self.pool.reset_cache()
         self.costs = StepCostModel()  # learn from warm passes, not from the cold first one
         if measure_speed:  # its passes are the fit's first points
             self.idle_speed = measure_idle_speed(self)
@@ -126,7 +130,15 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+        with self.pool_lock:
+            self.scheduler.abort(request_id)
+
+    def cached_prefix_tokens(self, token_ids: list[int], tenant: str) -> int:
+        """Leading tokens of `token_ids` some KV slot holds for `tenant` now. Safe from any
+        thread: the prompt is hashed here, the slots are compared under the pool lock."""
+        wanted = self.pool.prefix_hashes(token_ids, tenant)
+        with self.pool_lock:
+            return self.pool.num_cached_prefix_tokens(token_ids, tenant, wanted)
 
     def occupancy(self) -> EngineOccupancy:
         sched, pool = self.scheduler, self.pool
@@ -173,7 +185,8 @@ class EngineCore:
         if self.speculator is not None and self.scheduler.running:
             drafts = self._propose(self.speculator)
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule(drafts, self.priority_token_budget)
+        with self.pool_lock:  # the KV pool changes only under it: see cached_prefix_tokens
+            plan = self.scheduler.schedule(drafts, self.priority_token_budget)
         t1 = time.perf_counter()
         if plan.seqs:
             try:
@@ -185,7 +198,8 @@ class EngineCore:
         else:
             result = StepResult()
         t2 = time.perf_counter()
-        outcome = self.scheduler.update(plan, result)
+        with self.pool_lock:
+            outcome = self.scheduler.update(plan, result)
         outputs = outcome.outputs
         if self.speculator is not None:
             self.speculator.observe(

@@ -8,7 +8,6 @@ settings through the inbox. Moving the engine to its own process then changes br
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from dataclasses import dataclass
 
@@ -125,14 +124,15 @@ def build_snapshot(core: EngineCore, device_kind: str) -> EngineSnapshot:
 class EngineReadAPI:
     """Mixed into EngineThread: the snapshot, the cached-prefix lookup and `configure`.
 
-    The prefix lookup takes `pool_lock`, which the engine thread holds while it runs a step
-    or handles an inbox item (the only times the KV pool changes). A lookup so waits at most
-    one step, which costs the caller nothing: its request could not join before that step
-    ends anyway. A published copy of every slot's block hashes would instead cost each step
-    a copy of the whole pool index for a lookup made once per API call."""
+    The prefix lookup is EngineCore.cached_prefix_tokens: it hashes the prompt on the
+    caller's thread and compares under the core's pool lock, which the engine holds only
+    while the KV pool changes (scheduling, the update after a step, aborts), never while the
+    kernels run. A lookup waits microseconds, not a step (holding the lock around whole
+    steps doubled a priority request's TTFT under load: the lookup missed one step and its
+    submission the next). A published copy of every slot's block hashes would instead cost
+    each step a copy of the whole pool index for a lookup made once per API call."""
 
     core: EngineCore
-    pool_lock: threading.Lock
     device_kind: str
     _snapshot: EngineSnapshot
     _snapshot_s: float
@@ -144,8 +144,7 @@ class EngineReadAPI:
 
     def cached_prefix_tokens(self, token_ids: list[int], tenant: str) -> int:
         """Leading tokens of `token_ids` some KV slot holds for `tenant` now (any thread)."""
-        with self.pool_lock:
-            return self.core.pool.num_cached_prefix_tokens(token_ids, tenant)
+        return self.core.cached_prefix_tokens(token_ids, tenant)
 
     def configure(self, settings: EngineSettings) -> None:
         """Applied on the engine thread before its next step (any thread)."""

@@ -47,8 +47,7 @@ class EngineThread(EngineReadAPI):
         self._warmup = False
         self._warmed = threading.Event()
         self.dead_reason: str | None = None
-        # read API (engine/read_api.py): the snapshot and the lock around pool changes
-        self.pool_lock = threading.Lock()
+        # read API (engine/read_api.py): the snapshot (the pool lock is the core's)
         self.device_kind = device_kind_of(core.executor)
         self._snapshot = build_snapshot(core, self.device_kind)
         self._snapshot_s = time.monotonic()
@@ -102,8 +101,7 @@ class EngineThread(EngineReadAPI):
             if on_output is None:
                 raise TypeError("an added request needs its output callback")
             try:
-                with self.pool_lock:
-                    self.core.add_request(payload)
+                self.core.add_request(payload)
             except (ValueError, OverflowError) as exc:
                 on_output(
                     RequestOutput(
@@ -117,16 +115,14 @@ class EngineThread(EngineReadAPI):
             elif self._first_shaped_arrival_s is None:
                 self._first_shaped_arrival_s = time.monotonic()
         elif kind == "abort":
-            with self.pool_lock:
-                self.core.abort(payload)
+            self.core.abort(payload)
         elif kind == "configure":
             self._apply_settings(payload)
 
     def _run(self) -> None:
         try:
             if self._warmup:
-                with self.pool_lock:
-                    self.core.warmup()
+                self.core.warmup()
             self._publish(force=True)
             self._warmed.set()
             while not self._stopping.is_set():
@@ -136,8 +132,7 @@ class EngineThread(EngineReadAPI):
                         self._publish(force=True)
                     continue
                 self._coalesce()
-                with self.pool_lock:
-                    outputs = self.core.step()
+                outputs = self.core.step()
                 self._publish(force=not self.core.has_work())
                 for output in outputs:
                     callback = self._callbacks.get(output.request_id)
