@@ -36,13 +36,14 @@ def test_priority_drafting_gives_the_plain_text(client):
 def test_prediction_is_used_and_counted(client):
     plain = chat(client, service_tier="flex")
     text = plain.choices[0].message.content
-    edited = text.replace("path", "p4th", 1)  # a prediction that is mostly right
+    edited = text.replace("test", "t3st", 1)  # a prediction that is mostly right
+    assert edited != text, "the plain answer must contain the word the test edits"
     for tier in ("flex", "priority"):
         out = chat(client, service_tier=tier, prediction={"type": "content", "content": edited})
         assert out.choices[0].message.content == text
         details = out.usage.completion_tokens_details
         assert details.accepted_prediction_tokens > 10
-        assert details.rejected_prediction_tokens >= 0
+        assert details.rejected_prediction_tokens > 0  # the edited word's tokens
         assert details.accepted_prediction_tokens <= out.usage.completion_tokens
 
 
