@@ -61,7 +61,7 @@ def start_engine(core: EngineCore, shaper_window_s: float) -> EngineThread:
 
 def shutdown_engine(engine: EngineThread) -> None:
     engine.stop()
-    engine.core.executor.close()
+    engine.core.close()
 
 
 class OutputBuffer:
