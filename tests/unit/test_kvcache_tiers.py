@@ -82,8 +82,11 @@ def test_disk_tier_full_disk_degrades_and_recovers(tmp_path, monkeypatch):
 
 
 def _engine(num_slots=2, **kv) -> EngineCore:
+    """The fake executor recomputes in microseconds: restores are never skipped as slower
+    unless a test asks (they would be, by the measured costs)."""
     executor = FakeExecutor(num_slots=num_slots, max_model_len=512, keep_plans=False)
     config = SchedulerConfig(max_num_seqs=num_slots, max_model_len=512)
+    kv.setdefault("skip_slower_restores", False)
     return EngineCore(executor, config, kv_cache=KVCacheConfig(**kv))
 
 
@@ -126,6 +129,13 @@ def test_host_tier_keeps_more_conversations_warm_than_slots():
     assert stats.num_write_backs > 0 and stats.num_restores > 0
     assert all(c >= 40 for c in cached)  # every later turn reused its history
     assert stats.hit_tokens["host"] > 0
+
+
+def test_a_restore_slower_than_recompute_is_skipped():
+    engine = _engine(num_slots=2, host_bytes=1 << 20, skip_slower_restores=True)
+    engine.kv_cache._restore_bytes_per_s = 1.0  # as if imports crawled
+    _conversations(engine, num_convs=5, num_turns=2)  # outputs still checked per turn
+    assert engine.kv_cache.stats.num_skipped_slower > 0
 
 
 def test_without_tiers_the_same_load_recomputes():
@@ -180,3 +190,35 @@ def test_abort_while_waiting_for_an_l3_read(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outputs, finish = run_all(second, [Request("r", list(history[0]), params)], abort_at={0: "r"})
     assert finish == {"r": "abort"} and not second.has_work()
+
+
+def test_bad_kv_flags_are_clear_errors(tmp_path):
+    from ultrafast.config import EngineConfig
+
+    with pytest.raises(ValueError, match="redis://"):
+        EngineConfig(model="m", kv_store="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="kv_host_cache_gb"):
+        EngineConfig(model="m", kv_host_cache_gb=-1)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="KV disk directory"):
+        _engine(disk_dir=str(blocker / "kv"))
+
+
+def test_metrics_snapshot_names_every_tier(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from ultrafast.server.kv_metrics import KVCacheCollector
+
+    engine = _engine(num_slots=2, host_bytes=1 << 20, disk_dir=str(tmp_path))
+    _conversations(engine, num_convs=4, num_turns=2)
+    snap = engine.kv_cache.snapshot()
+    assert snap.hit_tokens["L2"] > 0 and snap.hit_tokens["L1"] >= 0
+    assert set(snap.evictions) == {"L1", "L2", "L3_disk"} and snap.evictions["L1"] > 0
+    assert snap.bytes_saved > 0 and snap.bytes_restored > 0
+    registry = CollectorRegistry()
+    registry.register(KVCacheCollector(engine.kv_cache.snapshot))
+    text = generate_latest(registry).decode()
+    assert 'ultrafast_kv_tier_hit_tokens_total{tier="L2"}' in text
+    assert "ultrafast_kv_restore_seconds_count" in text
+    engine.close()

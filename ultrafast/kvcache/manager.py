@@ -50,6 +50,7 @@ class KVCacheConfig:
     redis_url: str | None = None  # L3 in Redis (redis://127.0.0.1:PORT)
     redis_ttl_s: int = 86400
     fetch_timeout_s: float = 5.0  # a request waits at most this long for its L3 read
+    skip_slower_restores: bool = True  # False: restore even when recomputing looks faster
 
     @property
     def enabled(self) -> bool:
@@ -63,7 +64,8 @@ class KVCacheStats:
     hit_tokens: Counter = field(default_factory=Counter)  # tier -> prompt tokens restored
     num_restores: int = 0
     num_saves: int = 0  # exports (write-back + write-through)
-    num_write_backs: int = 0
+    num_write_backs: int = 0  # evictions that needed an export (not saved already)
+    num_slot_evictions: int = 0  # cached slots overwritten by another prefix (L1 evictions)
     bytes_saved: int = 0  # exported payload bytes
     bytes_restored: int = 0
     restore_latency_buckets: list[int] = field(
@@ -84,12 +86,46 @@ class KVCacheStats:
         self.restore_latency_buckets[index] += 1
 
 
+REFUSAL_LABELS = ("checksum", "truncated", "fingerprint", "tenant", "version", "executor", "tokens")
+
+
+def refusal_label(reason: str) -> str:
+    """A bounded metrics label for a refusal reason."""
+    for label in REFUSAL_LABELS:
+        if label in reason:
+            return label
+    return "other"
+
+
+@dataclass(frozen=True)
+class KVCacheSnapshot:
+    """Copies of the counters, for a scrape on another thread."""
+
+    hit_tokens: dict[str, int]  # "L1", "L2", "L3_disk", "L3_redis"
+    evictions: dict[str, int]  # same tiers: L1 = cached slots written back
+    bytes_held: dict[str, int]  # "L2", "L3_disk"
+    budget_bytes: dict[str, int]
+    errors: dict[str, int]
+    degraded: dict[str, bool]
+    bytes_saved: int
+    bytes_restored: int
+    restore_latency_buckets: list[int]
+    restore_latency_sum_s: float
+    refusals: dict[str, int]
+    num_skipped_slower: int
+    num_fetch_waits: int
+    num_fetch_timeouts: int
+
+
 def build_tiers(config: KVCacheConfig) -> tuple[HostTier, list[KVTier]]:
     persistent: list[KVTier] = []
     if config.disk_dir:
         from ultrafast.kvcache.disk import DiskTier
 
-        persistent.append(DiskTier(config.disk_dir, config.disk_bytes))
+        try:
+            persistent.append(DiskTier(config.disk_dir, config.disk_bytes))
+        except OSError as exc:  # a clear start-up error, not a traceback
+            raise ValueError(f"KV disk directory {config.disk_dir}: {exc}") from None
     if config.redis_url:
         from ultrafast.kvcache.redis_tier import RedisTier
 
@@ -167,6 +203,7 @@ class KVCacheManager:
     def _write_back(self, slot: Slot) -> None:
         """KVSlotPool.on_evict: the slot's tokens are about to be overwritten."""
         before = self.stats.num_saves
+        self.stats.num_slot_evictions += 1
         self._save(slot)
         self.stats.num_write_backs += self.stats.num_saves - before
 
@@ -221,7 +258,7 @@ class KVCacheManager:
 
     def _refuse(self, reason: str, key: str, tier: Any) -> None:
         log.warning("KV blob %s in %s refused: %s; the turn recomputes", key, tier.name, reason)
-        self.stats.refusals[reason.split(" (")[0].split(":")[0]] += 1
+        self.stats.refusals[refusal_label(reason)] += 1
         tier.delete(key)
 
     def has_held(self) -> bool:
@@ -288,7 +325,8 @@ class KVCacheManager:
         if n <= have:
             return
         restore_s = len(entry.payload) / self._restore_bytes_per_s
-        if per_token_s is not None and restore_s > (n - have) * per_token_s:
+        slower = per_token_s is not None and restore_s > (n - have) * per_token_s
+        if slower and self.config.skip_slower_restores:
             self.stats.num_skipped_slower += 1
             return
         victim = self.pool.restore_target()
@@ -314,6 +352,36 @@ class KVCacheManager:
         entry.origin = "host"
         self.stats.bytes_restored += len(entry.payload)
         self.stats.observe_restore(seconds)
+
+    def snapshot(self) -> KVCacheSnapshot:
+        stats = self.stats
+        restored = sum(stats.hit_tokens.values())
+        hits = {"L1": max(0, self.pool.num_prefix_hit_tokens - restored), "L2": 0}
+        tiers: list[Any] = [self.host, *self.persistent]
+        names = {"host": "L2", "disk": "L3_disk", "redis": "L3_redis"}
+        for tier in self.persistent:
+            hits[names[tier.name]] = 0
+        for origin, n in list(stats.hit_tokens.items()):
+            hits[names.get(origin, "L2")] += n
+        return KVCacheSnapshot(
+            hit_tokens=hits,
+            evictions={"L1": stats.num_slot_evictions}
+            | {names[t.name]: t.stats.num_evictions for t in tiers},
+            bytes_held={names[t.name]: t.stats.bytes_held for t in tiers if t.name != "redis"},
+            budget_bytes={
+                names[t.name]: t.budget_bytes for t in tiers if hasattr(t, "budget_bytes")
+            },
+            errors={names[t.name]: t.stats.num_errors for t in tiers},
+            degraded={names[t.name]: t.stats.degraded for t in tiers},
+            bytes_saved=stats.bytes_saved,
+            bytes_restored=stats.bytes_restored,
+            restore_latency_buckets=list(stats.restore_latency_buckets),
+            restore_latency_sum_s=stats.restore_latency_sum_s,
+            refusals=dict(stats.refusals),
+            num_skipped_slower=stats.num_skipped_slower,
+            num_fetch_waits=stats.num_fetch_waits,
+            num_fetch_timeouts=stats.num_fetch_timeouts,
+        )
 
     # ---- shutdown ------------------------------------------------------------------------
 
