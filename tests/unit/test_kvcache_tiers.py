@@ -222,3 +222,13 @@ def test_metrics_snapshot_names_every_tier(tmp_path):
     assert 'ultrafast_kv_tier_hit_tokens_total{tier="L2"}' in text
     assert "ultrafast_kv_restore_seconds_count" in text
     engine.close()
+
+
+def test_disk_tier_whose_directory_is_replaced_by_a_file(tmp_path):
+    disk = DiskTier(tmp_path / "kv", budget_bytes=1 << 20)
+    assert disk.put("b" * 32, b"data")
+    (tmp_path / "kv").rename(tmp_path / "gone")
+    (tmp_path / "kv").write_text("not a directory")
+    assert not disk.put("c" * 32, b"more")  # refused, counted, never raised
+    assert disk.get("b" * 32) is None
+    assert disk.stats.degraded and disk.stats.num_errors >= 1

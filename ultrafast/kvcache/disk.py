@@ -19,6 +19,14 @@ _SUFFIX = ".kv"
 _KEY = re.compile(r"^[0-9a-f-]{16,200}$")  # keys are hex digests: no path tricks
 
 
+def _remove(path: Path) -> None:
+    """Unlink, whatever state the directory is in (gone, replaced, read-only)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 class DiskTier:
     name = "disk"
 
@@ -36,7 +44,7 @@ class DiskTier:
         entries = []
         for path in self.directory.iterdir():
             if path.name.endswith(".tmp"):
-                path.unlink(missing_ok=True)  # a write that a crash cut short
+                _remove(path)  # a write that a crash cut short
             elif path.suffix == _SUFFIX and _KEY.match(path.stem):
                 st = path.stat()
                 entries.append((st.st_mtime_ns, path.stem, st.st_size))
@@ -91,7 +99,7 @@ class DiskTier:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except OSError as exc:  # full disk, read-only directory, quota
-            tmp.unlink(missing_ok=True)
+            _remove(tmp)
             self._failures.failed("write", exc)
             return False
         self._failures.ok()
@@ -108,7 +116,7 @@ class DiskTier:
             if size is not None:
                 self.stats.bytes_held -= size
         if size is not None:
-            self._path(key).unlink(missing_ok=True)
+            _remove(self._path(key))
 
     def _evict_to(self, limit: int, keep: str | None = None) -> None:
         """Drop least recently used files until the held bytes fit `limit` (lock held)."""
@@ -119,4 +127,4 @@ class DiskTier:
                 continue
             self.stats.bytes_held -= self._index.pop(key)
             self.stats.num_evictions += 1
-            self._path(key).unlink(missing_ok=True)
+            _remove(self._path(key))

@@ -194,6 +194,8 @@ class KVCacheManager:
     def _write_done(self, future: concurrent.futures.Future) -> None:
         with self._writes_lock:
             self._writes.discard(future)
+        if not future.cancelled() and future.exception() is not None:
+            log.error("KV write failed unexpectedly", exc_info=future.exception())
 
     def _write_l3(self, key: str, tenant: str, entry: HostEntry) -> None:
         framed = blob.pack(self.fingerprint, tenant, entry.token_ids, entry.payload)
