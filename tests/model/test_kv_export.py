@@ -108,3 +108,20 @@ def test_torch_executor_export_import(tiny_llama_dir):
         fresh.import_slot(1, payload[:-8], len(tokens))
     with pytest.raises(ValueError):
         fresh.import_slot(1, payload, len(tokens) + 1)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("kv_dtype,flash", [("f16", False), ("q8_0", True)])
+def test_smollm2_export_import_is_bit_identical(kv_dtype, flash):
+    from tests.model.gguf_files import require_smollm2
+
+    path = require_smollm2()
+    kw = dict(n_threads=1, kv_cache_dtype=kv_dtype, flash_attn=flash)
+    with GgmlExecutor(path, 2, 128, **kw) as ex, GgmlExecutor(path, 3, 256, **kw) as fresh:
+        tokens = PROMPT[:40]
+        _logits(ex, 0, tokens, 0)
+        payload = ex.export_slot(0, len(tokens))
+        reference = _logits(ex, 0, [42], len(tokens))
+        assert fresh.kv_fingerprint() == ex.kv_fingerprint()
+        fresh.import_slot(2, payload, len(tokens))
+        assert np.array_equal(_logits(fresh, 2, [42], len(tokens)), reference)
