@@ -264,7 +264,7 @@ class LLM:
                     self.engine.step()
 
     def close(self) -> None:
-        self.engine.executor.close()
+        self.engine.close()  # the tiered KV cache's pending writes, then the executor
         if self.engine.speculator is not None:
             self.engine.speculator.close()
 
