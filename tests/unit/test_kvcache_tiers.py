@@ -131,6 +131,15 @@ def test_host_tier_keeps_more_conversations_warm_than_slots():
     assert stats.hit_tokens["host"] > 0
 
 
+def test_admission_estimate_counts_a_prefix_in_host_memory():
+    engine = _engine(num_slots=1, host_bytes=1 << 20)
+    history, _ = _conversations(engine, num_convs=2, num_turns=1)
+    # conversation 0's slot went to conversation 1: its KV is in L2 only now
+    assert engine.pool.num_cached_prefix_tokens(history[0], "") == 0
+    assert engine.cached_prefix_tokens(history[0], "") >= 32
+    assert engine.cached_prefix_tokens(history[0], "other-tenant") == 0
+
+
 def test_a_restore_slower_than_recompute_is_skipped():
     engine = _engine(num_slots=2, host_bytes=1 << 20, skip_slower_restores=True)
     engine.kv_cache._restore_bytes_per_s = 1.0  # as if imports crawled

@@ -156,7 +156,10 @@ class EngineCore:
         thread: the prompt is hashed here, the slots are compared under the pool lock."""
         wanted = self.pool.prefix_hashes(token_ids, tenant)
         with self.pool_lock:
-            return self.pool.num_cached_prefix_tokens(token_ids, tenant, wanted)
+            in_slots = self.pool.num_cached_prefix_tokens(token_ids, tenant, wanted)
+        if self.kv_cache is not None:  # a prefix in host memory is restored before its prefill
+            return max(in_slots, self.kv_cache.host_prefix_tokens(wanted))
+        return in_slots
 
     def occupancy(self) -> EngineOccupancy:
         sched, pool = self.scheduler, self.pool

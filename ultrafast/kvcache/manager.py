@@ -165,6 +165,11 @@ class KVCacheManager:
                 return n
         return 0
 
+    def host_prefix_tokens(self, wanted: list[bytes]) -> int:
+        """Tokens (block-aligned) of the longest prefix L2 holds: admission's estimate (any
+        thread; the entry may still be evicted or refused before the restore)."""
+        return self._host_best(wanted, 0) * self.pool.block_size
+
     # ---- saving (engine thread) ------------------------------------------------------------
 
     def _save(self, slot: Slot) -> None:
