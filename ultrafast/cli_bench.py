@@ -236,7 +236,31 @@ def _add_sessions(suites: Any) -> None:
         default=16,
         help="answer size in the exactly-once run (default 16)",
     )
+    _add_oversubscribed(p)
     _add_out(p, "runs/bench_sessions.json")
+
+
+def _add_oversubscribed(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--oversubscribed",
+        action="store_true",
+        help="instead: more conversations than slots, round-robin, with and without the "
+        "tiered KV cache (next-turn vs warm-slot TTFT, after kill -9 + restart, turns/s)",
+    )
+    p.add_argument("--oversub-conversations", type=int, default=12, help="(default 12)")
+    p.add_argument("--oversub-turns", type=int, default=6, help="(default 6)")
+    p.add_argument(
+        "--throughput-conversations",
+        type=int,
+        default=16,
+        help="conversations at once for turns/s (default 16)",
+    )
+    p.add_argument(
+        "--kv-host-cache-gb",
+        type=float,
+        default=1.0,
+        help="the tiered server's L2 budget (its L3 is a temporary directory)",
+    )
 
 
 def _add_guard(suites: Any) -> None:

@@ -348,6 +348,43 @@ def _add_guard_args(srv: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_kv_cache_args(srv: argparse.ArgumentParser) -> None:
+    srv.add_argument(
+        "--kv-host-cache-gb",
+        type=float,
+        default=EngineConfig.kv_host_cache_gb,
+        help="host memory for conversations' KV evicted from the slots (L2, a hard limit; "
+        "0 = none): a conversation's next turn restores it instead of recomputing",
+    )
+    srv.add_argument(
+        "--kv-disk-dir",
+        default=None,
+        help="directory for conversations' KV (L3): written after each turn, so a restart "
+        "(even kill -9) keeps conversations warm",
+    )
+    srv.add_argument(
+        "--kv-disk-gb",
+        type=float,
+        default=EngineConfig.kv_disk_gb,
+        help="hard limit of --kv-disk-dir (least recently used out)",
+    )
+    srv.add_argument(
+        "--kv-store",
+        default=None,
+        metavar="redis://HOST:PORT",
+        help="Redis for conversations' KV (L3), shared by every server of the same model",
+    )
+
+
+def kv_cache_options(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        kv_host_cache_gb=args.kv_host_cache_gb,
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_gb=args.kv_disk_gb,
+        kv_store=args.kv_store,
+    )
+
+
 def add_serve_parser(sub: Any) -> None:
     srv = sub.add_parser("serve", help="start the OpenAI-compatible server")
     srv.add_argument(
@@ -367,6 +404,7 @@ def add_serve_parser(sub: Any) -> None:
     _add_access_args(srv)
     _add_guard_args(srv)
     add_engine_args(srv)
+    _add_kv_cache_args(srv)
     srv.set_defaults(func=cmd_serve)
 
 
@@ -422,5 +460,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model, served_name = chosen_model(args.model_path or args.model)
     if args.served_model_name is None:
         args.served_model_name = served_name
-    engine = EngineConfig(model=model, **engine_options(args))
+    engine = EngineConfig(model=model, **engine_options(args), **kv_cache_options(args))
     return serve(engine, server_config(args))

@@ -105,8 +105,17 @@ class EngineConfig:
     spec_tiers: tuple[str, ...] = ("priority",)  # tiers that draft (flex never by default)
     draft_model: str | None = None  # HF dir or .gguf; None = the bundled demo draft if it fits
     max_draft_tokens: int = MAX_DRAFT_TOKENS
+    # the tiered KV cache under the slots (kvcache/): L2 host memory, L3 disk and/or Redis
+    kv_host_cache_gb: float = 0.0  # 0 = none (a small staging area when an L3 tier is set)
+    kv_disk_dir: str | None = None
+    kv_disk_gb: float = 10.0  # hard limit of the disk tier
+    kv_store: str | None = None  # redis://host:port[/db]: conversations' KV shared by replicas
 
     def __post_init__(self) -> None:
+        if self.kv_host_cache_gb < 0 or self.kv_disk_gb <= 0:
+            raise ValueError("kv_host_cache_gb must be >= 0 and kv_disk_gb > 0")
+        if self.kv_store and not self.kv_store.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("kv_store must be a redis://, rediss:// or unix:// URL")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}")
         if self.spec not in SPEC_METHODS:

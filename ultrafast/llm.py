@@ -18,6 +18,7 @@ from ultrafast.core.types import TokenLogprobs
 from ultrafast.engine.core import EngineCore
 from ultrafast.engine.draft_model import DraftModelProposer
 from ultrafast.engine.speculation import SpecConfig, Speculator
+from ultrafast.kvcache.manager import KVCacheConfig
 from ultrafast.model.kv_budget import check_kv_fits
 from ultrafast.model_files import (
     ModelFiles,
@@ -115,8 +116,23 @@ def build_engine(
         max_model_len=config.max_model_len,
         max_waiting=config.max_waiting,
     )
-    core = EngineCore(executor, scheduler_config, priority_itl_target_s, speculator=speculator)
+    core = EngineCore(
+        executor,
+        scheduler_config,
+        priority_itl_target_s,
+        speculator=speculator,
+        kv_cache=kv_cache_config(config),
+    )
     return core, tokenizer, files
+
+
+def kv_cache_config(config: EngineConfig) -> KVCacheConfig:
+    return KVCacheConfig(
+        host_bytes=int(config.kv_host_cache_gb * (1 << 30)),
+        disk_dir=config.kv_disk_dir,
+        disk_bytes=int(config.kv_disk_gb * (1 << 30)),
+        redis_url=config.kv_store,
+    )
 
 
 def _draft_files(config: EngineConfig, files: ModelFiles) -> ModelFiles | None:
@@ -248,7 +264,7 @@ class LLM:
                     self.engine.step()
 
     def close(self) -> None:
-        self.engine.executor.close()
+        self.engine.close()  # the tiered KV cache's pending writes, then the executor
         if self.engine.speculator is not None:
             self.engine.speculator.close()
 

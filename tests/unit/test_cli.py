@@ -142,6 +142,8 @@ DOCUMENTED_BENCH_COMMANDS = [
     ("sessions --sessions 32", "sessions"),
     ("sessions --model M --sessions 0 --rounds 2", "sessions"),
     ("sessions --executor torch --model M --sessions 0 --rounds 1", "sessions"),
+    ("sessions --oversubscribed", "sessions"),
+    ("sessions --oversubscribed --oversub-conversations 12 --oversub-turns 6", "sessions"),
     ("guard", "guard"),
     ("gpu --out runs/bench_gpu.json", "gpu"),
 ]

@@ -16,7 +16,8 @@ sys.meta_path.insert(0, Block())
 import ultrafast.engine.thread, ultrafast.engine.core, ultrafast.engine.speculation
 import ultrafast.engine.step_costs, ultrafast.executors.fake_exec
 import ultrafast.request, ultrafast.core.types, ultrafast.core.kv_pool, ultrafast.core.scheduler
-import ultrafast.engine.read_api
+import ultrafast.engine.read_api, ultrafast.kvcache.manager, ultrafast.kvcache.disk
+import ultrafast.kvcache.redis_tier
 import ultrafast.server.sessions.store, ultrafast.server.sessions.sqlite
 import ultrafast.server.sessions.redis, ultrafast.server.sessions.backends
 assert 'torch' not in sys.modules

@@ -326,12 +326,28 @@ def _median(runs: list[list[float]], k: int) -> float:
     return statistics.median(r[k] for r in runs)
 
 
+def _oversub_server_args(args) -> tuple[str, ...]:
+    return (
+        "--priority-ttft-ms",
+        "60000",
+        *(["--executor", args.executor] if args.executor != "auto" else []),
+        "--default-queue",
+        str(max(64, 2 * args.throughput_conversations)),
+        *(["--threads", str(args.threads)] if args.threads else []),
+        *(["--batch-threads", str(args.batch_threads)] if args.batch_threads else []),
+    )
+
+
 def main(args) -> int:
     from ultrafast.bench.redis_server import RedisServer
     from ultrafast.bench.server_process import DEMO_MODEL_DIR, ServerProcess
     from ultrafast.cli_serve import serve_default_threads
     from ultrafast.model_files import gguf_for, resolve_model
 
+    if getattr(args, "oversubscribed", False):  # more conversations than slots (issue 20)
+        from ultrafast.bench import sessions_oversub
+
+        return sessions_oversub.main(args, _oversub_server_args(args))
     redis = RedisServer()
     torch_executor = args.executor == "torch"
     server_args = (

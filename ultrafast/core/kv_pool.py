@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ultrafast.core.types import KVCopy
@@ -73,6 +74,9 @@ class KVSlotPool:
         self.num_prefix_queries = 0  # requests looked up
         self.num_prefix_hit_tokens = 0  # prompt tokens served from cache
         self.num_prefix_query_tokens = 0  # tokens looked up (the hit rate's denominator)
+        # the tiered KV cache (kvcache/manager.py) saves a cached slot here before its tokens
+        # are overwritten (write-back); called while its KV is still intact
+        self.on_evict: Callable[[Slot], None] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -100,6 +104,7 @@ class KVSlotPool:
             slot = self._pick_victim()
             if slot is None:
                 return None
+            self._evicting(slot)
             slot.owner, slot.hashes, slot.token_ids = request_id, [], token_ids
             slot.num_computed, slot.tenant = 0, tenant
             return SlotAllocation(slot.slot_id, 0, None)
@@ -125,10 +130,14 @@ class KVSlotPool:
             if victim is not None and victim.num_computed < num_lost:
                 copy = KVCopy(slot.slot_id, victim.slot_id, num_matched)
                 slot = victim
+                self._evicting(victim)
+            elif num_lost >= self.block_size:
+                self._evicting(slot)
         else:
             slot = best_idle or self._pick_victim()
             if slot is None:
                 return None
+            self._evicting(slot)
             num_blocks = best_busy_len
             if best_busy is not None and num_blocks:
                 copy = KVCopy(best_busy.slot_id, slot.slot_id, num_blocks * self.block_size)
@@ -187,6 +196,32 @@ class KVSlotPool:
         if not idle:
             return None
         return min(idle, key=lambda s: (bool(s.hashes), s.last_used))
+
+    def _evicting(self, slot: Slot) -> None:
+        if self.on_evict is not None and slot.owner is None and slot.hashes:
+            self.on_evict(slot)
+
+    @property
+    def clock(self) -> int:
+        """Advances at every release: a slot with `last_used` above a reading was released
+        since (the tiered KV cache's write-through)."""
+        return self._clock
+
+    def restore_target(self) -> Slot | None:
+        """An idle slot to import a saved prefix into (its own tokens are written back)."""
+        slot = self._pick_victim()
+        if slot is not None:
+            self._evicting(slot)
+        return slot
+
+    def install(self, slot_id: int, token_ids: list[int], tenant: str, hashes: list[bytes]) -> None:
+        """An idle slot now holds the KV of `token_ids` (restored from a lower tier), or
+        nothing (a failed import); it counts as the most recently used cached prefix."""
+        slot = self.slots[slot_id]
+        slot.hashes, slot.token_ids, slot.num_computed = hashes, token_ids, len(token_ids)
+        slot.tenant = tenant
+        self._clock += 1
+        slot.last_used = self._clock
 
     def commit(self, slot_id: int, token_ids: list[int], num_computed: int, tenant: str) -> None:
         """Record that the first `num_computed` tokens' KV now lives in the slot."""

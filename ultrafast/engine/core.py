@@ -18,6 +18,7 @@ from ultrafast.engine.idle_speed import IdleSpeed, measure_idle_speed
 from ultrafast.engine.speculation import SpecStats, Speculator
 from ultrafast.engine.step_costs import StepCostModel
 from ultrafast.executors.base import Executor
+from ultrafast.kvcache.manager import KVCacheConfig, KVCacheManager
 from ultrafast.request import Request, SamplingParams, ServiceTier
 
 log = logging.getLogger(__name__)
@@ -64,9 +65,11 @@ class EngineCore:
         config: SchedulerConfig,
         priority_itl_target_s: float | None = None,
         speculator: Speculator | None = None,
+        kv_cache: KVCacheConfig | None = None,
     ):
         """priority_itl_target_s: None = no cap on steps carrying priority work, 0 = auto.
         speculator: None for plain decoding (client predictions are then ignored).
+        kv_cache: the tiered KV cache (host memory, disk, Redis) under the slots, if enabled.
         """
         if config.max_num_seqs > executor.num_slots:
             raise ValueError("max_num_seqs cannot exceed the executor's KV slots")
@@ -90,6 +93,9 @@ class EngineCore:
         self.priority_token_budget: int | None = None
         self.speculator = speculator
         self.idle_speed: IdleSpeed | None = None  # timed by warmup(measure_speed=True)
+        self.kv_cache: KVCacheManager | None = None
+        if kv_cache is not None and kv_cache.enabled:
+            self.kv_cache = KVCacheManager(kv_cache, executor, self.pool)
 
     @property
     def spec_stats(self) -> SpecStats | None:
@@ -100,6 +106,15 @@ class EngineCore:
         """Run a short prefill and decode before serving: the first pass of a fresh executor
         allocates its compute graph and would otherwise land on the first client's TTFT.
         Then, with `measure_speed`, time a typical prompt on the warm engine (`idle_speed`)."""
+        # warm-up's made-up prompts are not conversations: the tiered KV cache stays out of it
+        kv_cache, self.kv_cache = self.kv_cache, None
+        on_evict, self.pool.on_evict = self.pool.on_evict, None
+        try:
+            self._warmup(num_prompt_tokens, measure_speed)
+        finally:
+            self.kv_cache, self.pool.on_evict = kv_cache, on_evict
+
+    def _warmup(self, num_prompt_tokens: int, measure_speed: bool) -> None:
         prompt = [i % self.executor.vocab_size for i in range(1, num_prompt_tokens + 1)]
         self.add_request(
             Request(
@@ -128,6 +143,9 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.admit(request)
         self.scheduler.add_request(request)
+        if self.kv_cache is not None:  # its KV may be on disk or in Redis: read it first
+            with self.pool_lock:
+                self.kv_cache.hold_for_fetch(request, self.scheduler)
 
     def abort(self, request_id: str) -> None:
         with self.pool_lock:
@@ -138,7 +156,10 @@ class EngineCore:
         thread: the prompt is hashed here, the slots are compared under the pool lock."""
         wanted = self.pool.prefix_hashes(token_ids, tenant)
         with self.pool_lock:
-            return self.pool.num_cached_prefix_tokens(token_ids, tenant, wanted)
+            in_slots = self.pool.num_cached_prefix_tokens(token_ids, tenant, wanted)
+        if self.kv_cache is not None:  # a prefix in host memory is restored before its prefill
+            return max(in_slots, self.kv_cache.host_prefix_tokens(wanted))
+        return in_slots
 
     def occupancy(self) -> EngineOccupancy:
         sched, pool = self.scheduler, self.pool
@@ -161,8 +182,14 @@ class EngineCore:
             num_preemptions=sched.num_preemptions,
         )
 
+    def close(self) -> None:
+        """Finish the tiered KV cache's queued writes, then free the executor."""
+        if self.kv_cache is not None:
+            self.kv_cache.close()
+        self.executor.close()
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.kv_cache is not None and self.kv_cache.has_held())
 
     def _propose(self, speculator: Speculator) -> dict[str, Draft]:
         try:  # k is sized by the measured step cost
@@ -186,6 +213,9 @@ class EngineCore:
             drafts = self._propose(self.speculator)
         t0 = time.perf_counter()
         with self.pool_lock:  # the KV pool changes only under it: see cached_prefix_tokens
+            if self.kv_cache is not None:
+                self.kv_cache.release_held(self.scheduler)
+                self.kv_cache.restore_waiting(self.scheduler, self.costs.per_token_s)
             plan = self.scheduler.schedule(drafts, self.priority_token_budget)
         t1 = time.perf_counter()
         if plan.seqs:
@@ -199,7 +229,10 @@ class EngineCore:
             result = StepResult()
         t2 = time.perf_counter()
         with self.pool_lock:
+            clock = self.pool.clock
             outcome = self.scheduler.update(plan, result)
+            if self.kv_cache is not None:  # write-through of the slots released now
+                self.kv_cache.after_update(clock)
         outputs = outcome.outputs
         if self.speculator is not None:
             self.speculator.observe(

@@ -27,3 +27,24 @@ class Executor(Protocol):
     def close(self) -> None:
         """Free native resources (llama.cpp context, CUDA memory)."""
         ...
+
+
+class KVTransfer(Protocol):
+    """Optional (kvcache/): one slot's KV out to bytes and back, for the tiered KV cache.
+
+    A payload is opaque outside its executor and only valid under the same `kv_fingerprint()`
+    (kvcache/blob.py checks that before `import_slot` is called). Called from the engine
+    thread between steps only."""
+
+    def kv_fingerprint(self) -> str:
+        """Digest of everything a payload depends on: weights, KV dtype, layout, executor."""
+        ...
+
+    def export_slot(self, slot_id: int, num_tokens: int) -> bytes:
+        """The slot's KV covering at least positions [0, num_tokens)."""
+        ...
+
+    def import_slot(self, slot_id: int, payload: bytes, num_tokens: int) -> None:
+        """The slot holds exactly positions [0, num_tokens) of the payload afterwards, or
+        ValueError is raised and the slot is left empty."""
+        ...

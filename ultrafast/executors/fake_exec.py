@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import re
+import struct
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from ultrafast.core.types import StepPlan, StepResult
 from ultrafast.executors.fake_scoring import score_prompt
+from ultrafast.kvcache.fingerprint import kv_fingerprint
 
 # Ids that no real prompt text tokenizes to in this order; only token-id prompts carry them.
 FAULT_MARKER = (3, 1, 4, 1, 5)
@@ -173,6 +175,24 @@ class FakeExecutor:
             time.sleep(max(0.0, self.step_s - (time.perf_counter() - started)))
         result.execute_time_s = time.perf_counter() - started
         return result
+
+    # KV export/import (kvcache/): the "KV" is the slot's token list, so a wrong import shows
+    # up as wrong output tokens
+    def kv_fingerprint(self) -> str:
+        outputs = hashlib.sha256(str(list(self.output_ids)).encode()).hexdigest()
+        return kv_fingerprint(executor="fake", vocab_size=self.vocab_size, outputs=outputs)
+
+    def export_slot(self, slot_id: int, num_tokens: int) -> bytes:
+        held = self.slots[slot_id]
+        if not 0 < num_tokens <= len(held):
+            raise ValueError(f"slot {slot_id} holds {len(held)} positions")
+        return struct.pack(f"<{len(held)}i", *held)
+
+    def import_slot(self, slot_id: int, payload: bytes, num_tokens: int) -> None:
+        self.slots[slot_id] = []
+        if len(payload) % 4 or len(payload) // 4 < num_tokens:
+            raise ValueError("KV payload is truncated")
+        self.slots[slot_id] = list(struct.unpack(f"<{len(payload) // 4}i", payload))[:num_tokens]
 
     def close(self) -> None:
         pass

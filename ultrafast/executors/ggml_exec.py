@@ -27,8 +27,10 @@ import llama_cpp
 import numpy as np
 
 from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
+from ultrafast.executors import ggml_state
 from ultrafast.executors.llama_cpp_params import model_params as llama_model_params
 from ultrafast.executors.prompt_scoring import scoring_problem, split_prompt_rows
+from ultrafast.kvcache.fingerprint import file_sha256, kv_fingerprint
 from ultrafast.model.config import ModelLoadError
 from ultrafast.sampling.sampler import sample_plan
 
@@ -153,6 +155,8 @@ class GgmlExecutor:
         self.num_slots = num_slots
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.gguf_path = Path(gguf_path)
+        self.kv_cache_dtype, self.flash_attn = kv_cache_dtype, flash_attn
         self.n_threads = n_threads or physical_cores()
         self.n_threads_batch = n_threads_batch or self.n_threads
         self._log = _init_native(verbose)
@@ -369,6 +373,42 @@ class GgmlExecutor:
             )
             self._logits_address = address
         return self._logits if num_rows == self._logits.shape[0] else self._logits[:num_rows]
+
+    # ---- KV export/import (kvcache/): one slot's state through llama.cpp's sequence API ----
+
+    def kv_fingerprint(self) -> str:
+        return kv_fingerprint(
+            executor="ggml",
+            model_sha256=file_sha256(self.gguf_path),
+            kv_dtype=self.kv_cache_dtype,
+            flash_attn=self.flash_attn,
+            llama_cpp=llama_cpp.__version__,
+        )
+
+    def export_slot(self, slot_id: int, num_tokens: int) -> bytes:
+        """The slot's KV (at least [0, num_tokens)) as a payload that fits any slot of any
+        slot count."""
+        if not 0 < num_tokens <= self._slot_lens[slot_id]:
+            raise ValueError(f"slot {slot_id} holds {self._slot_lens[slot_id]} positions")
+        return ggml_state.export_slot(self._ctx, slot_id, self.num_slots)
+
+    def import_slot(self, slot_id: int, payload: bytes, num_tokens: int) -> None:
+        """Replace the slot's KV with a payload's first `num_tokens` positions, or raise
+        ValueError and leave the slot empty (the request then recomputes)."""
+        memory = self._memory
+        llama_cpp.llama_memory_seq_rm(memory, slot_id, -1, -1)
+        self._slot_lens[slot_id] = 0
+        try:
+            ggml_state.import_slot(self._ctx, slot_id, self.num_slots, payload)
+        except ValueError as exc:
+            llama_cpp.llama_memory_seq_rm(memory, slot_id, -1, -1)
+            raise ValueError(f"{exc}: {self._log.take_errors() or 'no native reason'}") from None
+        held = llama_cpp.llama_memory_seq_pos_max(memory, slot_id) + 1
+        if held < num_tokens or llama_cpp.llama_memory_seq_pos_min(memory, slot_id) > 0:
+            llama_cpp.llama_memory_seq_rm(memory, slot_id, -1, -1)
+            raise ValueError(f"KV payload holds {held} positions, {num_tokens} were expected")
+        llama_cpp.llama_memory_seq_rm(memory, slot_id, num_tokens, -1)
+        self._slot_lens[slot_id] = num_tokens
 
     def close(self) -> None:
         """Free the context, then the model. Safe to call more than once."""

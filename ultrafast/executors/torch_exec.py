@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 
 from ultrafast.core.types import KVCopy, ScheduledSeq, StepPlan, StepResult
+from ultrafast.executors import torch_state
 from ultrafast.executors.prompt_scoring import scoring_problem, split_prompt_rows, wants_prompt_rows
 from ultrafast.executors.torch_compiled import CompiledDecode, argmax_on_device, resolve_mode
+from ultrafast.kvcache.fingerprint import kv_fingerprint
 from ultrafast.model.attention import SeqSpan, SlotKVCache
 from ultrafast.model.llama import LlamaForCausalLM
 from ultrafast.model.loader import load_model, resolve_dtype
@@ -58,6 +60,8 @@ class TorchExecutor:
             self.model, _ = load_model(model, dtype=dtype, device=self.device)
         config = self.model.config
         self.config = config
+        self._model_source = model
+        self._fingerprint: str | None = None
         self.num_slots = num_slots
         self.max_model_len = max_model_len
         self.vocab_size = config.vocab_size
@@ -204,6 +208,24 @@ class TorchExecutor:
         except Exception as exc:  # noqa: BLE001 - inductor/CUDA-graph errors have many types
             self.decode.disable(f"{type(exc).__name__}: {exc}")
             return None
+
+    # ---- KV export/import (kvcache/): slice copies of one slot ----
+
+    def kv_fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = kv_fingerprint(
+                executor="torch",
+                model_sha256=torch_state.weights_identity(self._model_source),
+                kv_dtype=str(self.kv.k[0].dtype),
+                architecture=type(self.model).__name__,
+            )
+        return self._fingerprint
+
+    def export_slot(self, slot_id: int, num_tokens: int) -> bytes:
+        return torch_state.export_slot(self.kv, slot_id, num_tokens)
+
+    def import_slot(self, slot_id: int, payload: bytes, num_tokens: int) -> None:
+        torch_state.import_slot(self.kv, slot_id, payload, num_tokens)
 
     def close(self) -> None:
         """Drop the KV and the weights; on CUDA hand the memory back to the driver."""

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ultrafast.loadtest import scenarios_client as c
 from ultrafast.loadtest import scenarios_fault as f
+from ultrafast.loadtest import scenarios_kv as kv
 from ultrafast.loadtest import scenarios_load as s
 from ultrafast.loadtest import scenarios_redis as rd
 from ultrafast.loadtest import scenarios_state as st
@@ -93,6 +94,11 @@ SCENARIOS = [
     Scenario("F14", "SSE ping while waiting > 15 s", f.f14_ping),
     Scenario("F15", "near-cap and over-cap prompts in parallel", f.f15_huge_prompts, in_ci=True),
     Scenario("F16", "retry with the same Idempotency-Key", st.f16_idempotent_retry, in_ci=True),
+    Scenario(
+        "F30", "corrupt, truncated, foreign KV blobs on disk and in Redis", kv.f30_damaged_blobs
+    ),
+    Scenario("F31", "the KV disk tier full (budget), then gone", kv.f31_disk_full),
+    Scenario("F32", "Redis restarts while KV is saving", kv.f32_redis_restart),
 ]
 BY_NAME = {sc.name: sc for sc in SCENARIOS}
 # Run order: scenarios that share a server spec run back to back (one server start each group;
@@ -123,6 +129,9 @@ RUN_ORDER = [
     "F7",
     "L6",
     "L5",
+    "F30",
+    "F31",
+    "F32",
     "F4",
     "F5",
     "F5b",

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 from dataclasses import replace
 
 from ultrafast.core.types import RequestOutput, TokenLogprobs
 from ultrafast.engine.core import EngineCore
 from ultrafast.engine.read_api import EngineSettings, EngineSnapshot, StepCostSnapshot
 from ultrafast.engine.thread import EngineThread
+from ultrafast.kvcache.manager import KVCacheSnapshot
 from ultrafast.request import Request
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "StepCostSnapshot",
     "TokenLogprobs",
     "merge_outputs",
+    "kv_cache_reader",
     "shutdown_engine",
     "start_engine",
 ]
@@ -59,9 +62,15 @@ def start_engine(core: EngineCore, shaper_window_s: float) -> EngineThread:
     return EngineThread(core, shaper_window_s=shaper_window_s).start(warmup=True)
 
 
+def kv_cache_reader(engine: EngineThread) -> Callable[[], KVCacheSnapshot | None] | None:
+    """The tiered KV cache's counters (for server/kv_metrics.py), or None when it is off."""
+    kv_cache = engine.core.kv_cache
+    return None if kv_cache is None else kv_cache.snapshot
+
+
 def shutdown_engine(engine: EngineThread) -> None:
     engine.stop()
-    engine.core.executor.close()
+    engine.core.close()
 
 
 class OutputBuffer:

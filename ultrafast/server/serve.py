@@ -27,7 +27,12 @@ from ultrafast.llm import build_engine
 from ultrafast.server.admission import Admission
 from ultrafast.server.app import build_app
 from ultrafast.server.auth import RedactingFilter
-from ultrafast.server.bridge import EngineSettings, shutdown_engine, start_engine
+from ultrafast.server.bridge import (
+    EngineSettings,
+    kv_cache_reader,
+    shutdown_engine,
+    start_engine,
+)
 from ultrafast.server.guard import (
     AllGuards,
     ClassifierGuard,
@@ -37,6 +42,7 @@ from ultrafast.server.guard import (
     load_score_function,
 )
 from ultrafast.server.http_timeouts import protocol_class
+from ultrafast.server.kv_metrics import KVCacheCollector
 from ultrafast.server.metrics import ServerMetrics
 from ultrafast.server.protocol import Limits
 from ultrafast.server.sessions.backends import open_store
@@ -204,6 +210,9 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
     # queues, slots, cache and speculation counters: the engine's published snapshot
     metrics.set_spec_source(engine.snapshot)
     metrics.set_occupancy_source(engine.snapshot)
+    kv_cache_stats = kv_cache_reader(engine)
+    if kv_cache_stats is not None:  # the tiered KV cache's series (kvcache/)
+        metrics.registry.register(KVCacheCollector(kv_cache_stats))
     engine.on_stats = metrics.on_step
     limits = Limits(
         vocab_size=tokenizer.vocab_size,

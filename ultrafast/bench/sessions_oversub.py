@@ -1,0 +1,187 @@
+"""`ultrafast bench sessions --oversubscribed`: more live conversations than KV slots.
+
+Conversations take turns round-robin, so without the tiered KV cache each next turn finds its
+slot taken by another conversation and recomputes its whole history. Measured per server
+configuration (no tiers; L2 host memory + L3 disk):
+- the warm-slot TTFT: as many conversations as slots, so every next turn finds its slot
+- the next-turn TTFT of `--oversub-conversations` conversations round-robin over the slots
+- the same after `kill -9` and a restart on the same disk tier halfway through (tiers only)
+- turns/s of `--throughput-conversations` conversations at once on the same slots
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from ultrafast.bench.report import write_report
+from ultrafast.bench.sessions import _stream_chat, user_text
+
+
+class Conversation:
+    def __init__(self, base_url: str, salt: int, turn_tokens: int, turns: int):
+        self.texts = [user_text(base_url, turn_tokens, salt * 1000 + k) for k in range(turns)]
+        self.history: list[dict] = []
+        self.turn = 0
+
+    def next_turn(self, client: httpx.Client, reply_tokens: int, tier: str) -> float:
+        """Sends the next user turn with the whole history; returns its TTFT in seconds."""
+        new = {"role": "user", "content": self.texts[self.turn]}
+        body = {
+            "messages": self.history + [new],
+            "max_tokens": reply_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "service_tier": tier,
+        }
+        ttft_s, answer, _ = _stream_chat(client, body)
+        self.history += [new, {"role": "assistant", "content": answer}]
+        self.turn += 1
+        return ttft_s
+
+
+def _round_robin(
+    base_url: str, conversations: list[Conversation], turns: range, reply_tokens: int
+) -> list[float]:
+    """TTFTs of every turn after each conversation's first, one call at a time."""
+    ttfts = []
+    with httpx.Client(base_url=base_url, timeout=600) as client:
+        for k in turns:
+            for conv in conversations:
+                ttft_s = conv.next_turn(client, reply_tokens, "priority")
+                if k:
+                    ttfts.append(ttft_s)
+    return ttfts
+
+
+def _throughput(base_url: str, args, salt: int) -> float:
+    """Turns/s of conversations running at once, each turn after the previous answer."""
+    convs = [
+        Conversation(base_url, salt + i, args.turn_tokens, args.oversub_turns)
+        for i in range(args.throughput_conversations)
+    ]
+
+    def run(conv: Conversation) -> None:
+        with httpx.Client(base_url=base_url, timeout=600) as client:
+            for _ in range(args.oversub_turns):
+                conv.next_turn(client, args.reply_tokens, "default")
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(len(convs)) as pool:
+        for future in [pool.submit(run, c) for c in convs]:
+            future.result()
+    return len(convs) * args.oversub_turns / (time.perf_counter() - started)
+
+
+def _median_ms(values: list[float]) -> float:
+    return 1000 * statistics.median(values) if values else float("nan")
+
+
+def measure(args, server_args: tuple[str, ...], tiered: bool, disk_dir: str) -> dict:
+    from ultrafast.bench.server_process import DEMO_MODEL_DIR, ServerProcess
+
+    tier_args = (
+        ("--kv-host-cache-gb", str(args.kv_host_cache_gb), "--kv-disk-dir", disk_dir)
+        if tiered
+        else ()
+    )
+
+    def start() -> ServerProcess:
+        return ServerProcess(
+            *server_args,
+            *tier_args,
+            model=args.model or DEMO_MODEL_DIR,
+            num_slots=args.num_slots,
+            max_model_len=args.max_model_len,
+        )
+
+    srv = start()
+    salt = 5000 if tiered else 7000
+    try:
+        turns = args.oversub_turns
+        warm = [Conversation(srv.url, salt + i, args.turn_tokens, turns) for i in range(2)]
+        _round_robin(srv.url, warm, range(1), args.reply_tokens)  # warm-up of the server
+        warm = [
+            Conversation(srv.url, salt + 10 + i, args.turn_tokens, turns)
+            for i in range(args.num_slots)
+        ]
+        warm_ttfts = _round_robin(srv.url, warm, range(turns), args.reply_tokens)
+        many = [
+            Conversation(srv.url, salt + 100 + i, args.turn_tokens, turns)
+            for i in range(args.oversub_conversations)
+        ]
+        oversub_ttfts = _round_robin(srv.url, many, range(turns), args.reply_tokens)
+        result = {
+            "warm_slot_ttft_ms": _median_ms(warm_ttfts),
+            "next_turn_ttft_ms": _median_ms(oversub_ttfts),
+        }
+        result["ratio"] = result["next_turn_ttft_ms"] / result["warm_slot_ttft_ms"]
+        if tiered:  # kill -9 halfway through a fresh set of conversations, then go on
+            fresh = [
+                Conversation(srv.url, salt + 300 + i, args.turn_tokens, turns)
+                for i in range(args.oversub_conversations)
+            ]
+            half = max(1, turns // 2)
+            _round_robin(srv.url, fresh, range(half), args.reply_tokens)
+            time.sleep(1.0)  # the last turn's write-through reaches the disk
+            srv.proc.kill()
+            srv.proc.wait()
+            srv = start()
+            after = _round_robin(srv.url, fresh, range(half, turns), args.reply_tokens)
+            # turn `half` of each conversation is its first on the new process
+            result["after_restart_ttft_ms"] = _median_ms(after)
+            result["after_restart_ratio"] = (
+                result["after_restart_ttft_ms"] / result["warm_slot_ttft_ms"]
+            )
+        result["turns_per_s"] = _throughput(srv.url, args, salt + 500)
+        return result
+    finally:
+        srv.stop()
+
+
+def main(args, server_args: tuple[str, ...]) -> int:
+    with tempfile.TemporaryDirectory(prefix="uf-kv-bench-") as disk_dir:
+        report = {
+            "conversations": args.oversub_conversations,
+            "num_slots": args.num_slots,
+            "turns": args.oversub_turns,
+            "throughput_conversations": args.throughput_conversations,
+            "turn_tokens": args.turn_tokens,
+            "reply_tokens": args.reply_tokens,
+            "no_tiers": measure(args, server_args, False, disk_dir),
+            "tiers": measure(args, server_args, True, disk_dir),
+        }
+    base, tiers = report["no_tiers"], report["tiers"]
+    report["turns_per_s_gain"] = tiers["turns_per_s"] / base["turns_per_s"]
+    return write_report(report, args.out, markdown(report))
+
+
+def markdown(report: dict) -> str:
+    rows = [
+        f"{report['conversations']} conversations round-robin over {report['num_slots']} slots, "
+        f"{report['turns']} turns each (next-turn TTFT median, turns 2..n)",
+        "",
+        "| server | warm-slot TTFT (ms) | next-turn TTFT (ms) | ratio (target <= 1.5) |",
+        "|---|---|---|---|",
+    ]
+    for name, key in (("no KV tiers", "no_tiers"), ("L2 host + L3 disk", "tiers")):
+        r = report[key]
+        rows.append(
+            f"| {name} | {r['warm_slot_ttft_ms']:.1f} | {r['next_turn_ttft_ms']:.1f} | "
+            f"{r['ratio']:.2f} |"
+        )
+    t = report["tiers"]
+    rows.append(
+        f"| L3 disk after kill -9 + restart | {t['warm_slot_ttft_ms']:.1f} | "
+        f"{t['after_restart_ttft_ms']:.1f} | {t['after_restart_ratio']:.2f} |"
+    )
+    rows.append(
+        f"\n{report['throughput_conversations']} conversations at once on "
+        f"{report['num_slots']} slots: {report['no_tiers']['turns_per_s']:.2f} turns/s without "
+        f"tiers, {t['turns_per_s']:.2f} with ({report['turns_per_s_gain']:.1f}x)"
+    )
+    return "\n".join(rows)
