@@ -143,6 +143,8 @@ def test_admission_estimate_counts_a_prefix_in_host_memory():
 def test_a_restore_slower_than_recompute_is_skipped():
     engine = _engine(num_slots=2, host_bytes=1 << 20, skip_slower_restores=True)
     engine.kv_cache._restore_bytes_per_s = 1.0  # as if imports crawled
+    engine.costs.observe(1, 10, 0.010)  # a measured recompute rate, whatever this machine's
+    engine.costs.observe(1, 100, 0.100)  # timing of the fake steps lets the fit say
     _conversations(engine, num_convs=5, num_turns=2)  # outputs still checked per turn
     assert engine.kv_cache.stats.num_skipped_slower > 0
 
