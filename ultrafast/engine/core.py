@@ -115,6 +115,12 @@ class EngineCore:
             self.step()
         with self.pool_lock:
             self.pool.reset_cache()
+        # an executor that can time its passes (ggml) and was given no thread counts picks
+        # them per pass width from this machine's timings (executors/ggml_threads.py)
+        calibrate = getattr(self.executor, "calibrate_threads", None)
+        if measure_speed and calibrate and getattr(self.executor, "threads_auto", False):
+            plan = calibrate()
+            log.info("threads per pass width (measured): %s %s", plan.describe(), plan.timings_ms)
         self.costs = StepCostModel()  # learn from warm passes, not from the cold first one
         if measure_speed:  # its passes are the fit's first points
             self.idle_speed = measure_idle_speed(self)
