@@ -116,7 +116,9 @@ def with_capacity(config: EngineConfig, files: ModelFiles) -> EngineConfig:
 
 
 def build_engine(
-    config: EngineConfig, priority_itl_target_s: float | None = None
+    config: EngineConfig,
+    priority_itl_target_s: float | None = None,
+    default_itl_target_s: float | None = None,
 ) -> tuple[EngineCore, Tokenizer, ModelFiles]:
     files = resolve_model(config.model)
     if files.max_position_embeddings:
@@ -138,7 +140,13 @@ def build_engine(
         max_model_len=config.max_model_len,
         max_waiting=config.max_waiting,
     )
-    core = EngineCore(executor, scheduler_config, priority_itl_target_s, speculator=speculator)
+    core = EngineCore(
+        executor,
+        scheduler_config,
+        priority_itl_target_s,
+        speculator=speculator,
+        default_itl_target_s=default_itl_target_s,
+    )
     return core, tokenizer, files
 
 

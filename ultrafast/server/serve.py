@@ -171,7 +171,9 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
     api_keys = load_api_keys(config.api_keys_path) if config.api_keys_path else None
     guard = build_guard(config)  # bad files fail before the model loads
     core, tokenizer, files = build_engine(
-        engine_config, priority_itl_target_s=config.priority.itl_ms / 1000
+        engine_config,
+        priority_itl_target_s=config.priority.itl_ms / 1000,
+        default_itl_target_s=config.default.itl_ms / 1000 or None,
     )
     # warm up on the engine thread, which then serves: see EngineThread.start. From here the
     # server sees the engine only through its read API (server/bridge.py).
