@@ -45,9 +45,19 @@ def test_calibration_picks_per_width_from_the_timings():
         overhead = 0.2 if threads == 1 else 0.9  # the second thread's wake-up and spinning
         return overhead + per_token * width
 
-    plan = calibrate(time_pass, (1, 2), max_width=16, margin=0.1)
+    plan = calibrate(time_pass, (1, 2), max_width=16, margin=0.1, budget_s=float("inf"))
     assert plan.widths == (1, 2, 4, 8, 16)
     assert plan.threads == (1, 1, 2, 2, 2)
     assert {w for w, _ in calls} == set(plan.widths)
     # capped at the executor's slots
     assert calibrate(time_pass, (1, 2), max_width=3).widths == (1, 2)
+
+
+def test_calibration_stops_widening_past_its_time_budget():
+    def slow_pass(width: int, threads: int) -> float:
+        return 0.5 * width  # a busy machine: every pass takes long
+
+    plan = calibrate(slow_pass, (1, 2), max_width=16, budget_s=2.0)
+    # width 1 spends 3 s (3 reps x 2 counts x 0.5 s): nothing wider is timed
+    assert plan.widths == (1,) and len(plan.timings_ms) == 1
+    assert plan.for_tokens(16) == plan.threads[0]

@@ -18,6 +18,9 @@ CALIBRATION_WIDTHS = (1, 2, 4, 8, 16)  # decode passes timed at start (capped at
 CALIBRATION_PROMPT_TOKENS = 32  # context each timed sequence decodes after
 CALIBRATION_REPS = 3  # the fastest of these counts (a stall elsewhere does not)
 THREAD_MARGIN = 0.10  # one more thread must make the pass this much faster to be used
+# a start on a busy machine (or a large model) stops timing wider passes after this long; the
+# widest width measured then covers the rest
+CALIBRATION_BUDGET_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -66,17 +69,24 @@ def calibrate(
     max_width: int,
     margin: float = THREAD_MARGIN,
     widths: tuple[int, ...] = CALIBRATION_WIDTHS,
+    budget_s: float = CALIBRATION_BUDGET_S,
 ) -> ThreadPlan:
     """`time_pass(width, threads)` -> seconds of one decode pass; the plan it implies."""
     kept = tuple(w for w in widths if w <= max(1, max_width))
-    chosen, table = [], []
+    chosen: list[int] = []
+    table: list[tuple[float, ...]] = []
+    spent_s = 0.0
     for width in kept:
+        if spent_s > budget_s:
+            break
         # candidates alternate within each repetition, so a drift of the machine's speed
         # during the calibration weighs on both alike
         best = {t: float("inf") for t in candidates}
         for _ in range(CALIBRATION_REPS):
             for t in candidates:
-                best[t] = min(best[t], time_pass(width, t))
+                elapsed_s = time_pass(width, t)
+                best[t] = min(best[t], elapsed_s)
+                spent_s += elapsed_s
         chosen.append(choose_threads(best, margin))
         table.append(tuple(round(best[t] * 1000, 2) for t in candidates))
-    return ThreadPlan(kept, tuple(chosen), tuple(table))
+    return ThreadPlan(kept[: len(chosen)], tuple(chosen), tuple(table))
