@@ -70,7 +70,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--num-slots",
         type=int,
         default=EngineConfig.num_slots,
-        help="KV slots (concurrent sequences)",
+        help="KV slots (concurrent sequences and cached prefixes); 0 = sized from free memory",
     )
     p.add_argument(
         "--threads",
@@ -235,7 +235,10 @@ def _add_tier_args(srv: argparse.ArgumentParser) -> None:
     )
     srv.add_argument("--default-itl-ms", type=float, default=default.itl_ms)
     srv.add_argument(
-        "--default-queue", type=int, default=default.max_in_flight, help="default calls in flight"
+        "--default-queue",
+        type=int,
+        default=default.max_in_flight,
+        help="default calls in flight (0 = sized from memory; the predicted wait refuses first)",
     )
     srv.add_argument(
         "--shaper-window-ms",
