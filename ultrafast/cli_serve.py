@@ -17,7 +17,8 @@ COMPILE_MODES = ("auto", "inductor", "graphs", "off")
 
 
 def serve_default_threads() -> int:
-    """Kernel threads of `ultrafast serve` without --threads: every core but one."""
+    """Every core but one: the benchmarks' fixed split for a server they start (serve itself
+    measures its thread counts per pass width at start instead)."""
     from ultrafast.executors.ggml_exec import physical_cores
 
     # one core stays with the event loop, tokenizer and clients: kernels on every core compete
@@ -69,13 +70,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--num-slots",
         type=int,
         default=EngineConfig.num_slots,
-        help="KV slots (concurrent sequences)",
+        help="KV slots (concurrent sequences and cached prefixes); 0 = sized from free memory",
     )
     p.add_argument(
         "--threads",
         type=int,
         default=None,
-        help="kernel threads: ggml's, or torch's on CPU (default: all cores; serve: all but one)",
+        help="kernel threads: ggml's, or torch's on CPU (default: all cores; serve with ggml: "
+        "timed at start for each pass width, all cores or all but one)",
     )
     p.add_argument(
         "--batch-threads",
@@ -233,7 +235,10 @@ def _add_tier_args(srv: argparse.ArgumentParser) -> None:
     )
     srv.add_argument("--default-itl-ms", type=float, default=default.itl_ms)
     srv.add_argument(
-        "--default-queue", type=int, default=default.max_in_flight, help="default calls in flight"
+        "--default-queue",
+        type=int,
+        default=default.max_in_flight,
+        help="default calls in flight (0 = sized from memory; the predicted wait refuses first)",
     )
     srv.add_argument(
         "--shaper-window-ms",
@@ -452,11 +457,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ultrafast.server.serve import serve
 
-    if args.threads is None:
-        args.threads = serve_default_threads()
-    # --batch-threads stays opt-in: more threads on multi-token passes shorten a long prompt's
-    # prefill, but on a small machine they take the cores the event loop and clients need and
-    # slow short priority prompts
+    # without --threads/--batch-threads the engine times passes of several widths at start
+    # and picks each width's thread count (executors/ggml_threads.py)
     model, served_name = chosen_model(args.model_path or args.model)
     if args.served_model_name is None:
         args.served_model_name = served_name

@@ -86,12 +86,16 @@ def benchmark_model() -> str:
 class EngineConfig:
     model: str  # HF model directory, or a .gguf file (its metadata holds the tokenizer)
     executor: str = "auto"  # auto (ggml on CPU, torch on CUDA), ggml, torch, fake (tests only)
-    num_slots: int = 8  # KV slots: concurrent sequences plus cached prefixes
+    # KV slots: concurrent sequences plus cached prefixes. 0 = sized from free memory and the
+    # model's KV bytes per slot (model/kv_budget.py auto_num_slots)
+    num_slots: int = 0
     max_model_len: int = 2048  # positions per slot (capped by the model's own limit)
-    max_num_seqs: int = 8  # running at once
+    max_num_seqs: int = 0  # running at once; 0 = every slot
     max_num_batched_tokens: int = 512  # token budget per step
     max_prefill_chunk_tokens: int = 256  # chunked prefill size
-    max_waiting: int = 256
+    # queued requests over all tiers: a waiting request holds only its token ids, so this is a
+    # memory bound, not a latency one (admission refuses on predicted wait first)
+    max_waiting: int = 4096
     n_threads: int | None = None  # kernel threads, ggml or torch on CPU (default: every core)
     n_threads_batch: int | None = None  # ggml threads for multi-token passes (default n_threads)
     device: str | None = None  # torch executor: cpu / cuda
@@ -125,7 +129,9 @@ class EngineConfig:
             raise ValueError(f"unknown spec tier(s) {sorted(bad)}: use {', '.join(SPEC_TIERS)}")
         if not 1 <= self.max_draft_tokens <= 32:
             raise ValueError("max_draft_tokens must be in [1, 32]")
-        if self.max_num_seqs > self.num_slots:
+        if self.num_slots < 0 or self.max_num_seqs < 0:
+            raise ValueError("num_slots and max_num_seqs must be >= 0 (0 = auto)")
+        if self.num_slots and self.max_num_seqs > self.num_slots:
             raise ValueError("max_num_seqs cannot exceed num_slots")
 
 
@@ -140,11 +146,13 @@ class TierTargets:
 
     ttft_ms: float  # time to first token; 0 = auto (see `resolved`)
     itl_ms: float  # inter-token latency
-    max_in_flight: int  # admitted (running + queued) requests of this tier
+    max_in_flight: int  # admitted (running + queued) requests of this tier; 0 = auto
     ttft_floor_ms: float = 250.0  # auto TTFT: at least this
     ttft_speed_factor: float = 3.0  # auto TTFT: this many idle TTFTs of a typical prompt
 
     def __post_init__(self) -> None:
+        if self.max_in_flight < 0:
+            raise ValueError("max_in_flight must be >= 0 (0 = sized from memory)")
         for name in ("ttft_ms", "itl_ms", "ttft_floor_ms", "ttft_speed_factor"):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"tier target {name} must be >= 0, got {getattr(self, name)}")
@@ -169,18 +177,20 @@ class ServerConfig:
     served_model_name: str | None = None  # default: the model directory name
     # ttft_ms 0 = auto: from the model's speed measured at start (TierTargets.resolved);
     # itl_ms 0 = auto: 1.2x the measured idle inter-token time
+    # max_in_flight 0 = auto: sized from memory (server/admission.py auto_in_flight); the
+    # default and flex tiers are then limited by their predicted wait, not by a count
     priority: TierTargets = TierTargets(
         ttft_ms=0.0, itl_ms=0.0, max_in_flight=8, ttft_floor_ms=250.0, ttft_speed_factor=3.0
     )
     default: TierTargets = TierTargets(
-        ttft_ms=0.0, itl_ms=250.0, max_in_flight=64, ttft_floor_ms=5000.0, ttft_speed_factor=20.0
+        ttft_ms=0.0, itl_ms=250.0, max_in_flight=0, ttft_floor_ms=30000.0, ttft_speed_factor=100.0
     )
     flex: TierTargets = TierTargets(
         ttft_ms=0.0,
         itl_ms=2000.0,
-        max_in_flight=64,
-        ttft_floor_ms=60000.0,
-        ttft_speed_factor=240.0,
+        max_in_flight=0,
+        ttft_floor_ms=120000.0,
+        ttft_speed_factor=400.0,
     )
     shaper_window_ms: float = 2.0  # default-tier arrivals coalesce this long; 0 = off
     drain_timeout_s: float = 10.0  # SIGTERM: running streams get this long to finish

@@ -19,7 +19,12 @@ from ultrafast.engine.core import EngineCore
 from ultrafast.engine.draft_model import DraftModelProposer
 from ultrafast.engine.speculation import SpecConfig, Speculator
 from ultrafast.kvcache.manager import KVCacheConfig
-from ultrafast.model.kv_budget import check_kv_fits
+from ultrafast.model.kv_budget import (
+    auto_num_slots,
+    available_memory_bytes,
+    check_kv_fits,
+    kv_bytes_per_position,
+)
 from ultrafast.model_files import (
     ModelFiles,
     gguf_for,
@@ -69,6 +74,7 @@ def build_executor(config: EngineConfig, files: ModelFiles):
             max_model_len=config.max_model_len,
             n_threads=config.n_threads,
             n_threads_batch=config.n_threads_batch,
+            threads_auto=config.n_threads is None and config.n_threads_batch is None,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
     from ultrafast.executors.torch_exec import TorchExecutor
@@ -94,8 +100,26 @@ def torch_weights(files: ModelFiles) -> Path:
     return files.hf_dir
 
 
+def with_capacity(config: EngineConfig, files: ModelFiles) -> EngineConfig:
+    """`num_slots` 0 (auto) sized from free memory for the ggml executor (its per-slot KV is
+    host memory); the torch and fake executors keep the fixed default. `max_num_seqs` 0 =
+    every slot may run."""
+    num_slots = config.num_slots
+    if not num_slots:
+        per_position = None
+        if _executor_kind(config) == "ggml":
+            per_position = kv_bytes_per_position(gguf_for(files, config.gguf_type), None)
+        num_slots, why = auto_num_slots(
+            per_position, config.max_model_len, available_memory_bytes()
+        )
+        log.info("KV slots (auto): %s", why)
+    return replace(config, num_slots=num_slots, max_num_seqs=config.max_num_seqs or num_slots)
+
+
 def build_engine(
-    config: EngineConfig, priority_itl_target_s: float | None = None
+    config: EngineConfig,
+    priority_itl_target_s: float | None = None,
+    default_itl_target_s: float | None = None,
 ) -> tuple[EngineCore, Tokenizer, ModelFiles]:
     files = resolve_model(config.model)
     if files.max_position_embeddings:
@@ -103,6 +127,7 @@ def build_engine(
             config, max_model_len=min(config.max_model_len, files.max_position_embeddings)
         )
     tokenizer = load_tokenizer(files)
+    config = with_capacity(config, files)
     executor = build_executor(config, files)
     try:
         speculator = build_speculator(config, files)
@@ -122,6 +147,7 @@ def build_engine(
         priority_itl_target_s,
         speculator=speculator,
         kv_cache=kv_cache_config(config),
+        default_itl_target_s=default_itl_target_s,
     )
     return core, tokenizer, files
 

@@ -108,6 +108,20 @@ def test_batched_equals_alone(executor):
     assert generate(executor, PROMPTS, 12, chunk=7) == alone  # chunked prefill mixed with decode
 
 
+def test_plan_order_does_not_change_tokens(executor):
+    """The executor runs sequences in slot order (one forward pass per run of consecutive
+    slots): a plan listing them in another order, or in scattered slots, gets each request's
+    own tokens back, with logits rows matched to the right request."""
+    alone = {rid: generate(executor, {rid: p}, 12)[rid] for rid, p in PROMPTS.items()}
+    reversed_slots = {"a": 3, "b": 1, "c": 0}  # plan order a, b, c: slots descending, a gap
+    assert generate(executor, PROMPTS, 12, slots=reversed_slots) == alone
+    params = SamplingParams(temperature=1.0, top_k=50, seed=7)
+    sampled = {
+        rid: generate(executor, {rid: p}, 8, params=params)[rid] for rid, p in PROMPTS.items()
+    }
+    assert generate(executor, PROMPTS, 8, slots=reversed_slots, params=params) == sampled
+
+
 def test_seeded_sampling_batched_equals_alone(executor):
     params = SamplingParams(temperature=1.0, top_k=50, seed=7)
     alone = {rid: generate(executor, {rid: p}, 8, params=params)[rid] for rid, p in PROMPTS.items()}
@@ -227,3 +241,26 @@ def test_more_threads_for_multi_token_passes_keep_the_tokens(executor, tiny_llam
         assert generate(ex, PROMPTS, 12) == generate(executor, PROMPTS, 12)
     finally:
         ex.close()
+
+
+def test_thread_calibration_leaves_slots_empty_and_tokens_unchanged(executor, tiny_llama_gguf_f32):
+    ex = GgmlExecutor(
+        tiny_llama_gguf_f32, num_slots=4, max_model_len=128, kv_cache_dtype="f32", threads_auto=True
+    )
+    try:
+        expected = generate(executor, PROMPTS, 12)
+        plan = ex.calibrate_threads()
+        assert ex.thread_plan is plan and plan.widths == (1, 2, 4)  # capped at the 4 slots
+        assert all(1 <= t <= max(ex.n_threads, 2) for t in plan.threads)
+        assert ex._slot_lens == [0, 0, 0, 0]
+        assert all(llama_pos_max(ex, slot) == -1 for slot in range(4))
+        # passes now switch thread counts by width: the tokens stay the same
+        assert generate(ex, PROMPTS, 12) == expected
+    finally:
+        ex.close()
+
+
+def llama_pos_max(ex: GgmlExecutor, slot: int) -> int:
+    import llama_cpp
+
+    return llama_cpp.llama_memory_seq_pos_max(ex._memory, slot)

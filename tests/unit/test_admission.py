@@ -221,3 +221,49 @@ def test_a_slower_engine_gets_a_looser_priority_target():
         assert priority(adm, 4000).tier == PRIORITY
     finally:
         engine.stop()
+
+
+def test_default_tier_queues_a_burst_then_refuses_only_on_predicted_wait():
+    """No fixed queue count: a burst far past the old 64 waits, until the work queued ahead
+    would make the next call's first token later than the tier's 5 s target (CONFIG)."""
+    adm = admission()  # auto in-flight limit (DEFAULT_AUTO_IN_FLIGHT without a memory figure)
+    assert adm.targets(DEFAULT).max_in_flight == 1024
+    admitted = []
+    with pytest.raises(APIError) as refused:
+        for _ in range(200):  # 100 tokens each: 0.2 s of prefill apiece at SLOW's rates
+            admitted.append(adm.admit(adm.reserve(DEFAULT), 100, auto=False))
+    err = refused.value
+    assert (err.status, err.code, err.param) == (429, "wait_over_target", "service_tier")
+    assert "predicted wait" in err.message and "5 s target" in err.message
+    assert int(err.headers["Retry-After"]) >= 1
+    # 0.2 s a call: about 5 s / 0.2 s = 25 queued calls fit under the target, then refusal
+    assert 20 <= len(admitted) <= 26
+    assert adm.in_flight[DEFAULT] == len(admitted) and adm.refused == {"wait_over_target": 1}
+    for ticket in admitted:  # first tokens came out: the queue ahead is gone
+        adm.release(ticket)
+    adm.release(adm.admit(adm.reserve(DEFAULT), 100, auto=False))
+
+
+def test_the_in_flight_count_is_sized_from_memory_and_says_so_when_full():
+    from ultrafast.server.admission import auto_in_flight
+
+    gib = 1024**3
+    assert auto_in_flight(None, 2048, 4096) == 1024
+    assert auto_in_flight(24 * gib, 2048, 4096) == 2048  # half the engine's queue
+    assert auto_in_flight(1 * gib, 2048, 4096) == 256  # 1/32 of 1 GiB / (64 B x 2048)
+    assert auto_in_flight(1024, 2048, 4096) == 1
+    adm = admission(auto_in_flight_limit=2)
+    tickets = [adm.reserve(DEFAULT), adm.reserve(DEFAULT)]
+    with pytest.raises(APIError) as full:
+        adm.reserve(DEFAULT)
+    err = full.value
+    assert (err.status, err.code) == (503, "queue_full")
+    assert "2 calls in flight" in err.message and "memory" in err.message
+    assert adm.describe_targets()["default"]["max_in_flight_source"] == "memory"
+    explicit = admission(replace(CONFIG, default=replace(CONFIG.default, max_in_flight=1)))
+    explicit.reserve(DEFAULT)
+    with pytest.raises(APIError) as configured:
+        explicit.reserve(DEFAULT)
+    assert "configured limit" in configured.value.message
+    for ticket in tickets:
+        adm.release(ticket)

@@ -112,3 +112,38 @@ def test_a_continuation_or_a_small_edit_reuses_the_slot_in_place():
     again = pool.allocate("b", edited, "t")
     assert again.slot_id == slot_id and again.copy is None
     assert again.num_cached_tokens == 26
+
+
+def _fill(pool: KVSlotPool, request_id: str, first_token: int) -> int:
+    tokens = list(range(first_token, first_token + 8))
+    alloc = pool.allocate(request_id, tokens, "")
+    pool.commit(alloc.slot_id, tokens, 8, "")
+    return alloc.slot_id
+
+
+def test_new_requests_land_next_to_running_ones():
+    """The ggml executor runs consecutive slots in one forward pass: a fresh request takes the
+    hole between two running slots, then a slot beside the run, before a distant empty one."""
+    pool = KVSlotPool(8, block_size=4)
+    slots = [_fill(pool, f"r{i}", 100 * i) for i in range(4)]
+    assert slots == [0, 1, 2, 3]  # an empty pool fills in order
+    pool.release(1)  # slot 1 now holds a cached prefix between two running slots
+    assert pool.allocate("hole", [7] * 9, "").slot_id == 1
+    pool.release(3)  # the run is now 0-2; slot 3 cached beside it, 4-7 empty
+    assert pool.allocate("beside", [8] * 9, "").slot_id == 3
+
+
+def test_locality_never_takes_a_running_slot_and_falls_back_to_lru():
+    pool = KVSlotPool(4, block_size=4)
+    for i in range(4):
+        _fill(pool, f"r{i}", 100 * i)
+    for slot in (3, 0):  # 3 released first: least recently used
+        pool.release(slot)
+    pool.release(1)
+    pool.release(2)
+    # nothing runs: no neighbour counts, so plain LRU among cached slots
+    assert pool.allocate("x", [9] * 9, "").slot_id == 3
+    assert pool.allocate("y", [9, 8] * 5, "").slot_id == 2  # beside x, although 0 is older
+    assert pool.allocate("z", [6] * 9, "").slot_id == 1
+    assert pool.allocate("w", [5] * 9, "").slot_id == 0
+    assert pool.allocate("none left", [4] * 9, "") is None

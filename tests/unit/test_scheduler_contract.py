@@ -255,3 +255,34 @@ def test_reserved_priority_seats_are_set_through_the_setter_only():
         r.tenant = tenant
         sched.add_request(r)
     assert [s.request_id for s in sched.schedule().seqs] == ["r0", "r2"]
+
+
+def test_the_default_token_budget_keeps_every_decode_and_some_prefill():
+    from ultrafast.core.scheduler import MIN_PREFILL_TOKENS
+
+    sched, _ = make(num_slots=4, max_num_batched_tokens=512, max_prefill_chunk_tokens=256)
+    for rid in ("a", "b"):
+        sched.add_request(request(rid, [1, 2], max_tokens=30))
+    sched.update(sched.schedule(), sampled(a=[10], b=[10]))  # both prefilled in one step
+    sched.add_request(request("long", list(range(100, 160)), arrival_s=2.0))
+    plan = sched.schedule(token_budget=5)  # below the decodes + the prefill floor
+    assert [(s.request_id, s.num_tokens) for s in plan.seqs] == [
+        ("a", 1),
+        ("b", 1),
+        ("long", MIN_PREFILL_TOKENS),
+    ]
+    sched.update(plan, sampled(a=[11], b=[12]))
+    plan = sched.schedule(token_budget=2 + 10)  # the floor again: the prompt's last 28 tokens
+    assert [(s.request_id, s.num_tokens) for s in plan.seqs][2] == ("long", 60 - MIN_PREFILL_TOKENS)
+    sched.add_request(request("next", list(range(200, 250)), arrival_s=3.0))
+    sched.update(plan, sampled(a=[13], b=[14], long=[15]))
+    plan = sched.schedule(token_budget=3 + 40)  # three decodes now, 40 tokens of prefill
+    assert [(s.request_id, s.num_tokens) for s in plan.seqs] == [
+        ("a", 1),
+        ("b", 1),
+        ("long", 1),
+        ("next", 40),
+    ]
+    sched.update(plan, sampled(a=[16], b=[17], long=[18]))
+    plan = sched.schedule()  # no cap: the rest of the prompt at once
+    assert [(s.request_id, s.num_tokens) for s in plan.seqs][3] == ("next", 10)

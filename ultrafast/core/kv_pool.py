@@ -191,11 +191,26 @@ class KVSlotPool:
         return best
 
     def _pick_victim(self, exclude: Slot | None = None) -> Slot | None:
-        """An empty slot first, else the least recently used cached one."""
-        idle = [s for s in self.slots if s.owner is None and s is not exclude]
+        """A slot next to running ones first (two running neighbours before one), then an
+        empty slot before a cached one, then the least recently used.
+
+        Neighbours first because the ggml executor runs sequences in one forward pass only
+        while their slots are consecutive: a request placed away from the others costs every
+        step one more pass for as long as it runs, dearer than a cached prefix it evicts."""
+        slots = self.slots
+        idle = [s for s in slots if s.owner is None and s is not exclude]
         if not idle:
             return None
-        return min(idle, key=lambda s: (bool(s.hashes), s.last_used))
+        last = len(slots) - 1
+
+        def key(s: Slot) -> tuple[int, bool, int]:
+            i = s.slot_id
+            neighbours = (i > 0 and slots[i - 1].owner is not None) + (
+                i < last and slots[i + 1].owner is not None
+            )
+            return -neighbours, bool(s.hashes), s.last_used
+
+        return min(idle, key=key)
 
     def _evicting(self, slot: Slot) -> None:
         if self.on_evict is not None and slot.owner is None and slot.hashes:

@@ -37,6 +37,9 @@ _PHASES = (
     (ServiceTier.FLEX, False),
 )
 _PHASE_RANKS = {phase: rank for rank, phase in enumerate(_PHASES)}
+# prefill tokens a step capped for the default tier's token gaps still carries, so arrivals
+# keep moving towards their first token however many decodes share the step
+MIN_PREFILL_TOKENS = 32
 
 
 def _phase_rank(request: Request) -> int:
@@ -130,13 +133,18 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
 
     def schedule(
-        self, drafts: Mapping[str, Draft] | None = None, priority_token_budget: int | None = None
+        self,
+        drafts: Mapping[str, Draft] | None = None,
+        priority_token_budget: int | None = None,
+        token_budget: int | None = None,
     ) -> StepPlan:
         """The next step. `drafts`: request id -> draft tokens to verify in its decode this step
         (for running requests; each is cut to fit the budget, the slot and max_tokens).
         `priority_token_budget`: while a priority request is running alongside other work, a
         step holds at most this many tokens (drafts included), so long prefills cannot stretch
-        its token gaps; the engine sizes it from measured step costs."""
+        its token gaps; the engine sizes it from measured step costs. `token_budget`: the
+        same for the default tier's decodes when no priority request runs (a looser target):
+        every running decode still gets its token, and prefill at least MIN_PREFILL_TOKENS."""
         self._step_id += 1
         plan = StepPlan(step_id=self._step_id)
         self._planned_ids = set()
@@ -145,6 +153,9 @@ class Scheduler:
         if waiting[ServiceTier.PRIORITY] or waiting[ServiceTier.DEFAULT]:
             self._make_room_for_waiting()
         budget = self.config.max_num_batched_tokens
+        if token_budget is not None:
+            num_decoding = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+            budget = min(budget, max(token_budget, num_decoding + MIN_PREFILL_TOKENS))
         if priority_token_budget is not None:
             num_priority = sum(r.tier == ServiceTier.PRIORITY for r in self.running)
             if num_priority and self._priority_has_company():  # drafts count against it too

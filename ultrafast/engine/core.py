@@ -66,10 +66,13 @@ class EngineCore:
         priority_itl_target_s: float | None = None,
         speculator: Speculator | None = None,
         kv_cache: KVCacheConfig | None = None,
+        default_itl_target_s: float | None = None,
     ):
         """priority_itl_target_s: None = no cap on steps carrying priority work, 0 = auto.
         speculator: None for plain decoding (client predictions are then ignored).
         kv_cache: the tiered KV cache (host memory, disk, Redis) under the slots, if enabled.
+        default_itl_target_s: the default tier's token gap; steps that carry its decodes (and
+        no priority work) are sized to it. None = no cap.
         """
         if config.max_num_seqs > executor.num_slots:
             raise ValueError("max_num_seqs cannot exceed the executor's KV slots")
@@ -91,6 +94,9 @@ class EngineCore:
         # tokens a step with priority work may hold (Scheduler.schedule); sized from `costs`
         # after each step that had a priority request running, None = no cap
         self.priority_token_budget: int | None = None
+        self.default_itl_target_s = default_itl_target_s
+        # the same for steps whose tightest tier is the default one (no priority running)
+        self.step_token_budget: int | None = None
         self.speculator = speculator
         self.idle_speed: IdleSpeed | None = None  # timed by warmup(measure_speed=True)
         self.kv_cache: KVCacheManager | None = None
@@ -130,6 +136,12 @@ class EngineCore:
             self.step()
         with self.pool_lock:
             self.pool.reset_cache()
+        # an executor that can time its passes (ggml) and was given no thread counts picks
+        # them per pass width from this machine's timings (executors/ggml_threads.py)
+        calibrate = getattr(self.executor, "calibrate_threads", None)
+        if measure_speed and calibrate and getattr(self.executor, "threads_auto", False):
+            plan = calibrate()
+            log.info("threads per pass width (measured): %s %s", plan.describe(), plan.timings_ms)
         self.costs = StepCostModel()  # learn from warm passes, not from the cold first one
         if measure_speed:  # its passes are the fit's first points
             self.idle_speed = measure_idle_speed(self)
@@ -206,6 +218,21 @@ class EngineCore:
             or len({s.num_tokens for s in plan.seqs}) == 1
         )
 
+    def _size_next_step(self) -> None:
+        """Token budgets for the next step from the tiers running now, priority first: the
+        priority cap (when a priority request runs), else the default tier's (its decodes
+        running, no priority one)."""
+        tiers = {r.tier for r in self.scheduler.running}
+        self.step_token_budget = None
+        if ServiceTier.PRIORITY in tiers:
+            target_s: float | None = self.priority_itl_target_s
+            if target_s == 0:  # auto: stay within 1.2x of the idle inter-token time
+                target_s = self.costs.auto_itl_target_s()
+            if target_s:  # the cap applies from the next step, to priority steps only
+                self.priority_token_budget = self.costs.token_budget(target_s)
+        elif ServiceTier.DEFAULT in tiers and self.default_itl_target_s:
+            self.step_token_budget = self.costs.token_budget(self.default_itl_target_s)
+
     def step(self) -> list[RequestOutput]:
         tp = time.perf_counter()
         drafts: dict[str, Draft] = {}
@@ -216,7 +243,9 @@ class EngineCore:
             if self.kv_cache is not None:
                 self.kv_cache.release_held(self.scheduler)
                 self.kv_cache.restore_waiting(self.scheduler, self.costs.per_token_s)
-            plan = self.scheduler.schedule(drafts, self.priority_token_budget)
+            plan = self.scheduler.schedule(
+                drafts, self.priority_token_budget, self.step_token_budget
+            )
         t1 = time.perf_counter()
         if plan.seqs:
             try:
@@ -247,16 +276,8 @@ class EngineCore:
         if seqs and self._one_pass(plan):
             pass_s = result.execute_time_s + result.sample_time_s
             self.costs.observe(len(seqs), num_tokens, pass_s + t0 - tp, pass_s)
-        if (
-            seqs
-            and self.priority_itl_target_s is not None
-            and any(r.tier == ServiceTier.PRIORITY for r in self.scheduler.running)
-        ):
-            target_s: float | None = self.priority_itl_target_s
-            if target_s == 0:  # auto: stay within 1.2x of the idle inter-token time
-                target_s = self.costs.auto_itl_target_s()
-            if target_s:  # the cap applies from the next step, to priority steps only
-                self.priority_token_budget = self.costs.token_budget(target_s)
+        if seqs:
+            self._size_next_step()
         self.last_stats = StepStats(
             step_id=plan.step_id,
             num_seqs=len(seqs),

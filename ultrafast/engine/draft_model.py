@@ -127,6 +127,8 @@ class DraftModelProposer:
         )
 
     def _run(self, seqs: list[ScheduledSeq], drafts: dict, probs: dict, by_id: dict) -> None:
+        # in slot order, the order the ggml executor runs (and returns logits rows in)
+        seqs = sorted(seqs, key=lambda s: s.slot_id)
         result = self.executor.execute(StepPlan(seqs))
         logits = getattr(self.executor, "last_logits", None)
         row = 0

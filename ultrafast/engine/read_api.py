@@ -66,6 +66,7 @@ class EngineSnapshot:
     device_kind: str = "cpu"  # "cpu" or "gpu"
     max_model_len: int = 0  # the scheduler's limits, fixed at start
     max_num_seqs: int = 0
+    max_waiting: int = 0
     idle_speed: IdleSpeed | None = None  # a typical prompt timed at start (None: not measured)
 
     @property
@@ -117,6 +118,7 @@ def build_snapshot(core: EngineCore, device_kind: str) -> EngineSnapshot:
         device_kind=device_kind,
         max_model_len=core.scheduler.config.max_model_len,
         max_num_seqs=core.scheduler.config.max_num_seqs,
+        max_waiting=core.scheduler.config.max_waiting,
         idle_speed=core.idle_speed,
     )
 

@@ -28,10 +28,19 @@ import numpy as np
 
 from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
 from ultrafast.executors import ggml_state
+from ultrafast.executors.ggml_threads import (
+    CALIBRATION_PROMPT_TOKENS,
+    CALIBRATION_WIDTHS,
+    THREAD_MARGIN,
+    ThreadPlan,
+    calibrate,
+    candidate_thread_counts,
+)
 from ultrafast.executors.llama_cpp_params import model_params as llama_model_params
 from ultrafast.executors.prompt_scoring import scoring_problem, split_prompt_rows
 from ultrafast.kvcache.fingerprint import file_sha256, kv_fingerprint
 from ultrafast.model.config import ModelLoadError
+from ultrafast.request import SamplingParams
 from ultrafast.sampling.sampler import sample_plan
 
 _LOG_LEVEL_ERROR = 4  # ggml_log_level: 3 is WARN, 4 ERROR, 5 CONT
@@ -129,6 +138,10 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
+def _slot_of(seq: ScheduledSeq) -> int:
+    return seq.slot_id
+
+
 class GgmlExecutor:
     """Executor on llama.cpp. `max_num_batched_tokens` bounds the tokens of one step."""
 
@@ -140,6 +153,7 @@ class GgmlExecutor:
         n_threads: int | None = None,
         *,
         n_threads_batch: int | None = None,
+        threads_auto: bool = False,
         max_num_batched_tokens: int = 512,
         kv_cache_dtype: str = "f16",
         flash_attn: bool = False,
@@ -159,6 +173,10 @@ class GgmlExecutor:
         self.kv_cache_dtype, self.flash_attn = kv_cache_dtype, flash_attn
         self.n_threads = n_threads or physical_cores()
         self.n_threads_batch = n_threads_batch or self.n_threads
+        # threads per pass width measured at start (calibrate_threads), when none were given
+        self.threads_auto = threads_auto
+        self.thread_plan: ThreadPlan | None = None
+        self._threads_now = (self.n_threads, self.n_threads_batch)
         self._log = _init_native(verbose)
 
         model_params = llama_model_params()
@@ -271,7 +289,12 @@ class GgmlExecutor:
             self._seq_ids,
             self._output_flags,
         )
-        for seq in plan.seqs:
+        seqs = plan.seqs
+        if len(seqs) > 1:
+            # llama.cpp puts sequences in one forward pass only when their KV streams (our
+            # slots) follow each other in batch order; any other order costs a pass per break
+            seqs = sorted(seqs, key=_slot_of)
+        for seq in seqs:
             n, start = len(seq.token_ids), seq.start_position
             error = self._check(seq)
             if error is None and num_tokens + n > self.max_num_batched_tokens:
@@ -314,7 +337,49 @@ class GgmlExecutor:
         result.sample_time_s = time.perf_counter() - sampled_s
         return result
 
+    def calibrate_threads(self, margin: float = THREAD_MARGIN) -> ThreadPlan:
+        """Time decode passes of several widths on each candidate thread count and keep the
+        plan they imply (ggml_threads.py). Runs on the idle executor at start: it uses the
+        first slots as scratch and leaves every slot it touched empty."""
+        width = min(self.num_slots, max(CALIBRATION_WIDTHS), self.max_num_batched_tokens)
+        context = min(CALIBRATION_PROMPT_TOKENS, self.max_model_len - 2)
+        greedy = SamplingParams(temperature=0.0, max_tokens=2)
+        prompt = [(i * 31 + 7) % self.vocab_size for i in range(context)]
+
+        def seq(slot: int, token_ids: list[int], start: int) -> ScheduledSeq:
+            return ScheduledSeq(f"calibration-{slot}", slot, token_ids, start, 1, greedy, 0, 0)
+
+        def time_pass(num_seqs: int, threads: int) -> float:
+            self._set_threads(threads, threads)
+            plan = StepPlan([seq(s, prompt[:1], context) for s in range(num_seqs)])
+            start_s = time.perf_counter()
+            result = self.execute(plan)
+            elapsed_s = time.perf_counter() - start_s
+            if result.errors:
+                raise RuntimeError(f"thread calibration failed: {result.errors}")
+            return elapsed_s
+
+        try:
+            for slot in range(width):
+                self.execute(StepPlan([seq(slot, prompt, 0)]))
+            plan = calibrate(time_pass, candidate_thread_counts(physical_cores()), width, margin)
+        finally:
+            for slot in range(width):
+                llama_cpp.llama_memory_seq_rm(self._memory, slot, -1, -1)
+                self._slot_lens[slot] = 0
+            self._set_threads(self.n_threads, self.n_threads_batch)
+        self.thread_plan = plan
+        return plan
+
+    def _set_threads(self, single: int, batch: int) -> None:
+        if (single, batch) != self._threads_now:
+            llama_cpp.llama_set_n_threads(self._ctx, single, batch)
+            self._threads_now = (single, batch)
+
     def _decode(self, num_tokens: int, ran: list[ScheduledSeq]) -> None:
+        plan = self.thread_plan
+        if plan is not None:  # llama.cpp: 1-token passes on the first, larger on the second
+            self._set_threads(plan.for_tokens(1), plan.for_tokens(num_tokens))
         self._batch.n_tokens = num_tokens
         status = llama_cpp.llama_decode(self._ctx, self._batch)
         if status != 0:

@@ -42,6 +42,9 @@ SCENARIOS = [
     Scenario("L5", "sessions x turns on redis-server with a restart", st.l5_sessions, in_ci=True),
     Scenario("L6", "tenant flood vs tenant under quota", st.l6_tenants, in_ci=True),
     Scenario(
+        "L8", "500 streams from one client on the default capacity", s.l8_many_streams, in_ci=True
+    ),
+    Scenario(
         "L7", "real demo model: stream == non-stream", s.l7_demo_model, in_ci=True, external_ok=True
     ),
     Scenario(

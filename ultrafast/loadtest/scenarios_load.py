@@ -245,11 +245,11 @@ async def l4_priority_lane(ctx: Context, result: Result) -> None:
 
 def demo_spec(shaper_window_ms: str) -> ServerSpec:
     """The demo model server of L7 and the burst (same spec, so one server serves both)."""
-    return ServerSpec(
+    return ServerSpec(  # KV slots and queue limits as `serve` sizes them (issue 18)
         executor="demo",
-        num_slots=8,
+        num_slots=0,
         max_model_len=512,
-        extra=("--shaper-window-ms", shaper_window_ms, "--default-queue", "512"),
+        extra=("--shaper-window-ms", shaper_window_ms),
     )
 
 
@@ -346,3 +346,25 @@ async def irregular_burst(ctx: Context, result: Result) -> None:
             }
             for tag, recs in groups.items()
         }
+
+
+async def l8_many_streams(ctx: Context, result: Result) -> None:
+    """One client opens hundreds of streams at once against the default capacity (auto KV
+    slots, auto queue): every call completes exactly, or is refused with 429 because its
+    predicted wait exceeds the tier's target (Retry-After set); never a 503 while memory is
+    free, never a lost or duplicated token, and every slot is free at the end."""
+    num_streams, tokens = ctx.size(500, 120), ctx.size(16, 8)
+    srv = ctx.server(ServerSpec(num_slots=0, fake_step_ms=20.0))
+    mem = MemoryWatch(srv.pid, 50.0)
+    async with client_for(srv.url) as client:
+        mem.warm()
+        recs = await asyncio.gather(
+            *(checked_or_rejected(ctx, client, result, tokens) for _ in range(num_streams))
+        )
+        refused = [r for r in recs if r.status != 200]
+        for rec in refused:
+            result.fail(check_rejection(rec, 429, "wait_over_target"))
+        await finish_checks(ctx, client, result, mem)
+    result.metrics["streams"] = num_streams
+    result.metrics["refused"] = len(refused)
+    result.metrics["ttft"] = percentiles_ms([r.ttft_s for r in recs if r.ttft_s])

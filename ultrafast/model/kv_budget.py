@@ -109,3 +109,33 @@ def check_kv_fits(
         f"{need / gib:.1f} GiB but {available / gib:.1f} GiB of memory is available; lower "
         f"--max-model-len (about {fit:,} fits with {num_slots} slots) or --num-slots"
     )
+
+
+# `--num-slots` auto: the KV of every slot may take this share of the memory free at start...
+AUTO_KV_MEMORY_FRACTION = 1 / 16
+AUTO_MIN_SLOTS = 8  # ...but never fewer slots than the old fixed default,
+# and never more than this: past it a CPU step of that many sequences is so long that more
+# concurrency only lengthens every stream's token gaps; further requests wait in the scheduler
+AUTO_MAX_SLOTS = 64
+AUTO_UNSIZED_SLOTS = 8  # when the files or the machine do not tell the sizes
+
+
+def auto_num_slots(
+    per_position: int | None, max_model_len: int, available: int | None
+) -> tuple[int, str]:
+    """How many KV slots `--num-slots auto` allocates, and why (one line for the start log).
+
+    Each slot is a KV stream of max_model_len positions allocated (and zeroed) up front, so
+    the count is what a share of free memory holds, clamped to [AUTO_MIN_SLOTS, AUTO_MAX_SLOTS].
+    """
+    if not per_position or not available:
+        return AUTO_UNSIZED_SLOTS, "model or machine memory unknown: the fixed default"
+    per_slot = per_position * max_model_len
+    budget = int(available * AUTO_KV_MEMORY_FRACTION)
+    n = max(AUTO_MIN_SLOTS, min(AUTO_MAX_SLOTS, budget // per_slot))
+    mib = 1024**2
+    return n, (
+        f"{n} slots x {per_slot / mib:.1f} MiB of KV ({max_model_len} positions each) = "
+        f"{n * per_slot / mib:.0f} MiB; 1/{round(1 / AUTO_KV_MEMORY_FRACTION)} of "
+        f"{available / mib:.0f} MiB free, within [{AUTO_MIN_SLOTS}, {AUTO_MAX_SLOTS}]"
+    )

@@ -42,6 +42,23 @@ def _num_nothing_running() -> int:
     return 0
 
 
+DEFAULT_AUTO_IN_FLIGHT = 1024  # when the memory is not known
+# what one call in flight may hold: its prompt's token ids and text, and a stream buffer
+_BYTES_PER_QUEUED_POSITION = 64
+_IN_FLIGHT_MEMORY_FRACTION = 1 / 32
+
+
+def auto_in_flight(available_bytes: int | None, max_model_len: int, max_waiting: int) -> int:
+    """Calls in flight a tier with max_in_flight 0 may hold: as many full-context prompts as
+    1/32 of free memory keeps, within half the engine's waiting queue (two such tiers share
+    it). A count that only protects memory: the predicted wait refuses long before it."""
+    cap = max(1, max_waiting // 2)
+    if not available_bytes:
+        return min(DEFAULT_AUTO_IN_FLIGHT, cap)
+    per_call = _BYTES_PER_QUEUED_POSITION * max(1, max_model_len)
+    return max(1, min(cap, int(available_bytes * _IN_FLIGHT_MEMORY_FRACTION) // per_call))
+
+
 @dataclass
 class Admission:
     config: ServerConfig  # auto TTFT targets are resolved in __post_init__
@@ -59,19 +76,32 @@ class Admission:
     # committed capacity: tenant -> priority seats that no other tenant may take
     priority_reserved: dict = field(default_factory=dict)
     priority_by_tenant: dict = field(default_factory=dict)  # tenant -> priority calls in flight
+    # calls in flight a tier whose max_in_flight is 0 (auto) may hold: auto_in_flight()
+    auto_in_flight_limit: int = DEFAULT_AUTO_IN_FLIGHT
     # tiers whose TTFT target was auto (0) as configured: resolved from the measured speed
     auto_ttft_tiers: frozenset = field(init=False, default=frozenset())
+    auto_in_flight_tiers: frozenset = field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:
         config = self.config
         self.auto_ttft_tiers = frozenset(
             t for t in ServiceTier if self._configured(config, t).ttft_auto
         )
+        self.auto_in_flight_tiers = frozenset(
+            t for t in ServiceTier if self._configured(config, t).max_in_flight == 0
+        )
+
+        def resolved(targets: TierTargets) -> TierTargets:
+            targets = targets.resolved(self.idle_ttft_s)
+            if targets.max_in_flight == 0:
+                targets = replace(targets, max_in_flight=self.auto_in_flight_limit)
+            return targets
+
         self.config = replace(
             config,
-            priority=config.priority.resolved(self.idle_ttft_s),
-            default=config.default.resolved(self.idle_ttft_s),
-            flex=config.flex.resolved(self.idle_ttft_s),
+            priority=resolved(config.priority),
+            default=resolved(config.default),
+            flex=resolved(config.flex),
         )
 
     @staticmethod
@@ -99,6 +129,9 @@ class Admission:
                 "ttft_source": source,
                 "itl_ms": targets.itl_ms or None,  # None: auto (1.2x the idle inter-token time)
                 "max_in_flight": targets.max_in_flight,
+                "max_in_flight_source": "memory"
+                if tier in self.auto_in_flight_tiers
+                else "configured",
             }
         return tiers
 
@@ -127,15 +160,23 @@ class Admission:
                 else ServiceTier.DEFAULT
             )
         if not self._has_seat(tier, tenant):
+            limit = self.targets(tier).max_in_flight
+            why = (
+                "the limit this machine's memory allows"
+                if tier in self.auto_in_flight_tiers
+                else "the configured limit"
+            )
+            retry_s = max(1, math.ceil(self.queue_wait_s(tier)))
             raise self._refuse(
                 "queue_full",
                 APIError(
                     503,
-                    f"the {tier.api_name} queue is full; retry shortly",
+                    f"the {tier.api_name} queue is full: {limit} calls in flight, {why}; "
+                    f"retry in {retry_s} s",
                     "overloaded_error",
                     "queue_full",
                     None,
-                    headers={"Retry-After": "1"},
+                    headers={"Retry-After": str(retry_s)},
                 ),
             )
         ticket = Ticket(tier, tenant)
@@ -189,6 +230,13 @@ class Admission:
                 else:
                     self.release(ticket)
                     raise self._refuse("slo_unattainable", self._slo_error(own_s, wait_s, over_s))
+        else:  # default and flex queue whatever they can start within their (looser) target
+            over_s = wait_s - self.allowed_wait_s(ticket.tier, own_s)
+            if over_s > 0:
+                self.release(ticket)
+                raise self._refuse(
+                    "wait_over_target", self._wait_error(ticket.tier, wait_s, over_s)
+                )
         ticket.num_prompt_tokens = num_prompt_tokens
         ticket.prefill_pending = True
         ticket.predicted_ttft_s = predicted
@@ -211,6 +259,19 @@ class Admission:
                 "queue_wait_ms": round(wait_s * 1000, 1),
                 "target_ttft_ms": round(target_ms, 1),
             },
+        )
+
+    def _wait_error(self, tier: ServiceTier, wait_s: float, over_s: float) -> APIError:
+        target_ms = self.targets(tier).ttft_ms
+        return APIError(
+            429,
+            f"the {tier.api_name} tier's predicted wait for a first token, ~{wait_s:.1f} s of "
+            f"work queued ahead, exceeds its {target_ms / 1000:.0f} s target; retry later",
+            "rate_limit_error",
+            "wait_over_target",
+            "service_tier",
+            headers={"Retry-After": str(max(1, math.ceil(over_s)))},
+            extra={"queue_wait_ms": round(wait_s * 1000, 1), "target_ttft_ms": round(target_ms, 1)},
         )
 
     def _move(self, ticket: Ticket, tier: ServiceTier) -> None:

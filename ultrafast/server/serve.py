@@ -24,7 +24,8 @@ import uvicorn
 
 from ultrafast.config import EngineConfig, ServerConfig, default_session_store
 from ultrafast.llm import build_engine
-from ultrafast.server.admission import Admission
+from ultrafast.model.kv_budget import available_memory_bytes
+from ultrafast.server.admission import Admission, auto_in_flight
 from ultrafast.server.app import build_app
 from ultrafast.server.auth import RedactingFilter
 from ultrafast.server.bridge import (
@@ -176,7 +177,9 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
     api_keys = load_api_keys(config.api_keys_path) if config.api_keys_path else None
     guard = build_guard(config)  # bad files fail before the model loads
     core, tokenizer, files = build_engine(
-        engine_config, priority_itl_target_s=config.priority.itl_ms / 1000
+        engine_config,
+        priority_itl_target_s=config.priority.itl_ms / 1000,
+        default_itl_target_s=config.default.itl_ms / 1000 or None,
     )
     # warm up on the engine thread, which then serves: see EngineThread.start. From here the
     # server sees the engine only through its read API (server/bridge.py).
@@ -190,6 +193,9 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
         num_running=lambda: engine.snapshot().num_running,
         typical_prompt_tokens=speed.prompt_tokens if speed else 0,
         idle_ttft_s=speed.ttft_s if speed else None,
+        auto_in_flight_limit=auto_in_flight(
+            available_memory_bytes(), snapshot.max_model_len, snapshot.max_waiting
+        ),
     )
     config = admission.config  # the TTFT targets resolved
     log_tier_targets(admission, speed.decode_s if speed else None)
