@@ -137,6 +137,7 @@ def _report():
                 "precision": "bf16",
                 "startup_s": 2.5,
                 "peak_rss_mib": 300.0,
+                "peak_pss_mib": 250.0,
                 "levels": {"1": merge_rounds([level])},
                 "burst": burst,
                 "priority_probe": {
@@ -154,7 +155,7 @@ def _report():
 
 def test_report_tables_name_every_server_error_and_skip():
     table = markdown(_report())
-    assert "| ours | bf16 | 2.5 | 300 |" in table
+    assert "| ours | bf16 | 2.5 | 300 | 250 |" in table
     assert "| vllm | skipped: .venv-vllm missing" in table
     assert "1 (1x HTTP 503: full)" in table  # the error with its status and message
     assert "| ours | 1 x short + 0 x long |" in table
@@ -178,6 +179,7 @@ def test_process_tree_is_found_and_measured():
         assert len(tree_pids(parent.pid)) == 2
         rss = PeakRss(parent.pid, interval_s=0.05)
         assert rss.sample() > 0 and rss.stop() >= rss.sample() > 0
+        assert 0 < rss.peak_pss <= rss.peak  # shared pages counted once
     finally:
         for pid in tree_pids(parent.pid)[1:]:
             subprocess.run(["kill", str(pid)], check=False)

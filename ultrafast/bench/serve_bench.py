@@ -305,6 +305,7 @@ def run_serve_bench(args) -> dict:
             entry.update(asyncio.run(bench_one(server, args, model)))
         finally:
             entry["peak_rss_mib"] = server.stop() / 2**20
+            entry["peak_pss_mib"] = server.memory.peak_pss / 2**20
             entry["argv"] = spec.argv
         report["servers"][name] = entry
     return report

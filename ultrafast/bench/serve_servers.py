@@ -126,18 +126,34 @@ def rss_bytes(pid: int) -> int:
         return 0
 
 
+def pss_bytes(pid: int) -> int:
+    """Proportional set size: shared pages (libraries, shared memory between a server's
+    processes) counted once over the tree instead of once per process as RSS does."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return 0
+
+
 class PeakRss:
-    """Samples the RSS summed over a process tree on a thread; `peak` is the largest sum."""
+    """Samples the RSS (and PSS) summed over a process tree on a thread; `peak` and `peak_pss`
+    are the largest sums seen."""
 
     def __init__(self, root: int, interval_s: float = 0.25):
-        self.root, self.interval_s, self.peak = root, interval_s, 0
+        self.root, self.interval_s, self.peak, self.peak_pss = root, interval_s, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
         self._thread.start()
 
     def sample(self) -> int:
-        total = sum(rss_bytes(p) for p in tree_pids(self.root))
+        pids = tree_pids(self.root)
+        total = sum(rss_bytes(p) for p in pids)
         self.peak = max(self.peak, total)
+        self.peak_pss = max(self.peak_pss, sum(pss_bytes(p) for p in pids))
         return total
 
     def _run(self) -> None:

@@ -140,26 +140,28 @@ def markdown(report: dict) -> str:
         f"{report['new_tokens']} new tokens per stream, EOS ignored; "
         f"{report['rounds']} round(s) per level; {report['cpu_count']} CPUs",
         "",
-        "| server | precision | startup s | peak RSS MiB |",
-        "|---|---|---|---|",
+        "| server | precision | startup s | peak RSS MiB | peak PSS MiB |",
+        "|---|---|---|---|---|",
     ]
     for name, s in servers.items():
         if "skipped" in s:
-            lines.append(f"| {name} | skipped: {s['skipped']} | | |")
+            lines.append(f"| {name} | skipped: {s['skipped'][:300]} | | | |")
             continue
         lines.append(
-            f"| {name} | {s['precision']} | {_f(s['startup_s'])} | {_f(s['peak_rss_mib'], 0)} |"
+            f"| {name} | {s['precision']} | {_f(s['startup_s'])} | {_f(s['peak_rss_mib'], 0)} | "
+            f"{_f(s.get('peak_pss_mib'), 0)} |"
         )
     lines += [
         "",
-        "| server | streams | tok/s (aggregate) | TTFT p50 ms | TTFT p99 ms | ITL p99 ms "
-        "| errors |",
-        "|---|---|---|---|---|---|---|",
+        "| server | streams | prompt tokens | tok/s (aggregate) | TTFT p50 ms | TTFT p99 ms "
+        "| ITL p99 ms | errors |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, s in servers.items():
         for level, lv in s.get("levels", {}).items():
             lines.append(
-                f"| {name} | {level} | {_f(lv['tok_s'])} | {_f(lv['ttft_p50_ms'])} | "
+                f"| {name} | {level} | {lv.get('prompt_tokens') or '-'} | {_f(lv['tok_s'])} | "
+                f"{_f(lv['ttft_p50_ms'])} | "
                 f"{_f(lv['ttft_p99_ms'])} | {_f(lv['itl_p99_ms'])} | {_errors_cell(lv)} |"
             )
     bursts = {n: s["burst"] for n, s in servers.items() if s.get("burst")}
