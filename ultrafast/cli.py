@@ -12,6 +12,7 @@ from typing import Any
 
 from ultrafast.cli_bench import add_bench_parser, with_default_bench_suite
 from ultrafast.cli_serve import add_generate_parser, add_serve_parser
+from ultrafast.weight_format import AUTO, OUT_TYPES
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -43,8 +44,11 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from ultrafast.convert import convert_hf_to_gguf
+    from ultrafast.weight_format import resolve_outtype
 
-    out = convert_hf_to_gguf(args.model_dir, args.out, outtype=args.outtype)
+    outtype, why = resolve_outtype(args.outtype)
+    print(f"weight type: {outtype} ({why})")
+    out = convert_hf_to_gguf(args.model_dir, args.out, outtype=outtype)
     print(f"wrote {out}")
     return 0
 
@@ -89,7 +93,12 @@ def add_convert_parser(sub: Any) -> None:
     conv = sub.add_parser("convert", help="convert an HF model directory to GGUF")
     conv.add_argument("model_dir", help="HF directory (config.json, safetensors, tokenizer.json)")
     conv.add_argument("out", help="output .gguf path")
-    conv.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0"], default="f16")
+    conv.add_argument(
+        "--outtype",
+        choices=[AUTO, *OUT_TYPES],
+        default=AUTO,
+        help="GGUF weight type; auto (default): bf16 where the CPU has AVX-512 BF16, else f16",
+    )
     conv.set_defaults(func=cmd_convert)
 
 

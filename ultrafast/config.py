@@ -101,7 +101,8 @@ class EngineConfig:
     device: str | None = None  # torch executor: cpu / cuda
     dtype: str | None = None  # torch executor: float32 / float16 / bfloat16
     compile: str = "auto"  # torch executor decode steps: auto (on with CUDA), inductor, graphs, off
-    gguf_type: str = "f16"  # type used when an HF directory is converted for the ggml executor
+    # type an HF directory converts to for the ggml executor; auto: ultrafast/weight_format.py
+    gguf_type: str = "auto"
     fake_step_s: float = 0.02  # executor "fake" (load/fault tests only): time per engine step
     # speculative decoding: off, ngram (prompt lookup), draft (model), auto (ngram, else the
     # draft model when one fits the tokenizer). A request's `prediction` is used in any tier.

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from ultrafast.weight_format import AUTO, resolve_outtype
+
 # HF architecture -> (gguf arch, permute q/k for interleaved rope)
 ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", True),
@@ -242,8 +244,11 @@ def _post_processor_adds_bos(tok_json: dict) -> bool:
 
 
 def convert_hf_to_gguf(model_dir: str | Path, out_path: str | Path, outtype: str = "f16") -> Path:
-    """Convert a HF checkpoint directory into one GGUF file at `out_path`; returns the path."""
+    """Convert a HF checkpoint directory into one GGUF file at `out_path`; returns the path.
+    outtype "auto" is the per-CPU rule of ultrafast/weight_format.py."""
     model_dir, out_path = Path(model_dir), Path(out_path)
+    if outtype == AUTO:
+        outtype, _ = resolve_outtype(outtype)
     if outtype not in _OUT_TYPES:
         raise ValueError(f"unsupported outtype {outtype!r}; choose from {sorted(_OUT_TYPES)}")
     if (model_dir / "quantization.json").is_file():

