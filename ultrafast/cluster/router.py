@@ -167,6 +167,9 @@ class Router:
         if load is None:
             return
         load.healthy = bool(stats.get("ready", True))
+        targets = stats.get("ttft_target_s")
+        if isinstance(targets, dict):  # the replicas' resolved targets (auto: measured)
+            self.config.ttft_target_s.update({t: float(v) for t, v in targets.items()})
         for attr in ("base_s", "per_token_s", "per_seq_s"):
             if stats.get(attr) is not None:
                 setattr(load, attr, float(stats[attr]))
