@@ -111,3 +111,15 @@ def test_replicas_needed_finds_a_count_that_meets_the_target_and_fewer_do_not():
     need = replicas_needed(cfg, "ultrafast", [2, 4, 8, 16])
     assert need is not None and need > 1
     assert replicas_needed(cfg, "ultrafast", [need // 2]) is None
+
+
+def test_plain_serve_never_imports_ray():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ultrafast.cli, ultrafast.server.serve, ultrafast.cluster.cli_cluster;"
+        "ultrafast.cli.build_parser();"
+        "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

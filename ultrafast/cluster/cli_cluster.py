@@ -84,6 +84,10 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     if args.served_model_name is None:
         args.served_model_name = served_name
     server = server_config(args)
+    if server.api_keys_path:  # a bad keys file fails here, not in every replica
+        from ultrafast.server.tenants import load_api_keys
+
+        load_api_keys(server.api_keys_path)
     spec = with_replica_defaults(
         ReplicaSpec(
             engine=EngineConfig(model=model, **engine_options(args)),
@@ -124,8 +128,9 @@ def wait_running(names: list[str], timeout_s: float = 300.0) -> None:
         states = {n: str(apps[n].status) if n in apps else "MISSING" for n in names}
         if all(s.endswith("RUNNING") for s in states.values()):
             return
-        if any(s.endswith("DEPLOY_FAILED") for s in states.values()):
-            raise RuntimeError(f"a replica failed to start: {states}")
+        failed = [n for n, s in states.items() if s.endswith("DEPLOY_FAILED")]
+        if failed:
+            raise RuntimeError(f"replica {failed[0]} failed to start: {apps[failed[0]].message}")
         time.sleep(0.5)
     raise RuntimeError(f"replicas not running after {timeout_s} s")
 
