@@ -9,8 +9,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -18,8 +16,7 @@ import pytest
 
 pytest.importorskip("ray", reason="ray is not installed: `pip install 'ultrafast[ray]'`")
 
-from ultrafast.bench.server_process import free_port  # noqa: E402
-from ultrafast.config import DEMO_MODEL_DIR  # noqa: E402
+from ultrafast.cluster.process import ClusterProcess  # noqa: E402
 
 MAIN_KEY, LIMITED_KEY = "uf-test-cluster-main", "uf-test-cluster-limited"
 LIMITED_BURST = 4
@@ -48,68 +45,21 @@ def _keys_file(path) -> str:
     return str(path)
 
 
-class ClusterProcess:
-    def __init__(self, *args: str, startup_timeout_s: float = 240.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "ultrafast.cli",
-            "cluster",
-            str(DEMO_MODEL_DIR),
-            "--port",
-            str(self.port),
-            "--replicas",
-            "2",
-            "--threads",
-            "1",
-            "--num-slots",
-            "4",
-            "--max-model-len",
-            "2048",
-            *args,
-        ]
-        self.log = open(os.devnull, "w")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        deadline = time.monotonic() + startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                out = self.proc.stdout.read() if self.proc.stdout else ""
-                raise RuntimeError(f"cluster exited: {out[-3000:]}")
-            try:
-                # the ingress listens once every replica runs (/ready needs a key)
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError("the cluster did not become ready")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
 def cluster(redis_server, tmp_path_factory):
     keys = _keys_file(tmp_path_factory.mktemp("keys") / "keys.json")
     started = time.monotonic()
     proc = ClusterProcess(
-        "--session-store", redis_server.url, "--api-keys", keys, "--priority-ttft-ms", "10000"
+        "--num-slots",
+        "4",
+        "--max-model-len",
+        "2048",
+        "--session-store",
+        redis_server.url,
+        "--api-keys",
+        keys,
+        "--priority-ttft-ms",
+        "10000",
     )
     print(f"cluster ready in {time.monotonic() - started:.1f} s")
     yield proc
@@ -130,9 +80,7 @@ def _chat(cluster, session_id, content, key=MAIN_KEY):
 
 
 def _replicas(cluster) -> dict:
-    auth = {"Authorization": f"Bearer {MAIN_KEY}"}
-    r = httpx.get(cluster.url + "/ready", headers=auth, timeout=10)
-    return r.json()["replicas"]
+    return cluster.replicas({"Authorization": f"Bearer {MAIN_KEY}"})
 
 
 def test_sessions_stay_warm_limits_hold_across_replicas_and_a_kill_loses_no_history(cluster):

@@ -17,6 +17,10 @@ from ultrafast.cluster.router import REASONS, TIERS, Router
 
 log = logging.getLogger(__name__)
 
+# what the ingress adds to the replicas' series (deploy/grafana queries them)
+CLUSTER_METRIC_NAMES = frozenset(
+    {"ultrafast_cluster_routing_decisions_total", "ultrafast_cluster_replica_up"}
+)
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)(.*)$")
 
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ultrafast.loadtest import scenarios_client as c
+from ultrafast.loadtest import scenarios_cluster as cl
 from ultrafast.loadtest import scenarios_fault as f
 from ultrafast.loadtest import scenarios_load as s
 from ultrafast.loadtest import scenarios_redis as rd
@@ -93,6 +94,13 @@ SCENARIOS = [
     Scenario("F14", "SSE ping while waiting > 15 s", f.f14_ping),
     Scenario("F15", "near-cap and over-cap prompts in parallel", f.f15_huge_prompts, in_ci=True),
     Scenario("F16", "retry with the same Idempotency-Key", st.f16_idempotent_retry, in_ci=True),
+    # `ultrafast cluster` (needs ultrafast[ray]; each starts its own 2-replica cluster)
+    Scenario("C1", "cluster: a replica killed under streaming load", cl.c1_replica_kill),
+    Scenario("C2", "cluster: Redis restarted mid-conversation", cl.c2_redis_restart),
+    Scenario("C3", "cluster: rolling restart under load", cl.c3_rolling_restart),
+    Scenario(
+        "C4", "cluster: one tenant over its limit through two replicas", cl.c4_tenant_over_limit
+    ),
 ]
 BY_NAME = {sc.name: sc for sc in SCENARIOS}
 # Run order: scenarios that share a server spec run back to back (one server start each group;
