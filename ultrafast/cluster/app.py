@@ -174,6 +174,11 @@ class RayBackends:
         except (RayError, RuntimeError) as exc:  # the actor died, or the app is gone
             raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
 
+    async def running(self) -> dict:
+        """name -> whether Serve reports its application RUNNING (a controller call)."""
+        apps = await asyncio.to_thread(lambda: serve.status().applications)
+        return {n: str(apps[n].status).endswith("RUNNING") for n in self.names() if n in apps}
+
     async def stats(self, name: str) -> dict:
         return await self._handle(name).routing_stats.remote()
 

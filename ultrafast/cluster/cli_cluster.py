@@ -204,7 +204,9 @@ def build_cluster_app(backends, spec):
     targets = {t: getattr(server, t).ttft_ms / 1000 or 1e9 for t in ("priority", "default", "flex")}
     router = Router(backends.names(), RouterConfig(ttft_target_s=targets))
     ingress = ClusterIngress(backends, router, server.served_model_name or "")
-    poller = ReplicaPoller(router, backends.names, backends.stats)
+    poller = ReplicaPoller(
+        router, backends.names, backends.stats, running=getattr(backends, "running", None)
+    )
     restart_lock = asyncio.Lock()
 
     async def ready(http: HTTPRequest) -> Response:

@@ -31,9 +31,13 @@ class ReplicaPoller:
         names: Callable[[], list[str]],
         stats: Callable[[str], Awaitable[dict]],
         interval_s: float = 0.5,
-        timeout_s: float = 2.0,
+        timeout_s: float = 1.0,
+        running: Callable[[], Awaitable[dict]] | None = None,
     ):
         self.router, self.names, self.stats = router, names, stats
+        # name -> whether Ray says its replica runs: a dead process shows at once there, while
+        # a stats call to it would wait for the replacement until `timeout_s`
+        self.running = running
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.last: dict[str, dict] = {}  # replica -> its last stats (or {"ready": False})
         self._task: asyncio.Task | None = None
@@ -41,6 +45,14 @@ class ReplicaPoller:
     async def poll_once(self) -> None:
         names = self.names()
         self.router.set_replicas(names)
+        if self.running is not None:
+            try:
+                running = await asyncio.wait_for(self.running(), self.timeout_s)
+            except Exception:
+                running = {}
+            for name in names:
+                if running.get(name) is False:
+                    self.router.mark_down(name)
         results = await asyncio.gather(
             *(asyncio.wait_for(self.stats(n), self.timeout_s) for n in names),
             return_exceptions=True,

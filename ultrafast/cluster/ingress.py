@@ -13,6 +13,8 @@ its answer began ends the stream with an OpenAI error event and [DONE], never si
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9a-zA-Z]+)"')
 MAX_BODY_BYTES = 64 * 1024 * 1024  # the replica enforces the configured limit
+DOWN_CHECK_S = 0.2  # how often a call waiting for its answer checks its replica is alive
 
 
 class ReplicaFailed(Exception):
@@ -60,16 +63,19 @@ class Homes:
 
     def __init__(self, capacity: int = 100_000):
         self.capacity = capacity
-        self._keys: OrderedDict[str, str] = OrderedDict()
+        self._keys: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (key, replica)
 
-    def learn(self, response_id: str, key: str) -> None:
-        self._keys[response_id] = key
+    def learn(self, response_id: str, key: str, replica: str) -> None:
+        self._keys[response_id] = (key, replica)
         self._keys.move_to_end(response_id)
         while len(self._keys) > self.capacity:
             self._keys.popitem(last=False)
 
     def key_of(self, response_id: str) -> str:
-        return self._keys.get(response_id, response_id)
+        return self._keys.get(response_id, (response_id, ""))[0]
+
+    def replica_of(self, response_id: str) -> str | None:
+        return self._keys.get(response_id, ("", None))[1]
 
 
 def route_request(path: str, headers, body: dict | None, homes: Homes) -> RouteRequest:
@@ -89,12 +95,15 @@ def route_request(path: str, headers, body: dict | None, homes: Homes) -> RouteR
         conversation = conversation.get("id")
     if isinstance(conversation, str):
         key = conversation
+    home = None
     if isinstance(body.get("previous_response_id"), str):
         key = homes.key_of(body["previous_response_id"])
+        home = homes.replica_of(body["previous_response_id"])  # where the chain's KV is
     hint = body.get("prompt_cache_key")
     return RouteRequest(
         tier=tier,
         affinity_key=key,
+        home=home,
         cache_hint=hint if isinstance(hint, str) else None,
         prompt_text=_prompt_text(body),
     )
@@ -136,11 +145,19 @@ class ClusterIngress:
         decision = self.router.choose(route)
         if decision.replica is None:
             return _refusal(decision)
+        headers = [(k.encode(), v.encode()) for k, v in http.headers.items()]
+        if (
+            http.url.path == "/v1/chat/completions"
+            and isinstance(body, dict)
+            and body.get("session_id")
+            and "idempotency-key" not in http.headers
+        ):  # a retry on another replica then stores the turn once (the store dedupes by key)
+            headers.append((b"idempotency-key", f"ingress-{uuid.uuid4().hex}".encode()))
         request = {
             "method": http.method,
             "path": http.url.path,
             "query_string": http.url.query.encode(),
-            "headers": [(k.encode(), v.encode()) for k, v in http.headers.items()],
+            "headers": headers,
             "body": body_bytes,
             "client": list(http.client) if http.client else ["127.0.0.1", 0],
         }
@@ -167,7 +184,7 @@ class ClusterIngress:
         counted = self.router.dispatched(name, route)
         stream = self.backends.forward(name, request)
         try:
-            start = await anext(stream)
+            start = await self._start_of(name, stream)
             first = b""
             more = True
             while not first and more:  # the status line waits for the first body bytes
@@ -186,7 +203,7 @@ class ClusterIngress:
         headers["x-ultrafast-route"] = reason
         if route.affinity_key:
             headers["x-session-id"] = route.affinity_key
-        self._learn(route, headers, first)
+        self._learn(route, headers, first, name)
         event_stream = headers.get("content-type", "").startswith("text/event-stream")
 
         async def rest() -> AsyncIterator[bytes]:
@@ -211,7 +228,25 @@ class ClusterIngress:
 
         return StreamingResponse(rest(), status_code=start["status"], headers=headers)
 
-    def _learn(self, route: RouteRequest, headers: dict, first: bytes) -> None:
+    async def _start_of(self, name: str, stream: AsyncIterator[Any]) -> Any:
+        """The answer's first item; ReplicaFailed if the replica is found down before it
+        comes (a call to a dead replica would otherwise wait for Ray's replacement)."""
+        task = asyncio.ensure_future(anext(stream))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DOWN_CHECK_S)
+                if done:
+                    return task.result()
+                load = self.router.loads.get(name)
+                if load is None or not load.healthy:
+                    raise ReplicaFailed(f"{name} is down and has not started the answer")
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    def _learn(self, route: RouteRequest, headers: dict, first: bytes, replica: str) -> None:
         """A new Responses chain: its first response id keys the chain's replica."""
         rid = headers.get("x-request-id", "")
         if not rid.startswith("resp_"):
@@ -219,7 +254,7 @@ class ClusterIngress:
             rid = found.group(1).decode() if found else ""
         if rid:
             key = route.affinity_key or rid
-            self.homes.learn(rid, key)
+            self.homes.learn(rid, key, replica)
             headers.setdefault("x-session-id", key)
 
 

@@ -59,6 +59,7 @@ class ReplicaLoad:
 class RouteRequest:
     tier: str = "default"
     affinity_key: str | None = None  # session / conversation / previous response
+    home: str | None = None  # the replica known to hold it (a Responses chain's), if any
     cache_hint: str | None = None  # prompt_cache_key: a soft preference
     prompt_text: str = ""  # what the prefix index matches on
 
@@ -212,6 +213,8 @@ class Router:
             rest = sorted((n for n in live if n != name), key=lambda n: predicted[n][0])
             return Decision(name, reason, predicted[name][0], fallbacks=tuple(rest))
 
+        if req.home in predicted and fits(req.home):
+            return decide(req.home, "affinity")
         if req.affinity_key:
             home = rendezvous(req.affinity_key, live)[0]
             if fits(home):

@@ -77,9 +77,12 @@ async def c1_replica_kill(ctx: Context, result: Result) -> None:
             await asyncio.sleep(1.0)
             victim = sorted(cluster.replicas())[0]
             await asyncio.to_thread(cluster.kill_replica, victim)
+            cut = 0
             for rec in await asyncio.gather(*streams):
                 result.num_requests += 1
                 result.fail(_stream_problems(rec))
+                cut += bool(rec.num_error_events)
+            result.metrics["streams_cut_by_the_kill"] = cut
             for sid in sessions:
                 rec = await session_turn(client, sid, 1)
                 result.num_requests += 1
