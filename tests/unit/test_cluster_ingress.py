@@ -163,3 +163,15 @@ def test_the_poller_routes_around_a_replica_that_does_not_answer():
         assert poller.last["a"]["ready"] is False
 
     asyncio.run(go())
+
+
+def test_an_oversized_body_is_refused_at_the_ingress_like_the_single_server():
+    async def go():
+        backends = ScriptedBackends({"a": "ok"})
+        client, ingress, _ = _client(backends)
+        ingress.max_body_bytes = 100
+        r = await client.post("/v1/chat/completions", content=b"x" * 101)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+        assert backends.calls == []
+
+    asyncio.run(go())

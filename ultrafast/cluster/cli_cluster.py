@@ -152,13 +152,25 @@ def run_cluster(spec, replicas: int, address: str | None) -> int:
         wait_running([app_name(i) for i in range(replicas)])
         backends = RayBackends(replicas)
         app, poller = build_cluster_app(backends, spec)
+        from ultrafast.server.http_timeouts import protocol_class
+
+        cfg = spec.server
         config = uvicorn.Config(
             app,
-            host=spec.server.host,
-            port=spec.server.port,
+            host=cfg.host,
+            port=cfg.port,
             log_level="warning",
             access_log=False,
             lifespan="on",
+            timeout_keep_alive=5,
+            h11_max_incomplete_event_size=16 * 1024,
+            # the single server's slowloris, stalled-reader and per-client limits, at the door
+            http=protocol_class(
+                cfg.header_timeout_s,
+                cfg.write_stall_timeout_s,
+                cfg.body_timeout_s,
+                cfg.max_connections_per_ip,
+            ),
         )
         server = uvicorn.Server(config)
 
@@ -167,7 +179,7 @@ def run_cluster(spec, replicas: int, address: str | None) -> int:
             await poller.poll_once()
             poller.start()
             print(
-                f"ultrafast cluster ready: {replicas} replicas of {spec.server.served_model_name!r}"
+                f"ultrafast cluster ready: {replicas} replicas of {spec.engine.model}"
                 f" on http://{spec.server.host}:{spec.server.port} "
                 f"({time.monotonic() - started:.1f} s)",
                 flush=True,
@@ -203,7 +215,9 @@ def build_cluster_app(backends, spec):
     server = spec.server
     targets = {t: getattr(server, t).ttft_ms / 1000 or 1e9 for t in ("priority", "default", "flex")}
     router = Router(backends.names(), RouterConfig(ttft_target_s=targets))
-    ingress = ClusterIngress(backends, router, server.served_model_name or "")
+    ingress = ClusterIngress(
+        backends, router, server.served_model_name or "", max_body_bytes=server.max_body_bytes
+    )
     poller = ReplicaPoller(
         router, backends.names, backends.stats, running=getattr(backends, "running", None)
     )

@@ -124,7 +124,14 @@ def _prompt_text(body: dict) -> str:
 
 
 class ClusterIngress:
-    def __init__(self, backends: Backends, router: Router, model_name: str = ""):
+    def __init__(
+        self,
+        backends: Backends,
+        router: Router,
+        model_name: str = "",
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ):
+        self.max_body_bytes = max_body_bytes
         self.backends = backends
         self.router = router
         self.homes = Homes()
@@ -132,9 +139,7 @@ class ClusterIngress:
         self.failures: dict[str, int] = {}  # replica -> calls that failed on it
 
     async def handle(self, http: HTTPRequest) -> Response:
-        body_bytes = await http.body()
-        if len(body_bytes) > MAX_BODY_BYTES:
-            raise APIError(413, "request body too large", "invalid_request_error", None, None)
+        body_bytes = await self._read_body(http)
         body = None
         if body_bytes and http.method == "POST":
             try:
@@ -175,6 +180,28 @@ class ClusterIngress:
             None,
             headers={"Retry-After": "1"},
         )
+
+    async def _read_body(self, http: HTTPRequest) -> bytes:
+        """The body, refused past the limit as the single server refuses it (never buffered
+        beyond it)."""
+        limit = self.max_body_bytes
+        too_large = APIError(
+            413,
+            f"request body is larger than {limit} bytes",
+            "invalid_request_error",
+            "payload_too_large",
+            None,
+        )
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _failed(self, name: str) -> None:
         self.failures[name] = self.failures.get(name, 0) + 1
