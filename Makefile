@@ -33,7 +33,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@mkdir -p $(WHEELS)
 	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
 		$(BIN)/pip wheel --no-deps -w $(WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION)
-	$(BIN)/pip install -q --find-links $(WHEELS) -e '.[test]'
+	@# the ray extra (`ultrafast cluster`; ~36 s, ~500 MB): its CI-sized cluster test runs in
+	@# `make test` (skipped, saying why, where ray is not importable)
+	$(BIN)/pip install -q --find-links $(WHEELS) -e '.[test,ray]'
 	@# promtool checks deploy/prometheus in the tests (skipped without it); Debian's prometheus
 	@# package carries it. Best effort: no root or no apt leaves the parser-only checks.
 	command -v promtool >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \

@@ -12,6 +12,7 @@ from typing import Any
 
 from ultrafast.cli_bench import add_bench_parser, with_default_bench_suite
 from ultrafast.cli_serve import add_generate_parser, add_serve_parser
+from ultrafast.cluster.cli_cluster import add_cluster_parser
 from ultrafast.weight_format import AUTO, OUT_TYPES
 
 
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add_command in (
         add_generate_parser,
         add_serve_parser,
+        add_cluster_parser,
         add_bench_parser,
         add_loadtest_parser,
         add_keys_parser,

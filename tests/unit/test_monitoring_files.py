@@ -25,7 +25,10 @@ _NAME = re.compile(r"\b(ultrafast_[a-z0-9_]+)")
 
 
 def exported() -> set[str]:
-    return exported_metric_names(ServerMetrics(tenants=["a"], alert_priority_itl_p99_s=0.002))
+    from ultrafast.cluster.health import CLUSTER_METRIC_NAMES  # the cluster ingress's own
+
+    metrics = ServerMetrics(tenants=["a"], alert_priority_itl_p99_s=0.002)
+    return exported_metric_names(metrics) | CLUSTER_METRIC_NAMES
 
 
 def alert_exprs() -> list[str]:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ultrafast.loadtest import scenarios_client as c
+from ultrafast.loadtest import scenarios_cluster as cl
 from ultrafast.loadtest import scenarios_fault as f
 from ultrafast.loadtest import scenarios_kv as kv
 from ultrafast.loadtest import scenarios_load as s
@@ -102,6 +103,13 @@ SCENARIOS = [
     ),
     Scenario("F31", "the KV disk tier full (budget), then gone", kv.f31_disk_full),
     Scenario("F32", "Redis restarts while KV is saving", kv.f32_redis_restart),
+    # `ultrafast cluster` (needs ultrafast[ray]; each starts its own 2-replica cluster)
+    Scenario("C1", "cluster: a replica killed under streaming load", cl.c1_replica_kill),
+    Scenario("C2", "cluster: Redis restarted mid-conversation", cl.c2_redis_restart),
+    Scenario("C3", "cluster: rolling restart under load", cl.c3_rolling_restart),
+    Scenario(
+        "C4", "cluster: one tenant over its limit through two replicas", cl.c4_tenant_over_limit
+    ),
 ]
 BY_NAME = {sc.name: sc for sc in SCENARIOS}
 # Run order: scenarios that share a server spec run back to back (one server start each group;

@@ -1,0 +1,205 @@
+"""Ray Serve deployments: each engine replica is its own Serve application (`engine-0`, ...)
+of one replica that wraps the single server's app (server/app.py), engine and all.
+
+One application per replica, not one deployment of N replicas: the ingress (ingress.py, in
+the `ultrafast cluster` process) picks the replica itself, which Ray's routers cannot do for
+it (they see headers only and queue FIFO across tiers; docs/ARCHITECTURE.md "Cluster"), and a
+rolling restart redeploys one application at a time. Ray still owns each replica's life: it
+restarts one whose process died or whose `check_health` raised.
+
+`max_ongoing_requests` is set far above what a replica can run, so no call ever waits in
+Ray's FIFO queue: queueing and refusals happen in the replica's tier-aware admission and
+scheduler.
+
+Needs the optional extra `ultrafast[ray]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.exceptions import RayError
+
+from ultrafast.cluster.asgi_call import call_asgi
+from ultrafast.cluster.ingress import ReplicaFailed
+from ultrafast.config import EngineConfig, ServerConfig
+
+log = logging.getLogger(__name__)
+
+HEALTH_CHECK_PERIOD_S = 2.0
+HEALTH_CHECK_TIMEOUT_S = 10.0
+
+
+@dataclass
+class ReplicaSpec:
+    engine: EngineConfig
+    server: ServerConfig
+    limits_store: str | None = None  # redis://... : tenant rate limits shared by all replicas
+    limits_fail: str = "open"
+    num_cpus: float = 0.5
+
+
+class EngineReplica:
+    """One engine and the single server's app, driven through `forward` by the ingress."""
+
+    def __init__(self, name: str, spec: ReplicaSpec, generation: int = 0):
+        # `generation`: a rolling restart bumps it, which makes Ray replace the replica
+        from ultrafast.server.app import build_app
+        from ultrafast.server.serve import build_state
+
+        logging.basicConfig(level=logging.INFO)
+        self.name = name
+        self.state = build_state(spec.engine, spec.server)
+        if spec.limits_store and self.state.api_keys is not None:
+            from ultrafast.cluster.shared_limits import SharedLimits, share_buckets
+
+            share_buckets(self.state.api_keys, SharedLimits(spec.limits_store, spec.limits_fail))
+        self.app = build_app(self.state)
+
+    def _bridge(self) -> None:
+        """The bridge needs the loop the calls run on: made at the first call, as the
+        single server's lifespan makes it at start."""
+        if self.state.bridge is None:
+            from ultrafast.server.bridge import EngineBridge
+
+            self.state.bridge = EngineBridge(
+                self.state.engine,
+                asyncio.get_running_loop(),
+                self.state.config.max_stream_buffer_events,
+            )
+
+    async def forward(self, request: dict) -> AsyncIterator[Any]:
+        self._bridge()
+        async for item in call_asgi(self.app, request):
+            yield item
+
+    async def routing_stats(self) -> dict:
+        state = self.state
+        snap = state.engine.snapshot()
+        costs = snap.step_costs
+        admission = state.admission
+        return {
+            "pid": os.getpid(),
+            "ready": state.engine.alive and not state.draining,
+            "base_s": costs.base_s,
+            "per_token_s": costs.per_token_s,
+            "per_seq_s": costs.per_seq_s,
+            "num_running": snap.num_running,
+            "num_waiting": snap.num_waiting,
+            "num_slots": snap.num_kv_slots_total,
+            "pending_tokens": {t.api_name: n for t, n in admission.pending_prefill_tokens.items()},
+            "in_flight": {t.api_name: n for t, n in admission.in_flight.items()},
+            "ttft_target_s": {
+                name: t["ttft_ms"] / 1000 for name, t in admission.describe_targets().items()
+            },
+        }
+
+    async def metrics_text(self) -> str:
+        body, _ = self.state.metrics.render()
+        return body.decode() if isinstance(body, bytes) else str(body)
+
+    async def check_health(self) -> None:
+        """Ray calls this every HEALTH_CHECK_PERIOD_S; raising makes Ray replace the replica."""
+        if not self.state.engine.alive:
+            raise RuntimeError(f"engine dead: {self.state.engine.dead_reason}")
+
+    def __del__(self) -> None:  # Ray's graceful stop: the engine thread ends with the replica
+        try:
+            from ultrafast.server.bridge import shutdown_engine
+
+            shutdown_engine(self.state.engine)
+        except Exception:
+            pass
+
+
+def max_ongoing_requests(server: ServerConfig) -> int:
+    """Far above what the replica admits, so Ray never queues a call (it would queue FIFO)."""
+    admitted = server.priority.max_in_flight + server.default.max_in_flight
+    return 4 * (admitted + server.flex.max_in_flight) + 64
+
+
+def app_name(index: int) -> str:
+    return f"engine-{index}"
+
+
+def deploy_replica(index: int, spec: ReplicaSpec, generation: int = 0) -> None:
+    deployment: Any = serve.deployment(
+        EngineReplica,
+        name="EngineReplica",
+        num_replicas=1,
+        max_ongoing_requests=max_ongoing_requests(spec.server),
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+        graceful_shutdown_timeout_s=spec.server.drain_timeout_s,
+        graceful_shutdown_wait_loop_s=0.5,
+        ray_actor_options={"num_cpus": spec.num_cpus},
+    )
+    name = app_name(index)
+    # returns at once (the caller waits for RUNNING, so replicas start in parallel); on a
+    # redeploy Ray keeps the old replica serving until the new one is up, then stops it
+    # gracefully: its calls in flight finish
+    bound = deployment.bind(name, spec, generation)
+    serve._run(bound, _blocking=False, name=name, route_prefix=None)
+
+
+class RayBackends:
+    """The ingress's Backends over Serve handles, one application per replica."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self._handles: dict[str, Any] = {}
+
+    def names(self) -> list[str]:
+        return [app_name(i) for i in range(self.count)]
+
+    def _handle(self, name: str):
+        handle = self._handles.get(name)
+        if handle is None:
+            handle = serve.get_app_handle(name)
+            self._handles[name] = handle
+        return handle
+
+    async def forward(self, name: str, request: dict) -> AsyncIterator[Any]:
+        try:
+            stream = self._handle(name).options(stream=True).forward.remote(request)
+            async for item in stream:
+                yield item
+        except (RayError, RuntimeError) as exc:  # the actor died, or the app is gone
+            raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
+
+    async def running(self) -> dict:
+        """name -> whether Serve reports its application RUNNING (a controller call)."""
+        apps = await asyncio.to_thread(lambda: serve.status().applications)
+        return {n: str(apps[n].status).endswith("RUNNING") for n in self.names() if n in apps}
+
+    async def stats(self, name: str) -> dict:
+        return await self._handle(name).routing_stats.remote()
+
+    async def metrics_text(self, name: str) -> str:
+        return await self._handle(name).metrics_text.remote()
+
+
+def runtime_env() -> dict:
+    """Replicas import ultrafast from where this process does (a checkout or the venv)."""
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONPATH": path}
+    for var in ("ULTRAFAST_MODEL", "XDG_DATA_HOME", "OMP_NUM_THREADS"):
+        if var in os.environ:
+            env[var] = os.environ[var]
+    return {"env_vars": env}
+
+
+def with_replica_defaults(spec: ReplicaSpec) -> ReplicaSpec:
+    """Replicas keep no process-wide state of their own: the session store must be shared."""
+    store = spec.server.session_store or ""
+    if not store.startswith("redis://"):
+        raise ValueError("a cluster needs --session-store redis://... (every replica reads it)")
+    return replace(spec)
