@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 
 import httpx
 import pytest
@@ -56,7 +57,7 @@ def statuses(url: str) -> dict[str, str]:
     return {m["id"]: m["status"] for m in data}
 
 
-def test_swap_waits_for_the_call_in_flight_and_keeps_its_output(two_models):
+def test_swap_waits_for_the_call_in_flight_and_keeps_its_output(two_models):  # F30
     srv, _ = two_models
     assert statuses(srv.url) == {"code": "loaded", "draft": "unloaded"}
     reference = complete(srv.url, "code", max_tokens=48).json()["choices"][0]["text"]
@@ -104,7 +105,18 @@ def test_bad_requests_name_the_model(two_models):
     assert r.status_code == 200 and r.json()["status"] in ("loaded", "unloaded")
 
 
-def test_files_gone_while_not_resident_is_a_503(two_models):
+def test_keep_alive_zero_unloads_when_the_call_ends(two_models):
+    srv, _ = two_models
+    assert complete(srv.url, "code", max_tokens=4, keep_alive=0).status_code == 200
+    deadline = time.monotonic() + 30
+    while statuses(srv.url)["code"] != "unloaded" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert statuses(srv.url) == {"code": "unloaded", "draft": "unloaded"}
+    metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+    assert 'ultrafast_model_evictions_total{reason="keep_alive"} 1.0' in metrics
+
+
+def test_files_gone_while_not_resident_is_a_503(two_models):  # F31
     srv, draft = two_models
     assert complete(srv.url, "code", max_tokens=4).status_code == 200  # draft unloads
     assert statuses(srv.url)["draft"] == "unloaded"

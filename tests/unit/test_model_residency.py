@@ -45,7 +45,7 @@ def test_negative_keep_alive_is_forever(value):
 
 
 @pytest.mark.parametrize("value", ["5 minutes", "m5", "", True, [1], {"s": 1}, "inf", float("nan")])
-def test_bad_keep_alive_is_refused(value):
+def test_bad_keep_alive_is_refused(value):  # B61
     with pytest.raises(ValueError):
         parse_keep_alive(value)
 
@@ -181,7 +181,7 @@ def test_budget_for_one_swaps_the_least_recently_used():
     asyncio.run(run())
 
 
-def test_a_model_with_a_call_in_flight_is_never_evicted():
+def test_a_model_with_a_call_in_flight_is_never_evicted():  # F30
     async def run():
         h = Harness({"a": 10, "b": 10}, budget=15, load_timeout_s=0.2)
         view, release_a = await h.registry.acquire("a")
@@ -219,7 +219,7 @@ def test_keep_alive_zero_forever_and_default():
     asyncio.run(run())
 
 
-def test_pinned_model_stays_and_too_large_is_refused():
+def test_pinned_model_stays_and_too_large_is_refused():  # B60
     async def run():
         h = Harness({"p": 10, "a": 10, "big": 25}, budget=30, pinned=("p",))
         await h.call("p")
@@ -236,7 +236,7 @@ def test_pinned_model_stays_and_too_large_is_refused():
     asyncio.run(run())
 
 
-def test_a_failed_load_is_a_503_naming_the_model_and_is_retried():
+def test_a_failed_load_is_a_503_naming_the_model_and_is_retried():  # F31
     async def run():
         h = Harness({"a": 10, "gone": 10}, budget=0)
         h.fail.add("gone")
@@ -287,3 +287,56 @@ def test_preloading_a_periodic_trace_cuts_cold_loads():
     assert without.cold_calls == 48  # every call loads its model
     assert with_preload.loads["preload"] > 0 and with_preload.preload_hits > 0
     assert with_preload.cold_calls <= 0.2 * without.cold_calls
+
+
+# ---- the serve flags ------------------------------------------------------------------------
+
+
+def _serve_args(*argv: str):
+    import argparse
+
+    from ultrafast.cli_serve import add_serve_parser
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_models_flags_make_the_server_config():
+    from ultrafast.cli_serve import server_config
+
+    config = server_config(
+        _serve_args(
+            "--models",
+            "a=/m/a.gguf,b=/m/b",
+            "--models",
+            "/m/c.gguf",
+            "--max-resident-bytes",
+            "1.5G",
+            "--pin",
+            "b",
+            "--keep-alive",
+            "-1",
+            "--no-preload",
+        )
+    )
+    assert config.models == (("a", "/m/a.gguf"), ("b", "/m/b"), ("c", "/m/c.gguf"))
+    assert config.max_resident_bytes == 1_500_000_000 and config.pinned_models == ("b",)
+    assert config.keep_alive_s is None and not config.preload_models
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--models", "a=/x,a=/y"),  # a name twice
+        ("--models", "=/x"),
+        ("--models", "a=/x", "--pin", "b"),  # not one of the models
+        ("--models", "a=/x", "--max-resident-bytes", "lots"),
+        ("--models", "a=/x", "--keep-alive", "soon"),
+    ],
+)
+def test_bad_models_flags_are_refused(argv):
+    from ultrafast.cli_serve import server_config
+
+    with pytest.raises(ValueError):
+        server_config(_serve_args(*argv))

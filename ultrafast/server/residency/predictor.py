@@ -17,7 +17,7 @@ import statistics
 
 class UsePredictor:
     def __init__(
-        self, history: int = 8, min_samples: int = 3, max_cv: float = 0.25, min_share: float = 0.8
+        self, history: int = 8, min_samples: int = 2, max_cv: float = 0.25, min_share: float = 0.8
     ):
         self.history = history  # calls (and successors) remembered per model
         self.min_samples = min_samples  # gaps or successions needed before predicting

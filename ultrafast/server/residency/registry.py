@@ -143,6 +143,7 @@ class ModelRegistry:
             "pinned": entry.pinned,
             "resident_bytes": entry.num_bytes,
             "in_flight": entry.in_flight,
+            "load_s": None if entry.load_s is None else round(entry.load_s, 4),  # the last load
             **entry.extra,
         }
 
