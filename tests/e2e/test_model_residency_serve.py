@@ -127,3 +127,43 @@ def test_files_gone_while_not_resident_is_a_503(two_models):  # F31
     assert error["code"] == "model_unavailable" and "'draft'" in error["message"]
     assert complete(srv.url, "code", max_tokens=4).status_code == 200  # still serving
     assert httpx.get(srv.url + "/ready", timeout=10).status_code == 200
+
+
+def test_sigterm_drains_a_stream_of_the_second_model(tmp_path):  # F5 with several models
+    srv = ServerProcess(
+        "--models",
+        f"draft={DEMO_DRAFT_DIR},code={DEMO_MODEL_DIR}",  # the stream is not the default's
+        "--drain-timeout-s",
+        "120",
+        "--threads",
+        "1",
+        "--priority-ttft-ms",
+        "10000",
+        model=None,
+        num_slots=NUM_SLOTS,
+        max_model_len=2048,
+    )
+    try:
+        body = {  # longer than uvicorn's 3 s graceful close: only the drain keeps it
+            "model": "code",
+            "prompt": "def fibonacci(n):",
+            "max_tokens": 2000,
+            "stream": True,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        }
+        finishes, usage = [], {}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = httpx.Response(200, content=line[6:]).json()
+                if srv.proc.poll() is None and not finishes and chunk["choices"]:
+                    srv.proc.terminate()  # SIGTERM with the stream in flight
+                    finishes.append(None)
+                finishes += [c["finish_reason"] for c in chunk["choices"] if c["finish_reason"]]
+                usage = chunk.get("usage") or usage
+        assert finishes[-1] == "length" and usage["completion_tokens"] == 2000
+        assert srv.proc.wait(30) == 0
+    finally:
+        srv.stop()

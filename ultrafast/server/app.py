@@ -116,7 +116,7 @@ def build_app(state: ServerState) -> Starlette:
                 "waiting": snap.num_waiting,
                 "kv_slots_busy": snap.num_kv_slots_running,
                 "kv_slots_total": snap.num_kv_slots_total,
-                "in_flight": {t.api_name: n for t, n in state.admission.in_flight.items()},
+                "in_flight": state.in_flight_by_tier(),
                 # TTFT targets in force (measured from the model's idle speed, or configured)
                 "tier_targets": state.admission.describe_targets(),
                 "idle_speed": _idle_speed(snap.idle_speed),
@@ -214,9 +214,7 @@ def build_app(state: ServerState) -> Starlette:
 
     state.metrics.add_refusal_source(lambda: state.admission.refused)
     state.metrics.add_refusal_source(lambda: state.auth_refused)
-    state.metrics.set_in_flight_source(
-        lambda: {t.api_name: n for t, n in state.admission.in_flight.items()}
-    )
+    state.metrics.set_in_flight_source(state.in_flight_by_tier)
     hosts = auth.allowed_hosts_for(state.config.host, state.config.allowed_hosts)
     middleware = [
         Middleware(auth.HostAllowListMiddleware, allowed_hosts=hosts),

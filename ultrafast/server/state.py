@@ -60,14 +60,22 @@ class ServerState:
         views = self.residency.loader.limits
         return views.get(model if model is not None else self.model_name, self.limits)
 
+    def _admissions(self) -> list[Admission]:
+        if self.residency is None:
+            return [self.admission]
+        return list(self.residency.loader.admissions.values())  # one per model, default too
+
     def calls_in_flight(self) -> int:
         """Admitted calls not finished, over every model (the drain waits for them)."""
-        admissions = [self.admission]
-        if self.residency is not None:
-            admissions = list(
-                {id(a): a for a in self.residency.loader.admissions.values()}.values()
-            )
-        return sum(sum(a.in_flight.values()) for a in admissions)
+        return sum(sum(a.in_flight.values()) for a in self._admissions())
+
+    def in_flight_by_tier(self) -> dict[str, int]:
+        """Tier name -> admitted calls not finished, over every model (/ready, /metrics)."""
+        counts: dict[str, int] = {}
+        for admission in self._admissions():
+            for tier, n in admission.in_flight.items():
+                counts[tier.api_name] = counts.get(tier.api_name, 0) + n
+        return counts
 
     def run_deps(self) -> RunDeps:
         assert self.bridge is not None, "the bridge is made when the app starts"

@@ -135,6 +135,16 @@ class ResidentEngines:
         return 0  # calls ask their own model's engine (the view's)
 
 
+def other_models_refusals(loader: ModelLoader, default: Admission) -> dict:
+    """reason -> count of every model's admission but the default one (app.py reads that)."""
+    counts: dict = {}
+    for admission in loader.admissions.values():
+        if admission is not default:
+            for reason, n in admission.refused.items():
+                counts[reason] = counts.get(reason, 0) + n
+    return counts
+
+
 def attach_residency(
     state: ServerState,
     engine_config: EngineConfig,
@@ -194,6 +204,7 @@ def attach_residency(
     state.metrics.set_spec_source(engines.snapshot)
     state.metrics.set_occupancy_source(engines.snapshot)
     state.metrics.registry.register(ResidencyCollector(registry))
+    state.metrics.add_refusal_source(lambda: other_models_refusals(loader, state.admission))
     state.residency = registry
     log.info(
         "models: %s; resident budget %s bytes",

@@ -417,8 +417,8 @@ class ModelRegistry:
     def close(self) -> None:
         """Shutdown: free every resident model (after the event loop stopped)."""
         self._closed = True
-        if self._ticker is not None:
-            self._ticker.cancel()
+        if self._ticker is not None and not self._ticker.get_loop().is_closed():
+            self._ticker.cancel()  # (asyncio.run has already cancelled it when serving ended)
         self._worker.shutdown(wait=True)  # a load in progress finishes (and closes itself)
         for e in self.entries.values():
             if e.resident is not None:
