@@ -60,7 +60,12 @@ class ModelLoader:
         core, tokenizer, _files = self.build_engine(
             self.engine_configs[name], priority_itl_target_s=self.config.priority.itl_ms / 1000
         )
-        engine = start_engine_thread(core, shaper_window_s=self.config.shaper_window_ms / 1000)
+        engine = start_engine_thread(
+            core,
+            shaper_window_s=self.config.shaper_window_ms / 1000,
+            # a reload keeps the admission (and idle speed) of the model's first load
+            measure_speed=name not in self.admissions,
+        )
         del core
         return self.wrap(name, engine, tokenizer)
 
