@@ -262,6 +262,25 @@ def test_unknown_model_is_a_404_naming_it():
     asyncio.run(run())
 
 
+def test_a_waiting_call_goes_before_a_preload():
+    async def run():
+        h = Harness({"a": 10, "b": 10, "c": 10}, budget=15)
+        _, release_a = await h.registry.acquire("a")
+        for t in (0.0, 10.0, 20.0):  # c is called every 10 s: next at 30
+            h.registry.predictor.observe("c", t)
+        h.now = 30.0
+        waiter = asyncio.ensure_future(h.registry.acquire("b"))
+        await asyncio.sleep(0.01)  # b waits for a's room
+        release_a()
+        h.registry.tick()  # before b's waiter runs: c is due, but b was asked for
+        assert h.registry.loads["preload"] == 0 and status(h)["c"] == UNLOADED
+        view_b, release_b = await waiter
+        assert view_b == "b"
+        release_b()
+
+    asyncio.run(run())
+
+
 def replay_alternating(preload: bool, cycles: int = 24) -> ModelRegistry:
     """a at t = 10k, b at t = 10k + 5, budget for one, loads take 1 s (fake clock)."""
 

@@ -371,6 +371,8 @@ class ModelRegistry:
             self._preload(now)
 
     def _preload(self, now: float) -> None:
+        if any(e.waiting for e in self.entries.values() if e.status != LOADED):
+            return  # a call waits for room or a load: it goes first, a guess waits
         for e in self.entries.values():
             if e.status != UNLOADED or now - e.failed_s < RETRY_FAILED_PRELOAD_S:
                 continue
