@@ -391,6 +391,42 @@ def _add_serve(suites: Any) -> None:
     _add_out(p, "runs/bench_serve.json")
 
 
+def _add_models(suites: Any) -> None:
+    p = _suite(
+        suites,
+        "models",
+        "ultrafast.bench.models",
+        "several models in one server with a budget for one: swap cost vs load time, and "
+        "cold loads of a periodic trace with and without preloading",
+    )
+    p.add_argument(
+        "--models",
+        default=None,
+        metavar="A=PATH,B=PATH",
+        help="the two models (default: the demo model and SmolLM2 when fetched, else the "
+        "demo draft)",
+    )
+    _add_server_slots(p)
+    p.add_argument("--max-model-len", type=int, default=512, help="positions per slot")
+    _add_threads(p, "the server's --threads (default: the serve default)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per call (default 8)")
+    p.add_argument("--swaps", type=int, default=8, help="model switches timed (default 8)")
+    p.add_argument("--cycles", type=int, default=20, help="periodic trace cycles (default 20)")
+    p.add_argument(
+        "--warmup-cycles",
+        type=int,
+        default=4,
+        help="cycles before the steady state is counted (the predictor learns; default 4)",
+    )
+    p.add_argument(
+        "--period-s",
+        type=float,
+        default=0.0,
+        help="trace period (0 = 4x the slowest switching call, at least 1 s)",
+    )
+    _add_out(p, "runs/bench_models.json")
+
+
 SUITE_BUILDERS = (
     _add_harness,
     _add_decode,
@@ -399,6 +435,7 @@ SUITE_BUILDERS = (
     _add_guard,
     _add_gpu,
     _add_serve,
+    _add_models,
 )
 
 

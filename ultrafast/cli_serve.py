@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from ultrafast.config import EXECUTORS, SPEC_METHODS, EngineConfig, ServerConfig
@@ -399,6 +400,85 @@ def kv_cache_options(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def _add_model_residency_args(srv: argparse.ArgumentParser) -> None:
+    srv.add_argument(
+        "--models",
+        action="append",
+        default=[],
+        metavar="NAME=PATH[,NAME=PATH...]",
+        help="serve several models, each under its own name (repeatable); the first is the "
+        "default and loads at start, the others load on their first call",
+    )
+    srv.add_argument(
+        "--max-resident-bytes",
+        default="0",
+        metavar="BYTES",
+        help="with --models: weights + KV of the loaded models stay under this (e.g. 2G); the "
+        "least recently used idle model is unloaded to make room (0 = no limit)",
+    )
+    srv.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --models: load this model at start and never unload it (repeatable)",
+    )
+    srv.add_argument(
+        "--keep-alive",
+        default="5m",
+        help="with --models: unload a model idle this long (Ollama durations: 30s, 5m, 1h; "
+        "-1 = never; 0 = when its calls end); a request's `keep_alive` field overrides it",
+    )
+    srv.add_argument(
+        "--model-load-timeout-s",
+        type=float,
+        default=ServerConfig.model_load_timeout_s,
+        help="with --models: a call waits this long for its model to load (then 503)",
+    )
+    srv.add_argument(
+        "--no-preload",
+        action="store_true",
+        help="with --models: do not load a model ahead of its predicted next call",
+    )
+
+
+def parse_models_arg(values: list[str]) -> tuple[tuple[str, str], ...]:
+    """`--models a=/p/a.gguf,b=/p/b` (repeatable) -> ((name, path), ...); a bare path is
+    named after its file stem. ValueError on a duplicate or empty name."""
+    from pathlib import Path
+
+    models: list[tuple[str, str]] = []
+    for value in values:
+        for item in filter(None, (part.strip() for part in value.split(","))):
+            name, sep, path = item.partition("=")
+            if not sep:
+                name, path = Path(item).stem, item
+            if not name or not path:
+                raise ValueError(f"--models: {item!r} is not NAME=PATH")
+            if name in dict(models):
+                raise ValueError(f"--models: the name {name!r} is given twice")
+            models.append((name, path))
+    return tuple(models)
+
+
+def residency_options(args: argparse.Namespace) -> dict[str, Any]:
+    """ServerConfig's model-residency fields from the flags (ValueError on bad values)."""
+    from ultrafast.server.residency.budget import parse_bytes, parse_keep_alive
+
+    models = parse_models_arg(args.models)
+    unknown = [name for name in args.pin if name not in dict(models)]
+    if unknown:
+        raise ValueError(f"--pin {unknown[0]!r}: not one of the --models names")
+    return dict(
+        models=models,
+        max_resident_bytes=parse_bytes(args.max_resident_bytes),
+        pinned_models=tuple(args.pin),
+        keep_alive_s=parse_keep_alive(args.keep_alive),
+        model_load_timeout_s=args.model_load_timeout_s,
+        preload_models=not args.no_preload,
+    )
+
+
 def add_serve_parser(sub: Any) -> None:
     srv = sub.add_parser("serve", help="start the OpenAI-compatible server")
     srv.add_argument(
@@ -417,6 +497,7 @@ def add_serve_parser(sub: Any) -> None:
     _add_session_args(srv)
     _add_access_args(srv)
     _add_guard_args(srv)
+    _add_model_residency_args(srv)
     add_engine_args(srv)
     _add_kv_cache_args(srv)
     srv.set_defaults(func=cmd_serve)
@@ -424,8 +505,6 @@ def add_serve_parser(sub: Any) -> None:
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """The ServerConfig the serve flags describe."""
-    from dataclasses import replace
-
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -460,6 +539,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         body_timeout_s=args.body_timeout_s,
         write_stall_timeout_s=args.write_stall_timeout_s,
         max_connections_per_ip=args.max_connections_per_ip,
+        **residency_options(args),
     )
 
 
@@ -468,8 +548,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # without --threads/--batch-threads the engine times passes of several widths at start
     # and picks each width's thread count (executors/ggml_threads.py)
-    model, served_name = chosen_model(args.model_path or args.model)
-    if args.served_model_name is None:
-        args.served_model_name = served_name
+    config = server_config(args)
+    if config.models:  # several models: the first is the default, loaded at start
+        if args.model_path or args.model:
+            raise ValueError("give the models with --models, or one model, not both")
+        args.served_model_name, model = config.models[0]
+        config = replace(config, served_model_name=args.served_model_name)
+    else:
+        model, served_name = chosen_model(args.model_path or args.model)
+        if args.served_model_name is None:
+            config = replace(config, served_model_name=served_name)
     engine = EngineConfig(model=model, **engine_options(args), **kv_cache_options(args))
-    return serve(engine, server_config(args))
+    return serve(engine, config)

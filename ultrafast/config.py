@@ -216,3 +216,10 @@ class ServerConfig:
     guard_classifier_threshold: float = 0.5
     # per-token p99 alert threshold for the priority tier; None = 2 ms on GPU, off on CPU
     alert_priority_itl_p99_ms: float | None = None
+    # several models resident by use (server/residency/); () = the one engine model
+    models: tuple[tuple[str, str], ...] = ()  # (served name, path); the first is the default
+    max_resident_bytes: int = 0  # weights + KV of loaded models; 0 = no limit
+    pinned_models: tuple[str, ...] = ()  # loaded at start, never evicted
+    keep_alive_s: float | None = 300.0  # an idle model unloads after this; None = never
+    model_load_timeout_s: float = 120.0  # a call waits this long for its model's load
+    preload_models: bool = True  # load a model ahead of its predicted next call

@@ -146,6 +146,19 @@ def test_engine_thread_warms_up_on_its_own_thread_before_start_returns():
         engine.stop()
 
 
+@pytest.mark.parametrize("measure_speed", [True, False])
+def test_warmup_times_the_idle_speed_only_when_asked(measure_speed):
+    # a model reloaded by the residency cache warms up without timing its speed again
+    executor = FakeExecutor(num_slots=2, step_s=0.001)
+    engine = EngineThread(EngineCore(executor, SchedulerConfig(max_num_seqs=2, max_model_len=256)))
+    engine.start(warmup=True, measure_speed=measure_speed)
+    try:
+        assert executor.plans  # warmed up either way
+        assert (engine.snapshot().idle_speed is not None) == measure_speed
+    finally:
+        engine.stop()
+
+
 def test_warmup_leaves_the_engine_clean():
     executor = FakeExecutor(num_slots=2)
     core = EngineCore(executor, SchedulerConfig(max_num_seqs=2, max_model_len=64))

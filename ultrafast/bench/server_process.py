@@ -24,7 +24,7 @@ class ServerProcess:
     def __init__(
         self,
         *args: str,
-        model: Path | str = DEMO_MODEL_DIR,
+        model: Path | str | None = DEMO_MODEL_DIR,  # None: the args name them (--models)
         num_slots: int = 4,
         max_model_len: int = 512,
         startup_timeout_s: float = 120.0,
@@ -36,7 +36,7 @@ class ServerProcess:
             "-m",
             "ultrafast.cli",
             "serve",
-            str(model),
+            *([] if model is None else [str(model)]),
             "--port",
             str(self.port),
             "--num-slots",

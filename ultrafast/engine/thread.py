@@ -45,6 +45,7 @@ class EngineThread(EngineReadAPI):
         self._thread = threading.Thread(target=self._run, name="ultrafast-engine", daemon=True)
         self._stopping = threading.Event()
         self._warmup = False
+        self._measure_speed = True
         self._warmed = threading.Event()
         self.dead_reason: str | None = None
         # read API (engine/read_api.py): the snapshot (the pool lock is the core's)
@@ -52,14 +53,18 @@ class EngineThread(EngineReadAPI):
         self._snapshot = build_snapshot(core, self.device_kind)
         self._snapshot_s = time.monotonic()
 
-    def start(self, warmup: bool = False, timeout_s: float = 600.0) -> EngineThread:
+    def start(
+        self, warmup: bool = False, timeout_s: float = 600.0, measure_speed: bool = True
+    ) -> EngineThread:
         """Start the thread; with `warmup`, it first runs `core.warmup()` and this returns
-        once that is done.
+        once that is done (`measure_speed` False: without timing the idle speed, e.g. a
+        model reloaded by the residency cache, whose speed was measured at its first load).
 
         Warm up here, not on the caller's thread: llama.cpp's CPU threads come from OpenMP,
         and once one thread has run a pass, passes run from any other thread do not get the
         extra threads' speed (they run at the one-thread speed)."""
         self._warmup = warmup
+        self._measure_speed = measure_speed
         self._warmed.clear()
         self._thread.start()
         if warmup and not self._warmed.wait(timeout_s):
@@ -122,7 +127,7 @@ class EngineThread(EngineReadAPI):
     def _run(self) -> None:
         try:
             if self._warmup:
-                self.core.warmup()
+                self.core.warmup(measure_speed=self._measure_speed)
             self._publish(force=True)
             self._warmed.set()
             while not self._stopping.is_set():

@@ -61,7 +61,9 @@ async def _chat(http: HTTPRequest, state: ServerState, req: ChatCompletionReques
             return replay_response(state.model_name, state.tokenizer, req, session.replay)
     try:
         run = await prepare_call(
-            state, http.scope, chat_call(req, state.limits, session.messages if session else None)
+            state,
+            http.scope,
+            chat_call(req, state.limits_for(req.model), session.messages if session else None),
         )
     except BaseException:
         if session is not None:
@@ -82,7 +84,7 @@ async def _chat(http: HTTPRequest, state: ServerState, req: ChatCompletionReques
 
 
 async def _completion(http: HTTPRequest, state: ServerState, req: CompletionRequest) -> Response:
-    run = await prepare_call(state, http.scope, completion_call(req, state.limits))
+    run = await prepare_call(state, http.scope, completion_call(req, state.limits_for(req.model)))
     if run.spec.stream:
         return await run.respond_stream()
     return await run.respond_json(http)
@@ -91,11 +93,13 @@ async def _completion(http: HTTPRequest, state: ServerState, req: CompletionRequ
 def build_app(state: ServerState) -> Starlette:
     async def chat_completions(http: HTTPRequest) -> Response:
         body = await read_json(http, state)
-        return await _chat(http, state, parse_chat_request(body, state.limits))
+        limits = state.limits_for(body.get("model"))  # the named model's vocabulary
+        return await _chat(http, state, parse_chat_request(body, limits))
 
     async def completions(http: HTTPRequest) -> Response:
         body = await read_json(http, state)
-        return await _completion(http, state, parse_completion_request(body, state.limits))
+        limits = state.limits_for(body.get("model"))
+        return await _completion(http, state, parse_completion_request(body, limits))
 
     async def health(http: HTTPRequest) -> Response:
         return JSONResponse({"status": "ok"})
@@ -112,7 +116,7 @@ def build_app(state: ServerState) -> Starlette:
                 "waiting": snap.num_waiting,
                 "kv_slots_busy": snap.num_kv_slots_running,
                 "kv_slots_total": snap.num_kv_slots_total,
-                "in_flight": {t.api_name: n for t, n in state.admission.in_flight.items()},
+                "in_flight": state.in_flight_by_tier(),
                 # TTFT targets in force (measured from the model's idle speed, or configured)
                 "tier_targets": state.admission.describe_targets(),
                 "idle_speed": _idle_speed(snap.idle_speed),
@@ -202,15 +206,15 @@ def build_app(state: ServerState) -> Starlette:
         state.bridge = EngineBridge(
             state.engine, asyncio.get_running_loop(), state.config.max_stream_buffer_events
         )
+        if state.residency is not None:
+            state.residency.start()  # keep_alive expiry and preloading
         yield
         if state.sessions is not None:
             await state.sessions.store.close()
 
     state.metrics.add_refusal_source(lambda: state.admission.refused)
     state.metrics.add_refusal_source(lambda: state.auth_refused)
-    state.metrics.set_in_flight_source(
-        lambda: {t.api_name: n for t, n in state.admission.in_flight.items()}
-    )
+    state.metrics.set_in_flight_source(state.in_flight_by_tier)
     hosts = auth.allowed_hosts_for(state.config.host, state.config.allowed_hosts)
     middleware = [
         Middleware(auth.HostAllowListMiddleware, allowed_hosts=hosts),

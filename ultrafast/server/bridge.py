@@ -56,10 +56,14 @@ __all__ = [
 ]
 
 
-def start_engine(core: EngineCore, shaper_window_s: float) -> EngineThread:
+def start_engine(
+    core: EngineCore, shaper_window_s: float, measure_speed: bool = True
+) -> EngineThread:
     """The engine thread around a built EngineCore, warmed up on that thread (see
     EngineThread.start): the server holds only the thread and its read API."""
-    return EngineThread(core, shaper_window_s=shaper_window_s).start(warmup=True)
+    return EngineThread(core, shaper_window_s=shaper_window_s).start(
+        warmup=True, measure_speed=measure_speed
+    )
 
 
 def kv_cache_reader(engine: EngineThread) -> Callable[[], KVCacheSnapshot | None] | None:

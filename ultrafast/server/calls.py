@@ -26,6 +26,8 @@ from ultrafast.server import auth
 from ultrafast.server.errors import APIError, invalid_value
 from ultrafast.server.generate import GenerationRun, GenerationSpec
 from ultrafast.server.protocol import ChatCompletionRequest, CompletionRequest, Limits
+from ultrafast.server.residency.budget import parse_keep_alive
+from ultrafast.server.residency.views import view_with_bridge
 from ultrafast.server.sessions.chat_tokens import ChatMessage, encode_chat
 from ultrafast.server.state import ServerState, check_model, check_ready
 from ultrafast.tokenizer import ChatTemplateError, NoChatTemplateError
@@ -54,6 +56,7 @@ class CallInput:
     tier_param: str = "service_tier"
     prompt_param: str = "messages"
     max_tokens_param: str = "max_tokens"
+    keep_alive: Any = None  # Ollama's extension: how long the model stays loaded after
 
 
 # ---- chat completions / completions: from their validated protocol models -------------------
@@ -76,6 +79,7 @@ def chat_call(
         tier=req.tier(),
         auto_tier=req.tier_is_auto(),
         prediction_text=req.prediction_text() or None,
+        keep_alive=req.keep_alive,
         tier_param="service_tier" if req.service_tier is not None else "priority",
         max_tokens_param="max_completion_tokens"
         if req.max_completion_tokens is not None
@@ -97,6 +101,7 @@ def completion_call(req: CompletionRequest, limits: Limits) -> CallInput:
         tier=req.tier(),
         auto_tier=req.tier_is_auto(),
         echo=req.echo,
+        keep_alive=req.keep_alive,
         tier_param="service_tier" if req.service_tier is not None else "priority",
         prompt_param="prompt",
     )
@@ -166,7 +171,34 @@ def plain_params(temperature: float | None, top_p: float | None, limits: Limits)
 
 async def prepare_call(state: ServerState, scope: Scope, call: CallInput) -> GenerationRun:
     """Check, tokenize and admit one call; the run is not started (the caller starts it, and
-    must `finish()` it). `scope` is the HTTP or WebSocket scope (its tenant)."""
+    must `finish()` it). `scope` is the HTTP or WebSocket scope (its tenant). With several
+    models (server/residency/), the call first takes a lease on its model, loading it if need
+    be, and runs on that model's view of the state; the lease ends with the run."""
+    keep_alive = _keep_alive_seconds(call.keep_alive)
+    if state.residency is None:
+        return await _prepare_call(state, scope, call)
+    check_ready(state)
+    view, release = await state.residency.acquire(call.model, keep_alive)
+    try:
+        run = await _prepare_call(view_with_bridge(view), scope, call)
+    except BaseException:
+        release()
+        raise
+    run.on_finish(lambda _run: release())
+    return run
+
+
+def _keep_alive_seconds(value: Any) -> float | None | bool:
+    """The request's keep_alive in seconds (None: forever), False when it sent none."""
+    if value is None:
+        return False
+    try:
+        return parse_keep_alive(value)
+    except ValueError as exc:
+        raise invalid_value("keep_alive", str(exc)) from None
+
+
+async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> GenerationRun:
     arrival_s = time.monotonic()
     request_id = call.request_id or ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex[:24]
     check_model(state, call.model)

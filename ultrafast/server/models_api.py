@@ -1,4 +1,5 @@
-"""`GET /v1/models` and `GET /v1/models/{model}`: the one model this server serves.
+"""`GET /v1/models` and `GET /v1/models/{model}`: the model(s) this server serves; with
+several (server/residency/), each says whether it is loaded now (`status`, an extension).
 
 A model id may hold slashes (`org/name`), so the retrieve route takes the rest of the path.
 An unknown id is a 404 in OpenAI's error shape that names the id asked for.
@@ -35,12 +36,29 @@ def model_not_found(name: str, served: str) -> APIError:
     )
 
 
+def resident_model_object(state, entry) -> dict:
+    """One of several models: the OpenAI fields and whether it is loaded now (extension)."""
+    return {
+        "id": entry.name,
+        "object": "model",
+        "created": int(state.started_s),
+        "owned_by": "ultrafast",
+        **state.residency.describe(entry),
+    }
+
+
 def model_routes(state) -> list[Route]:
     async def list_models(http: HTTPRequest) -> Response:
+        if state.residency is not None:
+            entries = state.residency.entries.values()
+            data = [resident_model_object(state, e) for e in entries]
+            return JSONResponse({"object": "list", "data": data})
         return JSONResponse({"object": "list", "data": [model_object(state)]})
 
     async def retrieve_model(http: HTTPRequest) -> Response:
         name = http.path_params["model"]
+        if state.residency is not None:  # 404 naming the model unless it is one of ours
+            return JSONResponse(resident_model_object(state, state.residency.entry(name)))
         if name != state.model_name:
             raise model_not_found(name, state.model_name)
         return JSONResponse(model_object(state))

@@ -198,6 +198,7 @@ class _Common(_Strict):
     seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    keep_alive: Any = None  # Ollama's extension: how long the model stays loaded (residency/)
     repetition_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None  # values checked by hand: one param for all
     user: str | None = None

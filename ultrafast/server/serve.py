@@ -46,6 +46,7 @@ from ultrafast.server.http_timeouts import protocol_class
 from ultrafast.server.kv_metrics import KVCacheCollector
 from ultrafast.server.metrics import ServerMetrics
 from ultrafast.server.protocol import Limits
+from ultrafast.server.residency.loader import attach_residency
 from ultrafast.server.sessions.backends import open_store
 from ultrafast.server.sessions.flow import SessionFlow
 from ultrafast.server.state import ServerState
@@ -84,10 +85,9 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.state.config.drain_timeout_s
-        admission = self.state.admission
-        while sum(admission.in_flight.values()) and time.monotonic() < deadline:
+        while self.state.calls_in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if sum(admission.in_flight.values()):
+        if self.state.calls_in_flight():
             self.state.abort_everything()
             await asyncio.sleep(0.5)  # let the abort events reach the clients
         self.should_exit = True
@@ -231,7 +231,7 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
         config.session_ttl_s,
         config.max_sessions_per_tenant,
     )
-    return ServerState(
+    state = ServerState(
         config=config,
         engine=engine,
         tokenizer=tokenizer,
@@ -246,6 +246,9 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
             store, config.session_commit_grace_s, config.served_model_name or files.name
         ),
     )
+    if config.models:  # several models resident by use: the first one is loaded now
+        attach_residency(state, engine_config, config, build_engine)
+    return state
 
 
 def freeze_startup_heap() -> None:
@@ -301,7 +304,10 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         server.run()
     finally:
         unwatch_gc()
-        shutdown_engine(state.engine)
+        if state.residency is not None:
+            state.residency.close()
+        else:
+            shutdown_engine(state.engine)
     return server.exit_code
 
 

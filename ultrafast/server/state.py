@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
@@ -49,6 +50,32 @@ class ServerState:
     api_keys: ApiKeys | None = None  # None: no auth, loopback only
     guard: GuardConfig | None = None  # None: output goes out unfiltered
     auth_refused: dict = field(default_factory=dict)  # reason -> count, for metrics
+    # several models resident by use (server/residency/registry.py); None: one model
+    residency: Any = None
+
+    def limits_for(self, model: object) -> Limits:
+        """The request limits of the model a body names (its vocabulary and defaults)."""
+        if self.residency is None or not isinstance(model, str | None):
+            return self.limits
+        views = self.residency.loader.limits
+        return views.get(model if model is not None else self.model_name, self.limits)
+
+    def _admissions(self) -> list[Admission]:
+        if self.residency is None:
+            return [self.admission]
+        return list(self.residency.loader.admissions.values())  # one per model, default too
+
+    def calls_in_flight(self) -> int:
+        """Admitted calls not finished, over every model (the drain waits for them)."""
+        return sum(sum(a.in_flight.values()) for a in self._admissions())
+
+    def in_flight_by_tier(self) -> dict[str, int]:
+        """Tier name -> admitted calls not finished, over every model (/ready, /metrics)."""
+        counts: dict[str, int] = {}
+        for admission in self._admissions():
+            for tier, n in admission.in_flight.items():
+                counts[tier.api_name] = counts.get(tier.api_name, 0) + n
+        return counts
 
     def run_deps(self) -> RunDeps:
         assert self.bridge is not None, "the bridge is made when the app starts"
@@ -113,6 +140,9 @@ async def read_json(http: HTTPRequest, state: ServerState) -> dict:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
+    if state.residency is not None:
+        state.residency.entry(model)  # 404 naming the model unless it is one of ours
+        return
     if model is not None and model != state.model_name:
         raise APIError(
             404,

@@ -1,0 +1,1 @@
+"""Several models in one server, loaded by use within a byte budget (registry.py)."""
