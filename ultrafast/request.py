@@ -10,6 +10,8 @@ import functools
 import random
 from dataclasses import dataclass, field
 
+from ultrafast.grammar.spec import GrammarSpec
+
 
 class ServiceTier(enum.IntEnum):
     """OpenAI's `service_tier`; the int value is the order in which step budget is handed out."""
@@ -77,6 +79,9 @@ class SamplingParams:
     # the number of top alternatives per position. Such a request may have max_tokens 0: it
     # scores the prompt and generates nothing.
     prompt_logprobs: int | None = None
+    # Constrained decoding: every sampled token must keep the output inside this grammar
+    # (ultrafast/grammar). None = free.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         scoring = self.prompt_logprobs is not None
