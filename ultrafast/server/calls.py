@@ -28,6 +28,7 @@ from ultrafast.server.generate import GenerationRun, GenerationSpec
 from ultrafast.server.protocol import ChatCompletionRequest, CompletionRequest, Limits
 from ultrafast.server.sessions.chat_tokens import ChatMessage, encode_chat
 from ultrafast.server.state import ServerState, check_model, check_ready
+from ultrafast.server.tools.plan import ToolPlan, chat_tool_plan
 from ultrafast.tokenizer import ChatTemplateError, NoChatTemplateError
 
 
@@ -51,6 +52,7 @@ class CallInput:
     echo: bool = False  # completions: the prompt text leads each choice
     prediction_text: str | None = None  # chat `prediction`: drafts for the engine
     request_id: str | None = None  # the front end's id for the call (e.g. resp_...)
+    tools: ToolPlan | None = None  # function tools (server/tools/): prompt, grammar, parser
     tier_param: str = "service_tier"
     prompt_param: str = "messages"
     max_tokens_param: str = "max_tokens"
@@ -76,6 +78,7 @@ def chat_call(
         tier=req.tier(),
         auto_tier=req.tier_is_auto(),
         prediction_text=req.prediction_text() or None,
+        tools=chat_tool_plan(req),
         tier_param="service_tier" if req.service_tier is not None else "priority",
         max_tokens_param="max_completion_tokens"
         if req.max_completion_tokens is not None
@@ -182,9 +185,17 @@ async def prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Gen
         tok = state.tokenizer
         prediction_ids: list[int] | None = None
         echo: list[str] | None = None
+        plan = None if call.tools is None else call.tools.for_template(tok.chat_template)
         if call.chat:
+            messages, template_vars = call.messages, dict[str, Any]()
+            if plan is not None:  # tools into the prompt, in the model's format or ours
+                messages, template_vars = plan.render(call.messages)
             try:
-                prompts = [await loop.run_in_executor(state.pool, encode_chat, tok, call.messages)]
+                prompts = [
+                    await loop.run_in_executor(
+                        state.pool, encode_chat, tok, messages, template_vars
+                    )
+                ]
             except ChatTemplateError as exc:  # no template, or one that raised: the caller's 400
                 raise template_error(exc, call.prompt_param) from None
             if call.prediction_text:  # predicted outputs: the engine drafts from these ids
@@ -204,6 +215,8 @@ async def prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Gen
             )
         max_tokens = _resolve_max_tokens(state, call, max(len(p) for p in prompts))
         params = replace(call.params, max_tokens=max_tokens)
+        if plan is not None and plan.calls_allowed:  # the calls' grammar (tools/grammar.py)
+            params = replace(params, grammar=plan.grammar())
         num_prompt_tokens = sum(len(p) for p in prompts) * call.n
         num_tokens_taken = auth.take_tokens(
             tenant, num_prompt_tokens + max_tokens * len(prompts) * call.n, state.auth_refused
@@ -237,6 +250,7 @@ async def prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Gen
             arrival_s=arrival_s,
             prediction_token_ids=prediction_ids,
             tenant=tenant.name,
+            tools=plan,
         )
         run = GenerationRun(state.run_deps(), spec, ticket)
         if num_tokens_taken:

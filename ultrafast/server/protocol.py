@@ -235,7 +235,19 @@ def _check_message(i: int, m: Message) -> int:
         raise invalid_value(f"{at}.tool_call_id", "only tool messages carry tool_call_id")
     if isinstance(m.content, list):
         _check_parts(m.content, f"{at}.content")
+    for j, call in enumerate(m.tool_calls or ()):
+        _check_call_arguments(call.function.arguments, f"{at}.tool_calls[{j}].function.arguments")
     return len(m.text()) + sum(len(c.function.arguments) for c in m.tool_calls or ())
+
+
+def _check_call_arguments(arguments: str, param: str) -> None:
+    """A call's arguments in history must be a JSON object, as the model would have written."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise invalid_value(param, "a tool call's arguments must be a JSON object (as a string)")
 
 
 def _check_parts(parts: list[ContentPart], at: str) -> None:
@@ -319,7 +331,10 @@ def _check_tools(req: ChatCompletionRequest, limits: Limits) -> None:
             )
         names.add(name)
         if tool.function.parameters is not None:
-            _check_schema(tool.function.parameters, f"tools[{i}].function.parameters", limits)
+            param = f"tools[{i}].function.parameters"
+            _check_schema(tool.function.parameters, param, limits)
+            if tool.function.parameters.get("type", "object") != "object":
+                raise invalid_value(param, "a tool's parameters must describe a JSON object")
     choice = req.tool_choice
     if isinstance(choice, ToolChoiceFunction) and choice.function.name not in names:
         raise invalid_value(

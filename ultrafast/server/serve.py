@@ -208,7 +208,7 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
     limits = Limits(
         vocab_size=tokenizer.vocab_size,
         max_tokens_cap=config.max_tokens_cap,
-        features=frozenset({"session_id"}),
+        features=frozenset({"session_id", "tools"}),
         sampling_defaults=tuple(sorted(tokenizer.generation_defaults.items())),
     )
     store = open_store(
