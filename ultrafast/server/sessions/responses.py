@@ -22,13 +22,14 @@ import uuid
 from typing import Annotated, Any, Literal
 
 import orjson
+from pydantic import Discriminator, Tag
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ultrafast.server.calls import CallInput, check_options, plain_params, prepare_call
 from ultrafast.server.errors import APIError, invalid_value, too_large, unsupported_parameter
-from ultrafast.server.generate import ChoiceDelta, GenerationRun, Ping
+from ultrafast.server.generate import GenerationRun
 from ultrafast.server.protocol_models import (
     BY_JSON_TYPE,
     JSON_ARRAY,
@@ -42,13 +43,30 @@ from ultrafast.server.sessions.conversations import (
     InputItem,
     check_metadata,
     conversations_routes,
-    items_to_messages,
     new_conversation_id,
     validate,
 )
 from ultrafast.server.sessions.flow import SessionFlow, not_found, tenant_of, turns_to_messages
+from ultrafast.server.sessions.responses_stream import final_status, stream_response
 from ultrafast.server.sessions.store import RESPONSE, SeqConflict, StoredObject, Turn
 from ultrafast.server.state import ServerState, read_json
+from ultrafast.server.tools.responses_api import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    call_item,
+    check_arguments_items,
+    function_items_to_messages,
+    item_type,
+    plan_from_responses,
+)
+
+# an input item: a message, or (function tools) an earlier call and its result
+ResponseInputItem = Annotated[
+    Annotated[InputItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(item_type),
+]
 
 
 class ConversationRef(_Strict):
@@ -77,7 +95,7 @@ class StreamOptions(_Strict):
 class ResponsesRequest(_Strict):
     model: str | None = None
     input: Annotated[
-        Annotated[str, JSON_STRING] | Annotated[list[InputItem], JSON_ARRAY], BY_JSON_TYPE
+        Annotated[str, JSON_STRING] | Annotated[list[ResponseInputItem], JSON_ARRAY], BY_JSON_TYPE
     ]
     instructions: str | None = None
     previous_response_id: str | None = None
@@ -99,8 +117,8 @@ class ResponsesRequest(_Strict):
     parallel_tool_calls: bool | None = None
     # defaults a response carries, accepted when a client sends them back
     text: TextOptions | None = None
-    tools: list[Any] | None = None  # only [] (no tools on this server)
-    tool_choice: Literal["auto", "none"] | None = None
+    tools: list[Any] | None = None  # function tools, checked by tools/responses_api.py
+    tool_choice: Any = None
     include: list[str] | None = None  # only []
     top_logprobs: int | None = None  # only 0
     background: bool | None = None  # only false
@@ -118,7 +136,7 @@ class ResponsesRequest(_Strict):
     def new_messages(self) -> list[ChatMessage]:
         if isinstance(self.input, str):
             return [ChatMessage("user", self.input)]
-        return items_to_messages(self.input)
+        return function_items_to_messages(self.input)
 
 
 def check_request(req: ResponsesRequest, state: ServerState) -> None:
@@ -131,8 +149,8 @@ def check_request(req: ResponsesRequest, state: ServerState) -> None:
         raise too_large(
             "prompt_too_large", "input", f"the input exceeds {limits.max_prompt_chars} characters"
         )
-    if req.tools:
-        raise unsupported_parameter("tools", "tools are not available on this server")
+    if isinstance(req.input, list):
+        check_arguments_items(req.input)
     if req.include:
         raise unsupported_parameter("include", "include is not available on this server")
     if req.top_logprobs:
@@ -174,6 +192,7 @@ class ResponseBuilder:
         self.tier = tier
         self.created_s = time.time()
         self.sequence_number = 0
+        self.message_index = 0  # the message item's output index (after calls, if later)
 
     def body(
         self,
@@ -182,12 +201,16 @@ class ResponseBuilder:
         usage: dict | None = None,
         finish_reason: str | None = None,
         error: dict | None = None,
+        calls: list[dict] | None = None,
     ) -> dict:
         output = []
         if status not in ("in_progress", "failed"):
-            output = [
-                self.message_item("completed" if status == "completed" else "incomplete", text)
-            ]
+            item_status = "completed" if status == "completed" else "incomplete"
+            output = [call_item(c) for c in calls or ()]
+            if text or not output:  # the message item, where the stream announced it
+                output.insert(
+                    min(self.message_index, len(output)), self.message_item(item_status, text)
+                )
         conversation_id = self.req.conversation_id()
         req = self.req
         body = {
@@ -212,9 +235,9 @@ class ResponseBuilder:
             "temperature": req.temperature,
             "top_p": req.top_p,
             "top_logprobs": 0,
-            "parallel_tool_calls": False,
+            "parallel_tool_calls": req.parallel_tool_calls is not False if req.tools else False,
             "tool_choice": req.tool_choice or "auto",
-            "tools": [],
+            "tools": req.tools or [],
             "text": {"format": {"type": "text"}},
             "truncation": "disabled",
             "reasoning": {"effort": None, "summary": None},
@@ -245,18 +268,21 @@ class ResponseBuilder:
         return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
     def where(self) -> dict:
-        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self.item_id, "output_index": self.message_index, "content_index": 0}
 
     def final(self, run: GenerationRun, commit_failed: str | None = None) -> dict:
         choice = run.choices[0]
-        body = self.body(final_status(run), choice.text, run.usage(), choice.finish_reason)
+        body = self.body(
+            final_status(run),
+            choice.text,
+            run.usage(),
+            choice.finish_reason,
+            None,
+            choice.tool_calls,
+        )
         if commit_failed:
             body["error"] = {"code": commit_failed, "message": "the answer could not be stored"}
         return body
-
-
-def final_status(run: GenerationRun) -> str:
-    return "completed" if run.choices[0].finish_reason == "stop" else "incomplete"
 
 
 class History:
@@ -291,6 +317,7 @@ async def resolve_history(flow: SessionFlow, tenant: str, req: ResponsesRequest)
 def call_input(
     req: ResponsesRequest, state: ServerState, messages: list[ChatMessage], response_id: str
 ) -> CallInput:
+    tools = plan_from_responses(req, state.limits)
     tier, auto = check_options(
         state.limits,
         temperature=req.temperature,
@@ -309,6 +336,7 @@ def call_input(
         tier=tier,
         auto_tier=auto,
         request_id=response_id,
+        tools=tools,
         prompt_param="input",
         max_tokens_param="max_output_tokens",
     )
@@ -378,7 +406,7 @@ def responses_routes(state: ServerState) -> list[Route]:
             raise
         if req.stream:
             return StreamingResponse(
-                _stream(run, builder),
+                stream_response(run, builder),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", "x-request-id": response_id},
             )
@@ -416,43 +444,3 @@ async def _respond_json(
     if error is not None:
         raise error
     return JSONResponse(builder.final(run), headers=run.timing_headers())
-
-
-async def _stream(run: GenerationRun, b: ResponseBuilder):
-    run.start()
-    try:
-        yield b.event("response.created", response=b.body("in_progress"))
-        yield b.event("response.in_progress", response=b.body("in_progress"))
-        yield b.event(
-            "response.output_item.added", output_index=0, item=b.message_item("in_progress", None)
-        )
-        yield b.event("response.content_part.added", part=b.text_part(""), **b.where())
-        async for event in run.events():
-            if isinstance(event, Ping):
-                yield b": ping\n\n"
-            elif isinstance(event, ChoiceDelta) and event.finish == "error":
-                break
-            elif event.text:
-                yield b.event(
-                    "response.output_text.delta", delta=event.text, logprobs=[], **b.where()
-                )
-        error = await run.conclude()
-        if error is not None and error.status >= 500 and run.choices[0].error:
-            yield b.event(
-                "response.failed",
-                response=b.body("failed", error={"code": "server_error", "message": error.message}),
-            )
-            return
-        choice = run.choices[0]
-        status = final_status(run)
-        yield b.event("response.output_text.done", text=choice.text, logprobs=[], **b.where())
-        yield b.event("response.content_part.done", part=b.text_part(choice.text), **b.where())
-        yield b.event(
-            "response.output_item.done", output_index=0, item=b.message_item(status, choice.text)
-        )
-        body = b.final(run, error.code if error is not None else None)
-        yield b.event(
-            "response.completed" if status == "completed" else "response.incomplete", response=body
-        )
-    finally:
-        run.finish()
