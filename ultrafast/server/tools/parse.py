@@ -36,6 +36,7 @@ class CallStart:
 class CallArgs:
     index: int
     fragment: str
+    id: str = ""  # the call's id (as in its CallStart)
 
 
 @dataclass
@@ -174,7 +175,7 @@ class ToolCallParser:
             if isinstance(e, Content) and isinstance(last, Content):
                 merged[-1] = Content(last.text + e.text)
             elif isinstance(e, CallArgs) and isinstance(last, CallArgs) and last.index == e.index:
-                merged[-1] = CallArgs(e.index, last.fragment + e.fragment)
+                merged[-1] = CallArgs(e.index, last.fragment + e.fragment, e.id)
             elif not (isinstance(e, Content) and not e.text):
                 merged.append(e)
         return merged
@@ -329,7 +330,7 @@ class ToolCallParser:
 
     def _args_out(self, call: _Call) -> None:
         if call.started and len(call.args) > call.sent_args:
-            self._out.append(CallArgs(call.index, call.args[call.sent_args :]))
+            self._out.append(CallArgs(call.index, call.args[call.sent_args :], call.id))
             call.sent_args = len(call.args)
 
     def _close_call(self, call: _Call) -> None:

@@ -189,7 +189,6 @@ class CallEvents:
     def __init__(self, builder: Any) -> None:
         self.b = builder
         self.output_index: dict[int, int] = {}
-        self.ids: dict[int, str] = {}
 
     def events(self, tool_events: tuple, next_index: int) -> tuple[list[bytes], int]:
         out = []
@@ -197,7 +196,6 @@ class CallEvents:
             if isinstance(e, CallStart):
                 self.output_index[e.index] = next_index
                 next_index += 1
-                self.ids[e.index] = e.id
                 item = call_item(
                     {"id": e.id, "function": {"name": e.name, "arguments": ""}}, "in_progress"
                 )
@@ -212,7 +210,7 @@ class CallEvents:
                 out.append(
                     self.b.event(
                         "response.function_call_arguments.delta",
-                        item_id="fc_" + self.ids[e.index].removeprefix("call_"),
+                        item_id="fc_" + e.id.removeprefix("call_"),
                         output_index=self.output_index[e.index],
                         delta=e.fragment,
                     )
