@@ -288,7 +288,28 @@ def _add_gpu(suites: Any) -> None:
     _add_out(p, "runs/bench_gpu.json")
 
 
-SUITE_BUILDERS = (_add_harness, _add_decode, _add_tiers, _add_sessions, _add_guard, _add_gpu)
+def _add_tools(suites: Any) -> None:
+    p = _suite(
+        suites,
+        "tools",
+        "ultrafast.bench.tool_dispatch",
+        "agent fast path: first tool call dispatchable vs response finished, two-call turns",
+    )
+    _add_model(p)
+    _add_rounds(p, 10, "streamed agent turns per API")
+    p.add_argument("--max-tokens", type=int, default=200, help="output cap per turn (default 200)")
+    _add_out(p, "runs/bench_tools.json")
+
+
+SUITE_BUILDERS = (
+    _add_harness,
+    _add_decode,
+    _add_tiers,
+    _add_sessions,
+    _add_guard,
+    _add_gpu,
+    _add_tools,
+)
 
 
 def add_bench_parser(sub: Any) -> None:

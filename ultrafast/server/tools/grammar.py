@@ -36,7 +36,8 @@ def _schema(parameters: dict | None) -> str:
     if not parameters or "type" not in schema:
         schema.setdefault("type", "object")
     schema["x-guidance"] = {**_JSON_OPTIONS, **schema.get("x-guidance", {})}
-    return "%json " + json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    # properties keep their order: the grammar makes the model write them in it
+    return "%json " + json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 def tool_call_lark(
