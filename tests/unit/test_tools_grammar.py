@@ -100,3 +100,13 @@ def test_what_the_grammar_admits_the_parser_reads_back(tok, fmt):
     parser.push(text)
     parser.finish()
     assert [(c.name, c.arguments, c.complete) for c in parser.calls] == [("ping", "{}", True)]
+
+
+def test_listed_properties_are_the_only_ones_unless_the_schema_opens_it(tok):
+    listed = {"type": "object", "properties": {"city": {"type": "string"}}}
+    opened = {**listed, "additionalProperties": True}
+    extra = calls(GENERIC, ("f", {"city": "x", "other": 1}))
+    for schema, ok in ((listed, False), (opened, True)):
+        lark = tool_call_lark(GENERIC, [ToolSchema("f", schema)], required=True, single=False)
+        assert (accepts(tok, lark, extra) is not None) is ok
+        assert accepts(tok, lark, calls(GENERIC, ("f", {"city": "x"}))) is not None

@@ -31,8 +31,34 @@ def _lit(text: str) -> str:
     return json.dumps(text) if text else ""
 
 
+def _closed(schema: Any) -> Any:
+    """Objects that list their properties take no others unless the schema says so: a
+    function takes the parameters it names (OpenAI's strict mode requires the same), and a
+    small model otherwise invents keys until max_tokens. Every output still validates."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {k: _closed(v) for k, v in out["properties"].items()}
+        if not _OPEN_KEYS & out.keys():
+            out["additionalProperties"] = False
+    for key in ("$defs", "definitions"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _closed(v) for k, v in out[key].items()}
+    return out
+
+
+_SUBSCHEMAS = frozenset({"items", "anyOf", "oneOf", "prefixItems"})
+# an object that says anything about other keys, or combines schemas, stays as it is
+_OPEN_KEYS = frozenset(
+    {"additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref"}
+)
+
+
 def _schema(parameters: dict | None) -> str:
-    schema: dict[str, Any] = dict(parameters) if parameters else {"type": "object"}
+    schema: dict[str, Any] = _closed(parameters) if parameters else {"type": "object"}
     if not parameters or "type" not in schema:
         schema.setdefault("type", "object")
     schema["x-guidance"] = {**_JSON_OPTIONS, **schema.get("x-guidance", {})}
