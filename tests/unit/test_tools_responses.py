@@ -155,3 +155,36 @@ def test_calls_only_reply_has_no_message_item(tok):
         assert not any(e["type"] == "response.output_text.delta" for e in events)
 
     asyncio.run(main())
+
+
+def test_realtime_call_events_and_items():
+    from ultrafast.server.tools.formats import GENERIC
+    from ultrafast.server.tools.parse import ToolCallParser
+    from ultrafast.server.tools.realtime_events import (
+        call_events,
+        function_item_created,
+        function_item_turn,
+    )
+
+    parser = ToolCallParser(GENERIC)
+    events = tuple(parser.push('<tool_call>{"name":"ping","arguments":{"a":"}"}}'))
+    out = call_events("resp_1", events, 1)
+    kinds = [e["type"] for e in out]
+    assert kinds == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ]
+    assert all(e["output_index"] == 1 for e in out)
+    assert out[1]["delta"] == out[2]["arguments"] == '{"a":"}"}'
+    assert out[1]["item_id"] == out[2]["item_id"] == out[3]["item"]["id"]
+    turn = function_item_turn(
+        {"type": "function_call_output", "call_id": out[2]["call_id"], "output": "ok"}, "t1"
+    )
+    assert turn.role == "tool" and turn.tool_call_id == out[2]["call_id"]
+    assert function_item_created(turn)["item"]["type"] == "function_call_output"
+    assert function_item_turn({"role": "user", "content": "x"}, "t2") is None
+    with pytest.raises(APIError) as info:
+        function_item_turn({"type": "function_call", "call_id": "c"}, "t3")
+    assert info.value.status == 400
