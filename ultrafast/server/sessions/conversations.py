@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Discriminator, Tag, ValidationError
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -34,7 +34,14 @@ from ultrafast.server.sessions.chat_tokens import ChatMessage
 from ultrafast.server.sessions.flow import not_found, tenant_of
 from ultrafast.server.sessions.store import Turn
 from ultrafast.server.state import ServerState, read_json
-from ultrafast.server.tools.responses_api import ITEM_TAGS, call_item
+from ultrafast.server.tools.responses_api import (
+    ITEM_TAGS,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    call_item,
+    function_items_to_messages,
+    item_type,
+)
 
 MAX_ITEMS_PER_CALL = 1024
 
@@ -60,8 +67,17 @@ class InputItem(_Strict):
         return "\n".join(part.text for part in self.content)
 
 
+# an item as input: a message, or (function tools) an earlier call and its result
+AnyInputItem = Annotated[
+    Annotated[InputItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(item_type),
+]
+
+
 class CreateConversation(_Strict):
-    items: list[InputItem] | None = None
+    items: list[AnyInputItem] | None = None
     metadata: dict[str, str] | None = None
 
 
@@ -70,7 +86,7 @@ class UpdateConversation(_Strict):
 
 
 class AddItems(_Strict):
-    items: list[InputItem]
+    items: list[AnyInputItem]
 
 
 def validate(model: type[BaseModel], body: object):
@@ -165,7 +181,10 @@ def conversations_routes(state: ServerState) -> list[Route]:
         info = await flow.create(tenant, conversation_id, check_metadata(req.metadata))
         if req.items:
             await flow.append_turns(
-                tenant, conversation_id, items_to_messages(req.items), f"{conversation_id}-init"
+                tenant,
+                conversation_id,
+                function_items_to_messages(req.items),
+                f"{conversation_id}-init",
             )
         return JSONResponse(conversation_object(conversation_id, info.created_s, info.metadata))
 
@@ -229,7 +248,7 @@ def conversations_routes(state: ServerState) -> list[Route]:
             raise not_found("conversation", None)
         key = http.headers.get("idempotency-key") or uuid.uuid4().hex
         turns = await flow.append_turns(
-            tenant, conversation_id, items_to_messages(req.items), f"items-{key}"[:80]
+            tenant, conversation_id, function_items_to_messages(req.items), f"items-{key}"[:80]
         )
         page = [i for t in turns for i in turn_to_items(t)]
         return JSONResponse(

@@ -22,7 +22,6 @@ import uuid
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import Discriminator, Tag
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -40,7 +39,7 @@ from ultrafast.server.protocol_models import (
 )
 from ultrafast.server.sessions.chat_tokens import ChatMessage
 from ultrafast.server.sessions.conversations import (
-    InputItem,
+    AnyInputItem,
     check_metadata,
     conversations_routes,
     new_conversation_id,
@@ -51,22 +50,11 @@ from ultrafast.server.sessions.responses_stream import final_status, stream_resp
 from ultrafast.server.sessions.store import RESPONSE, SeqConflict, StoredObject, Turn
 from ultrafast.server.state import ServerState, read_json
 from ultrafast.server.tools.responses_api import (
-    FunctionCallItem,
-    FunctionCallOutputItem,
     call_item,
     check_arguments_items,
     function_items_to_messages,
-    item_type,
     plan_from_responses,
 )
-
-# an input item: a message, or (function tools) an earlier call and its result
-ResponseInputItem = Annotated[
-    Annotated[InputItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-    Discriminator(item_type),
-]
 
 
 class ConversationRef(_Strict):
@@ -95,7 +83,7 @@ class StreamOptions(_Strict):
 class ResponsesRequest(_Strict):
     model: str | None = None
     input: Annotated[
-        Annotated[str, JSON_STRING] | Annotated[list[ResponseInputItem], JSON_ARRAY], BY_JSON_TYPE
+        Annotated[str, JSON_STRING] | Annotated[list[AnyInputItem], JSON_ARRAY], BY_JSON_TYPE
     ]
     instructions: str | None = None
     previous_response_id: str | None = None
