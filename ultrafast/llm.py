@@ -115,8 +115,27 @@ def build_engine(
         max_model_len=config.max_model_len,
         max_waiting=config.max_waiting,
     )
-    core = EngineCore(executor, scheduler_config, priority_itl_target_s, speculator=speculator)
+    core = EngineCore(
+        executor,
+        scheduler_config,
+        priority_itl_target_s,
+        speculator=speculator,
+        grammar=build_grammar(tokenizer, executor.vocab_size),
+    )
     return core, tokenizer, files
+
+
+def build_grammar(tokenizer: Tokenizer, vocab_size: int):
+    """Constrained decoding for this vocabulary, or None (with a warning) when llguidance
+    cannot use it: the server then refuses response_format as unsupported."""
+    from ultrafast.grammar.matcher import GrammarRuntime
+    from ultrafast.grammar.tokenizer import GrammarUnavailable
+
+    try:
+        return GrammarRuntime.for_tokenizer(tokenizer, vocab_size)
+    except GrammarUnavailable as exc:
+        log.warning("constrained decoding is off: %s", exc)
+        return None
 
 
 def _draft_files(config: EngineConfig, files: ModelFiles) -> ModelFiles | None:

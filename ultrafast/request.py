@@ -9,6 +9,7 @@ import enum
 import functools
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from ultrafast.grammar.spec import GrammarSpec
 
@@ -162,6 +163,9 @@ class Request:
     # is None: nothing precedes it); handed out once, in the output that completes them
     prompt_logprobs: list = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # constrained decoding: the request's grammar.matcher.GrammarMatcher, made by the engine
+    # when it admits a request with sampling_params.grammar (opaque here: no llguidance in core)
+    grammar_matcher: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

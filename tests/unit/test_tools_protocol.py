@@ -67,6 +67,12 @@ def test_bad_tool_input_names_the_param(body, param):
     assert refusal(parse_chat_request, body, ALL_FEATURES) == (400, IV, param)
 
 
+def test_a_parameter_keyword_we_cannot_enforce_is_named_by_its_path():
+    schema = {"type": "object", "properties": {"x": {"type": "string", "not": {"const": "a"}}}}
+    status, _, param = refusal(parse_chat_request, chat(tools=[tool("a", schema)]), ALL_FEATURES)
+    assert (status, param) == (400, "tools[0].function.parameters.properties.x.not")
+
+
 def test_plan_from_the_request():
     req = parse_chat_request(
         chat(

@@ -49,6 +49,10 @@ def request(**fields) -> ResponsesRequest:
         ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "z"}}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [{**TOOLS[0], "parameters": {"type": "object", "if": {}}}]},
+            "tools[0].parameters.if",
+        ),
     ],
 )
 def test_bad_tools_name_the_param(fields, param):

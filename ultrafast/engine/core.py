@@ -10,10 +10,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ultrafast.core.kv_pool import KVSlotPool
 from ultrafast.core.scheduler import Scheduler, SchedulerConfig
 from ultrafast.core.types import Draft, RequestOutput, StepPlan, StepResult
+from ultrafast.engine import grammar_steps
 from ultrafast.engine.idle_speed import IdleSpeed, measure_idle_speed
 from ultrafast.engine.speculation import SpecStats, Speculator
 from ultrafast.engine.step_costs import StepCostModel
@@ -64,9 +66,11 @@ class EngineCore:
         config: SchedulerConfig,
         priority_itl_target_s: float | None = None,
         speculator: Speculator | None = None,
+        grammar: Any = None,
     ):
         """priority_itl_target_s: None = no cap on steps carrying priority work, 0 = auto.
         speculator: None for plain decoding (client predictions are then ignored).
+        grammar: a grammar.matcher.GrammarRuntime for constrained requests (None: refused).
         """
         if config.max_num_seqs > executor.num_slots:
             raise ValueError("max_num_seqs cannot exceed the executor's KV slots")
@@ -89,6 +93,7 @@ class EngineCore:
         # after each step that had a priority request running, None = no cap
         self.priority_token_budget: int | None = None
         self.speculator = speculator
+        self.grammar = grammar
         self.idle_speed: IdleSpeed | None = None  # timed by warmup(measure_speed=True)
 
     @property
@@ -125,6 +130,13 @@ class EngineCore:
                 raise ValueError(
                     f"token id {token} is out of vocabulary (size {self.executor.vocab_size})"
                 )
+        spec = request.sampling_params.grammar
+        if spec is not None and request.grammar_matcher is None:
+            if self.grammar is None:
+                raise ValueError("constrained decoding is not available with this model")
+            # a cache hit when the server compiled it first (off this thread); a GrammarError
+            # is a ValueError, which fails this request alone
+            request.grammar_matcher = self.grammar.matcher(spec, request.eos_token_ids)
         if self.speculator is not None:
             self.speculator.admit(request)
         self.scheduler.add_request(request)
@@ -184,9 +196,14 @@ class EngineCore:
         drafts: dict[str, Draft] = {}
         if self.speculator is not None and self.scheduler.running:
             drafts = self._propose(self.speculator)
+        if self.grammar is not None:
+            drafts = grammar_steps.constrain_drafts(drafts, self.scheduler.running)
         t0 = time.perf_counter()
         with self.pool_lock:  # the KV pool changes only under it: see cached_prefix_tokens
             plan = self.scheduler.schedule(drafts, self.priority_token_budget)
+        constrained = (
+            grammar_steps.fill_masks(plan, self.scheduler.requests) if self.grammar else {}
+        )
         t1 = time.perf_counter()
         if plan.seqs:
             try:
@@ -201,6 +218,8 @@ class EngineCore:
         with self.pool_lock:
             outcome = self.scheduler.update(plan, result)
         outputs = outcome.outputs
+        if constrained:  # only accepted tokens advance a grammar
+            grammar_steps.advance(outputs, constrained)
         if self.speculator is not None:
             self.speculator.observe(
                 outcome.verifications, [o.request_id for o in outputs if o.finished]

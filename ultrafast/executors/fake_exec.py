@@ -166,13 +166,21 @@ class FakeExecutor:
             if seq.num_logits:
                 n = len(kv)
                 result.sampled_token_ids[seq.request_id] = [
-                    next_token(kv[: n - seq.num_logits + 1 + j], self.output_ids)
+                    next_token(kv[: n - seq.num_logits + 1 + j], self._choices(seq, j))
                     for j in range(seq.num_logits)
                 ]
         if self.step_s:
             time.sleep(max(0.0, self.step_s - (time.perf_counter() - started)))
         result.execute_time_s = time.perf_counter() - started
         return result
+
+    def _choices(self, seq, row: int) -> Sequence[int]:
+        """The ids position `row` may produce: the alphabet, or what the grammar allows."""
+        if seq.token_mask is None:
+            return self.output_ids
+        from ultrafast.grammar.mask import allowed_ids  # numpy only: no torch here
+
+        return allowed_ids(seq.token_mask[row], self.vocab_size)
 
     def close(self) -> None:
         pass

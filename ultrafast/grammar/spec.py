@@ -16,8 +16,8 @@ from dataclasses import dataclass
 _JSON_OPTIONS = {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}
 
 
-def _canonical(value: object) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+def _compact(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class GrammarSpec:
             schema = {**schema, "x-guidance": {**_JSON_OPTIONS, **schema.get("x-guidance", {})}}
         else:
             schema = {"x-guidance": _JSON_OPTIONS} if schema else {"not": {}}
-        return f"start: %json {_canonical(schema)}\n"
+        return f"start: %json {_compact(schema)}\n"
 
     @classmethod
     def from_json_schema(cls, schema: dict, strict: bool = False) -> GrammarSpec:

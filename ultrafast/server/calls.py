@@ -28,6 +28,7 @@ from ultrafast.server.generate import GenerationRun, GenerationSpec
 from ultrafast.server.protocol import ChatCompletionRequest, CompletionRequest, Limits
 from ultrafast.server.sessions.chat_tokens import ChatMessage, encode_chat
 from ultrafast.server.state import ServerState, check_model, check_ready
+from ultrafast.server.structured import compile_grammar, json_format_grammar
 from ultrafast.server.tools.plan import ToolPlan, chat_tool_plan
 from ultrafast.tokenizer import ChatTemplateError, NoChatTemplateError
 
@@ -56,6 +57,8 @@ class CallInput:
     tier_param: str = "service_tier"
     prompt_param: str = "messages"
     max_tokens_param: str = "max_tokens"
+    # what a grammar (params.grammar) that does not compile is reported as
+    grammar_param: str = "response_format"
 
 
 # ---- chat completions / completions: from their validated protocol models -------------------
@@ -65,9 +68,19 @@ def chat_call(
     req: ChatCompletionRequest, limits: Limits, messages: list[ChatMessage] | None = None
 ) -> CallInput:
     """`messages` replaces the request's own (a session's history joined with the new turn)."""
+    params = req.sampling_params(limits.vocab_size, 1, limits.sampling_defaults)
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        schema = fmt.json_schema
+        params = replace(
+            params,
+            grammar=json_format_grammar(
+                fmt.type, schema.schema_ if schema else None, schema.strict if schema else None
+            ),
+        )
     return CallInput(
         chat=True,
-        params=req.sampling_params(limits.vocab_size, 1, limits.sampling_defaults),
+        params=params,
         max_tokens=req.requested_max_tokens(),
         messages=messages if messages is not None else chat_messages(req),
         model=req.model,
@@ -205,6 +218,11 @@ async def prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Gen
         else:
             prompts = await loop.run_in_executor(state.pool, _completion_prompts, tok, call.prompts)
             echo = [tok.decode(p) for p in prompts] if call.echo else None
+        grammar, grammar_param = call.params.grammar, call.grammar_param
+        if plan is not None and plan.calls_allowed:  # the calls' grammar (tools/grammar.py)
+            grammar, grammar_param = plan.grammar(), "tools"
+        if grammar is not None:  # off the engine thread, time-capped
+            await compile_grammar(state.grammar, grammar, grammar_param)
         if not prompts or not all(prompts):
             raise APIError(
                 400,
@@ -214,9 +232,7 @@ async def prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Gen
                 call.prompt_param,
             )
         max_tokens = _resolve_max_tokens(state, call, max(len(p) for p in prompts))
-        params = replace(call.params, max_tokens=max_tokens)
-        if plan is not None and plan.calls_allowed:  # the calls' grammar (tools/grammar.py)
-            params = replace(params, grammar=plan.grammar())
+        params = replace(call.params, max_tokens=max_tokens, grammar=grammar)
         num_prompt_tokens = sum(len(p) for p in prompts) * call.n
         num_tokens_taken = auth.take_tokens(
             tenant, num_prompt_tokens + max_tokens * len(prompts) * call.n, state.auth_refused

@@ -73,6 +73,7 @@ from ultrafast.server.protocol_models import (
     ToolChoiceFunction,
     _Common,
 )
+from ultrafast.server.structured import check_schema_param
 
 # ---- limits and ranges ----------------------------------------------------------------------
 
@@ -312,6 +313,8 @@ def _check_response_format(fmt: ResponseFormat, limits: Limits) -> None:
                 "response_format", "json_schema.name must match [A-Za-z0-9_-]{1,64}"
             )
         _check_schema(fmt.json_schema.schema_, "response_format", limits)
+        # what we cannot enforce exactly: 400 naming the keyword's path (never weakened)
+        check_schema_param(fmt.json_schema.schema_, "response_format.json_schema.schema")
     elif fmt.json_schema is not None:
         raise invalid_value("response_format", "json_schema is only allowed with type json_schema")
     _require_feature("response_format", limits)
@@ -335,6 +338,7 @@ def _check_tools(req: ChatCompletionRequest, limits: Limits) -> None:
             _check_schema(tool.function.parameters, param, limits)
             if tool.function.parameters.get("type", "object") != "object":
                 raise invalid_value(param, "a tool's parameters must describe a JSON object")
+            check_schema_param(tool.function.parameters, param)  # enforced exactly, or 400
     choice = req.tool_choice
     if isinstance(choice, ToolChoiceFunction) and choice.function.name not in names:
         raise invalid_value(

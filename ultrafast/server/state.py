@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
@@ -49,6 +50,7 @@ class ServerState:
     api_keys: ApiKeys | None = None  # None: no auth, loopback only
     guard: GuardConfig | None = None  # None: output goes out unfiltered
     auth_refused: dict = field(default_factory=dict)  # reason -> count, for metrics
+    grammar: Any = None  # grammar.matcher.GrammarRuntime (compiles off the engine thread)
 
     def run_deps(self) -> RunDeps:
         assert self.bridge is not None, "the bridge is made when the app starts"

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 import orjson
+from pydantic import Field
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -49,6 +51,7 @@ from ultrafast.server.sessions.flow import SessionFlow, not_found, tenant_of, tu
 from ultrafast.server.sessions.responses_stream import final_status, stream_response
 from ultrafast.server.sessions.store import RESPONSE, SeqConflict, StoredObject, Turn
 from ultrafast.server.state import ServerState, read_json
+from ultrafast.server.structured import check_schema_param, json_format_grammar
 from ultrafast.server.tools.responses_api import (
     call_item,
     check_arguments_items,
@@ -62,7 +65,29 @@ class ConversationRef(_Strict):
 
 
 class TextFormat(_Strict):
-    type: Literal["text"]
+    """`text.format`: plain text, any JSON object, or a JSON schema (the Responses API puts
+    name/schema/strict here directly, not under `json_schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: Any = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def grammar(self):
+        return json_format_grammar(self.type, self.schema_, self.strict)
+
+    def echo(self) -> dict:
+        """The format as a response body carries it."""
+        out: dict[str, Any] = {"type": self.type}
+        if self.type == "json_schema":
+            out.update(
+                name=self.name,
+                description=self.description,
+                schema=self.schema_,
+                strict=bool(self.strict),
+            )
+        return out
 
 
 class TextOptions(_Strict):
@@ -152,6 +177,28 @@ def check_request(req: ResponsesRequest, state: ServerState) -> None:
     if req.previous_response_id is not None and req.conversation is not None:
         raise invalid_value("conversation", "send previous_response_id or conversation, not both")
     check_metadata(req.metadata)
+    _check_text_format(req, state)
+
+
+def _check_text_format(req: ResponsesRequest, state: ServerState) -> None:
+    fmt = req.text.format if req.text else None
+    if fmt is None or fmt.type == "text":
+        return
+    if fmt.type == "json_schema":
+        if not isinstance(fmt.schema_, dict):
+            raise invalid_value("text.format.schema", "type json_schema needs a schema object")
+        if fmt.name is None or not NAME_RE.fullmatch(fmt.name):
+            raise invalid_value("text.format.name", "name must match [A-Za-z0-9_-]{1,64}")
+        size = len(orjson.dumps(fmt.schema_))
+        if size > state.limits.max_schema_bytes:
+            raise too_large(
+                "grammar_too_large",
+                "text.format.schema",
+                f"the schema is {size} bytes; the limit is {state.limits.max_schema_bytes}",
+            )
+        check_schema_param(fmt.schema_, "text.format.schema")
+    if "response_format" not in state.limits.features:
+        raise unsupported_parameter("text.format", "structured output is not available here")
 
 
 def _usage(chat_usage: dict) -> dict:
@@ -226,7 +273,9 @@ class ResponseBuilder:
             "parallel_tool_calls": req.parallel_tool_calls is not False if req.tools else False,
             "tool_choice": req.tool_choice or "auto",
             "tools": req.tools or [],
-            "text": {"format": {"type": "text"}},
+            "text": {"format": req.text.format.echo()}
+            if req.text and req.text.format
+            else {"format": {"type": "text"}},
             "truncation": "disabled",
             "reasoning": {"effort": None, "summary": None},
             "service_tier": self.tier,
@@ -314,9 +363,14 @@ def call_input(
         max_tokens_param="max_output_tokens",
         service_tier=req.service_tier,
     )
+    fmt = req.text.format if req.text else None
+    params = plain_params(req.temperature, req.top_p, state.limits)
+    if fmt is not None and fmt.type != "text":
+        params = replace(params, grammar=fmt.grammar())
     return CallInput(
         chat=True,
-        params=plain_params(req.temperature, req.top_p, state.limits),
+        params=params,
+        grammar_param="text.format.schema" if fmt and fmt.type == "json_schema" else "text.format",
         max_tokens=req.max_output_tokens,
         messages=messages,
         model=req.model,

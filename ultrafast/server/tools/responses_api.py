@@ -22,6 +22,7 @@ from ultrafast.server.protocol import (
 )
 from ultrafast.server.protocol_models import NAME_RE, _Strict
 from ultrafast.server.sessions.chat_tokens import ChatMessage
+from ultrafast.server.structured import check_schema_param
 from ultrafast.server.tools.parse import CallArgs, CallDone, CallStart
 from ultrafast.server.tools.plan import FunctionTool, ToolPlan
 
@@ -110,6 +111,7 @@ def plan_from_responses(req: Any, limits: Limits) -> ToolPlan | None:
                 raise invalid_value(
                     f"tools[{i}].parameters", "a tool's parameters must describe a JSON object"
                 )
+            check_schema_param(tool.parameters, f"tools[{i}].parameters")
         tools.append(FunctionTool(tool.name, tool.description, tool.parameters, tool.strict))
     _require_feature("tools", limits)
     choice, named = _choice(req.tool_choice, names)
