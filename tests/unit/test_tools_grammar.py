@@ -10,7 +10,7 @@ import pytest
 
 from ultrafast.config import DEMO_MODEL_DIR
 from ultrafast.server.tools.formats import FORMATS, GENERIC, HERMES
-from ultrafast.server.tools.grammar import ToolSchema, tool_call_lark
+from ultrafast.server.tools.grammar import ToolSchema, no_call_lark, tool_call_lark
 from ultrafast.server.tools.parse import ToolCallParser
 from ultrafast.server.tools.render import calls_text
 
@@ -110,3 +110,11 @@ def test_listed_properties_are_the_only_ones_unless_the_schema_opens_it(tok):
         lark = tool_call_lark(GENERIC, [ToolSchema("f", schema)], required=True, single=False)
         assert (accepts(tok, lark, extra) is not None) is ok
         assert accepts(tok, lark, calls(GENERIC, ("f", {"city": "x"}))) is not None
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=list(FORMATS))
+def test_none_never_lets_a_call_start(tok, fmt):
+    lark = no_call_lark(fmt)
+    assert accepts(tok, lark, "Plain text, {braces} and <tags>.").is_accepting()
+    assert accepts(tok, lark, "Sure: " + fmt.trigger) is None
+    assert accepts(tok, lark, "Sure: " + fmt.trigger[:-1]) is not None

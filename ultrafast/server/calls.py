@@ -219,8 +219,12 @@ async def prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Gen
             prompts = await loop.run_in_executor(state.pool, _completion_prompts, tok, call.prompts)
             echo = [tok.decode(p) for p in prompts] if call.echo else None
         grammar, grammar_param = call.params.grammar, call.grammar_param
-        if plan is not None and plan.calls_allowed:  # the calls' grammar (tools/grammar.py)
-            grammar, grammar_param = plan.grammar(), "tools"
+        # the calls' grammar (tools/grammar.py); `none` bans the call trigger unless a
+        # response_format grammar already shapes the answer
+        tool_grammar = None if plan is None else plan.grammar()
+        if plan is not None and tool_grammar is not None:
+            if plan.calls_allowed or grammar is None:
+                grammar, grammar_param = tool_grammar, "tools"
         if grammar is not None:  # off the engine thread, time-capped
             await compile_grammar(state.grammar, grammar, grammar_param)
         if not prompts or not all(prompts):

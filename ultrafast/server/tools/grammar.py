@@ -97,3 +97,13 @@ def tool_call_lark(
         lines.append(f"trigger[lazy]: TEXT {_lit(fmt.trigger)}")
         lines.append(f"start: TEXT | trigger block_rest{more}")
     return "\n".join(lines) + "\n"
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
+
+
+def no_call_lark(fmt: ToolFormat) -> str:
+    """`tool_choice: none`: any text that never contains the format's trigger, so the model
+    cannot start a call even when the history shows it calls."""
+    trigger = "".join("\\" + c if c in _REGEX_META else c for c in fmt.trigger)
+    return f"%llguidance {{}}\nstart: TEXT\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*{trigger}(.|\\n)*/\n"

@@ -9,7 +9,7 @@ from typing import Any
 from ultrafast.grammar.spec import GrammarSpec
 from ultrafast.server.sessions.chat_tokens import ChatMessage
 from ultrafast.server.tools.formats import GENERIC, ToolFormat, detect_format
-from ultrafast.server.tools.grammar import ToolSchema, tool_call_lark
+from ultrafast.server.tools.grammar import ToolSchema, no_call_lark, tool_call_lark
 from ultrafast.server.tools.parse import ToolCallParser
 from ultrafast.server.tools.render import render_generic, render_native
 
@@ -61,8 +61,10 @@ class ToolPlan:
         return render_generic(self.fmt, messages, shown), {}
 
     def grammar_lark(self) -> str | None:
-        if not self.calls_allowed:
+        if not self.tools:
             return None
+        if self.choice == "none":
+            return no_call_lark(self.fmt)
         tools = [t for t in self.tools if self.named is None or t.name == self.named]
         return tool_call_lark(
             self.fmt,
