@@ -96,6 +96,9 @@ def chat_call(
         max_tokens_param="max_completion_tokens"
         if req.max_completion_tokens is not None
         else "max_tokens",
+        grammar_param="response_format.json_schema.schema"
+        if fmt is not None and fmt.type == "json_schema"
+        else "response_format",
     )
 
 
