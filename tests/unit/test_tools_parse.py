@@ -105,8 +105,12 @@ def test_call_done_comes_the_moment_the_object_closes():
     parser = ToolCallParser(GENERIC)
     events = parser.push('<tool_call>{"name":"f","arguments":{"a":1}')
     assert not any(isinstance(e, CallDone) for e in events)
-    events = parser.push("}")
-    assert [type(e) for e in events] == [CallArgs, CallDone] or [type(e) for e in events] == [
-        CallDone
-    ]
+    events = parser.push("}")  # the call object closes: done, with nothing else
+    assert [type(e) for e in events] == [CallDone]
     assert isinstance(events[-1], CallDone) and events[-1].arguments == '{"a":1}'
+
+
+def test_other_keys_with_escaped_quotes_are_skipped():
+    text = '<tool_call>{"x\\"y\\\\":{"name":"no"},"name":"f","arguments":{"k":"\\\\"}}</tool_call>'
+    content, calls = summarize(run(GENERIC, text, [1])[0])
+    assert content == "" and calls == [("f", '{"k":"\\\\"}', '{"k":"\\\\"}', True)]

@@ -161,10 +161,6 @@ class ToolCallParser:
         self.pending, self.raw, self.call, self.mode = "", "", None, "text"
         return self._take()
 
-    @property
-    def num_calls(self) -> int:
-        return len(self.calls)
-
     # ---- state machine ----------------------------------------------------------------------
 
     def _take(self) -> list[Event]:
@@ -296,8 +292,10 @@ class ToolCallParser:
                 raise ValueError("a key was expected")
             call.key = ch
             return
+        body = call.key
         call.key += ch
-        if ch == '"' and not call.key.endswith('\\"'):
+        backslashes = len(body) - len(body.rstrip("\\"))
+        if ch == '"' and backslashes % 2 == 0:  # an unescaped quote closes the key
             call.key = json.loads(call.key)
             call.state = "colon"
 
