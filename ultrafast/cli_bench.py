@@ -288,7 +288,32 @@ def _add_gpu(suites: Any) -> None:
     _add_out(p, "runs/bench_gpu.json")
 
 
-SUITE_BUILDERS = (_add_harness, _add_decode, _add_tiers, _add_sessions, _add_guard, _add_gpu)
+def _add_grammar(suites: Any) -> None:
+    p = _suite(
+        suites,
+        "grammar",
+        "ultrafast.bench.grammar",
+        "constrained decoding: time per token vs unconstrained, schema compile and TTFT",
+    )
+    _add_model(p, "HF model directory or .gguf file")
+    _add_new_tokens(p, "tokens per request")
+    _add_rounds(p, 3)
+    _add_threads(p, "kernel threads (default: all cores)")
+    p.add_argument(
+        "--concurrency", type=int, default=16, help="requests per batch, 2nd row (default 16)"
+    )
+    _add_out(p, "runs/bench_grammar.json")
+
+
+SUITE_BUILDERS = (
+    _add_harness,
+    _add_decode,
+    _add_tiers,
+    _add_sessions,
+    _add_guard,
+    _add_gpu,
+    _add_grammar,
+)
 
 
 def add_bench_parser(sub: Any) -> None:
