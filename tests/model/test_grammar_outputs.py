@@ -93,3 +93,13 @@ def test_smollm2_subset_validates():
     finally:
         llm.close()
     assert_all_valid(llm, schemas, results)
+
+
+def test_torch_executor_masks_too():
+    schemas = SCHEMAS[::10]
+    llm = LLM(str(DEMO_MODEL_DIR), executor="torch", spec="off", num_slots=5, max_num_seqs=5)
+    try:
+        results = run(llm, schemas, (0.0, 1.0))
+    finally:
+        llm.close()
+    assert_all_valid(llm, schemas, results)
