@@ -8,13 +8,13 @@ its JSON closes, before the response ends (the agent fast path, tools/responses_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ultrafast.server.generate import GenerationRun, Ping
 from ultrafast.server.tools.responses_api import CallEvents
 
-if TYPE_CHECKING:  # responses.py imports this module
-    from ultrafast.server.sessions.responses import ResponseBuilder
+# `b` below is responses.ResponseBuilder (responses.py imports this module, not the reverse)
+ResponseBuilder = Any
 
 
 def final_status(run: GenerationRun) -> str:
