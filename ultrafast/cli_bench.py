@@ -427,6 +427,36 @@ def _add_models(suites: Any) -> None:
     _add_out(p, "runs/bench_models.json")
 
 
+def _add_tools(suites: Any) -> None:
+    p = _suite(
+        suites,
+        "tools",
+        "ultrafast.bench.tool_dispatch",
+        "agent fast path: first tool call dispatchable vs response finished, two-call turns",
+    )
+    _add_model(p)
+    _add_rounds(p, 10, "streamed agent turns per API")
+    p.add_argument("--max-tokens", type=int, default=200, help="output cap per turn (default 200)")
+    _add_out(p, "runs/bench_tools.json")
+
+
+def _add_grammar(suites: Any) -> None:
+    p = _suite(
+        suites,
+        "grammar",
+        "ultrafast.bench.grammar",
+        "constrained decoding: time per token vs unconstrained, schema compile and TTFT",
+    )
+    _add_model(p, "HF model directory or .gguf file")
+    _add_new_tokens(p, "tokens per request")
+    _add_rounds(p, 3)
+    _add_threads(p, "kernel threads (default: all cores)")
+    p.add_argument(
+        "--concurrency", type=int, default=16, help="requests per batch, 2nd row (default 16)"
+    )
+    _add_out(p, "runs/bench_grammar.json")
+
+
 SUITE_BUILDERS = (
     _add_harness,
     _add_decode,
@@ -436,6 +466,8 @@ SUITE_BUILDERS = (
     _add_gpu,
     _add_serve,
     _add_models,
+    _add_tools,
+    _add_grammar,
 )
 
 

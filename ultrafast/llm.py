@@ -148,6 +148,7 @@ def build_engine(
         speculator=speculator,
         kv_cache=kv_cache_config(config),
         default_itl_target_s=default_itl_target_s,
+        grammar=build_grammar(tokenizer, executor.vocab_size),
     )
     return core, tokenizer, files
 
@@ -159,6 +160,19 @@ def kv_cache_config(config: EngineConfig) -> KVCacheConfig:
         disk_bytes=int(config.kv_disk_gb * (1 << 30)),
         redis_url=config.kv_store,
     )
+
+
+def build_grammar(tokenizer: Tokenizer, vocab_size: int):
+    """Constrained decoding for this vocabulary, or None (with a warning) when llguidance
+    cannot use it: the server then refuses response_format as unsupported."""
+    from ultrafast.grammar.matcher import GrammarRuntime
+    from ultrafast.grammar.tokenizer import GrammarUnavailable
+
+    try:
+        return GrammarRuntime.for_tokenizer(tokenizer, vocab_size)
+    except GrammarUnavailable as exc:
+        log.warning("constrained decoding is off: %s", exc)
+        return None
 
 
 def _draft_files(config: EngineConfig, files: ModelFiles) -> ModelFiles | None:

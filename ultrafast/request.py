@@ -9,6 +9,9 @@ import enum
 import functools
 import random
 from dataclasses import dataclass, field
+from typing import Any
+
+from ultrafast.grammar.spec import GrammarSpec
 
 
 class ServiceTier(enum.IntEnum):
@@ -77,6 +80,9 @@ class SamplingParams:
     # the number of top alternatives per position. Such a request may have max_tokens 0: it
     # scores the prompt and generates nothing.
     prompt_logprobs: int | None = None
+    # Constrained decoding: every sampled token must keep the output inside this grammar
+    # (ultrafast/grammar). None = free.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         scoring = self.prompt_logprobs is not None
@@ -157,6 +163,9 @@ class Request:
     # is None: nothing precedes it); handed out once, in the output that completes them
     prompt_logprobs: list = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # constrained decoding: the request's grammar.matcher.GrammarMatcher, made by the engine
+    # when it admits a request with sampling_params.grammar (opaque here: no llguidance in core)
+    grammar_matcher: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -212,6 +212,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def backend_json(self) -> str:
+        """The HF `tokenizers` definition as JSON (what llguidance builds its vocabulary from)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._encode_fn is not None:
             ids = self._encode_fn(text)

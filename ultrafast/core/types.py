@@ -49,6 +49,10 @@ class ScheduledSeq:
     # logprob of the prompt token at start_position + j + 1 (StepResult.prompt_logprobs).
     # Those rows come before the `num_logits` sampled rows; the two never overlap.
     num_prompt_logits: int = 0
+    # Constrained decoding: int32 [num_logits, ceil(vocab / 32)] packed bits (numpy), row j
+    # allows the tokens that may follow the drafts before position j; None = free.
+    # The sampler masks the logits with it before anything else (ultrafast/grammar/mask.py).
+    token_mask: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +65,7 @@ class Draft:
 
     token_ids: list[int]
     probs: Any = None  # [k, vocab] draft-model probabilities, None for deterministic drafts
-    source: str = ""  # "ngram", "prediction" or "draft" (the model)
+    source: str = ""  # "ngram", "prediction", "draft" (the model) or "grammar" (forced)
 
 
 @dataclass

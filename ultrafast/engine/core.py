@@ -10,10 +10,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ultrafast.core.kv_pool import KVSlotPool
 from ultrafast.core.scheduler import Scheduler, SchedulerConfig
 from ultrafast.core.types import Draft, RequestOutput, StepPlan, StepResult
+from ultrafast.engine import grammar_steps
 from ultrafast.engine.idle_speed import IdleSpeed, measure_idle_speed
 from ultrafast.engine.speculation import SpecStats, Speculator
 from ultrafast.engine.step_costs import StepCostModel
@@ -67,12 +69,14 @@ class EngineCore:
         speculator: Speculator | None = None,
         kv_cache: KVCacheConfig | None = None,
         default_itl_target_s: float | None = None,
+        grammar: Any = None,
     ):
         """priority_itl_target_s: None = no cap on steps carrying priority work, 0 = auto.
         speculator: None for plain decoding (client predictions are then ignored).
         kv_cache: the tiered KV cache (host memory, disk, Redis) under the slots, if enabled.
         default_itl_target_s: the default tier's token gap; steps that carry its decodes (and
         no priority work) are sized to it. None = no cap.
+        grammar: a grammar.matcher.GrammarRuntime for constrained requests (None: refused).
         """
         if config.max_num_seqs > executor.num_slots:
             raise ValueError("max_num_seqs cannot exceed the executor's KV slots")
@@ -98,6 +102,7 @@ class EngineCore:
         # the same for steps whose tightest tier is the default one (no priority running)
         self.step_token_budget: int | None = None
         self.speculator = speculator
+        self.grammar = grammar
         self.idle_speed: IdleSpeed | None = None  # timed by warmup(measure_speed=True)
         self.kv_cache: KVCacheManager | None = None
         if kv_cache is not None and kv_cache.enabled:
@@ -152,6 +157,13 @@ class EngineCore:
                 raise ValueError(
                     f"token id {token} is out of vocabulary (size {self.executor.vocab_size})"
                 )
+        spec = request.sampling_params.grammar
+        if spec is not None and request.grammar_matcher is None:
+            if self.grammar is None:
+                raise ValueError("constrained decoding is not available with this model")
+            # a cache hit when the server compiled it first (off this thread); a GrammarError
+            # is a ValueError, which fails this request alone
+            request.grammar_matcher = self.grammar.matcher(spec, request.eos_token_ids)
         if self.speculator is not None:
             self.speculator.admit(request)
         self.scheduler.add_request(request)
@@ -238,6 +250,8 @@ class EngineCore:
         drafts: dict[str, Draft] = {}
         if self.speculator is not None and self.scheduler.running:
             drafts = self._propose(self.speculator)
+        if self.grammar is not None:
+            drafts = grammar_steps.constrain_drafts(drafts, self.scheduler.running)
         t0 = time.perf_counter()
         with self.pool_lock:  # the KV pool changes only under it: see cached_prefix_tokens
             if self.kv_cache is not None:
@@ -246,6 +260,9 @@ class EngineCore:
             plan = self.scheduler.schedule(
                 drafts, self.priority_token_budget, self.step_token_budget
             )
+        constrained = (
+            grammar_steps.fill_masks(plan, self.scheduler.requests) if self.grammar else {}
+        )
         t1 = time.perf_counter()
         if plan.seqs:
             try:
@@ -263,6 +280,8 @@ class EngineCore:
             if self.kv_cache is not None:  # write-through of the slots released now
                 self.kv_cache.after_update(clock)
         outputs = outcome.outputs
+        if constrained:  # only accepted tokens advance a grammar
+            grammar_steps.advance(outputs, constrained)
         if self.speculator is not None:
             self.speculator.observe(
                 outcome.verifications, [o.request_id for o in outputs if o.finished]

@@ -168,7 +168,7 @@ class FakeExecutor:
             if seq.num_logits:
                 n = len(kv)
                 result.sampled_token_ids[seq.request_id] = [
-                    next_token(kv[: n - seq.num_logits + 1 + j], self.output_ids)
+                    next_token(kv[: n - seq.num_logits + 1 + j], self._choices(seq, j))
                     for j in range(seq.num_logits)
                 ]
         if self.step_s:
@@ -193,6 +193,14 @@ class FakeExecutor:
         if len(payload) % 4 or len(payload) // 4 < num_tokens:
             raise ValueError("KV payload is truncated")
         self.slots[slot_id] = list(struct.unpack(f"<{len(payload) // 4}i", payload))[:num_tokens]
+
+    def _choices(self, seq, row: int) -> Sequence[int]:
+        """The ids position `row` may produce: the alphabet, or what the grammar allows."""
+        if seq.token_mask is None:
+            return self.output_ids
+        from ultrafast.grammar.mask import allowed_ids  # numpy only: no torch here
+
+        return allowed_ids(seq.token_mask[row], self.vocab_size)
 
     def close(self) -> None:
         pass

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ultrafast.core.types import ScheduledSeq, StepResult, TokenLogprobs
+from ultrafast.grammar.mask import allowed_bools, apply_mask_numpy
 
 _MASK_64 = (1 << 64) - 1
 
@@ -99,7 +100,8 @@ def logprobs_of(raw: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
     top: list[tuple[int, float]] = []
     if top_n:
         values, ids = torch.topk(logprobs, top_n)
-        top = list(zip(ids.tolist(), values.tolist()))
+        # under a grammar, fewer than top_n tokens may be allowed: masked ones are not listed
+        top = [(i, v) for i, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")]
     return TokenLogprobs(token_id, float(logprobs[token_id]), top)
 
 
@@ -161,6 +163,8 @@ def sample_plan(seqs: list[ScheduledSeq], logits) -> StepResult:
     wanted = [s for s in seqs if s.num_logits > 0]
     if logits.shape[0] != sum(s.num_logits for s in wanted):
         raise ValueError("logits rows do not match the plan")
+    if any(s.token_mask is not None for s in wanted):
+        logits = apply_token_masks(wanted, logits)
     if all(s.sampling_params.plain_greedy for s in wanted):  # one argmax for the whole batch
         # numpy's argmax on the zero-copy view skips torch's per-call overhead, which is a
         # visible part of a CPU decode step's host time (scripts/host_step_time.py)
@@ -194,3 +198,26 @@ def sample_plan(seqs: list[ScheduledSeq], logits) -> StepResult:
             result.logprobs[seq.request_id] = token_logprobs
         row += seq.num_logits
     return result
+
+
+def apply_token_masks(seqs: list[ScheduledSeq], logits):
+    """Grammar masks (ScheduledSeq.token_mask) applied before anything else, so greedy,
+    sampling, logprobs (reported after masking) and draft verification all see only the
+    allowed tokens. In place on a float32 array or tensor (the ggml view is llama.cpp's output
+    buffer, read only until the next decode); other dtypes are converted first."""
+    if not isinstance(logits, np.ndarray) and logits.dtype != torch.float32:
+        logits = logits.float()
+    vocab = logits.shape[-1]
+    row = 0
+    for seq in seqs:
+        mask = seq.token_mask
+        if mask is not None:
+            rows = logits[row : row + seq.num_logits]
+            if isinstance(rows, np.ndarray):
+                apply_mask_numpy(rows, mask)
+            else:
+                allowed = np.stack([allowed_bools(mask[j], vocab) for j in range(seq.num_logits)])
+                blocked = torch.from_numpy(~allowed).to(rows.device)
+                rows.masked_fill_(blocked, float("-inf"))
+        row += seq.num_logits
+    return logits

@@ -30,6 +30,8 @@ from ultrafast.server.residency.budget import parse_keep_alive
 from ultrafast.server.residency.views import view_with_bridge
 from ultrafast.server.sessions.chat_tokens import ChatMessage, encode_chat
 from ultrafast.server.state import ServerState, check_model, check_ready
+from ultrafast.server.structured import compile_grammar, json_format_grammar
+from ultrafast.server.tools.plan import ToolPlan, chat_tool_plan
 from ultrafast.tokenizer import ChatTemplateError, NoChatTemplateError
 
 
@@ -53,10 +55,13 @@ class CallInput:
     echo: bool = False  # completions: the prompt text leads each choice
     prediction_text: str | None = None  # chat `prediction`: drafts for the engine
     request_id: str | None = None  # the front end's id for the call (e.g. resp_...)
+    tools: ToolPlan | None = None  # function tools (server/tools/): prompt, grammar, parser
     tier_param: str = "service_tier"
     prompt_param: str = "messages"
     max_tokens_param: str = "max_tokens"
-    keep_alive: Any = None  # Ollama's extension: how long the model stays loaded after
+    keep_alive: Any = None  # Ollama's extension: how long the model stays loaded after the call
+    # what a grammar (params.grammar) that does not compile is reported as
+    grammar_param: str = "response_format"
 
 
 # ---- chat completions / completions: from their validated protocol models -------------------
@@ -66,9 +71,19 @@ def chat_call(
     req: ChatCompletionRequest, limits: Limits, messages: list[ChatMessage] | None = None
 ) -> CallInput:
     """`messages` replaces the request's own (a session's history joined with the new turn)."""
+    params = req.sampling_params(limits.vocab_size, 1, limits.sampling_defaults)
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        schema = fmt.json_schema
+        params = replace(
+            params,
+            grammar=json_format_grammar(
+                fmt.type, schema.schema_ if schema else None, schema.strict if schema else None
+            ),
+        )
     return CallInput(
         chat=True,
-        params=req.sampling_params(limits.vocab_size, 1, limits.sampling_defaults),
+        params=params,
         max_tokens=req.requested_max_tokens(),
         messages=messages if messages is not None else chat_messages(req),
         model=req.model,
@@ -80,10 +95,14 @@ def chat_call(
         auto_tier=req.tier_is_auto(),
         prediction_text=req.prediction_text() or None,
         keep_alive=req.keep_alive,
+        tools=chat_tool_plan(req),
         tier_param="service_tier" if req.service_tier is not None else "priority",
         max_tokens_param="max_completion_tokens"
         if req.max_completion_tokens is not None
         else "max_tokens",
+        grammar_param="response_format.json_schema.schema"
+        if fmt is not None and fmt.type == "json_schema"
+        else "response_format",
     )
 
 
@@ -214,9 +233,17 @@ async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Ge
         tok = state.tokenizer
         prediction_ids: list[int] | None = None
         echo: list[str] | None = None
+        plan = None if call.tools is None else call.tools.for_template(tok.chat_template)
         if call.chat:
+            messages, template_vars = call.messages, dict[str, Any]()
+            if plan is not None:  # tools into the prompt, in the model's format or ours
+                messages, template_vars = plan.render(call.messages)
             try:
-                prompts = [await loop.run_in_executor(state.pool, encode_chat, tok, call.messages)]
+                prompts = [
+                    await loop.run_in_executor(
+                        state.pool, encode_chat, tok, messages, template_vars
+                    )
+                ]
             except ChatTemplateError as exc:  # no template, or one that raised: the caller's 400
                 raise template_error(exc, call.prompt_param) from None
             if call.prediction_text:  # predicted outputs: the engine drafts from these ids
@@ -226,6 +253,15 @@ async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Ge
         else:
             prompts = await loop.run_in_executor(state.pool, _completion_prompts, tok, call.prompts)
             echo = [tok.decode(p) for p in prompts] if call.echo else None
+        grammar, grammar_param = call.params.grammar, call.grammar_param
+        # the calls' grammar (tools/grammar.py); `none` bans the call trigger unless a
+        # response_format grammar already shapes the answer
+        tool_grammar = None if plan is None else plan.grammar()
+        if plan is not None and tool_grammar is not None:
+            if plan.calls_allowed or grammar is None:
+                grammar, grammar_param = tool_grammar, "tools"
+        if grammar is not None:  # off the engine thread, time-capped
+            await compile_grammar(state.grammar, grammar, grammar_param)
         if not prompts or not all(prompts):
             raise APIError(
                 400,
@@ -235,7 +271,7 @@ async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Ge
                 call.prompt_param,
             )
         max_tokens = _resolve_max_tokens(state, call, max(len(p) for p in prompts))
-        params = replace(call.params, max_tokens=max_tokens)
+        params = replace(call.params, max_tokens=max_tokens, grammar=grammar)
         num_prompt_tokens = sum(len(p) for p in prompts) * call.n
         num_tokens_taken = auth.take_tokens(
             tenant, num_prompt_tokens + max_tokens * len(prompts) * call.n, state.auth_refused
@@ -269,6 +305,7 @@ async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Ge
             arrival_s=arrival_s,
             prediction_token_ids=prediction_ids,
             tenant=tenant.name,
+            tools=plan,
         )
         run = GenerationRun(state.run_deps(), spec, ticket)
         if num_tokens_taken:

@@ -19,6 +19,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -30,6 +31,7 @@ from ultrafast.server.bridge import EngineBridge, Generation, RequestOutput
 from ultrafast.server.errors import APIError
 from ultrafast.server.guard import CONTENT_FILTER, GuardConfig, GuardedChoice
 from ultrafast.server.metrics import ServerMetrics
+from ultrafast.server.tools.stream import ToolSplitter, chat_tool_chunks
 from ultrafast.tokenizer import StopStringMatcher, Tokenizer
 
 
@@ -52,6 +54,7 @@ class GenerationSpec:
     echo_texts: list[str] | None = None  # completions `echo`: prompt text, one per prompt
     arrival_s: float = 0.0
     prediction_token_ids: list[int] | None = None  # chat `prediction`: drafts for every choice
+    tools: Any = None  # a ToolPlan (server/tools/plan.py): the text splits into content + calls
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class ChoiceDelta:
     text: str
     logprobs: list
     finish: str | None = None
+    tool_events: tuple = ()  # server/tools/parse.py events: call start, argument text, call end
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,7 @@ class GenerationRun:
         self._released_chars = [len(c.text) for c in self.choices]  # what the guard let out
         self._released_logprobs = [0] * num_choices
         self._on_finish: list[Callable[[GenerationRun], None]] = []  # rate-limit refunds
+        self.tools = ToolSplitter.for_run(spec.tools, self.choices)  # None: no tool calling
 
     def on_finish(self, callback: Callable[[GenerationRun], None]) -> None:
         """Run `callback(run)` once when the call ends, whatever the reason."""
@@ -202,6 +207,10 @@ class GenerationRun:
         elif out.finished:
             text += self.matchers[index].flush()
             finish = out.finish_reason
+        if self.tools is not None:  # content and calls apart; one call allowed: end at it
+            text, finish = self.tools.split(index, text, finish)
+            if finish == "tool_calls" and not out.finished:
+                self.generation.abort(index)
         choice.text += text
         if finish:
             choice.finish_reason = finish
@@ -236,7 +245,8 @@ class GenerationRun:
                     index, text, logprobs, num_tokens, finish
                 )
             self.timer.output(index, num_tokens, out.queue_time_s)
-            yield ChoiceDelta(index, text, logprobs, finish)
+            calls = () if self.tools is None else self.tools.take(index)
+            yield ChoiceDelta(index, text, logprobs, finish, calls)
 
     async def _guard(
         self, index: int, text: str, logprobs: list, num_tokens: int, finish: str | None
@@ -421,6 +431,15 @@ class GenerationRun:
                     yield b": ping\n\n"
                 elif event.finish == "error":
                     break  # conclude() below names the failure
+                elif event.tool_events:  # content first, then the calls, then the finish
+                    if event.text or event.logprobs:
+                        yield writer.delta(event.index, event.text, event.logprobs)
+                    for chunk in chat_tool_chunks(
+                        writer, event.index, event.tool_events, spec.tools.done_events
+                    ):
+                        yield chunk
+                    if event.finish:
+                        yield writer.delta(event.index, "", [], event.finish)
                 elif event.text or event.logprobs or event.finish:
                     yield writer.delta(event.index, event.text, event.logprobs, event.finish)
             error = await self.conclude()

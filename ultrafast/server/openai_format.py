@@ -32,6 +32,7 @@ class ChoiceState:
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     echo_chars: int = 0
+    tool_calls: list[dict] = field(default_factory=list)  # chat: complete calls, in order
 
     def prompt_part(self) -> tuple[list[int], list] | None:
         if self.prompt_token_ids is None or self.prompt_logprobs is None:
@@ -143,7 +144,7 @@ def chat_response(
     body["choices"] = [
         {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text, "refusal": None},
+            "message": _message(c),
             "logprobs": chat_logprobs(decode, c.logprobs) if want_logprobs else None,
             "finish_reason": c.finish_reason,
         }
@@ -151,6 +152,18 @@ def chat_response(
     ]
     body["usage"] = usage_dict
     return body
+
+
+def _message(c: ChoiceState) -> dict:
+    if not c.tool_calls:
+        return {"role": "assistant", "content": c.text, "refusal": None}
+    # OpenAI sends null content beside calls when the model wrote no text
+    return {
+        "role": "assistant",
+        "content": c.text or None,
+        "refusal": None,
+        "tool_calls": c.tool_calls,
+    }
 
 
 def completion_response(
@@ -237,6 +250,19 @@ class ChunkWriter:
                 "finish_reason": finish_reason,
             }
         return self._event([choice])
+
+    def tool_calls(self, index: int, calls: list[dict]) -> bytes:
+        """A chat chunk whose delta carries `tool_calls` (server/tools/stream.py)."""
+        return self._event(
+            [
+                {
+                    "index": index,
+                    "delta": {"tool_calls": calls},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
 
     def _completion_logprobs(self, index: int, logprobs: list[TokenLogprobs]) -> dict:
         """Offsets continue from the choice's earlier chunks (and its echo)."""

@@ -73,6 +73,7 @@ from ultrafast.server.protocol_models import (
     ToolChoiceFunction,
     _Common,
 )
+from ultrafast.server.structured import check_schema_param
 
 # ---- limits and ranges ----------------------------------------------------------------------
 
@@ -235,7 +236,19 @@ def _check_message(i: int, m: Message) -> int:
         raise invalid_value(f"{at}.tool_call_id", "only tool messages carry tool_call_id")
     if isinstance(m.content, list):
         _check_parts(m.content, f"{at}.content")
+    for j, call in enumerate(m.tool_calls or ()):
+        _check_call_arguments(call.function.arguments, f"{at}.tool_calls[{j}].function.arguments")
     return len(m.text()) + sum(len(c.function.arguments) for c in m.tool_calls or ())
+
+
+def _check_call_arguments(arguments: str, param: str) -> None:
+    """A call's arguments in history must be a JSON object, as the model would have written."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise invalid_value(param, "a tool call's arguments must be a JSON object (as a string)")
 
 
 def _check_parts(parts: list[ContentPart], at: str) -> None:
@@ -300,6 +313,8 @@ def _check_response_format(fmt: ResponseFormat, limits: Limits) -> None:
                 "response_format", "json_schema.name must match [A-Za-z0-9_-]{1,64}"
             )
         _check_schema(fmt.json_schema.schema_, "response_format", limits)
+        # what we cannot enforce exactly: 400 naming the keyword's path (never weakened)
+        check_schema_param(fmt.json_schema.schema_, "response_format.json_schema.schema")
     elif fmt.json_schema is not None:
         raise invalid_value("response_format", "json_schema is only allowed with type json_schema")
     _require_feature("response_format", limits)
@@ -319,7 +334,11 @@ def _check_tools(req: ChatCompletionRequest, limits: Limits) -> None:
             )
         names.add(name)
         if tool.function.parameters is not None:
-            _check_schema(tool.function.parameters, f"tools[{i}].function.parameters", limits)
+            param = f"tools[{i}].function.parameters"
+            _check_schema(tool.function.parameters, param, limits)
+            if tool.function.parameters.get("type", "object") != "object":
+                raise invalid_value(param, "a tool's parameters must describe a JSON object")
+            check_schema_param(tool.function.parameters, param)  # enforced exactly, or 400
     choice = req.tool_choice
     if isinstance(choice, ToolChoiceFunction) and choice.function.name not in names:
         raise invalid_value(

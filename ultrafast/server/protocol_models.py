@@ -141,6 +141,10 @@ class StreamOptions(_Strict):
     # OpenAI pads stream events with random characters against length side channels; this
     # server adds no padding, so the flag is accepted and has nothing to turn off
     include_obfuscation: bool | None = None
+    # ultrafast's agent fast path (server/tools/stream.py): an `event: tool_call.done` SSE
+    # event the moment each tool call is complete. Opt-in: the official client would parse an
+    # unrequested named event as a malformed chunk.
+    include_tool_call_done: bool = False
 
 
 class Prediction(_Strict):

@@ -183,6 +183,7 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
     )
     # warm up on the engine thread, which then serves: see EngineThread.start. From here the
     # server sees the engine only through its read API (server/bridge.py).
+    grammar = core.grammar  # thread-safe: the server compiles with it, the engine matches
     engine = start_engine(core, shaper_window_s=config.shaper_window_ms / 1000)
     del core
     snapshot = engine.snapshot()
@@ -223,7 +224,8 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
     limits = Limits(
         vocab_size=tokenizer.vocab_size,
         max_tokens_cap=config.max_tokens_cap,
-        features=frozenset({"session_id"}),
+        # response_format and tools need the grammar engine (llguidance, this model's vocab)
+        features=frozenset({"session_id"} | ({"response_format", "tools"} if grammar else set())),
         sampling_defaults=tuple(sorted(tokenizer.generation_defaults.items())),
     )
     store = open_store(
@@ -245,6 +247,7 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
         sessions=SessionFlow(
             store, config.session_commit_grace_s, config.served_model_name or files.name
         ),
+        grammar=grammar,
     )
     if config.models:  # several models resident by use: the first one is loaded now
         attach_residency(state, engine_config, config, build_engine)

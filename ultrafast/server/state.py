@@ -50,6 +50,7 @@ class ServerState:
     api_keys: ApiKeys | None = None  # None: no auth, loopback only
     guard: GuardConfig | None = None  # None: output goes out unfiltered
     auth_refused: dict = field(default_factory=dict)  # reason -> count, for metrics
+    grammar: Any = None  # grammar.matcher.GrammarRuntime (compiles off the engine thread)
     # several models resident by use (server/residency/registry.py); None: one model
     residency: Any = None
 

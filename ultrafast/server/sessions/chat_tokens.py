@@ -39,32 +39,38 @@ class ChatMessage:
         return {"role": self.role, "content": self.content, **self.extra}
 
 
-def encode_plain(tokenizer, messages: list[ChatMessage]) -> list[int]:
-    text = tokenizer.apply_chat_template(template_messages(messages))
+def encode_plain(
+    tokenizer, messages: list[ChatMessage], template_vars: dict | None = None
+) -> list[int]:
+    text = tokenizer.apply_chat_template(template_messages(messages), **(template_vars or {}))
     return tokenizer.encode(text, False)
 
 
-def encode_chat(tokenizer, messages: list[ChatMessage]) -> list[int]:
-    """Token ids of the chat prompt; a message's `token_ids` are its content's ids."""
+def encode_chat(
+    tokenizer, messages: list[ChatMessage], template_vars: dict | None = None
+) -> list[int]:
+    """Token ids of the chat prompt; a message's `token_ids` are its content's ids.
+    `template_vars`: extra template variables (`tools`, server/tools/render.py)."""
     spliced = [i for i, m in enumerate(messages) if m.token_ids]
+    variables = template_vars or {}
     if not spliced:
-        return encode_plain(tokenizer, messages)
+        return encode_plain(tokenizer, messages, variables)
     public = template_messages(messages)
     marked = [
         {**m, "content": _SENTINEL.format(i)} if i in spliced else m for i, m in enumerate(public)
     ]
-    pieces = _SPLIT.split(tokenizer.apply_chat_template(marked))  # text, index, text, ...
-    if [int(i) for i in pieces[1::2]] != spliced:
-        return encode_plain(tokenizer, messages)  # a content dropped, repeated or reordered
+    pieces = _SPLIT.split(tokenizer.apply_chat_template(marked, **variables))  # text, i, ...
+    if [int(i) for i in pieces[1::2]] != spliced:  # a content dropped, repeated or reordered
+        return encode_plain(tokenizer, messages, variables)
     ids: list[int] = []
     for k, text in enumerate(pieces[0::2]):
         if text:
             ids += tokenizer.encode(text, False)
         if k < len(spliced):
             ids += list(messages[spliced[k]].token_ids or ())
-    expected = tokenizer.apply_chat_template(public)
+    expected = tokenizer.apply_chat_template(public, **variables)
     if tokenizer.decode(ids, skip_special_tokens=False) != expected:
-        return encode_plain(tokenizer, messages)
+        return encode_plain(tokenizer, messages, variables)
     return ids
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Discriminator, Tag, ValidationError
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -34,6 +34,14 @@ from ultrafast.server.sessions.chat_tokens import ChatMessage
 from ultrafast.server.sessions.flow import not_found, tenant_of
 from ultrafast.server.sessions.store import Turn
 from ultrafast.server.state import ServerState, read_json
+from ultrafast.server.tools.responses_api import (
+    ITEM_TAGS,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    call_item,
+    function_items_to_messages,
+    item_type,
+)
 
 MAX_ITEMS_PER_CALL = 1024
 
@@ -59,8 +67,17 @@ class InputItem(_Strict):
         return "\n".join(part.text for part in self.content)
 
 
+# an item as input: a message, or (function tools) an earlier call and its result
+AnyInputItem = Annotated[
+    Annotated[InputItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(item_type),
+]
+
+
 class CreateConversation(_Strict):
-    items: list[InputItem] | None = None
+    items: list[AnyInputItem] | None = None
     metadata: dict[str, str] | None = None
 
 
@@ -69,7 +86,7 @@ class UpdateConversation(_Strict):
 
 
 class AddItems(_Strict):
-    items: list[InputItem]
+    items: list[AnyInputItem]
 
 
 def validate(model: type[BaseModel], body: object):
@@ -82,7 +99,7 @@ def validate(model: type[BaseModel], body: object):
     try:
         return model.model_validate(body)
     except ValidationError as exc:  # union members are tagged by JSON type: exact item paths
-        raise from_validation_error(exc, body, _UNION_TAGS) from None
+        raise from_validation_error(exc, body, _UNION_TAGS | ITEM_TAGS) from None
 
 
 def check_metadata(metadata: dict | None) -> dict:
@@ -100,6 +117,23 @@ def check_metadata(metadata: dict | None) -> dict:
 
 def items_to_messages(items: list[InputItem]) -> list[ChatMessage]:
     return [ChatMessage(item.role, item.text()) for item in items]
+
+
+def turn_to_items(turn: Turn) -> list[dict]:
+    """A turn as items: a tool turn is a `function_call_output`, an assistant turn that
+    called tools is its message (when it has text) and one `function_call` per call."""
+    if turn.tool_call_id is not None:
+        return [
+            {
+                "type": "function_call_output",
+                "id": f"fco_{turn.turn_id}",
+                "call_id": turn.tool_call_id,
+                "output": turn.content,
+                "status": turn.status,
+            }
+        ]
+    calls = [call_item(c, turn.status) for c in turn.tool_calls or ()]
+    return ([turn_to_item(turn)] if turn.content or not calls else []) + calls
 
 
 def turn_to_item(turn: Turn) -> dict:
@@ -147,7 +181,10 @@ def conversations_routes(state: ServerState) -> list[Route]:
         info = await flow.create(tenant, conversation_id, check_metadata(req.metadata))
         if req.items:
             await flow.append_turns(
-                tenant, conversation_id, items_to_messages(req.items), f"{conversation_id}-init"
+                tenant,
+                conversation_id,
+                function_items_to_messages(req.items),
+                f"{conversation_id}-init",
             )
         return JSONResponse(conversation_object(conversation_id, info.created_s, info.metadata))
 
@@ -186,7 +223,7 @@ def conversations_routes(state: ServerState) -> list[Route]:
             raise invalid_value("order", "order must be asc or desc")
         if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
             raise invalid_value("limit", "limit must be an integer in [1, 100]")
-        items = [turn_to_item(t) for t in await flow.turns(tenant, conversation_id)]
+        items = [i for t in await flow.turns(tenant, conversation_id) for i in turn_to_items(t)]
         if order == "desc":
             items.reverse()
         after = http.query_params.get("after")
@@ -211,9 +248,9 @@ def conversations_routes(state: ServerState) -> list[Route]:
             raise not_found("conversation", None)
         key = http.headers.get("idempotency-key") or uuid.uuid4().hex
         turns = await flow.append_turns(
-            tenant, conversation_id, items_to_messages(req.items), f"items-{key}"[:80]
+            tenant, conversation_id, function_items_to_messages(req.items), f"items-{key}"[:80]
         )
-        page = [turn_to_item(t) for t in turns]
+        page = [i for t in turns for i in turn_to_items(t)]
         return JSONResponse(
             {
                 "object": "list",

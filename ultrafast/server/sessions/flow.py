@@ -72,6 +72,7 @@ def turns_to_messages(turns: list[Turn], model_name: str | None = None) -> list[
             t.token_ids
             if t.token_ids and model_name is not None and t.model == model_name
             else None,
+            extra=t.tool_extra(),
         )
         for t in turns
     ]
@@ -89,6 +90,7 @@ def assistant_turn(
         response_id=response_id,
         model=run.spec.model_name,
         token_ids=answer_token_ids(run.deps.tokenizer, run.choices[0].token_ids, text),
+        tool_calls=list(run.choices[0].tool_calls) or None,
     )
 
 
@@ -201,7 +203,13 @@ class SessionFlow:
         """Persist the client's new turn(s) before generating; `expect_seq` guards a branch."""
         stored = []
         for i, m in enumerate(messages):
-            turn = Turn(f"{turn_id_base}-u{i}", m.role, m.content)
+            turn = Turn(
+                f"{turn_id_base}-u{i}",
+                m.role,
+                m.content,
+                tool_calls=m.extra.get("tool_calls"),
+                tool_call_id=m.extra.get("tool_call_id"),
+            )
             try:
                 stored.append(
                     await self.append(
@@ -260,7 +268,7 @@ class SessionFlow:
         """Store choice 0 of `run` as the assistant turn (incomplete unless it ended normally
         with `reason` None): the stored turn, or None past the commit grace."""
         choice = run.choices[0]
-        complete = reason is None and choice.finish_reason in ("stop", "length")
+        complete = reason is None and choice.finish_reason in ("stop", "length", "tool_calls")
         turn = assistant_turn(run, turn_id, choice.text, complete, response_id)
         return await self.commit(tenant, session_id, turn)
 
@@ -277,6 +285,8 @@ class SessionFlow:
                     turn.content,
                     status=turn.status,
                     response_id=turn.response_id,
+                    tool_calls=turn.tool_calls,
+                    tool_call_id=turn.tool_call_id,
                 ),
             )
 

@@ -9,6 +9,12 @@ Events follow OpenAI's Realtime API (text subset). Client -> server:
       only the text already sent to the client is stored, as an `incomplete` turn.
 Server -> client: `session.created`, `conversation.item.created`, `response.created`,
 `response.output_text.delta`, `response.done` {response: {status, output, usage}}, `error`.
+Function calling (server/tools/realtime_events.py): `session.update` {session: {tools,
+tool_choice, parallel_tool_calls}} (answered `session.updated`), the same fields on
+`response.create`; `function_call` / `function_call_output` items in
+`conversation.item.create`; each call streams as `response.output_item.added`,
+`response.function_call_arguments.delta`, and `.done` + `response.output_item.done` the moment
+its JSON closes.
 The conversation is `?conversation=<id>` (an existing session) or a new one, named in
 `session.created`. One response runs at a time per connection.
 """
@@ -31,6 +37,14 @@ from ultrafast.server.sessions.conversations import InputItem, validate
 from ultrafast.server.sessions.flow import SessionFlow, assistant_turn, tenant_of, turns_to_messages
 from ultrafast.server.sessions.store import Turn
 from ultrafast.server.state import ServerState
+from ultrafast.server.tools.realtime_events import (
+    TOOL_OPTIONS,
+    call_events,
+    function_item_created,
+    function_item_turn,
+    realtime_plan,
+)
+from ultrafast.server.tools.responses_api import call_item
 
 MAX_MESSAGE_BYTES = 1024 * 1024
 
@@ -62,6 +76,7 @@ class RealtimeConnection:
         self.sent_text = ""  # what the client has actually received of the current response
         self.cancelled = False
         self.closed = False
+        self.session_options: dict = {}  # session.update: tools, tool_choice, ...
 
     async def send(self, event: dict) -> None:
         if self.closed:
@@ -73,7 +88,15 @@ class RealtimeConnection:
 
     async def handle(self, event: dict) -> None:
         kind = event.get("type")
-        if kind == "conversation.item.create":
+        if kind == "session.update":
+            await self._update_session(event.get("session"))
+        elif kind == "conversation.item.create":
+            turn_id = "rt-" + str(event.get("event_id") or uuid.uuid4().hex)[:64]
+            call_turn = function_item_turn(event.get("item"), turn_id)
+            if call_turn is not None:  # a function call, or the client's result for one
+                stored_call = await self.flow.append(self.tenant, self.session_id, call_turn)
+                await self.send(function_item_created(stored_call))
+                return
             item = validate(InputItem, event.get("item"))
             turn = Turn(event.get("event_id") or uuid.uuid4().hex, item.role, item.text())
             turn.turn_id = "rt-" + str(turn.turn_id)[:64]
@@ -104,6 +127,19 @@ class RealtimeConnection:
             await self.cancel()
         else:
             await self.send(_error("invalid_event", f"unknown event type {str(kind)[:40]!r}"))
+
+    async def _update_session(self, session: object) -> None:
+        if not isinstance(session, dict):
+            raise invalid_type("session", "session must be a JSON object")
+        options = {**self.session_options, **{k: session[k] for k in TOOL_OPTIONS if k in session}}
+        realtime_plan(options, {}, self.state.limits)  # refuse bad tools now, not at response
+        self.session_options = options
+        await self.send(
+            {
+                "type": "session.updated",
+                "session": {"id": self.session_id, "object": "realtime.session", **options},
+            }
+        )
 
     async def _start(self, options: object) -> None:
         if not isinstance(options, dict):
@@ -140,6 +176,7 @@ class RealtimeConnection:
                 None,
             )
         response_id = "resp_" + uuid.uuid4().hex
+        tools = realtime_plan(self.session_options, options, self.state.limits)
         run = await prepare_call(
             self.state,
             self.ws.scope,
@@ -152,6 +189,7 @@ class RealtimeConnection:
                 tier=tier,
                 auto_tier=auto,
                 request_id=response_id,
+                tools=tools,
                 prompt_param="conversation",
                 max_tokens_param="max_output_tokens",
             ),
@@ -187,6 +225,8 @@ class RealtimeConnection:
                             }
                         )
                         self.sent_text += event.text
+                    for call_event in call_events(response_id, event.tool_events, 1):
+                        await self.send(call_event)  # each call whole at its close
                     if event.finish == "error":
                         break
         finally:
@@ -198,7 +238,7 @@ class RealtimeConnection:
             else "failed"
             if choice.error
             else "completed"
-            if choice.finish_reason in ("stop", "length")
+            if choice.finish_reason in ("stop", "length", "tool_calls")
             else "incomplete"
         )
         # barge-in keeps only what the client received; otherwise the whole answer
@@ -219,7 +259,8 @@ class RealtimeConnection:
                             "status": turn.status,
                             "content": [{"type": "output_text", "text": text}],
                         }
-                    ],
+                    ]
+                    + [call_item(c, turn.status) for c in turn.tool_calls or ()],
                     "usage": run.usage(),
                     "stored": stored is not None,
                 },

@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 import orjson
+from pydantic import Field
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ultrafast.server.calls import CallInput, check_options, plain_params, prepare_call
 from ultrafast.server.errors import APIError, invalid_value, too_large, unsupported_parameter
-from ultrafast.server.generate import ChoiceDelta, GenerationRun, Ping
+from ultrafast.server.generate import GenerationRun
 from ultrafast.server.protocol_models import (
     BY_JSON_TYPE,
     JSON_ARRAY,
@@ -39,16 +41,23 @@ from ultrafast.server.protocol_models import (
 )
 from ultrafast.server.sessions.chat_tokens import ChatMessage
 from ultrafast.server.sessions.conversations import (
-    InputItem,
+    AnyInputItem,
     check_metadata,
     conversations_routes,
-    items_to_messages,
     new_conversation_id,
     validate,
 )
 from ultrafast.server.sessions.flow import SessionFlow, not_found, tenant_of, turns_to_messages
+from ultrafast.server.sessions.responses_stream import final_status, stream_response
 from ultrafast.server.sessions.store import RESPONSE, SeqConflict, StoredObject, Turn
 from ultrafast.server.state import ServerState, read_json
+from ultrafast.server.structured import check_schema_param, json_format_grammar
+from ultrafast.server.tools.responses_api import (
+    call_item,
+    check_arguments_items,
+    function_items_to_messages,
+    plan_from_responses,
+)
 
 
 class ConversationRef(_Strict):
@@ -56,7 +65,29 @@ class ConversationRef(_Strict):
 
 
 class TextFormat(_Strict):
-    type: Literal["text"]
+    """`text.format`: plain text, any JSON object, or a JSON schema (the Responses API puts
+    name/schema/strict here directly, not under `json_schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: Any = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def grammar(self):
+        return json_format_grammar(self.type, self.schema_, self.strict)
+
+    def echo(self) -> dict:
+        """The format as a response body carries it."""
+        out: dict[str, Any] = {"type": self.type}
+        if self.type == "json_schema":
+            out.update(
+                name=self.name,
+                description=self.description,
+                schema=self.schema_,
+                strict=bool(self.strict),
+            )
+        return out
 
 
 class TextOptions(_Strict):
@@ -77,7 +108,7 @@ class StreamOptions(_Strict):
 class ResponsesRequest(_Strict):
     model: str | None = None
     input: Annotated[
-        Annotated[str, JSON_STRING] | Annotated[list[InputItem], JSON_ARRAY], BY_JSON_TYPE
+        Annotated[str, JSON_STRING] | Annotated[list[AnyInputItem], JSON_ARRAY], BY_JSON_TYPE
     ]
     instructions: str | None = None
     previous_response_id: str | None = None
@@ -99,8 +130,8 @@ class ResponsesRequest(_Strict):
     parallel_tool_calls: bool | None = None
     # defaults a response carries, accepted when a client sends them back
     text: TextOptions | None = None
-    tools: list[Any] | None = None  # only [] (no tools on this server)
-    tool_choice: Literal["auto", "none"] | None = None
+    tools: list[Any] | None = None  # function tools, checked by tools/responses_api.py
+    tool_choice: Any = None
     include: list[str] | None = None  # only []
     top_logprobs: int | None = None  # only 0
     background: bool | None = None  # only false
@@ -118,7 +149,7 @@ class ResponsesRequest(_Strict):
     def new_messages(self) -> list[ChatMessage]:
         if isinstance(self.input, str):
             return [ChatMessage("user", self.input)]
-        return items_to_messages(self.input)
+        return function_items_to_messages(self.input)
 
 
 def check_request(req: ResponsesRequest, state: ServerState) -> None:
@@ -131,8 +162,8 @@ def check_request(req: ResponsesRequest, state: ServerState) -> None:
         raise too_large(
             "prompt_too_large", "input", f"the input exceeds {limits.max_prompt_chars} characters"
         )
-    if req.tools:
-        raise unsupported_parameter("tools", "tools are not available on this server")
+    if isinstance(req.input, list):
+        check_arguments_items(req.input)
     if req.include:
         raise unsupported_parameter("include", "include is not available on this server")
     if req.top_logprobs:
@@ -146,6 +177,28 @@ def check_request(req: ResponsesRequest, state: ServerState) -> None:
     if req.previous_response_id is not None and req.conversation is not None:
         raise invalid_value("conversation", "send previous_response_id or conversation, not both")
     check_metadata(req.metadata)
+    _check_text_format(req, state)
+
+
+def _check_text_format(req: ResponsesRequest, state: ServerState) -> None:
+    fmt = req.text.format if req.text else None
+    if fmt is None or fmt.type == "text":
+        return
+    if fmt.type == "json_schema":
+        if not isinstance(fmt.schema_, dict):
+            raise invalid_value("text.format.schema", "type json_schema needs a schema object")
+        if fmt.name is None or not NAME_RE.fullmatch(fmt.name):
+            raise invalid_value("text.format.name", "name must match [A-Za-z0-9_-]{1,64}")
+        size = len(orjson.dumps(fmt.schema_))
+        if size > state.limits.max_schema_bytes:
+            raise too_large(
+                "grammar_too_large",
+                "text.format.schema",
+                f"the schema is {size} bytes; the limit is {state.limits.max_schema_bytes}",
+            )
+        check_schema_param(fmt.schema_, "text.format.schema")
+    if "response_format" not in state.limits.features:
+        raise unsupported_parameter("text.format", "structured output is not available here")
 
 
 def _usage(chat_usage: dict) -> dict:
@@ -174,6 +227,7 @@ class ResponseBuilder:
         self.tier = tier
         self.created_s = time.time()
         self.sequence_number = 0
+        self.message_index = 0  # the message item's output index (after calls, if later)
 
     def body(
         self,
@@ -182,12 +236,16 @@ class ResponseBuilder:
         usage: dict | None = None,
         finish_reason: str | None = None,
         error: dict | None = None,
+        calls: list[dict] | None = None,
     ) -> dict:
         output = []
         if status not in ("in_progress", "failed"):
-            output = [
-                self.message_item("completed" if status == "completed" else "incomplete", text)
-            ]
+            item_status = "completed" if status == "completed" else "incomplete"
+            output = [call_item(c) for c in calls or ()]
+            if text or not output:  # the message item, where the stream announced it
+                output.insert(
+                    min(self.message_index, len(output)), self.message_item(item_status, text)
+                )
         conversation_id = self.req.conversation_id()
         req = self.req
         body = {
@@ -212,10 +270,12 @@ class ResponseBuilder:
             "temperature": req.temperature,
             "top_p": req.top_p,
             "top_logprobs": 0,
-            "parallel_tool_calls": False,
+            "parallel_tool_calls": req.parallel_tool_calls is not False if req.tools else False,
             "tool_choice": req.tool_choice or "auto",
-            "tools": [],
-            "text": {"format": {"type": "text"}},
+            "tools": req.tools or [],
+            "text": {"format": req.text.format.echo()}
+            if req.text and req.text.format
+            else {"format": {"type": "text"}},
             "truncation": "disabled",
             "reasoning": {"effort": None, "summary": None},
             "service_tier": self.tier,
@@ -245,18 +305,21 @@ class ResponseBuilder:
         return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
     def where(self) -> dict:
-        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self.item_id, "output_index": self.message_index, "content_index": 0}
 
     def final(self, run: GenerationRun, commit_failed: str | None = None) -> dict:
         choice = run.choices[0]
-        body = self.body(final_status(run), choice.text, run.usage(), choice.finish_reason)
+        body = self.body(
+            final_status(run),
+            choice.text,
+            run.usage(),
+            choice.finish_reason,
+            None,
+            choice.tool_calls,
+        )
         if commit_failed:
             body["error"] = {"code": commit_failed, "message": "the answer could not be stored"}
         return body
-
-
-def final_status(run: GenerationRun) -> str:
-    return "completed" if run.choices[0].finish_reason == "stop" else "incomplete"
 
 
 class History:
@@ -291,6 +354,7 @@ async def resolve_history(flow: SessionFlow, tenant: str, req: ResponsesRequest)
 def call_input(
     req: ResponsesRequest, state: ServerState, messages: list[ChatMessage], response_id: str
 ) -> CallInput:
+    tools = plan_from_responses(req, state.limits)
     tier, auto = check_options(
         state.limits,
         temperature=req.temperature,
@@ -299,9 +363,14 @@ def call_input(
         max_tokens_param="max_output_tokens",
         service_tier=req.service_tier,
     )
+    fmt = req.text.format if req.text else None
+    params = plain_params(req.temperature, req.top_p, state.limits)
+    if fmt is not None and fmt.type != "text":
+        params = replace(params, grammar=fmt.grammar())
     return CallInput(
         chat=True,
-        params=plain_params(req.temperature, req.top_p, state.limits),
+        params=params,
+        grammar_param="text.format.schema" if fmt and fmt.type == "json_schema" else "text.format",
         max_tokens=req.max_output_tokens,
         messages=messages,
         model=req.model,
@@ -309,6 +378,7 @@ def call_input(
         tier=tier,
         auto_tier=auto,
         request_id=response_id,
+        tools=tools,
         prompt_param="input",
         max_tokens_param="max_output_tokens",
     )
@@ -378,7 +448,7 @@ def responses_routes(state: ServerState) -> list[Route]:
             raise
         if req.stream:
             return StreamingResponse(
-                _stream(run, builder),
+                stream_response(run, builder),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", "x-request-id": response_id},
             )
@@ -416,43 +486,3 @@ async def _respond_json(
     if error is not None:
         raise error
     return JSONResponse(builder.final(run), headers=run.timing_headers())
-
-
-async def _stream(run: GenerationRun, b: ResponseBuilder):
-    run.start()
-    try:
-        yield b.event("response.created", response=b.body("in_progress"))
-        yield b.event("response.in_progress", response=b.body("in_progress"))
-        yield b.event(
-            "response.output_item.added", output_index=0, item=b.message_item("in_progress", None)
-        )
-        yield b.event("response.content_part.added", part=b.text_part(""), **b.where())
-        async for event in run.events():
-            if isinstance(event, Ping):
-                yield b": ping\n\n"
-            elif isinstance(event, ChoiceDelta) and event.finish == "error":
-                break
-            elif event.text:
-                yield b.event(
-                    "response.output_text.delta", delta=event.text, logprobs=[], **b.where()
-                )
-        error = await run.conclude()
-        if error is not None and error.status >= 500 and run.choices[0].error:
-            yield b.event(
-                "response.failed",
-                response=b.body("failed", error={"code": "server_error", "message": error.message}),
-            )
-            return
-        choice = run.choices[0]
-        status = final_status(run)
-        yield b.event("response.output_text.done", text=choice.text, logprobs=[], **b.where())
-        yield b.event("response.content_part.done", part=b.text_part(choice.text), **b.where())
-        yield b.event(
-            "response.output_item.done", output_index=0, item=b.message_item(status, choice.text)
-        )
-        body = b.final(run, error.code if error is not None else None)
-        yield b.event(
-            "response.completed" if status == "completed" else "response.incomplete", response=body
-        )
-    finally:
-        run.finish()

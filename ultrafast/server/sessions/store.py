@@ -51,6 +51,19 @@ class Turn:
     created_s: float = field(default_factory=time.time)
     token_ids: list[int] | None = None  # an answer's generated ids (exact KV reuse next turn)
     model: str | None = None  # whose tokenizer `token_ids` belong to
+    # function calling (server/tools/): an assistant turn's calls (chat `tool_calls` shape),
+    # and a tool turn's call id; rows stored before these existed read back as None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+    def tool_extra(self) -> dict:
+        """The template fields of a tool turn or of an assistant turn that called tools."""
+        extra: dict = {}
+        if self.tool_calls:
+            extra["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            extra["tool_call_id"] = self.tool_call_id
+        return extra
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

@@ -1,0 +1,59 @@
+"""The grammar's part of an engine step (ultrafast/grammar does the matching).
+
+Before scheduling: drafts are cut to their grammar-valid prefix (an invalid draft is a
+certain rejection), and a constrained request without drafts gets the tokens its grammar
+forces as drafts (source "grammar": verified like any deterministic draft, so exact).
+After scheduling: each constrained seq gets one mask row per sampled position.
+After the update: matchers advance over the accepted tokens only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ultrafast.core.types import Draft, RequestOutput, StepPlan
+from ultrafast.request import Request
+
+
+def constrain_drafts(drafts: dict[str, Draft], running: Iterable[Request]) -> dict[str, Draft]:
+    out = dict(drafts)
+    for request in running:
+        matcher = request.grammar_matcher
+        if matcher is None:
+            continue
+        rid = request.request_id
+        draft = out.get(rid)
+        if draft is not None and draft.token_ids:
+            n = matcher.valid_prefix(draft.token_ids)
+            if n < len(draft.token_ids):
+                probs = draft.probs[:n] if draft.probs is not None and n else None
+                draft = Draft(draft.token_ids[:n], probs, draft.source) if n else None
+        if draft is None or not draft.token_ids:
+            forced = matcher.forced_tokens()
+            draft = Draft(forced, None, "grammar") if forced else None
+        if draft is None:
+            out.pop(rid, None)
+        else:
+            out[rid] = draft
+    return out
+
+
+def fill_masks(plan: StepPlan, requests: dict[str, Request]) -> dict[str, Request]:
+    """Set `token_mask` on every constrained seq that samples; returns those requests."""
+    constrained: dict[str, Request] = {}
+    for seq in plan.seqs:
+        request = requests.get(seq.request_id)
+        if request is None or request.grammar_matcher is None:
+            continue
+        constrained[seq.request_id] = request
+        if seq.num_logits:
+            drafts = seq.token_ids[seq.num_tokens - seq.num_logits + 1 :]
+            seq.token_mask = request.grammar_matcher.masks(drafts)
+    return constrained
+
+
+def advance(outputs: list[RequestOutput], constrained: dict[str, Request]) -> None:
+    for output in outputs:
+        request = constrained.get(output.request_id)
+        if request is not None and output.new_token_ids:
+            request.grammar_matcher.consume(output.new_token_ids)

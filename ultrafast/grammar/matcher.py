@@ -1,0 +1,128 @@
+"""One request's grammar state, and the model-wide runtime that makes it.
+
+The matcher follows the request's accepted output tokens only: masks for draft positions are
+computed by advancing over the drafts and rolling back, so a rejected draft never leaves a
+trace, and a preempted request (which keeps its output tokens) needs nothing rebuilt.
+"""
+
+from __future__ import annotations
+
+import llguidance
+import numpy as np
+
+from ultrafast.grammar.cache import GrammarCache
+from ultrafast.grammar.mask import has_any, num_words, set_bits
+from ultrafast.grammar.spec import GrammarSpec
+from ultrafast.grammar.tokenizer import build_lltokenizer
+from ultrafast.tokenizer import Tokenizer
+
+MAX_FORCED_DRAFTS = 32  # tokens the grammar forces, proposed at once as free drafts
+
+
+class GrammarMatcher:
+    """llguidance's matcher with the request's own end-of-sequence ids: when the grammar
+    allows EOS (it is complete), the mask allows every id the request stops on."""
+
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        vocab_size: int,
+        grammar_eos_ids: tuple[int, ...],
+        request_eos_ids: tuple[int, ...],
+    ):
+        self._m = matcher
+        self.vocab_size = vocab_size
+        self._grammar_eos = grammar_eos_ids
+        self._grammar_eos_token = grammar_eos_ids[0]
+        self._request_eos = tuple(t for t in request_eos_ids if 0 <= t < vocab_size)
+
+    def _to_grammar(self, token: int) -> int:
+        return self._grammar_eos_token if token in self._request_eos else token
+
+    @property
+    def is_error(self) -> bool:
+        return self._m.is_error()
+
+    @property
+    def error(self) -> str:
+        return self._m.get_error()
+
+    @property
+    def is_stopped(self) -> bool:
+        """Complete: only EOS may follow."""
+        return self._m.is_stopped()
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens of `token_ids` the grammar accepts from here."""
+        return self._m.validate_tokens([self._to_grammar(t) for t in token_ids])
+
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces next (a draft that costs nothing to propose)."""
+        if self._m.is_stopped() or self._m.is_error():
+            return []
+        return self._m.compute_ff_tokens()[:MAX_FORCED_DRAFTS]
+
+    def consume(self, token_ids: list[int]) -> bool:
+        """Advance over accepted tokens; False if the grammar refused one (error state)."""
+        for t in token_ids:
+            if self._m.is_stopped():  # a stop id after completion: nothing left to match
+                return True
+            if not self._m.consume_token(self._to_grammar(t)):
+                return False
+        return True
+
+    def masks(self, draft_ids: list[int]) -> np.ndarray:
+        """int32[len(draft_ids) + 1, words]: row j allows the tokens that may follow the
+        output so far plus draft_ids[:j]. The matcher ends where it started."""
+        out = np.zeros((len(draft_ids) + 1, num_words(self.vocab_size)), dtype=np.int32)
+        consumed = 0
+        for j in range(len(draft_ids) + 1):
+            row = out[j]
+            if not self._m.is_error():
+                self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            self._fix_eos(row)
+            if j == len(draft_ids) or self._m.is_stopped():
+                break
+            if not self._m.consume_token(self._to_grammar(draft_ids[j])):
+                consumed += 1  # the failed token still counts for rollback
+                break
+            consumed += 1
+        if consumed:
+            self._m.rollback(consumed)
+        return out
+
+    def _fix_eos(self, row: np.ndarray) -> None:
+        """The grammar's EOS bit stands for all of the request's stop ids; a row with nothing
+        allowed (an error, or a stopped grammar) allows only those, so the request ends."""
+        if self._request_eos and (not row.any() or has_any(row, self._grammar_eos)):
+            words = row.view(np.uint32)
+            for t in self._grammar_eos:
+                words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+            set_bits(row, self._request_eos)
+        elif not row.any():
+            set_bits(row, self._grammar_eos)
+
+
+class GrammarRuntime:
+    """Per model: the llguidance tokenizer and the compile cache. Thread-safe."""
+
+    def __init__(self, lltokenizer: llguidance.LLTokenizer, vocab_size: int, **cache_caps):
+        self.lltokenizer = lltokenizer
+        self.vocab_size = vocab_size
+        self.cache = GrammarCache(lltokenizer, **cache_caps)
+        self._eos = tuple(lltokenizer.eos_tokens) or (lltokenizer.eos_token,)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int, **cache_caps) -> GrammarRuntime:
+        """GrammarUnavailable if llguidance cannot use this vocabulary."""
+        return cls(build_lltokenizer(tokenizer, vocab_size), vocab_size, **cache_caps)
+
+    def compile(self, spec: GrammarSpec) -> None:
+        """Compile (or find) `spec`; GrammarError if it does not compile. Drops the GIL:
+        call it off the engine thread."""
+        self.cache.compiled(spec)
+
+    def matcher(self, spec: GrammarSpec, request_eos_ids: tuple[int, ...]) -> GrammarMatcher:
+        return GrammarMatcher(
+            self.cache.new_matcher(spec), self.vocab_size, self._eos, request_eos_ids
+        )

@@ -1,0 +1,63 @@
+"""Structured output: `response_format` (chat completions) and `text.format` (Responses API)
+turned into a GrammarSpec, checked (schema_check: the keyword's path in the error) and
+compiled off the event loop and the engine thread, with a time cap."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from ultrafast.grammar.spec import GrammarSpec
+from ultrafast.server.errors import APIError, bad_request, unsupported_parameter
+
+COMPILE_TIMEOUT_S = 2.0  # llguidance's work limits bound a compile; this bounds the wait
+
+_compile_pool = ThreadPoolExecutor(2, thread_name_prefix="ultrafast-grammar")
+
+
+def check_schema_param(schema: object, param: str) -> None:
+    """400 naming the keyword's path (`param` + ".properties.x.pattern") for a schema we
+    cannot enforce exactly. Never weakened: what passes is enforced in full."""
+    from ultrafast.grammar.schema_check import SchemaProblem, check_schema
+
+    try:
+        check_schema(schema)
+    except SchemaProblem as problem:
+        raise bad_request(problem.code, problem.param(param), str(problem)) from None
+
+
+def json_format_grammar(kind: str, schema: object = None, strict: bool | None = None):
+    """GrammarSpec for a format `type` ("text" -> None)."""
+    if kind == "json_object":
+        return GrammarSpec.json_object()
+    if kind == "json_schema":
+        if not isinstance(schema, dict):
+            raise TypeError("json_schema needs a schema object")
+        return GrammarSpec.from_json_schema(schema, bool(strict))
+    return None
+
+
+async def compile_grammar(grammar_runtime, spec: GrammarSpec, param: str) -> None:
+    """Compile (or find in the cache) before the request reaches the engine. 400 with
+    `param` if it does not compile or takes longer than COMPILE_TIMEOUT_S (the compile
+    goes on under llguidance's work limits; its outcome is cached for the next call)."""
+    from ultrafast.grammar.cache import GrammarError
+
+    if grammar_runtime is None:
+        raise unsupported_parameter(
+            param.split(".")[0], "constrained decoding is not available for this model"
+        )
+    loop = asyncio.get_running_loop()
+    future = loop.run_in_executor(_compile_pool, grammar_runtime.compile, spec)
+    try:
+        await asyncio.wait_for(asyncio.shield(future), COMPILE_TIMEOUT_S)
+    except GrammarError as exc:
+        raise bad_request("invalid_schema", param, f"the schema does not compile: {exc}") from None
+    except asyncio.TimeoutError:
+        raise APIError(
+            400,
+            f"the schema did not compile within {COMPILE_TIMEOUT_S:.0f} s; simplify it",
+            "invalid_request_error",
+            "grammar_too_complex",
+            param,
+        ) from None

@@ -1,0 +1,109 @@
+"""The Lark grammar (llguidance syntax) that keeps a tool-calling reply inside its format.
+
+`tool_choice` decides the shape: `auto` lets free text run until the format's trigger and
+constrains only what follows (a lazy lexeme: the trigger is matched in free text, then each
+call is forced to `{"name":"<one of the tools>","arguments":<its parameters' schema>}`);
+`required` and a named function force a call from the first token. With one call allowed
+(`parallel_tool_calls: false`, or a named function) the grammar ends at that call's close, so
+the only next token is end-of-sequence: generation stops right after the closing brace (the
+format's closing text, `</tool_call>` or `]`, is left out: the parser needs no more).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ultrafast.server.tools.formats import ToolFormat
+
+# Pinned JSON spelling inside calls (as the grammar package does): compact, one spelling.
+_JSON_OPTIONS = {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class ToolSchema:
+    name: str
+    parameters: dict | None  # None: any JSON object
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text) if text else ""
+
+
+def _closed(schema: Any) -> Any:
+    """Objects that list their properties take no others unless the schema says so: a
+    function takes the parameters it names (OpenAI's strict mode requires the same), and a
+    small model otherwise invents keys until max_tokens. Every output still validates."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {k: _closed(v) for k, v in out["properties"].items()}
+        if not _OPEN_KEYS & out.keys():
+            out["additionalProperties"] = False
+    for key in ("$defs", "definitions"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _closed(v) for k, v in out[key].items()}
+    return out
+
+
+_SUBSCHEMAS = frozenset({"items", "anyOf", "oneOf", "prefixItems"})
+# an object that says anything about other keys, or combines schemas, stays as it is
+_OPEN_KEYS = frozenset(
+    {"additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref"}
+)
+
+
+def _schema(parameters: dict | None) -> str:
+    schema: dict[str, Any] = _closed(parameters) if parameters else {"type": "object"}
+    if not parameters or "type" not in schema:
+        schema.setdefault("type", "object")
+    schema["x-guidance"] = {**_JSON_OPTIONS, **schema.get("x-guidance", {})}
+    # properties keep their order: the grammar makes the model write them in it
+    return "%json " + json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def tool_call_lark(
+    fmt: ToolFormat, tools: list[ToolSchema], *, required: bool, single: bool
+) -> str:
+    """`required`: a call from the first token (else free text first, calls after the
+    trigger); `single`: exactly one call, then end-of-sequence."""
+    lines = ["%llguidance {}"]
+    names = []
+    for i, tool in enumerate(tools):
+        head = '{"name":' + json.dumps(tool.name) + "," + json.dumps(fmt.args_key) + ":"
+        if fmt.trigger_in_call:  # the trigger `{"name":` is already written
+            head = head[len(fmt.trigger) :]
+        lines.append(f"call_{i}: {_lit(head)} {_schema(tool.parameters)} " + '"}"')
+        names.append(f"call_{i}")
+    lines.append("call: " + " | ".join(names))
+    open_rest = fmt.begin  # after the trigger
+    if fmt.array:
+        calls = "call" if single else f"call ({_lit(fmt.separator)} call)*"
+        end = "" if single else _lit(fmt.end)
+        lines.append(f"block_rest: {_lit(open_rest)} {calls} {end}")
+        more = ""
+    else:
+        end = "" if single else _lit(fmt.end)
+        lines.append(f"block_rest: {_lit(open_rest)} call {end}")
+        more = "" if single else f" ({_lit(fmt.separator)} {_lit(fmt.trigger)} block_rest)*"
+    if required:
+        lines.append(f"start: {_lit(fmt.trigger)} block_rest{more}")
+    else:
+        lines.append("TEXT: /(.|\\n)*/")
+        lines.append(f"trigger[lazy]: TEXT {_lit(fmt.trigger)}")
+        lines.append(f"start: TEXT | trigger block_rest{more}")
+    return "\n".join(lines) + "\n"
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
+
+
+def no_call_lark(fmt: ToolFormat) -> str:
+    """`tool_choice: none`: any text that never contains the format's trigger, so the model
+    cannot start a call even when the history shows it calls."""
+    trigger = "".join("\\" + c if c in _REGEX_META else c for c in fmt.trigger)
+    return f"%llguidance {{}}\nstart: TEXT\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*{trigger}(.|\\n)*/\n"

@@ -1,0 +1,106 @@
+"""One request's tool calling: which tools, which choice, which format; builds the prompt,
+the grammar and the parser from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ultrafast.grammar.spec import GrammarSpec
+from ultrafast.server.sessions.chat_tokens import ChatMessage
+from ultrafast.server.tools.formats import GENERIC, ToolFormat, detect_format
+from ultrafast.server.tools.grammar import ToolSchema, no_call_lark, tool_call_lark
+from ultrafast.server.tools.parse import ToolCallParser
+from ultrafast.server.tools.render import render_generic, render_native
+
+
+@dataclass(frozen=True)
+class FunctionTool:
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    def for_prompt(self) -> dict:
+        out: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            out["description"] = self.description
+        out["parameters"] = self.parameters or {"type": "object", "properties": {}}
+        return out
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    tools: tuple[FunctionTool, ...]
+    choice: str = "auto"  # none, auto, required, or "function" (then `named`)
+    named: str | None = None
+    parallel: bool = True
+    # chat completions `stream_options.include_tool_call_done`: the fast path's side event
+    done_events: bool = field(default=False, compare=False)
+    fmt: ToolFormat = GENERIC  # set from the model's chat template (for_template)
+
+    def for_template(self, chat_template: str | None) -> ToolPlan:
+        return replace(self, fmt=detect_format(chat_template))
+
+    @property
+    def calls_allowed(self) -> bool:
+        return self.choice != "none" and bool(self.tools)
+
+    @property
+    def single(self) -> bool:
+        """One call at most: generation ends at its closing brace."""
+        return self.named is not None or not self.parallel
+
+    def render(self, messages: list[ChatMessage]) -> tuple[list[ChatMessage], dict]:
+        """The messages and template variables for the chat template. `none` shows no tools
+        (the model cannot call any), but the history's calls are still rendered."""
+        shown = [t.for_prompt() for t in self.tools] if self.calls_allowed else []
+        if self.fmt.native:
+            variables = {"tools": [{"type": "function", "function": f} for f in shown]}
+            return render_native(messages), variables if shown else {}
+        return render_generic(self.fmt, messages, shown), {}
+
+    def grammar_lark(self) -> str | None:
+        if not self.tools:
+            return None
+        if self.choice == "none":
+            return no_call_lark(self.fmt)
+        tools = [t for t in self.tools if self.named is None or t.name == self.named]
+        return tool_call_lark(
+            self.fmt,
+            [ToolSchema(t.name, t.parameters) for t in tools],
+            required=self.choice in ("required", "function"),
+            single=self.single,
+        )
+
+    def grammar(self) -> GrammarSpec | None:
+        lark = self.grammar_lark()
+        return None if lark is None else GrammarSpec(lark, "tools")
+
+    def parser(self) -> ToolCallParser | None:
+        return ToolCallParser(self.fmt) if self.calls_allowed else None
+
+
+def chat_tool_plan(req: Any) -> ToolPlan | None:
+    """From a validated ChatCompletionRequest (protocol.py checked names and schemas)."""
+    if not req.tools:
+        return None
+    choice: str = "auto"
+    named: str | None = None
+    if isinstance(req.tool_choice, str):
+        choice = req.tool_choice
+    elif req.tool_choice is not None:
+        choice, named = "function", req.tool_choice.function.name
+    options = req.stream_options
+    return ToolPlan(
+        tools=tuple(
+            FunctionTool(
+                t.function.name, t.function.description, t.function.parameters, t.function.strict
+            )
+            for t in req.tools
+        ),
+        choice=choice,
+        named=named,
+        parallel=req.parallel_tool_calls is not False,
+        done_events=bool(options and options.include_tool_call_done),
+    )
