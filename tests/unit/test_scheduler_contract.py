@@ -286,3 +286,22 @@ def test_the_default_token_budget_keeps_every_decode_and_some_prefill():
     sched.update(plan, sampled(a=[16], b=[17], long=[18]))
     plan = sched.schedule()  # no cap: the rest of the prompt at once
     assert [(s.request_id, s.num_tokens) for s in plan.seqs][3] == ("next", 10)
+
+
+def test_a_priority_prefill_is_never_starved_by_the_step_caps():
+    """Both caps are lifted while a priority request has prompt left to compute: its prefill
+    comes after the default decodes in the phase order, so a capped step would give it
+    nothing while the default streams run."""
+    sched, _ = make(num_slots=4, max_num_batched_tokens=512, max_prefill_chunk_tokens=40)
+    for rid in ("a", "b"):
+        sched.add_request(request(rid, [1, 2], max_tokens=30))
+    sched.update(sched.schedule(), sampled(a=[10], b=[10]))
+    sched.add_request(request("p", list(range(100, 160)), tier=PRIORITY, arrival_s=2.0))
+    plan = sched.schedule(priority_token_budget=2, token_budget=3)
+    assert [(s.request_id, s.num_tokens) for s in plan.seqs] == [("a", 1), ("b", 1), ("p", 40)]
+    sched.update(plan, sampled(a=[11], b=[12]))
+    plan = sched.schedule(priority_token_budget=2, token_budget=3)  # 20 prompt tokens left
+    assert [(s.request_id, s.num_tokens) for s in plan.seqs] == [("a", 1), ("b", 1), ("p", 20)]
+    sched.update(plan, sampled(a=[13], b=[14], p=[15]))
+    plan = sched.schedule(priority_token_budget=2, token_budget=3)  # p decodes: capped now
+    assert [(s.request_id, s.num_tokens) for s in plan.seqs] == [("p", 1), ("a", 1)]

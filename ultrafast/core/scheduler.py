@@ -153,13 +153,17 @@ class Scheduler:
         if waiting[ServiceTier.PRIORITY] or waiting[ServiceTier.DEFAULT]:
             self._make_room_for_waiting()
         budget = self.config.max_num_batched_tokens
-        if token_budget is not None:
-            num_decoding = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
-            budget = min(budget, max(token_budget, num_decoding + MIN_PREFILL_TOKENS))
-        if priority_token_budget is not None:
-            num_priority = sum(r.tier == ServiceTier.PRIORITY for r in self.running)
-            if num_priority and self._priority_has_company():  # drafts count against it too
-                budget = max(min(budget, priority_token_budget), num_priority)
+        # A priority request still to prefill (waiting, or part way) lifts both caps: its time
+        # to first token is at stake, and its prefill chunk comes after the default decodes in
+        # the phase order, so a capped step would leave it nothing, step after step.
+        if not self._priority_prefill_pending():
+            if token_budget is not None:
+                num_decoding = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+                budget = min(budget, max(token_budget, num_decoding + MIN_PREFILL_TOKENS))
+            if priority_token_budget is not None:
+                num_priority = sum(r.tier == ServiceTier.PRIORITY for r in self.running)
+                if num_priority and self._priority_has_company():  # drafts count against it
+                    budget = max(min(budget, priority_token_budget), num_priority)
         self._admissions_left = self.config.max_admissions_per_step or 1 << 30
         # one walk over the running requests in phase order (see _PHASES), each phase by arrival
         running = self.running
@@ -193,6 +197,12 @@ class Scheduler:
                 for s in plan.seqs
                 if s.num_tokens in lengths or tiers[s.request_id] == ServiceTier.PRIORITY
             ]
+
+    def _priority_prefill_pending(self) -> bool:
+        return bool(self.waiting[ServiceTier.PRIORITY]) or any(
+            r.tier == ServiceTier.PRIORITY and r.num_tokens - r.num_computed_tokens > 1
+            for r in self.running
+        )
 
     def _priority_has_company(self) -> bool:
         """Is there work besides priority decodes? Only then does the priority step cap
