@@ -26,6 +26,7 @@ def add_cluster_parser(sub: Any) -> None:
     from ultrafast.cli_serve import (
         _add_access_args,
         _add_guard_args,
+        _add_kv_cache_args,
         _add_session_args,
         _add_tier_args,
         add_engine_args,
@@ -61,8 +62,18 @@ def add_cluster_parser(sub: Any) -> None:
     _add_session_args(p)
     _add_access_args(p)
     _add_guard_args(p)
+    _add_kv_cache_args(p)  # a Redis KV tier lets a moved conversation restore instead of recompute
     add_engine_args(p)
-    p.set_defaults(func=cmd_cluster)
+    # one model per replica: serve's --models flags are not offered, their defaults stand
+    p.set_defaults(
+        func=cmd_cluster,
+        models=[],
+        pin=[],
+        max_resident_bytes="0",
+        keep_alive="5m",
+        model_load_timeout_s=ServerConfig.model_load_timeout_s,
+        no_preload=False,
+    )
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -72,7 +83,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         raise ValueError(
             "`ultrafast cluster` needs Ray: pip install 'ultrafast[ray]' (ray[serve]==2.60.0)"
         ) from None
-    from ultrafast.cli_serve import chosen_model, engine_options, server_config
+    from ultrafast.cli_serve import chosen_model, engine_options, kv_cache_options, server_config
     from ultrafast.cluster.app import ReplicaSpec, with_replica_defaults
     from ultrafast.config import EngineConfig
 
@@ -90,7 +101,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         load_api_keys(server.api_keys_path)
     spec = with_replica_defaults(
         ReplicaSpec(
-            engine=EngineConfig(model=model, **engine_options(args)),
+            engine=EngineConfig(model=model, **engine_options(args), **kv_cache_options(args)),
             server=server,
             limits_store=args.limits_store or server.session_store,
             limits_fail=args.limits_fail,
