@@ -243,7 +243,12 @@ def _add_tier_args(srv: argparse.ArgumentParser) -> None:
         default=default.ttft_ms,
         help="default tier time-to-first-token target (0 = auto, from the measured speed)",
     )
-    srv.add_argument("--default-itl-ms", type=float, default=default.itl_ms)
+    srv.add_argument(
+        "--default-itl-ms",
+        type=float,
+        default=default.itl_ms,
+        help="size steps carrying default-tier decodes to this token gap (0 = off, the default)",
+    )
     srv.add_argument(
         "--default-queue",
         type=int,

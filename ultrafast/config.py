@@ -178,13 +178,16 @@ class ServerConfig:
     served_model_name: str | None = None  # default: the model directory name
     # ttft_ms 0 = auto: from the model's speed measured at start (TierTargets.resolved);
     # itl_ms 0 = auto: 1.2x the measured idle inter-token time
+    # default itl_ms 0 = its steps are not sized to a token gap (--default-itl-ms N does):
+    # capped, a burst's prefill took more steps and its one-token calls waited 20-35% longer
+    # while the 16-stream ITL p99 did not drop (BENCHMARKS.md, "Serving under load")
     # max_in_flight 0 = auto: sized from memory (server/admission.py auto_in_flight); the
     # default and flex tiers are then limited by their predicted wait, not by a count
     priority: TierTargets = TierTargets(
         ttft_ms=0.0, itl_ms=0.0, max_in_flight=8, ttft_floor_ms=250.0, ttft_speed_factor=3.0
     )
     default: TierTargets = TierTargets(
-        ttft_ms=0.0, itl_ms=250.0, max_in_flight=0, ttft_floor_ms=30000.0, ttft_speed_factor=100.0
+        ttft_ms=0.0, itl_ms=0.0, max_in_flight=0, ttft_floor_ms=30000.0, ttft_speed_factor=100.0
     )
     flex: TierTargets = TierTargets(
         ttft_ms=0.0,

@@ -127,7 +127,7 @@ class Admission:
             tiers[tier.api_name] = {
                 "ttft_ms": round(targets.ttft_ms, 3),
                 "ttft_source": source,
-                "itl_ms": targets.itl_ms or None,  # None: auto (1.2x the idle inter-token time)
+                "itl_ms": targets.itl_ms or None,  # None: priority auto (1.2x idle), else no cap
                 "max_in_flight": targets.max_in_flight,
                 "max_in_flight_source": "memory"
                 if tier in self.auto_in_flight_tiers

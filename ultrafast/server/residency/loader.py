@@ -58,7 +58,9 @@ class ModelLoader:
 
     def __call__(self, name: str) -> ResidentModel:
         core, tokenizer, _files = self.build_engine(
-            self.engine_configs[name], priority_itl_target_s=self.config.priority.itl_ms / 1000
+            self.engine_configs[name],
+            priority_itl_target_s=self.config.priority.itl_ms / 1000,
+            default_itl_target_s=self.config.default.itl_ms / 1000 or None,
         )
         engine = start_engine_thread(
             core,
