@@ -77,8 +77,13 @@ def test_ngram_speculation_keeps_the_greedy_text(served):
     )
     # --spec-tiers defaults to priority: the default tier runs without drafts
     plain = client.completions.create(extra_body={"service_tier": "default"}, **args)
-    fast = client.completions.create(extra_body={"service_tier": "priority"}, **args)
-    assert fast.choices[0].text == plain.choices[0].text
+    # k is sized from measured step times, so on a busy machine one request may draft none:
+    # up to three priority requests, each with the plain text, and at least one must draft
+    for _ in range(3):
+        fast = client.completions.create(extra_body={"service_tier": "priority"}, **args)
+        assert fast.choices[0].text == plain.choices[0].text
+        if spec_counter(srv, "ultrafast_spec_draft_tokens") > drafted:
+            break
     assert spec_counter(srv, "ultrafast_spec_draft_tokens") > drafted
     if arch == "gpt2":  # the looping model: drafts are right
         assert spec_counter(srv, "ultrafast_spec_accepted_tokens") > accepted
