@@ -113,6 +113,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="upper bound of the adaptive number of draft tokens per step",
     )
     p.add_argument(
+        "--spec-costs",
+        choices=["measured", "fixed"],
+        default="measured",
+        help="step costs that size the number of draft tokens: measured on this machine "
+        "(default), or fixed defaults, so the drafts do not depend on the machine's load "
+        "(reproducible runs, tests)",
+    )
+    p.add_argument(
         "--gguf-type",
         choices=[AUTO, *OUT_TYPES],
         default=EngineConfig.gguf_type,
@@ -155,6 +163,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         spec_tiers=tiers,
         draft_model=args.draft_model,
         max_draft_tokens=args.max_draft_tokens,
+        spec_measured_costs=args.spec_costs == "measured",
         compile=args.compile,
         gguf_type=args.gguf_type,
     )

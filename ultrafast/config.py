@@ -110,6 +110,8 @@ class EngineConfig:
     spec_tiers: tuple[str, ...] = ("priority",)  # tiers that draft (flex never by default)
     draft_model: str | None = None  # HF dir or .gguf; None = the bundled demo draft if it fits
     max_draft_tokens: int = MAX_DRAFT_TOKENS
+    # size k from this machine's measured step costs; False: the fixed defaults (tests)
+    spec_measured_costs: bool = True
     # the tiered KV cache under the slots (kvcache/): L2 host memory, L3 disk and/or Redis
     kv_host_cache_gb: float = 0.0  # 0 = none (a small staging area when an L3 tier is set)
     kv_disk_dir: str | None = None

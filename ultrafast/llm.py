@@ -200,6 +200,7 @@ def build_speculator(config: EngineConfig, files: ModelFiles) -> Speculator:
         method=config.spec,
         tiers=tuple(ServiceTier.parse(t) for t in config.spec_tiers),
         max_draft_tokens=config.max_draft_tokens,
+        use_measured_costs=config.spec_measured_costs,
     )
     return Speculator(spec, draft_model)
 

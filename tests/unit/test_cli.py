@@ -206,10 +206,24 @@ def test_engine_flags_reach_the_config():
             "60",
             "--priority-ttft-ms",
             "90",
+            "--spec-costs",
+            "fixed",
         ]
     )
     options = engine_options(args)
     assert options["max_draft_tokens"] == 3 and options["num_slots"] == 2
+    assert options["spec_measured_costs"] is False
     assert options["max_num_seqs"] == 2 and options["spec_tiers"] == ("priority", "default")
     server = server_config(args)
     assert server.session_ttl_s == 60 and server.priority.ttft_ms == 90
+
+
+def test_fixed_spec_costs_reach_the_speculator():
+    from ultrafast.config import DEMO_MODEL_DIR, EngineConfig
+    from ultrafast.llm import build_speculator
+    from ultrafast.model_files import resolve_model
+
+    files = resolve_model(str(DEMO_MODEL_DIR))
+    for measured in (True, False):
+        config = EngineConfig(model=str(DEMO_MODEL_DIR), spec="ngram", spec_measured_costs=measured)
+        assert build_speculator(config, files).config.use_measured_costs is measured
