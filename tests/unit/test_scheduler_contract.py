@@ -305,3 +305,25 @@ def test_a_priority_prefill_is_never_starved_by_the_step_caps():
     sched.update(plan, sampled(a=[13], b=[14], p=[15]))
     plan = sched.schedule(priority_token_budget=2, token_budget=3)  # p decodes: capped now
     assert [(s.request_id, s.num_tokens) for s in plan.seqs] == [("p", 1), ("a", 1)]
+
+
+def test_a_priority_request_held_back_by_committed_seats_does_not_lift_the_caps():
+    from ultrafast.core.scheduler import MIN_PREFILL_TOKENS
+
+    sched, _ = make(num_slots=4, max_num_batched_tokens=512, max_prefill_chunk_tokens=256)
+    sched.set_reserved_priority_seats({"acme": 3})  # other tenants share one priority seat
+    first = request("o1", [1, 2], max_tokens=30, tier=PRIORITY)
+    first.tenant = "other"
+    sched.add_request(first)
+    sched.add_request(request("a", [1, 2], max_tokens=30))
+    sched.update(sched.schedule(), sampled(o1=[10], a=[10]))
+    second = request("o2", [3, 4, 5], tier=PRIORITY, arrival_s=2.0)
+    second.tenant = "other"  # no seat for it while o1 runs: it cannot prefill
+    sched.add_request(second)
+    sched.add_request(request("long", list(range(100, 160)), arrival_s=3.0))
+    plan = sched.schedule(token_budget=3)
+    assert [(s.request_id, s.num_tokens) for s in plan.seqs] == [
+        ("o1", 1),
+        ("a", 1),
+        ("long", MIN_PREFILL_TOKENS),
+    ]

@@ -199,7 +199,9 @@ class Scheduler:
             ]
 
     def _priority_prefill_pending(self) -> bool:
-        return bool(self.waiting[ServiceTier.PRIORITY]) or any(
+        """A priority prefill this step could carry: one running part way, or one waiting
+        that may start (one held back by committed seats would lift the caps for nothing)."""
+        return self._num_priority_wanting() > 0 or any(
             r.tier == ServiceTier.PRIORITY and r.num_tokens - r.num_computed_tokens > 1
             for r in self.running
         )
