@@ -4,7 +4,7 @@ import asyncio
 import threading
 
 from ultrafast.core.types import RequestOutput
-from ultrafast.request import Request, SamplingParams
+from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.server.bridge import EngineBridge, OutputBuffer
 
 
@@ -71,3 +71,32 @@ def test_outputs_after_the_loop_closed_are_dropped_quietly():
 
 async def _make_buffer() -> OutputBuffer:
     return OutputBuffer(4)
+
+
+def test_a_priority_stream_is_handed_its_tokens_before_the_default_streams():
+    async def main():
+        engine = CapturingEngine()
+        bridge = EngineBridge(engine, asyncio.get_running_loop())
+        tiers = {"d1": ServiceTier.DEFAULT, "p": ServiceTier.PRIORITY, "d2": ServiceTier.FLEX}
+        buffers = {rid: OutputBuffer(16) for rid in tiers}
+        for rid, tier in tiers.items():
+            request = _request(rid)
+            request.tier = tier
+            bridge.submit(request, buffers[rid])
+        woke: list[str] = []
+
+        async def reader(rid):
+            await buffers[rid].get()
+            woke.append(rid)
+
+        readers = [asyncio.ensure_future(reader(rid)) for rid in tiers]
+        await asyncio.sleep(0)  # every reader waits on its buffer
+        step = threading.Thread(  # one step's outputs, in slot order: the default ones first
+            target=lambda: [engine.callbacks[rid](RequestOutput(rid, [1])) for rid in tiers]
+        )
+        step.start()
+        step.join()
+        await asyncio.gather(*readers)
+        assert woke == ["p", "d1", "d2"]
+
+    asyncio.run(main())

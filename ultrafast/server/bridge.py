@@ -37,7 +37,7 @@ from ultrafast.engine.core import EngineCore
 from ultrafast.engine.read_api import EngineSettings, EngineSnapshot, StepCostSnapshot
 from ultrafast.engine.thread import EngineThread
 from ultrafast.kvcache.manager import KVCacheSnapshot
-from ultrafast.request import Request
+from ultrafast.request import Request, ServiceTier
 
 __all__ = [
     "EngineBridge",
@@ -143,12 +143,19 @@ class EngineBridge:
         self.loop = loop
         self.max_stream_buffer_events = max_stream_buffer_events
         self._handoff: collections.deque[tuple[OutputBuffer, RequestOutput]] = collections.deque()
+        # priority outputs are handed over first: their streams' tasks then wake (and write)
+        # ahead of a step's default/flex tokens (one stream's outputs stay in one deque: order)
+        self._handoff_priority: collections.deque[tuple[OutputBuffer, RequestOutput]] = (
+            collections.deque()
+        )
         self._drain_pending = False
         self.num_wakes = 0
 
     def submit(self, request: Request, queue: OutputBuffer) -> None:
+        handoff = self._handoff_priority if request.tier == ServiceTier.PRIORITY else self._handoff
+
         def on_output(output: RequestOutput) -> None:  # runs on the engine thread
-            self._handoff.append((queue, output))
+            handoff.append((queue, output))
             self._wake()
 
         self.engine.submit(request, on_output)
@@ -169,10 +176,10 @@ class EngineBridge:
     def _drain(self) -> None:
         """Event loop: move every handed-off output to its stream's buffer, in order."""
         self._drain_pending = False
-        handoff = self._handoff
-        while handoff:
-            queue, output = handoff.popleft()
-            queue.put_nowait(output)
+        for handoff in (self._handoff_priority, self._handoff):
+            while handoff:
+                queue, output = handoff.popleft()
+                queue.put_nowait(output)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
