@@ -157,7 +157,6 @@ class GenerationRun:
         self.timer = deps.metrics.request_timer(spec.tier, spec.tenant, spec.arrival_s)
         guard = deps.guard
         self.guarded = None if guard is None else [GuardedChoice(guard) for _ in self.choices]
-        self._released_chars = [len(c.text) for c in self.choices]  # what the guard let out
         self._released_logprobs = [0] * num_choices
         self._on_finish: list[Callable[[GenerationRun], None]] = []  # rate-limit refunds
         self.tools = ToolSplitter.for_run(spec.tools, self.choices)  # None: no tool calling
@@ -207,14 +206,23 @@ class GenerationRun:
         elif out.finished:
             text += self.matchers[index].flush()
             finish = out.finish_reason
-        if self.tools is not None:  # content and calls apart; one call allowed: end at it
+        return text, out.new_logprobs, finish
+
+    def _release(
+        self, index: int, text: str, finish: str | None, engine_finished: bool
+    ) -> tuple[str, str | None]:
+        """Text the guard (if any) let out joins the choice: tool calls split from content
+        first, so the guard screens a call's arguments as it screens content."""
+        if self.tools is not None and finish not in (CONTENT_FILTER, "error"):
+            # content and calls apart; one call allowed: end at it
             text, finish = self.tools.split(index, text, finish)
-            if finish == "tool_calls" and not out.finished:
+            if finish == "tool_calls" and not engine_finished:
                 self.generation.abort(index)
+        choice = self.choices[index]
         choice.text += text
         if finish:
             choice.finish_reason = finish
-        return text, out.new_logprobs, finish
+        return text, finish
 
     async def events(self) -> AsyncIterator[RunEvent]:
         """A ChoiceDelta per engine output, a Ping per quiet interval, until every choice ended.
@@ -244,6 +252,7 @@ class GenerationRun:
                 text, logprobs, num_tokens, finish = await self._guard(
                     index, text, logprobs, num_tokens, finish
                 )
+            text, finish = self._release(index, text, finish, out.finished)
             self.timer.output(index, num_tokens, out.queue_time_s)
             calls = () if self.tools is None else self.tools.take(index)
             yield ChoiceDelta(index, text, logprobs, finish, calls)
@@ -258,13 +267,10 @@ class GenerationRun:
             text, logprobs, num_tokens, finish is not None
         )
         if blocked:  # the response keeps only what was released; the held text is dropped
-            choice.text = choice.text[: self._released_chars[index]]
             del choice.logprobs[self._released_logprobs[index] :]
-            choice.finish_reason = CONTENT_FILTER
             self.deps.metrics.guard_cuts.inc()
             self.generation.abort(index)
             return "", [], 0, CONTENT_FILTER
-        self._released_chars[index] += len(text)
         self._released_logprobs[index] += len(logprobs)
         return text, logprobs, num_tokens, finish
 
