@@ -11,6 +11,7 @@ from concurrent.futures import Future
 import jsonschema
 import numpy as np
 import pytest
+import torch
 
 from tests.unit.engine_driver import run_all
 from tests.unit.test_grammar_engine import SCHEMA, SPEC, engine, request, text
@@ -127,3 +128,30 @@ def _never_compiles():
     from ultrafast.grammar import GrammarSpec
 
     return GrammarSpec.from_json_schema({"type": "integer", "minimum": 5, "maximum": 2})
+
+
+@pytest.mark.parametrize("as_numpy", [True, False])
+def test_greedy_under_masks_equals_masking_every_row(as_numpy):
+    from ultrafast.core.types import ScheduledSeq
+    from ultrafast.request import SamplingParams
+    from ultrafast.sampling.sampler import sample_plan
+
+    vocab, rows = 300, 40
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    logits[::3, 5] = logits[::3, 17] = 9.0  # ties: the first maximum must win in both paths
+    mask = rng.integers(-(2**31), 2**31 - 1, size=(rows, (vocab + 31) // 32), dtype=np.int64)
+    mask = mask.astype(np.int32)
+    mask[1::2, 0] |= 1 << 5  # some rows allow their unmasked argmax, some do not
+    seqs = []
+    for i in range(0, rows, 4):  # 4 positions each (a decode with 3 drafts)
+        seqs.append(
+            ScheduledSeq(f"s{i}", 0, [1, 2, 3, 4], 0, 4, SamplingParams(temperature=0.0), 1, 0)
+        )
+        seqs[-1].token_mask = mask[i : i + 4]
+    want = logits.copy()
+    apply_mask_numpy(want, mask)
+    want_ids = want.argmax(-1).tolist()
+    got = sample_plan(seqs, logits.copy() if as_numpy else torch.from_numpy(logits.copy()))
+    for i, s in enumerate(seqs):  # the batch argmax path: every position's greedy id
+        assert got.sampled_token_ids[s.request_id] == want_ids[4 * i : 4 * i + 4]
