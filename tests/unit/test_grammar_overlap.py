@@ -155,3 +155,15 @@ def test_greedy_under_masks_equals_masking_every_row(as_numpy):
     got = sample_plan(seqs, logits.copy() if as_numpy else torch.from_numpy(logits.copy()))
     for i, s in enumerate(seqs):  # the batch argmax path: every position's greedy id
         assert got.sampled_token_ids[s.request_id] == want_ids[4 * i : 4 * i + 4]
+
+
+def test_fixed_draft_costs_keep_every_forced_draft(tok, runtime):  # noqa: F811
+    from ultrafast.engine.speculation import SpecConfig, Speculator
+
+    spec = Speculator(SpecConfig(method="ngram", use_measured_costs=False))
+    core, _ = engine(tok, runtime, spec=spec)
+    for _ in range(20):  # measured: a wider pass never pays
+        core.costs.observe(1, 1, 0.001, 0.001)
+        core.costs.observe(1, 8, 0.02, 0.02)
+    core.costs.lone_pass_s[2:] = [1.0] * (len(core.costs.lone_pass_s) - 2)
+    assert core._forced_drafts_worth(4) == 4

@@ -235,7 +235,10 @@ class EngineCore:
     def _forced_drafts_worth(self, available: int) -> int:
         """How many grammar-forced tokens to propose as drafts: all are accepted, so the k
         with the most tokens per second at the measured step costs (a lone stream's by its
-        own timed pass widths). Before the costs are known: all."""
+        own timed pass widths). Before the costs are known, or when drafts are sized from
+        fixed costs (SpecConfig.use_measured_costs off): all."""
+        if self.speculator is not None and not self.speculator.config.use_measured_costs:
+            return available
         costs = self.costs
         base_s, per_token_s = costs.base_s, costs.per_token_s
         if base_s is None or per_token_s is None:
