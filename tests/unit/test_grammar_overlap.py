@@ -17,6 +17,7 @@ from tests.unit.engine_driver import run_all
 from tests.unit.test_grammar_engine import SCHEMA, SPEC, engine, request, text
 from tests.unit.test_grammar_engine import runtime as runtime  # noqa: F401 (fixture)
 from tests.unit.test_grammar_engine import tok as tok  # noqa: F401 (fixture)
+from ultrafast.engine.core import FORCED_DRAFT_RETRY_STEPS
 from ultrafast.grammar.cache import GrammarError
 from ultrafast.grammar.mask import allowed_bools, apply_mask_numpy
 
@@ -97,9 +98,14 @@ def test_forced_drafts_are_dropped_when_a_wider_pass_costs_more_than_it_saves(
     costs.lone_pass_s[1], costs.lone_pass_s[2] = 0.001, 0.003
     costs.lone_pass_s[3:] = [0.01] * (len(costs.lone_pass_s) - 3)
     assert core._forced_drafts_worth(5) == 0
+    core._forced_idle_steps = -(10**6)  # no retry of a wider pass within this test
     got, _ = run_all(core, [request(tok, "f")])
     assert got["f"] == want["f"]
     assert not any(s.num_logits > 1 for p in executor.plans for s in p.seqs)
+    # now and then one forced draft rides anyway, so a width timed in a load spike is retimed
+    core._forced_idle_steps = 0
+    taken = [core._forced_drafts_worth(5) for _ in range(2 * FORCED_DRAFT_RETRY_STEPS)]
+    assert taken.count(1) == 2 and set(taken) == {0, 1}
 
 
 def test_forced_drafts_all_ride_when_passes_are_cheap(tok, runtime):  # noqa: F811

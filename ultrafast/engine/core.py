@@ -27,6 +27,7 @@ from ultrafast.request import Request, SamplingParams, ServiceTier
 log = logging.getLogger(__name__)
 
 COMPILE_POLL_S = 0.002  # an idle step's wait for a compile: new arrivals wait at most this
+FORCED_DRAFT_RETRY_STEPS = 64  # steps without forced drafts before one is tried again
 
 
 @dataclass
@@ -107,6 +108,7 @@ class EngineCore:
         self.speculator = speculator
         self.grammar = grammar
         self._compiling: dict[str, Request] = {}  # admitted while their grammar compiles
+        self._forced_idle_steps = 0  # calls of _forced_drafts_worth that proposed none
         self.idle_speed: IdleSpeed | None = None  # timed by warmup(measure_speed=True)
         self.kv_cache: KVCacheManager | None = None
         if kv_cache is not None and kv_cache.enabled:
@@ -244,7 +246,13 @@ class EngineCore:
         if base_s is None or per_token_s is None:
             return available
         measured = costs.lone_pass_s if len(self.scheduler.running) <= 1 else ()
-        return best_draft_length(1.0, available, base_s, per_token_s, 0.0, measured)
+        k = best_draft_length(1.0, available, base_s, per_token_s, 0.0, measured)
+        if k == 0:  # now and then one rides anyway: a width timed under a load spike is retimed
+            self._forced_idle_steps += 1
+            if self._forced_idle_steps >= FORCED_DRAFT_RETRY_STEPS:
+                self._forced_idle_steps = 0
+                return 1
+        return k
 
     def _one_pass(self, plan: StepPlan) -> bool:
         """Did the step run as one forward pass? A step whose lengths the executor ran as
