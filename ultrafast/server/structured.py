@@ -59,7 +59,10 @@ async def wait_compiled(future: Future, param: str) -> None:
 
     left = COMPILE_TIMEOUT_S - (time.monotonic() - getattr(future, "started_s", time.monotonic()))
     try:
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), max(left, 0.0))
+        if future.done():  # a cache hit, or a compile that ended while the prompt was prepared
+            future.result()
+        else:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), max(left, 0.0))
     except GrammarError as exc:
         raise bad_request("invalid_schema", param, f"the schema does not compile: {exc}") from None
     except asyncio.TimeoutError:
