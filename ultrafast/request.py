@@ -166,6 +166,15 @@ class Request:
     # constrained decoding: the request's grammar.matcher.GrammarMatcher, made by the engine
     # when it admits a request with sampling_params.grammar (opaque here: no llguidance in core)
     grammar_matcher: Any = None
+    # the server's compile of that grammar, still running (a concurrent.futures.Future), or
+    # None: until the engine has the matcher, the prompt's last token (the one whose logits
+    # are sampled) waits and the rest of the prompt prefills (Scheduler._schedule_chunk)
+    grammar_pending: Any = None
+
+    @property
+    def awaits_grammar(self) -> bool:
+        """Constrained, and its matcher is not made yet: nothing may be sampled."""
+        return self.grammar_matcher is None and self.sampling_params.grammar is not None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

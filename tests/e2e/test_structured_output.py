@@ -4,6 +4,7 @@ official `openai` client and raw HTTP; bad schemas answer 400 with the keyword's
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Literal
 
 import httpx
@@ -173,3 +174,22 @@ def test_deep_nesting_is_refused(server):
         schema = {"type": "array", "items": schema}  # one JSON level each: under the body cap
     r = post(server, {"messages": MESSAGES, "response_format": schema_format(schema)})
     assert r.status_code == 400 and "nests deeper" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_that_fails_to_compile_is_a_400_before_any_stream_byte(server, stream):
+    # first seen (a fresh property name): it compiles while the request is submitted, and the
+    # failure still answers a plain 400, not an event stream
+    name = f"n{int(stream)}{uuid.uuid4().hex[:8]}"
+    schema = {**prop(type="integer", minimum=9, maximum=2), "required": ["x"], "title": name}
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 8,
+        "stream": stream,
+        "response_format": schema_format(schema),
+    }
+    r = post(server, body)
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"]["code"] == "invalid_schema"
+    ok = post(server, {**body, "response_format": schema_format(SCHEMA)})
+    assert ok.status_code == 200

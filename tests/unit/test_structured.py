@@ -85,3 +85,75 @@ def test_chat_requests_name_the_keyword_path():
     )
     schema["properties"]["tags"].pop("uniqueItems")
     parse_chat_request(body, limits)
+
+
+class RecordingRun:
+    """What calls._await_compile uses of a GenerationRun."""
+
+    def __init__(self):
+        self.events: list[str] = []
+
+    def start(self):
+        self.events.append("start")
+
+    def finish(self):
+        self.events.append("finish")
+
+
+def await_compile(runtime, run, param="response_format"):
+    from ultrafast.server import calls
+
+    async def go():
+        future = structured.start_compile(runtime, SPEC, param)
+        await calls._await_compile(run, future, param)
+
+    asyncio.run(go())
+
+
+def test_a_compiling_request_is_submitted_before_the_compile_ends():
+    runtime, run = SlowRuntime(), RecordingRun()
+    threading.Timer(0.05, runtime.release.set).start()
+    await_compile(runtime, run)
+    assert run.events == ["start"]  # prefilling while it compiled; not ended
+
+
+def test_a_compile_that_fails_after_submission_ends_the_run_with_a_400():
+    class SlowFailure(SlowRuntime):
+        def compile(self, spec):
+            super().compile(spec)
+            raise GrammarError("Unsatisfiable schema")
+
+    runtime, run = SlowFailure(), RecordingRun()
+    threading.Timer(0.05, runtime.release.set).start()
+    with pytest.raises(APIError) as info:
+        await_compile(runtime, run, "tools")
+    assert (info.value.status, info.value.code, info.value.param) == (
+        400,
+        "invalid_schema",
+        "tools",
+    )
+    assert run.events == ["start", "finish"]
+
+
+def test_a_compile_past_the_cap_ends_the_run_with_a_400(monkeypatch):
+    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 0.05)
+    runtime, run = SlowRuntime(), RecordingRun()
+    try:
+        with pytest.raises(APIError) as info:
+            await_compile(runtime, run)
+    finally:
+        runtime.release.set()
+    assert info.value.code == "grammar_too_complex" and run.events == ["start", "finish"]
+
+
+def test_a_finished_compile_is_not_submitted_early():
+    from concurrent.futures import Future
+
+    from ultrafast.server import calls
+
+    failed: Future = Future()
+    failed.set_exception(GrammarError("Unsatisfiable schema"))  # e.g. a cached failure
+    run = RecordingRun()
+    with pytest.raises(APIError):
+        asyncio.run(calls._await_compile(run, failed, "response_format"))
+    assert run.events == ["finish"]  # never reached the engine

@@ -329,7 +329,8 @@ class Scheduler:
         self, plan: StepPlan, request: Request, budget: int, draft: Draft | None
     ) -> int:
         start = request.num_computed_tokens
-        n = min(request.num_tokens - start, budget, self.config.max_prefill_chunk_tokens)
+        end = request.num_tokens - request.awaits_grammar  # its first logits wait for it
+        n = min(end - start, budget, self.config.max_prefill_chunk_tokens)
         if n <= 0:
             return 0
         self._planned_ids.add(request.request_id)

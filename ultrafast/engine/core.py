@@ -6,6 +6,7 @@ cost model and the speculator; `engine.thread.EngineThread` runs it for the serv
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -17,13 +18,16 @@ from ultrafast.core.scheduler import Scheduler, SchedulerConfig
 from ultrafast.core.types import Draft, RequestOutput, StepPlan, StepResult
 from ultrafast.engine import grammar_steps
 from ultrafast.engine.idle_speed import IdleSpeed, measure_idle_speed
-from ultrafast.engine.speculation import SpecStats, Speculator
+from ultrafast.engine.speculation import SpecStats, Speculator, best_draft_length
 from ultrafast.engine.step_costs import StepCostModel
 from ultrafast.executors.base import Executor
 from ultrafast.kvcache.manager import KVCacheConfig, KVCacheManager
 from ultrafast.request import Request, SamplingParams, ServiceTier
 
 log = logging.getLogger(__name__)
+
+COMPILE_POLL_S = 0.002  # an idle step's wait for a compile: new arrivals wait at most this
+FORCED_DRAFT_RETRY_STEPS = 64  # steps without forced drafts before one is tried again
 
 
 @dataclass
@@ -103,6 +107,8 @@ class EngineCore:
         self.step_token_budget: int | None = None
         self.speculator = speculator
         self.grammar = grammar
+        self._compiling: dict[str, Request] = {}  # admitted while their grammar compiles
+        self._forced_idle_steps = 0  # calls of _forced_drafts_worth that proposed none
         self.idle_speed: IdleSpeed | None = None  # timed by warmup(measure_speed=True)
         self.kv_cache: KVCacheManager | None = None
         if kv_cache is not None and kv_cache.enabled:
@@ -161,9 +167,15 @@ class EngineCore:
         if spec is not None and request.grammar_matcher is None:
             if self.grammar is None:
                 raise ValueError("constrained decoding is not available with this model")
-            # a cache hit when the server compiled it first (off this thread); a GrammarError
-            # is a ValueError, which fails this request alone
-            request.grammar_matcher = self.grammar.matcher(spec, request.eos_token_ids)
+            pending = request.grammar_pending
+            if pending is not None and not pending.done():
+                # still compiling (server thread): the prompt prefills meanwhile, all but the
+                # token that gives the first logits (Scheduler); the matcher comes at a step
+                self._compiling[request.request_id] = request
+            else:
+                # a cache hit when the server compiled it first (off this thread); a
+                # GrammarError is a ValueError, which fails this request alone
+                request.grammar_matcher = self.grammar.matcher(spec, request.eos_token_ids)
         if self.speculator is not None:
             self.speculator.admit(request)
         self.scheduler.add_request(request)
@@ -222,6 +234,26 @@ class EngineCore:
             log.exception("speculative drafting failed; this step decodes without drafts")
             return {}
 
+    def _forced_drafts_worth(self, available: int) -> int:
+        """How many grammar-forced tokens to propose as drafts: all are accepted, so the k
+        with the most tokens per second at the measured step costs (a lone stream's by its
+        own timed pass widths). Before the costs are known, or when drafts are sized from
+        fixed costs (SpecConfig.use_measured_costs off): all."""
+        if self.speculator is not None and not self.speculator.config.use_measured_costs:
+            return available
+        costs = self.costs
+        base_s, per_token_s = costs.base_s, costs.per_token_s
+        if base_s is None or per_token_s is None:
+            return available
+        measured = costs.lone_pass_s if len(self.scheduler.running) <= 1 else ()
+        k = best_draft_length(1.0, available, base_s, per_token_s, 0.0, measured)
+        if k == 0:  # now and then one rides anyway: a width timed under a load spike is retimed
+            self._forced_idle_steps += 1
+            if self._forced_idle_steps >= FORCED_DRAFT_RETRY_STEPS:
+                self._forced_idle_steps = 0
+                return 1
+        return k
+
     def _one_pass(self, plan: StepPlan) -> bool:
         """Did the step run as one forward pass? A step whose lengths the executor ran as
         several passes costs a base per pass, which a line in tokens cannot fit."""
@@ -245,13 +277,37 @@ class EngineCore:
         elif ServiceTier.DEFAULT in tiers and self.default_itl_target_s:
             self.step_token_budget = self.costs.token_budget(self.default_itl_target_s)
 
+    def _take_compiled_grammars(self, wait: bool) -> None:
+        """Matchers for the requests whose compile has finished. A failed compile aborts its
+        request (the server answers 400 from the same compile); an aborted request is
+        forgotten. `wait`: nothing else to run, so wait a moment for a compile to end."""
+        requests = self.scheduler.requests
+        pending = [r.grammar_pending for r in self._compiling.values()]
+        if wait and pending:
+            concurrent.futures.wait(pending, COMPILE_POLL_S, concurrent.futures.FIRST_COMPLETED)
+        for request_id, request in list(self._compiling.items()):
+            if requests.get(request_id) is not request:
+                del self._compiling[request_id]
+            elif request.grammar_pending.done():
+                del self._compiling[request_id]
+                try:
+                    request.grammar_matcher = self.grammar.matcher(
+                        request.sampling_params.grammar, request.eos_token_ids
+                    )
+                except ValueError:  # GrammarError: the compile failed
+                    self.abort(request_id)
+
     def step(self) -> list[RequestOutput]:
+        if self._compiling:
+            self._take_compiled_grammars(wait=False)
         tp = time.perf_counter()
         drafts: dict[str, Draft] = {}
         if self.speculator is not None and self.scheduler.running:
             drafts = self._propose(self.speculator)
         if self.grammar is not None:
-            drafts = grammar_steps.constrain_drafts(drafts, self.scheduler.running)
+            drafts = grammar_steps.constrain_drafts(
+                drafts, self.scheduler.running, self._forced_drafts_worth
+            )
         t0 = time.perf_counter()
         with self.pool_lock:  # the KV pool changes only under it: see cached_prefix_tokens
             if self.kv_cache is not None:
@@ -273,6 +329,8 @@ class EngineCore:
                 result = StepResult(errors={s.request_id: error for s in plan.seqs})
         else:
             result = StepResult()
+            if self._compiling:  # only compiles to wait for: do not spin
+                self._take_compiled_grammars(wait=True)
         t2 = time.perf_counter()
         with self.pool_lock:
             clock = self.pool.clock

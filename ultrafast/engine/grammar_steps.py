@@ -2,20 +2,27 @@
 
 Before scheduling: drafts are cut to their grammar-valid prefix (an invalid draft is a
 certain rejection), and a constrained request without drafts gets the tokens its grammar
-forces as drafts (source "grammar": verified like any deterministic draft, so exact).
+forces as drafts (source "grammar": verified like any deterministic draft, so exact), as many
+as the measured step costs say pay for themselves (all are accepted, but each widens the pass).
 After scheduling: each constrained seq gets one mask row per sampled position.
 After the update: matchers advance over the accepted tokens only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ultrafast.core.types import Draft, RequestOutput, StepPlan
 from ultrafast.request import Request
 
 
-def constrain_drafts(drafts: dict[str, Draft], running: Iterable[Request]) -> dict[str, Draft]:
+def constrain_drafts(
+    drafts: dict[str, Draft],
+    running: Iterable[Request],
+    forced_worth: Callable[[int], int] | None = None,
+) -> dict[str, Draft]:
+    """`forced_worth(n)`: how many of n forced tokens to propose (each widens the pass, which
+    on a small CPU model can cost more than the step it saves); None = all of them."""
     out = dict(drafts)
     for request in running:
         matcher = request.grammar_matcher
@@ -30,6 +37,8 @@ def constrain_drafts(drafts: dict[str, Draft], running: Iterable[Request]) -> di
                 draft = Draft(draft.token_ids[:n], probs, draft.source) if n else None
         if draft is None or not draft.token_ids:
             forced = matcher.forced_tokens()
+            if forced and forced_worth is not None:
+                forced = forced[: forced_worth(len(forced))]
             draft = Draft(forced, None, "grammar") if forced else None
         if draft is None:
             out.pop(rid, None)

@@ -12,6 +12,7 @@ import threading
 from collections import OrderedDict
 
 import llguidance
+import numpy as np
 
 from ultrafast.grammar.spec import GrammarSpec
 
@@ -92,6 +93,12 @@ class GrammarCache:
         )
         size = len(spec.lark.encode()) + 256  # the entry's own overhead
         if matcher.is_error():
+            return None, _short_error(matcher.get_error()), size
+        # the first mask builds lexer states that every deep copy then shares: built here,
+        # on the compile thread, they stay off the engine thread's first step
+        scratch = np.zeros((self.tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+        if matcher.is_error():  # the grammar admits nothing: llguidance's error says why
             return None, _short_error(matcher.get_error()), size
         return matcher, "", size
 

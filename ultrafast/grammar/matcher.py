@@ -11,7 +11,7 @@ import llguidance
 import numpy as np
 
 from ultrafast.grammar.cache import GrammarCache
-from ultrafast.grammar.mask import has_any, num_words, set_bits
+from ultrafast.grammar.mask import num_words, set_bits
 from ultrafast.grammar.spec import GrammarSpec
 from ultrafast.grammar.tokenizer import build_lltokenizer
 from ultrafast.tokenizer import Tokenizer
@@ -35,6 +35,11 @@ class GrammarMatcher:
         self._grammar_eos = grammar_eos_ids
         self._grammar_eos_token = grammar_eos_ids[0]
         self._request_eos = tuple(t for t in request_eos_ids if 0 <= t < vocab_size)
+        self._num_words = num_words(vocab_size)
+        # (word, bit) of each grammar EOS id inside the mask
+        self._grammar_eos_bits = tuple(
+            (t >> 5, t & 31) for t in grammar_eos_ids if 0 <= t < 32 * self._num_words
+        )
 
     def _to_grammar(self, token: int) -> int:
         return self._grammar_eos_token if token in self._request_eos else token
@@ -74,32 +79,40 @@ class GrammarMatcher:
     def masks(self, draft_ids: list[int]) -> np.ndarray:
         """int32[len(draft_ids) + 1, words]: row j allows the tokens that may follow the
         output so far plus draft_ids[:j]. The matcher ends where it started."""
-        out = np.zeros((len(draft_ids) + 1, num_words(self.vocab_size)), dtype=np.int32)
+        out = np.zeros((len(draft_ids) + 1, self._num_words), dtype=np.int32)
+        m = self._m
+        if not draft_ids:  # a plain decode step: one row, no advance, no rollback
+            if not m.is_error():
+                m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+            self._fix_eos(out[0])
+            return out
         consumed = 0
         for j in range(len(draft_ids) + 1):
             row = out[j]
-            if not self._m.is_error():
-                self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            if not m.is_error():
+                m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
             self._fix_eos(row)
-            if j == len(draft_ids) or self._m.is_stopped():
+            if j == len(draft_ids) or m.is_stopped():
                 break
-            if not self._m.consume_token(self._to_grammar(draft_ids[j])):
-                consumed += 1  # the failed token still counts for rollback
+            consumed += 1  # a refused token still counts for rollback
+            if not m.consume_token(self._to_grammar(draft_ids[j])):
                 break
-            consumed += 1
         if consumed:
-            self._m.rollback(consumed)
+            m.rollback(consumed)
         return out
 
     def _fix_eos(self, row: np.ndarray) -> None:
         """The grammar's EOS bit stands for all of the request's stop ids; a row with nothing
         allowed (an error, or a stopped grammar) allows only those, so the request ends."""
-        if self._request_eos and (not row.any() or has_any(row, self._grammar_eos)):
-            words = row.view(np.uint32)
-            for t in self._grammar_eos:
-                words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        words = row.view(np.uint32)
+        eos_set = any(int(words[w]) >> b & 1 for w, b in self._grammar_eos_bits)
+        if not eos_set and words.any():  # the common case: EOS not allowed, something is
+            return
+        if self._request_eos:
+            for w, b in self._grammar_eos_bits:
+                words[w] &= np.uint32(~(1 << b) & 0xFFFFFFFF)
             set_bits(row, self._request_eos)
-        elif not row.any():
+        elif not eos_set:  # nothing allowed: the grammar's own EOS ends it
             set_bits(row, self._grammar_eos)
 
 

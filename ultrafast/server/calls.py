@@ -30,7 +30,7 @@ from ultrafast.server.residency.budget import parse_keep_alive
 from ultrafast.server.residency.views import view_with_bridge
 from ultrafast.server.sessions.chat_tokens import ChatMessage, encode_chat
 from ultrafast.server.state import ServerState, check_model, check_ready
-from ultrafast.server.structured import compile_grammar, json_format_grammar
+from ultrafast.server.structured import json_format_grammar, start_compile, wait_compiled
 from ultrafast.server.tools.plan import ToolPlan, chat_tool_plan
 from ultrafast.tokenizer import ChatTemplateError, NoChatTemplateError
 
@@ -234,6 +234,18 @@ async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Ge
         prediction_ids: list[int] | None = None
         echo: list[str] | None = None
         plan = None if call.tools is None else call.tools.for_template(tok.chat_template)
+        grammar, grammar_param = call.params.grammar, call.grammar_param
+        # the calls' grammar (tools/grammar.py); `none` bans the call trigger unless a
+        # response_format grammar already shapes the answer
+        tool_grammar = None if plan is None else plan.grammar()
+        if plan is not None and tool_grammar is not None:
+            if plan.calls_allowed or grammar is None:
+                grammar, grammar_param = tool_grammar, "tools"
+        # off the event loop and the engine thread, time-capped: it runs while the prompt is
+        # tokenized and prefilled, and is awaited before the run is handed back
+        compiling = (
+            None if grammar is None else start_compile(state.grammar, grammar, grammar_param)
+        )
         if call.chat:
             messages, template_vars = call.messages, dict[str, Any]()
             if plan is not None:  # tools into the prompt, in the model's format or ours
@@ -253,15 +265,6 @@ async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Ge
         else:
             prompts = await loop.run_in_executor(state.pool, _completion_prompts, tok, call.prompts)
             echo = [tok.decode(p) for p in prompts] if call.echo else None
-        grammar, grammar_param = call.params.grammar, call.grammar_param
-        # the calls' grammar (tools/grammar.py); `none` bans the call trigger unless a
-        # response_format grammar already shapes the answer
-        tool_grammar = None if plan is None else plan.grammar()
-        if plan is not None and tool_grammar is not None:
-            if plan.calls_allowed or grammar is None:
-                grammar, grammar_param = tool_grammar, "tools"
-        if grammar is not None:  # off the engine thread, time-capped
-            await compile_grammar(state.grammar, grammar, grammar_param)
         if not prompts or not all(prompts):
             raise APIError(
                 400,
@@ -306,6 +309,7 @@ async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Ge
             prediction_token_ids=prediction_ids,
             tenant=tenant.name,
             tools=plan,
+            grammar_compile=compiling,
         )
         run = GenerationRun(state.run_deps(), spec, ticket)
         if num_tokens_taken:
@@ -314,9 +318,24 @@ async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Ge
                     tenant, num_tokens_taken, num_prompt_tokens + sum(r.num_output_tokens)
                 )
             )
+        if compiling is not None:
+            await _await_compile(run, compiling, grammar_param)
         return run
     except BaseException:
         state.admission.release(ticket)
+        raise
+
+
+async def _await_compile(run: GenerationRun, compiling, param: str) -> None:
+    """A grammar still compiling: start the run, so the engine prefills the prompt (all but
+    the token whose logits need the grammar) meanwhile, then wait. A compile that fails or
+    runs past the cap ends the run and answers 400, before any response byte."""
+    if not compiling.done():
+        run.start()
+    try:
+        await wait_compiled(compiling, param)
+    except BaseException:
+        run.finish()
         raise
 
 

@@ -55,6 +55,8 @@ class GenerationSpec:
     arrival_s: float = 0.0
     prediction_token_ids: list[int] | None = None  # chat `prediction`: drafts for every choice
     tools: Any = None  # a ToolPlan (server/tools/plan.py): the text splits into content + calls
+    # the compile of params.grammar (a concurrent.futures.Future) when it may still be running
+    grammar_compile: Any = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class GenerationRun:
                         arrival_time_s=spec.arrival_s,
                         eos_token_ids=tok.eos_token_ids,
                         prediction_token_ids=list(spec.prediction_token_ids or []),
+                        grammar_pending=spec.grammar_compile,
                     )
                 )
                 self.choice_prompts.append(p)
@@ -154,6 +157,7 @@ class GenerationRun:
         self.queue_time_s = 0.0
         self._commit_hook: CommitHook | None = None
         self._committed = False
+        self._started = False
         self.timer = deps.metrics.request_timer(spec.tier, spec.tenant, spec.arrival_s)
         guard = deps.guard
         self.guarded = None if guard is None else [GuardedChoice(guard) for _ in self.choices]
@@ -302,6 +306,10 @@ class GenerationRun:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Submit to the engine; once (a grammar still compiling may have started it)."""
+        if self._started:
+            return
+        self._started = True
         self.deps.runs.add(self)
         self.generation.start()
 

@@ -1,11 +1,13 @@
 """Structured output: `response_format` (chat completions) and `text.format` (Responses API)
 turned into a GrammarSpec, checked (schema_check: the keyword's path in the error) and
-compiled off the event loop and the engine thread, with a time cap."""
+compiled off the event loop and the engine thread, with a time cap. The compile starts before
+the prompt is tokenized and runs while the request prefills (server/calls.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from ultrafast.grammar.spec import GrammarSpec
 from ultrafast.server.errors import APIError, bad_request, unsupported_parameter
@@ -37,20 +39,30 @@ def json_format_grammar(kind: str, schema: object = None, strict: bool | None = 
     return None
 
 
-async def compile_grammar(grammar_runtime, spec: GrammarSpec, param: str) -> None:
-    """Compile (or find in the cache) before the request reaches the engine. 400 with
-    `param` if it does not compile or takes longer than COMPILE_TIMEOUT_S (the compile
-    goes on under llguidance's work limits; its outcome is cached for the next call)."""
-    from ultrafast.grammar.cache import GrammarError
-
+def start_compile(grammar_runtime, spec: GrammarSpec, param: str) -> Future:
+    """Start compiling `spec` (or finding it in the cache) on the compile threads; the
+    request may go to the engine meanwhile (it prefills while the grammar compiles)."""
     if grammar_runtime is None:
         raise unsupported_parameter(
             param.split(".")[0], "constrained decoding is not available for this model"
         )
-    loop = asyncio.get_running_loop()
-    future = loop.run_in_executor(_compile_pool, grammar_runtime.compile, spec)
+    future = _compile_pool.submit(grammar_runtime.compile, spec)
+    future.started_s = time.monotonic()  # type: ignore[attr-defined]
+    return future
+
+
+async def wait_compiled(future: Future, param: str) -> None:
+    """400 with `param` if the compile failed or is not done COMPILE_TIMEOUT_S after it
+    started (it goes on under llguidance's work limits; its outcome is cached for the next
+    call)."""
+    from ultrafast.grammar.cache import GrammarError
+
+    left = COMPILE_TIMEOUT_S - (time.monotonic() - getattr(future, "started_s", time.monotonic()))
     try:
-        await asyncio.wait_for(asyncio.shield(future), COMPILE_TIMEOUT_S)
+        if future.done():  # a cache hit, or a compile that ended while the prompt was prepared
+            future.result()
+        else:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), max(left, 0.0))
     except GrammarError as exc:
         raise bad_request("invalid_schema", param, f"the schema does not compile: {exc}") from None
     except asyncio.TimeoutError:
@@ -61,3 +73,8 @@ async def compile_grammar(grammar_runtime, spec: GrammarSpec, param: str) -> Non
             "grammar_too_complex",
             param,
         ) from None
+
+
+async def compile_grammar(grammar_runtime, spec: GrammarSpec, param: str) -> None:
+    """Compile (or find in the cache) and wait: start_compile + wait_compiled."""
+    await wait_compiled(start_compile(grammar_runtime, spec, param), param)

@@ -1,0 +1,175 @@
+"""The grammar's cost kept off the step: a compile still running when its request arrives
+(the prompt prefills meanwhile, nothing is sampled until the matcher exists, other requests
+keep stepping), forced drafts sized by the measured step costs, and the mask applied to the
+logits in one pass. Fake executor over the demo vocabulary, as test_grammar_engine.py."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from tests.unit.engine_driver import run_all
+from tests.unit.test_grammar_engine import SCHEMA, SPEC, engine, request, text
+from tests.unit.test_grammar_engine import runtime as runtime  # noqa: F401 (fixture)
+from tests.unit.test_grammar_engine import tok as tok  # noqa: F401 (fixture)
+from ultrafast.engine.core import FORCED_DRAFT_RETRY_STEPS
+from ultrafast.grammar.cache import GrammarError
+from ultrafast.grammar.mask import allowed_bools, apply_mask_numpy
+
+
+def step_until(core, outputs, condition, limit=200):
+    for _ in range(limit):
+        if condition():
+            return
+        for out in core.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                outputs.setdefault("finished:" + out.request_id, []).append(out.finish_reason)
+    raise AssertionError("condition never held")
+
+
+def test_a_compiling_request_prefills_and_waits_while_others_decode(tok, runtime):  # noqa: F811
+    want, _ = run_all(engine(tok, runtime)[0], [request(tok, "c", prompt="a longer prompt here")])
+    core, executor = engine(tok, runtime)
+    compiling: Future = Future()
+    slow = request(tok, "c", prompt="a longer prompt here")
+    slow.grammar_pending = compiling
+    core.add_request(slow)
+    core.add_request(request(tok, "free", None, max_tokens=30))
+    outputs: dict = {}
+    step_until(core, outputs, lambda: len(outputs.get("free", [])) >= 10)
+    # the free request decoded step after step; the constrained one sampled nothing, yet
+    # its prompt is in the slot but for the one token whose logits need the grammar
+    assert "c" not in outputs or outputs["c"] == []
+    assert slow.num_computed_tokens == slow.num_prompt_tokens - 1
+    assert all(s.num_logits == 0 for p in executor.plans for s in p.seqs if s.request_id == "c")
+    runtime.compile(SPEC)
+    compiling.set_result(None)
+    step_until(core, outputs, lambda: not core.has_work())
+    assert outputs["c"] == want["c"]  # the same tokens as a request compiled up front
+    jsonschema.validate(json.loads(text(tok, outputs["c"])), SCHEMA)
+    assert outputs["finished:c"] == ["stop"] and not core._compiling
+
+
+def test_a_failed_compile_aborts_its_request_only(tok, runtime):  # noqa: F811
+    core, _ = engine(tok, runtime)
+    failed: Future = Future()
+    bad = request(tok, "bad", grammar=_never_compiles())
+    bad.grammar_pending = failed
+    core.add_request(bad)
+    core.add_request(request(tok, "good"))
+    outputs: dict = {}
+    step_until(core, outputs, lambda: bool(outputs.get("good")))
+    failed.set_exception(GrammarError("no"))
+    step_until(core, outputs, lambda: not core.has_work())
+    assert outputs["finished:bad"] == ["abort"] and not outputs.get("bad")
+    jsonschema.validate(json.loads(text(tok, outputs["good"])), SCHEMA)
+
+
+def test_a_request_aborted_while_compiling_is_forgotten(tok, runtime):  # noqa: F811
+    core, _ = engine(tok, runtime)
+    pending: Future = Future()
+    r = request(tok, "gone")
+    r.grammar_pending = pending
+    core.add_request(r)
+    core.step()
+    core.abort("gone")
+    pending.set_result(None)
+    outputs: dict = {}
+    step_until(core, outputs, lambda: not core.has_work())
+    assert not core._compiling and r.grammar_matcher is None
+
+
+def test_forced_drafts_are_dropped_when_a_wider_pass_costs_more_than_it_saves(
+    tok,
+    runtime,  # noqa: F811
+):
+    want, _ = run_all(engine(tok, runtime)[0], [request(tok, "f")])
+    core, executor = engine(tok, runtime)
+    costs = core.costs
+    for _ in range(20):  # a line fit, then lone passes: two tokens cost three one-token steps
+        costs.observe(1, 1, 0.001, 0.001)
+        costs.observe(1, 8, 0.004, 0.004)
+    costs.lone_pass_s[1], costs.lone_pass_s[2] = 0.001, 0.003
+    costs.lone_pass_s[3:] = [0.01] * (len(costs.lone_pass_s) - 3)
+    assert core._forced_drafts_worth(5) == 0
+    core._forced_idle_steps = -(10**6)  # no retry of a wider pass within this test
+    got, _ = run_all(core, [request(tok, "f")])
+    assert got["f"] == want["f"]
+    assert not any(s.num_logits > 1 for p in executor.plans for s in p.seqs)
+    # now and then one forced draft rides anyway, so a width timed in a load spike is retimed
+    core._forced_idle_steps = 0
+    taken = [core._forced_drafts_worth(5) for _ in range(2 * FORCED_DRAFT_RETRY_STEPS)]
+    assert taken.count(1) == 2 and set(taken) == {0, 1}
+
+
+def test_forced_drafts_all_ride_when_passes_are_cheap(tok, runtime):  # noqa: F811
+    core, _ = engine(tok, runtime)
+    for _ in range(20):
+        core.costs.observe(1, 1, 0.001, 0.001)
+        core.costs.observe(1, 8, 0.0012, 0.0012)
+    assert core._forced_drafts_worth(5) == 5
+
+
+@pytest.mark.parametrize("vocab,words", [(100, 5), (4096, 128), (49153, 1537), (70, 2)])
+def test_the_one_pass_mask_matches_the_row_by_row_one(vocab, words):
+    rng = np.random.default_rng(vocab)
+    mask = rng.integers(-(2**31), 2**31 - 1, size=(3, words), dtype=np.int64).astype(np.int32)
+    logits = rng.random((3, vocab), dtype=np.float32)
+    want = logits.copy()
+    for r in range(3):
+        np.putmask(want[r], ~allowed_bools(mask[r], vocab), -np.inf)
+    apply_mask_numpy(logits, mask)
+    assert np.array_equal(logits, want)
+    if vocab > 32 * words:  # ids past the mask are never allowed
+        assert np.isneginf(logits[:, 32 * words :]).all()
+
+
+def _never_compiles():
+    from ultrafast.grammar import GrammarSpec
+
+    return GrammarSpec.from_json_schema({"type": "integer", "minimum": 5, "maximum": 2})
+
+
+@pytest.mark.parametrize("as_numpy", [True, False])
+def test_greedy_under_masks_equals_masking_every_row(as_numpy):
+    from ultrafast.core.types import ScheduledSeq
+    from ultrafast.request import SamplingParams
+    from ultrafast.sampling.sampler import sample_plan
+
+    vocab, rows = 300, 40
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    logits[::3, 5] = logits[::3, 17] = 9.0  # ties: the first maximum must win in both paths
+    mask = rng.integers(-(2**31), 2**31 - 1, size=(rows, (vocab + 31) // 32), dtype=np.int64)
+    mask = mask.astype(np.int32)
+    mask[1::2, 0] |= 1 << 5  # some rows allow their unmasked argmax, some do not
+    seqs = []
+    for i in range(0, rows, 4):  # 4 positions each (a decode with 3 drafts)
+        seqs.append(
+            ScheduledSeq(f"s{i}", 0, [1, 2, 3, 4], 0, 4, SamplingParams(temperature=0.0), 1, 0)
+        )
+        seqs[-1].token_mask = mask[i : i + 4]
+    want = logits.copy()
+    apply_mask_numpy(want, mask)
+    want_ids = want.argmax(-1).tolist()
+    got = sample_plan(seqs, logits.copy() if as_numpy else torch.from_numpy(logits.copy()))
+    for i, s in enumerate(seqs):  # the batch argmax path: every position's greedy id
+        assert got.sampled_token_ids[s.request_id] == want_ids[4 * i : 4 * i + 4]
+
+
+def test_fixed_draft_costs_keep_every_forced_draft(tok, runtime):  # noqa: F811
+    from ultrafast.engine.speculation import SpecConfig, Speculator
+
+    spec = Speculator(SpecConfig(method="ngram", use_measured_costs=False))
+    core, _ = engine(tok, runtime, spec=spec)
+    for _ in range(20):  # measured: a wider pass never pays
+        core.costs.observe(1, 1, 0.001, 0.001)
+        core.costs.observe(1, 8, 0.02, 0.02)
+    core.costs.lone_pass_s[2:] = [1.0] * (len(core.costs.lone_pass_s) - 2)
+    assert core._forced_drafts_worth(4) == 4
