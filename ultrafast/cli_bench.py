@@ -256,6 +256,13 @@ def _add_oversubscribed(p: argparse.ArgumentParser) -> None:
         help="conversations at once for turns/s (default 16)",
     )
     p.add_argument(
+        "--throughput-rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of the turns/s setups (no tiers, tiers, the two ceilings; "
+        "default 3)",
+    )
+    p.add_argument(
         "--kv-host-cache-gb",
         type=float,
         default=1.0,

@@ -51,6 +51,26 @@ def test_host_tier_keeps_the_byte_budget_lru():
     assert not host.put("big", HostEntry("t", [], b"x" * 101))
 
 
+def test_host_tier_finds_an_entry_by_an_earlier_block_until_it_goes():
+    host = HostTier(budget_bytes=100)
+    old = HostEntry("t", [1], b"o" * 30)
+    new = HostEntry("t", [1, 2], b"n" * 30)
+    host.put("b1", old)
+    host.put("b2", new, aliases=["b1x", "b0"])
+    assert host.get("b0") is new and host.contains("b1x") and host.get("b1") is old
+    newest = HostEntry("t", [1, 2, 3], b"z" * 30)
+    host.put("b3", newest, aliases=["b0"])  # the newest entry takes the shared block over
+    assert host.get("b0") is newest
+    host.delete("b2")
+    assert not host.contains("b1x") and host.get("b0") is newest
+    host.delete("b0")  # through the alias: the entry it names
+    assert not host.contains("b3") and not host.contains("b0")
+    assert host.stats.bytes_held == old.nbytes
+    for i in range(4):  # LRU evictions take their aliases along
+        host.put(f"e{i}", HostEntry("t", [], b"x" * 40), aliases=[f"e{i}-a"])
+    assert not host.contains("e0-a") and host.contains("e3-a")
+
+
 def test_disk_tier_survives_a_restart_and_keeps_its_budget(tmp_path):
     disk = DiskTier(tmp_path, budget_bytes=250)
     keys = [f"{i:032x}" for i in range(4)]
@@ -129,6 +149,20 @@ def test_host_tier_keeps_more_conversations_warm_than_slots():
     assert stats.num_write_backs > 0 and stats.num_restores > 0
     assert all(c >= 40 for c in cached)  # every later turn reused its history
     assert stats.hit_tokens["host"] > 0
+
+
+def test_a_restore_reuses_a_saved_slot_up_to_where_the_next_prompt_parts():
+    """The next prompt re-tokenizes the answer differently in the saved slot's last block:
+    the blocks before it still come from L2 (not from scratch, not an older entry)."""
+    engine = _engine(num_slots=1, host_bytes=1 << 20)
+    first = prompt(1, 60)
+    out, _ = _turn(engine, "a1", first)  # the slot holds 65 tokens: 4 full blocks
+    _turn(engine, "b1", prompt(2, 40))  # a's KV goes to L2
+    parted = (first + out)[:50] + prompt(3, 30)  # parts inside the 4th block
+    assert parted[50] != (first + out)[50]
+    _, cached = _turn(engine, "a2", parted)
+    assert cached == 50
+    assert engine.kv_cache.stats.num_restores == 1
 
 
 def test_admission_estimate_counts_a_prefix_in_host_memory():

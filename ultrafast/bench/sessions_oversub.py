@@ -6,15 +6,20 @@ configuration (no tiers; L2 host memory + L3 disk):
 - the warm-slot TTFT: as many conversations as slots, so every next turn finds its slot
 - the next-turn TTFT of `--oversub-conversations` conversations round-robin over the slots
 - the same after `kill -9` and a restart on the same disk tier halfway through (tiers only)
-- turns/s of `--throughput-conversations` conversations at once on the same slots
+- turns/s of `--throughput-conversations` conversations at once on the same slots, beside
+  two ceilings for the same turn shapes: every conversation warm in a slot of its own (as many
+  slots as conversations) and as many conversations as slots; the four setups run round by
+  round, interleaved, so a noisy machine weighs on all of them alike
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 
@@ -58,23 +63,30 @@ def _round_robin(
     return ttfts
 
 
-def _throughput(base_url: str, args, salt: int) -> float:
+def _throughput(base_url: str, args, salt: int, num_conversations: int) -> dict:
     """Turns/s of conversations running at once, each turn after the previous answer."""
     convs = [
         Conversation(base_url, salt + i, args.turn_tokens, args.oversub_turns)
-        for i in range(args.throughput_conversations)
+        for i in range(num_conversations)
     ]
+    ttfts: list[float] = []
 
     def run(conv: Conversation) -> None:
         with httpx.Client(base_url=base_url, timeout=600) as client:
-            for _ in range(args.oversub_turns):
-                conv.next_turn(client, args.reply_tokens, "default")
+            for k in range(args.oversub_turns):
+                ttft_s = conv.next_turn(client, args.reply_tokens, "default")
+                if k:
+                    ttfts.append(ttft_s)
 
     started = time.perf_counter()
     with ThreadPoolExecutor(len(convs)) as pool:
         for future in [pool.submit(run, c) for c in convs]:
             future.result()
-    return len(convs) * args.oversub_turns / (time.perf_counter() - started)
+    return {
+        "turns": len(convs) * args.oversub_turns,
+        "seconds": time.perf_counter() - started,
+        "next_turn_ttfts_s": ttfts,
+    }
 
 
 def _median_ms(values: list[float]) -> float:
@@ -84,11 +96,7 @@ def _median_ms(values: list[float]) -> float:
 def measure(args, server_args: tuple[str, ...], tiered: bool, disk_dir: str) -> dict:
     from ultrafast.bench.server_process import DEMO_MODEL_DIR, ServerProcess
 
-    tier_args = (
-        ("--kv-host-cache-gb", str(args.kv_host_cache_gb), "--kv-disk-dir", disk_dir)
-        if tiered
-        else ()
-    )
+    tier_args = _tier_args(args, disk_dir) if tiered else ()
 
     def start() -> ServerProcess:
         return ServerProcess(
@@ -137,27 +145,99 @@ def measure(args, server_args: tuple[str, ...], tiered: bool, disk_dir: str) -> 
             result["after_restart_ratio"] = (
                 result["after_restart_ttft_ms"] / result["warm_slot_ttft_ms"]
             )
-        result["turns_per_s"] = _throughput(srv.url, args, salt + 500)
         return result
     finally:
         srv.stop()
 
 
+def _tier_args(args, disk_dir: str) -> tuple[str, ...]:
+    return ("--kv-host-cache-gb", str(args.kv_host_cache_gb), "--kv-disk-dir", disk_dir)
+
+
+# setup -> (its server, how many conversations at once); the servers are made by `throughput`
+SETUPS = {
+    "no_tiers": ("plain", "many"),
+    "tiers": ("tiered", "many"),
+    "own_slot_each": ("wide", "many"),  # ceiling: every conversation's KV stays in its slot
+    "as_many_as_slots": ("plain", "slots"),  # ceiling: no conversation ever loses its slot
+}
+
+
+def throughput(args, server_args: tuple[str, ...], disk_dir: str) -> dict:
+    """Turns/s of each setup of SETUPS, `--throughput-rounds` interleaved rounds, with
+    fresh conversations every round (so no round finds another's KV)."""
+    from ultrafast.bench.server_process import DEMO_MODEL_DIR, ServerProcess
+
+    many, slots = args.throughput_conversations, args.num_slots
+    server_shapes = {
+        "plain": (slots, ()),
+        "tiered": (slots, _tier_args(args, str(Path(disk_dir) / "throughput"))),
+        "wide": (max(many, slots), ()),
+    }
+    counts = {"many": many, "slots": slots}
+    runs: dict[str, list[dict]] = {name: [] for name in SETUPS}
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for key, (num_slots, extra) in server_shapes.items():
+            srv = ServerProcess(
+                *server_args,
+                *extra,
+                model=args.model or DEMO_MODEL_DIR,
+                num_slots=num_slots,
+                max_model_len=args.max_model_len,
+            )
+            stack.callback(srv.stop)
+            warm = [Conversation(srv.url, 900 + i, args.turn_tokens, 1) for i in range(2)]
+            _round_robin(srv.url, warm, range(1), args.reply_tokens)  # the server's warm-up
+            servers[key] = srv
+        for r in range(args.throughput_rounds):
+            for i, (name, (server, count)) in enumerate(SETUPS.items()):
+                salt = 20_000 + 1000 * (r * len(SETUPS) + i)
+                runs[name].append(_throughput(servers[server].url, args, salt, counts[count]))
+    return {
+        name: {
+            "slots": server_shapes[SETUPS[name][0]][0],
+            "conversations": counts[SETUPS[name][1]],
+            "turns_per_s": sum(x["turns"] for x in rs) / sum(x["seconds"] for x in rs),
+            "rounds_turns_per_s": [x["turns"] / x["seconds"] for x in rs],
+            "next_turn_ttft_ms": _median_ms([t for x in rs for t in x["next_turn_ttfts_s"]]),
+        }
+        for name, rs in runs.items()
+    }
+
+
 def main(args, server_args: tuple[str, ...]) -> int:
+    for flag in ("throughput_rounds", "throughput_conversations", "oversub_conversations"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.oversub_turns < 2:
+        raise SystemExit("--oversub-turns must be at least 2 (next turns are measured)")
     with tempfile.TemporaryDirectory(prefix="uf-kv-bench-") as disk_dir:
         report = {
             "conversations": args.oversub_conversations,
             "num_slots": args.num_slots,
             "turns": args.oversub_turns,
             "throughput_conversations": args.throughput_conversations,
+            "throughput_rounds": args.throughput_rounds,
             "turn_tokens": args.turn_tokens,
             "reply_tokens": args.reply_tokens,
             "no_tiers": measure(args, server_args, False, disk_dir),
             "tiers": measure(args, server_args, True, disk_dir),
+            "throughput": throughput(args, server_args, disk_dir),
         }
-    base, tiers = report["no_tiers"], report["tiers"]
-    report["turns_per_s_gain"] = tiers["turns_per_s"] / base["turns_per_s"]
+    tp = report["throughput"]
+    for key in ("no_tiers", "tiers"):  # where earlier reports had them
+        report[key]["turns_per_s"] = tp[key]["turns_per_s"]
+    report["turns_per_s_gain"] = tp["tiers"]["turns_per_s"] / tp["no_tiers"]["turns_per_s"]
     return write_report(report, args.out, markdown(report))
+
+
+SETUP_LABELS = {
+    "no_tiers": "no KV tiers",
+    "tiers": "L2 host + L3 disk",
+    "own_slot_each": "ceiling: a slot per conversation",
+    "as_many_as_slots": "ceiling: as many conversations as slots",
+}
 
 
 def markdown(report: dict) -> str:
@@ -179,9 +259,22 @@ def markdown(report: dict) -> str:
         f"| L3 disk after kill -9 + restart | {t['warm_slot_ttft_ms']:.1f} | "
         f"{t['after_restart_ttft_ms']:.1f} | {t['after_restart_ratio']:.2f} |"
     )
-    rows.append(
-        f"\n{report['throughput_conversations']} conversations at once on "
-        f"{report['num_slots']} slots: {report['no_tiers']['turns_per_s']:.2f} turns/s without "
-        f"tiers, {t['turns_per_s']:.2f} with ({report['turns_per_s_gain']:.1f}x)"
-    )
+    tp = report["throughput"]
+    base = tp["no_tiers"]["turns_per_s"]
+    rows += [
+        "",
+        f"turns/s, the same turn shapes ({report['turns']} turns each), "
+        f"{report['throughput_rounds']} interleaved rounds:",
+        "",
+        "| setup | slots | conversations at once | turns/s | per round | next-turn TTFT (ms) "
+        "| vs no tiers |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, label in SETUP_LABELS.items():
+        r = tp[key]
+        rounds = " ".join(f"{x:.2f}" for x in r["rounds_turns_per_s"])
+        rows.append(
+            f"| {label} | {r['slots']} | {r['conversations']} | {r['turns_per_s']:.2f} | "
+            f"{rounds} | {r['next_turn_ttft_ms']:.1f} | {r['turns_per_s'] / base:.2f}x |"
+        )
     return "\n".join(rows)

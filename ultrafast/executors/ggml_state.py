@@ -21,19 +21,22 @@ _COUNT = struct.Struct("<I")
 
 
 def export_slot(ctx, slot_id: int, num_slots: int) -> bytes:
+    # llama.cpp writes straight into a bytearray (lazily zeroed, unlike a ctypes array) and
+    # the slot's chunk is copied out once: the copies cost more than the state read itself
     size = llama_cpp.llama_state_seq_get_size(ctx, slot_id)
-    buf = (ctypes.c_uint8 * size)()
-    written = llama_cpp.llama_state_seq_get_data(ctx, buf, size, slot_id)
-    state = bytes(memoryview(buf)[:written])
-    magic, _seq, n_stream = _HEADER.unpack_from(state)
-    if magic != STATE_MAGIC or n_stream != num_slots:
-        raise RuntimeError(f"unexpected llama.cpp sequence state (magic {magic:#x})")
-    start, end = _HEADER.size, len(state) - _COUNT.size * (num_slots - 1 - slot_id)
-    before = state[start : start + _COUNT.size * slot_id]
-    after = state[end:]
-    if before.strip(b"\0") or after.strip(b"\0"):
-        raise RuntimeError("sequence state spans more than its own stream")
-    return state[start + len(before) : end]
+    state = bytearray(size)
+    view = (ctypes.c_uint8 * size).from_buffer(state)
+    written = llama_cpp.llama_state_seq_get_data(ctx, view, size, slot_id)
+    del view  # a live ctypes view would pin the bytearray
+    with memoryview(state) as mv:
+        magic, _seq, n_stream = _HEADER.unpack_from(mv)
+        if magic != STATE_MAGIC or n_stream != num_slots:
+            raise RuntimeError(f"unexpected llama.cpp sequence state (magic {magic:#x})")
+        start, end = _HEADER.size, written - _COUNT.size * (num_slots - 1 - slot_id)
+        chunk_start = start + _COUNT.size * slot_id
+        if any(mv[start:chunk_start]) or any(mv[end:written]):
+            raise RuntimeError("sequence state spans more than its own stream")
+        return bytes(mv[chunk_start:end])
 
 
 def import_slot(ctx, slot_id: int, num_slots: int, chunk: bytes) -> None:
@@ -41,15 +44,13 @@ def import_slot(ctx, slot_id: int, num_slots: int, chunk: bytes) -> None:
     if len(chunk) < _COUNT.size or _COUNT.unpack_from(chunk)[0] == 0:
         raise ValueError("KV payload holds no cells")
     zero = b"\0" * _COUNT.size
-    state = b"".join(
-        (
-            _HEADER.pack(STATE_MAGIC, slot_id, num_slots),
-            zero * slot_id,
-            chunk,
-            zero * (num_slots - 1 - slot_id),
-        )
-    )
-    buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-    read = llama_cpp.llama_state_seq_set_data(ctx, buf, len(state), slot_id)
-    if read != len(state):
+    state = bytearray(_HEADER.pack(STATE_MAGIC, slot_id, num_slots))
+    state += zero * slot_id
+    state += chunk
+    state += zero * (num_slots - 1 - slot_id)
+    size = len(state)
+    view = (ctypes.c_uint8 * size).from_buffer(state)  # no second copy of the payload
+    read = llama_cpp.llama_state_seq_set_data(ctx, view, size, slot_id)
+    del view
+    if read != size:
         raise ValueError("llama.cpp refused the KV payload")

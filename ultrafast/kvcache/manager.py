@@ -27,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ultrafast.core.kv_pool import block_hashes
 from ultrafast.kvcache import blob
 from ultrafast.kvcache.host import HostEntry, HostTier
 from ultrafast.kvcache.tiers import KVTier
@@ -186,7 +187,7 @@ class KVCacheManager:
             log.exception("KV export of slot %d failed", slot.slot_id)
             return
         entry = HostEntry(blob.tenant_digest(slot.tenant), list(slot.token_ids[:n]), payload)
-        self.host.put(key, entry)
+        self.host.put(key, entry, [self.key(h) for h in slot.hashes[:-1]])
         self._saved[slot.slot_id] = (key, n)
         self.stats.num_saves += 1
         self.stats.bytes_saved += len(payload)
@@ -260,7 +261,8 @@ class KVCacheManager:
                 self._refuse(str(exc), key, tier)
                 continue
             entry = HostEntry(blob.tenant_digest(tenant), token_ids, payload, origin=tier.name)
-            self.host.put(key, entry)
+            hashes = block_hashes(token_ids, tenant, self.pool.block_size)
+            self.host.put(key, entry, [self.key(h) for h in hashes[:-1]])
             return
 
     def _refuse(self, reason: str, key: str, tier: Any) -> None:

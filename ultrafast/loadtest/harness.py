@@ -37,13 +37,24 @@ def require_loopback(url: str) -> str:
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """How a scenario wants its server: the fake executor (exact control) or the demo model."""
+    """How a scenario wants its server: the fake executor (exact control) or the demo model;
+    with `models`, several named models (`serve --models`) within `max_resident_bytes`."""
 
     executor: str = "fake"  # fake | demo
     num_slots: int = 8
     max_model_len: int = 2048  # the fake executor's KV costs nothing; F15 needs the room
     fake_step_ms: float = 20.0
     extra: tuple[str, ...] = ()  # further `serve` flags
+    models: tuple[tuple[str, str], ...] = ()  # (name, path); the first is the default
+    max_resident_bytes: int = 0  # 0: no budget
+
+    def model_args(self) -> list[str]:
+        if not self.models:
+            return [str(DEMO_MODEL_DIR)]
+        args = ["--models", ",".join(f"{name}={path}" for name, path in self.models)]
+        if self.max_resident_bytes:
+            args += ["--max-resident-bytes", str(self.max_resident_bytes)]
+        return args
 
     def argv(self, port: int) -> list[str]:
         cmd = [
@@ -51,7 +62,7 @@ class ServerSpec:
             "-m",
             "ultrafast.cli",
             "serve",
-            str(DEMO_MODEL_DIR),
+            *self.model_args(),
             "--port",
             str(port),
             "--num-slots",

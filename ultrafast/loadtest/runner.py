@@ -20,6 +20,7 @@ from ultrafast.loadtest import scenarios_cluster as cl
 from ultrafast.loadtest import scenarios_fault as f
 from ultrafast.loadtest import scenarios_kv as kv
 from ultrafast.loadtest import scenarios_load as s
+from ultrafast.loadtest import scenarios_models as md
 from ultrafast.loadtest import scenarios_redis as rd
 from ultrafast.loadtest import scenarios_state as st
 from ultrafast.loadtest.harness import Context, Result
@@ -103,6 +104,14 @@ SCENARIOS = [
     ),
     Scenario("F31", "the KV disk tier full (budget), then gone", kv.f31_disk_full),
     Scenario("F32", "Redis restarts while KV is saving", kv.f32_redis_restart),
+    Scenario(
+        "F33",
+        "model swaps while another model streams (--models)",
+        md.f33_swap_under_load,
+        in_ci=True,
+    ),
+    Scenario("F34", "a model's files gone while it is not resident", md.f34_files_gone, in_ci=True),
+    Scenario("F36", "a model larger than the resident budget", md.f36_over_budget, in_ci=True),
     # `ultrafast cluster` (needs ultrafast[ray]; each starts its own 2-replica cluster)
     Scenario("C1", "cluster: a replica killed under streaming load", cl.c1_replica_kill),
     Scenario("C2", "cluster: Redis restarted mid-conversation", cl.c2_redis_restart),
@@ -143,6 +152,9 @@ RUN_ORDER = [
     "F30",
     "F31",
     "F32",
+    "F33",
+    "F36",
+    "F34",
     "F4",
     "F5",
     "F5b",
