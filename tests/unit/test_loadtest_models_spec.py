@@ -1,11 +1,16 @@
-"""The loadtest's multi-model servers (F33, F34, F36): the harness starts `serve --models`
+"""The loadtest's multi-model servers (F33, F34, F35, F36): the harness starts `serve --models`
 with a budget, and the budgets make the scenarios mean what they say (code + one draft fit,
 not code + two; the small pair fits, code never does)."""
 
 from ultrafast.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from ultrafast.loadtest.harness import ServerSpec
 from ultrafast.loadtest.runner import select
-from ultrafast.loadtest.scenarios_models import fault_spec, model_bytes, swap_spec
+from ultrafast.loadtest.scenarios_models import (
+    engine_death_spec,
+    fault_spec,
+    model_bytes,
+    swap_spec,
+)
 
 
 def test_a_models_spec_passes_models_and_budget_instead_of_the_model():
@@ -39,4 +44,11 @@ def test_the_fault_budget_fits_the_small_pair_and_never_code():
 
 def test_the_model_faults_run_in_the_ci_matrix():
     names = [sc.name for sc in select("ci")]
-    assert {"F33", "F34", "F36"} <= set(names)
+    assert {"F33", "F34", "F35", "F36"} <= set(names)
+
+
+def test_the_engine_death_budget_makes_each_model_evict_the_other():
+    spec = engine_death_spec()
+    sizes = [model_bytes(path) for _, path in spec.models]
+    assert spec.executor == "fake" and len(sizes) == 2  # the fake executor can be told to die
+    assert max(sizes) <= spec.max_resident_bytes < sum(sizes)

@@ -111,6 +111,7 @@ SCENARIOS = [
         in_ci=True,
     ),
     Scenario("F34", "a model's files gone while it is not resident", md.f34_files_gone, in_ci=True),
+    Scenario("F35", "a resident model's engine dies (--models)", md.f35_engine_dies, in_ci=True),
     Scenario("F36", "a model larger than the resident budget", md.f36_over_budget, in_ci=True),
     # `ultrafast cluster` (needs ultrafast[ray]; each starts its own 2-replica cluster)
     Scenario("C1", "cluster: a replica killed under streaming load", cl.c1_replica_kill),
@@ -155,6 +156,7 @@ RUN_ORDER = [
     "F33",
     "F36",
     "F34",
+    "F35",
     "F4",
     "F5",
     "F5b",

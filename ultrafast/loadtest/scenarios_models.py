@@ -1,4 +1,4 @@
-"""Model residency faults (docs/RELIABILITY.md 7b: F33, F34, F36) against `serve --models`
+"""Model residency faults (docs/RELIABILITY.md 7b: F33, F34, F35, F36) against `serve --models`
 with a resident budget, on the demo model ("code") and the demo draft model, which answer the
 same prompt differently: a call served by the wrong model, or a stream cut or garbled by a
 swap, changes the text, and every call's text is checked against its own model's
@@ -17,13 +17,15 @@ import asyncio
 import atexit
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from ultrafast.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
+from ultrafast.executors.fake_exec import FAULT_FATAL, fault_prompt
 from ultrafast.loadtest.client import CallRecord, metric_total, plain_call, stream_call
 from ultrafast.loadtest.harness import Context, Result, ServerSpec
 from ultrafast.loadtest.invariants import check_content, check_rejection, check_terminal
-from ultrafast.loadtest.scenarios_load import client_for, finish_checks
+from ultrafast.loadtest.scenarios_load import client_for, fake_body, finish_checks
 from ultrafast.model_files import resolve_model
 from ultrafast.server.residency.budget import resident_bytes
 
@@ -269,3 +271,67 @@ async def f34_files_gone(ctx: Context, result: Result) -> None:
         result.metrics.update(load_failures=failures, small_streams=len(streams.records))
         await _until_status(client, "gone", "unloaded")
         await finish_checks(ctx, client, result)
+
+
+# ---- F35: a resident model's engine dies ------------------------------------------------------
+
+
+def engine_death_spec() -> ServerSpec:
+    """The fake executor (it can be told to die) behind two names, a budget for one of them:
+    each call for the other name evicts (stops) the resident engine on purpose."""
+    return ServerSpec(
+        executor="fake",
+        num_slots=NUM_SLOTS,
+        max_model_len=MAX_LEN,
+        models=(("a", str(DEMO_MODEL_DIR)), ("b", str(DEMO_DRAFT_DIR))),
+        max_resident_bytes=model_bytes(DEMO_MODEL_DIR) + 1,
+    )
+
+
+async def f35_engine_dies(ctx: Context, result: Result) -> None:
+    srv = ctx.server(engine_death_spec(), fresh=True)
+    try:
+        async with client_for(srv.url) as client:
+            for name in ("a", "b"):  # b's load evicts a: an engine stopped on purpose
+                rec = await plain_call(client, {**fake_body(ctx, 4)[0], "model": name}, name)
+                result.num_requests += 1
+                if rec.status != 200:
+                    result.fail([f"{name}: status {rec.status} {rec.error}"])
+            status = await model_status(client)
+            ready = await client.get("/ready")
+            if status != {"a": "unloaded", "b": "loaded"} or ready.status_code != 200:
+                result.fail([f"after an eviction: {status}, /ready {ready.status_code}"])
+            inflight = [
+                asyncio.create_task(
+                    stream_call(client, {**fake_body(ctx, 200)[0], "model": "b"}, "victim")
+                )
+                for _ in range(3)
+            ]
+            await asyncio.sleep(0.3)
+            t0 = time.monotonic()
+            fatal = {
+                "model": "b",
+                "prompt": fault_prompt(FAULT_FATAL, 2, ctx.fake_prompt()),
+                "max_tokens": 20,
+                "ignore_eos": True,
+            }
+            killer = await stream_call(client, fatal, "fatal")
+            recs = await asyncio.wait_for(asyncio.gather(*inflight), timeout=10)
+            result.num_requests += 4
+            for rec in recs + [killer]:
+                if rec.status == 200 and rec.num_terminal != 1:
+                    result.fail([f"{rec.tag}: {rec.num_terminal} terminal events after the death"])
+                if rec.status not in (200, 500, 503):
+                    result.fail([f"{rec.tag}: status {rec.status} after the engine died"])
+        for _ in range(100):  # the server exits for its supervisor to restart it
+            if not srv.alive:
+                break
+            await asyncio.sleep(0.1)
+        result.metrics["exit_after_fatal_ms"] = round(1000 * (time.monotonic() - t0), 1)
+        if srv.alive:
+            result.fail(["the server keeps running after a resident model's engine died"])
+        elif srv.proc.returncode == 0:
+            result.fail(["the server exited 0 after a resident model's engine died"])
+        result.metrics["exit_code"] = srv.proc.returncode
+    finally:
+        srv.stop()
