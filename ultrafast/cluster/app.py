@@ -28,6 +28,7 @@ from ray import serve
 from ray.exceptions import RayError
 
 from ultrafast.cluster.asgi_call import call_asgi
+from ultrafast.cluster.asgi_websocket import WebSocketCalls
 from ultrafast.cluster.ingress import ReplicaFailed
 from ultrafast.config import EngineConfig, ServerConfig
 
@@ -62,6 +63,7 @@ class EngineReplica:
 
             share_buckets(self.state.api_keys, SharedLimits(spec.limits_store, spec.limits_fail))
         self.app = build_app(self.state)
+        self.websockets = WebSocketCalls(self.app)
 
     def _bridge(self) -> None:
         """The bridge needs the loop the calls run on: made at the first call, as the
@@ -79,6 +81,15 @@ class EngineReplica:
         self._bridge()
         async for item in call_asgi(self.app, request):
             yield item
+
+    async def ws_open(self, conn_id: str, request: dict) -> AsyncIterator[dict]:
+        """A relayed WebSocket (/v1/realtime): what the app sends, as asgi_websocket.py says."""
+        self._bridge()
+        async for item in self.websockets.open(conn_id, request):
+            yield item
+
+    async def ws_push(self, conn_id: str, message: dict) -> bool:
+        return await self.websockets.push(conn_id, message)
 
     async def routing_stats(self) -> dict:
         state = self.state
@@ -172,6 +183,20 @@ class RayBackends:
             async for item in stream:
                 yield item
         except (RayError, RuntimeError) as exc:  # the actor died, or the app is gone
+            raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
+
+    async def ws_open(self, name: str, conn_id: str, request: dict) -> AsyncIterator[dict]:
+        try:
+            stream = self._handle(name).options(stream=True).ws_open.remote(conn_id, request)
+            async for item in stream:
+                yield item
+        except (RayError, RuntimeError) as exc:
+            raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
+
+    async def ws_push(self, name: str, conn_id: str, message: dict) -> bool:
+        try:
+            return await self._handle(name).ws_push.remote(conn_id, message)
+        except (RayError, RuntimeError) as exc:
             raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
 
     async def running(self) -> dict:
