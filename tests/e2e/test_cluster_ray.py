@@ -152,6 +152,8 @@ def test_sessions_stay_warm_limits_hold_across_replicas_and_a_kill_loses_no_hist
                 assert usage["prompt_tokens_details"]["cached_tokens"] > 0, (sid, turn, usage)
             prompt_tokens[sid] = usage["prompt_tokens"]
     assert len(set(homes.values())) == 2  # the six sessions spread over both replicas
+    # HTTP calls reach same-machine replicas on their loopback ports (past Ray's handles)
+    assert {r["relay"] for r in _replicas(cluster).values()} == {"direct"}
 
     # one tenant through both replicas gets its bucket's depth once, not once per replica
     by_replica = {}

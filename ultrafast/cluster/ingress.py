@@ -240,6 +240,10 @@ class ClusterIngress:
         if route.affinity_key:
             headers["x-session-id"] = route.affinity_key
         self._learn(route, headers, first, name)
+        if route.affinity_key and 200 <= start["status"] < 300 and route.home != name:
+            # the conversation's KV is here now: its next turns stay (after a failover they
+            # would otherwise move back to the restarted replica and restore all over again)
+            self.homes.learn(route.affinity_key, route.affinity_key, name)
         event_stream = headers.get("content-type", "").startswith("text/event-stream")
 
         async def rest() -> AsyncIterator[bytes]:
