@@ -30,7 +30,7 @@ from ray.exceptions import RayError
 
 from ultrafast.cluster.asgi_call import call_asgi
 from ultrafast.cluster.asgi_websocket import WebSocketCalls
-from ultrafast.cluster.direct_http import DirectHTTP
+from ultrafast.cluster.direct_http import CountCalls, DirectHTTP
 from ultrafast.cluster.ingress import ReplicaFailed
 from ultrafast.config import EngineConfig, ServerConfig
 
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 HEALTH_CHECK_PERIOD_S = 2.0
 HEALTH_CHECK_TIMEOUT_S = 10.0
-WATCH_CALL_S = 2.0  # a death watch call's length: bounds how long it delays a graceful drain
+WATCH_CALL_S = 2.0  # a death watch call's least length (longer while direct calls run)
 
 
 @dataclass
@@ -68,6 +68,7 @@ class EngineReplica:
         self.app = build_app(self.state)
         self.websockets = WebSocketCalls(self.app)
         self.http_port: int | None = None  # the app on 127.0.0.1, for the ingress's direct calls
+        self.direct_calls = CountCalls(self.app)
         self._http_task: asyncio.Task | None = None
 
     def _bridge(self) -> None:
@@ -101,13 +102,17 @@ class EngineReplica:
         process dies, so the ingress learns of a death at once, not at its next poll."""
         yield os.getpid()
         await asyncio.sleep(WATCH_CALL_S)
+        # a stopping replica stays up while this call runs (Ray waits for its own calls):
+        # so it lasts until the ingress's direct calls here are done too
+        while self.direct_calls.in_flight > 0:
+            await asyncio.sleep(0.05)
 
     async def routing_stats(self) -> dict:
         if self.http_port is None:  # on the loop the calls run on (the first call's)
             from ultrafast.cluster.direct_http import serve_on_loopback
 
             self._bridge()
-            self.http_port, self._http_task = await serve_on_loopback(self.app)
+            self.http_port, self._http_task = await serve_on_loopback(self.direct_calls)
         state = self.state
         snap = state.engine.snapshot()
         costs = snap.step_costs

@@ -28,6 +28,24 @@ _DROP_REQUEST = {b"content-length", b"transfer-encoding", b"connection", b"keep-
 _DROP_RESPONSE = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 
 
+class CountCalls:
+    """ASGI wrapper counting the HTTP calls in progress: the replica's drain waits for them
+    (Ray's graceful stop counts only its own calls; EngineReplica.watch holds one open)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.in_flight = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        self.in_flight += 1
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
 async def serve_on_loopback(app) -> tuple[int, asyncio.Task]:
     """Serves `app` on 127.0.0.1 (a free port) from the running loop; returns the port."""
     import uvicorn
