@@ -1,7 +1,9 @@
 """`ultrafast cluster` at CI size: a local Ray instance, 2 replicas of the demo model (1 kernel
 thread each), one redis-server on loopback. Conversations stay on their replica with a warm
 cache; a tenant's rate limit holds across both replicas; killing a replica leaves every
-conversation able to go on, with its whole history, on the other one."""
+conversation able to go on, with its whole history, on the other one, its KV restored from
+the Redis KV tier; /v1/realtime is relayed both ways and ends with an error event when its
+replica dies."""
 
 from __future__ import annotations
 
@@ -13,14 +15,20 @@ import time
 
 import httpx
 import pytest
+import redis
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
 
 pytest.importorskip("ray", reason="ray is not installed: `pip install 'ultrafast[ray]'`")
 
+from tests.e2e.test_sessions_redis_realtime import _events_until  # noqa: E402
 from ultrafast.cluster.process import ClusterProcess  # noqa: E402
 
 MAIN_KEY, LIMITED_KEY = "uf-test-cluster-main", "uf-test-cluster-limited"
 LIMITED_BURST = 4
 CONVERSATIONS, TURNS = 6, 3
+L3_HITS = 'ultrafast_kv_tier_hit_tokens_total{replica="all",tier="L3_redis"}'
+RESTORED = 'ultrafast_kv_restored_bytes_total{replica="all"}'
 
 
 def _keys_file(path) -> str:
@@ -56,6 +64,8 @@ def cluster(redis_server, tmp_path_factory):
         "2048",
         "--session-store",
         redis_server.url,
+        "--kv-store",
+        redis_server.url,
         "--api-keys",
         keys,
         "--priority-ttft-ms",
@@ -83,7 +93,48 @@ def _replicas(cluster) -> dict:
     return cluster.replicas({"Authorization": f"Bearer {MAIN_KEY}"})
 
 
-def test_sessions_stay_warm_limits_hold_across_replicas_and_a_kill_loses_no_history(cluster):
+def _metric(text: str, series: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(series))
+
+
+def _realtime(cluster, query=""):
+    url = cluster.url.replace("http://", "ws://") + "/v1/realtime" + query
+    return connect(url, additional_headers={"Authorization": f"Bearer {MAIN_KEY}"})
+
+
+def _realtime_turn(ws, text: str) -> list[dict]:
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+    assert _events_until(ws, "conversation.item.created")[-1]["type"] != "error"
+    ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 6}}))
+    return _events_until(ws, "response.done")
+
+
+def test_realtime_is_relayed_to_one_replica_and_its_conversation_stays_there(cluster):
+    with _realtime(cluster) as ws:
+        replica = ws.response.headers["x-ultrafast-replica"]
+        created = json.loads(ws.recv(timeout=30))
+        assert created["type"] == "session.created"
+        conversation = created["session"]["id"]
+        events = _realtime_turn(ws, "def fibonacci(n):")
+        deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        done = events[-1]["response"]
+        assert done["status"] == "completed" and done["output"][0]["content"][0]["text"] == deltas
+        ws.send("not json")  # the replica's own validation comes back through the relay
+        assert json.loads(ws.recv(timeout=30))["error"]["code"] == "invalid_json"
+    # the conversation's HTTP turn goes where its KV is, and sees the realtime turn
+    r = _chat(cluster, conversation, "def more(x):")
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ultrafast-replica"] == replica
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    with _realtime(cluster, f"?conversation={conversation}") as ws:  # reconnect: same replica
+        assert ws.response.headers["x-ultrafast-replica"] == replica
+        assert json.loads(ws.recv(timeout=30))["session"]["id"] == conversation
+
+
+def test_sessions_stay_warm_limits_hold_across_replicas_and_a_kill_loses_no_history(
+    cluster, redis_server
+):
     auth = {"Authorization": f"Bearer {MAIN_KEY}"}
     homes, prompt_tokens, sent = {}, {}, {}
     for turn in range(TURNS):
@@ -101,6 +152,8 @@ def test_sessions_stay_warm_limits_hold_across_replicas_and_a_kill_loses_no_hist
                 assert usage["prompt_tokens_details"]["cached_tokens"] > 0, (sid, turn, usage)
             prompt_tokens[sid] = usage["prompt_tokens"]
     assert len(set(homes.values())) == 2  # the six sessions spread over both replicas
+    # HTTP calls reach same-machine replicas on their loopback ports (past Ray's handles)
+    assert {r["relay"] for r in _replicas(cluster).values()} == {"direct"}
 
     # one tenant through both replicas gets its bucket's depth once, not once per replica
     by_replica = {}
@@ -117,7 +170,15 @@ def test_sessions_stay_warm_limits_hold_across_replicas_and_a_kill_loses_no_hist
     assert 'ultrafast_cluster_routing_decisions_total{tier="default",reason="affinity"}' in metrics
     assert 'replica="engine-0"' in metrics and 'replica="all"' in metrics
 
+    kv = redis.Redis.from_url(redis_server.url)
+    deadline = time.monotonic() + 30
+    while not kv.keys("uf:kv:*") and time.monotonic() < deadline:  # written after each turn
+        time.sleep(0.2)
+    assert kv.keys("uf:kv:*"), "no conversation KV reached the Redis tier"
     victim = homes["conv-0"]
+    survivor = next(r for r in set(homes.values()) if r != victim)
+    # the survivor's count so far (the victim's goes with it; the replacement starts at 0)
+    l3_hits_before = _metric(metrics, L3_HITS.replace('"all"', f'"{survivor}"'))
     killed_pid = _replicas(cluster)[victim]["pid"]
     os.kill(killed_pid, signal.SIGKILL)
     for c in range(CONVERSATIONS):
@@ -135,3 +196,18 @@ def test_sessions_stay_warm_limits_hold_across_replicas_and_a_kill_loses_no_hist
         ).json()["data"]
         users = [i["content"][0]["text"] for i in items if i["role"] == "user"]
         assert users == sent[sid]  # each turn stored exactly once, in order
+    # the moved conversations restored their KV from Redis instead of recomputing it
+    metrics = httpx.get(cluster.url + "/metrics", headers=auth, timeout=30).text
+    assert _metric(metrics, L3_HITS) > l3_hits_before and _metric(metrics, RESTORED) > 0
+
+
+def test_a_realtime_connection_whose_replica_dies_gets_an_error_event_then_closes(cluster):
+    with _realtime(cluster) as ws:
+        replica = ws.response.headers["x-ultrafast-replica"]
+        assert json.loads(ws.recv(timeout=30))["type"] == "session.created"
+        os.kill(_replicas(cluster)[replica]["pid"], signal.SIGKILL)
+        event = json.loads(ws.recv(timeout=60))  # idle: the relay notices without a message
+        assert event["type"] == "error" and event["error"]["code"] == "replica_failed"
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=30)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1011

@@ -7,7 +7,7 @@ import httpx
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import PlainTextResponse
 
-from ultrafast.cluster.health import ReplicaPoller, merge_metrics
+from ultrafast.cluster.health import DeathWatch, ReplicaPoller, merge_metrics
 from ultrafast.cluster.ingress import ClusterIngress, ReplicaFailed, build_ingress_app
 from ultrafast.cluster.router import Router, RouterConfig, rendezvous
 
@@ -173,5 +173,45 @@ def test_an_oversized_body_is_refused_at_the_ingress_like_the_single_server():
         r = await client.post("/v1/chat/completions", content=b"x" * 101)
         assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
         assert backends.calls == []
+
+    asyncio.run(go())
+
+
+def test_a_moved_conversation_stays_on_its_new_replica_when_the_old_one_comes_back():
+    async def go():
+        backends = ScriptedBackends({"a": "ok", "b": "ok"})
+        client, _, router = _client(backends)
+        key = next(f"s{i}" for i in range(100) if rendezvous(f"s{i}", ["a", "b"])[0] == "a")
+        assert (await _post(client, _chat(key))).headers["x-ultrafast-replica"] == "a"
+        backends.scripts["a"] = "dead"
+        assert (await _post(client, _chat(key))).headers["x-ultrafast-replica"] == "b"
+        backends.scripts["a"] = "ok"
+        router.report("a", {"ready": True})  # its replacement is up, with an empty cache
+        r = await _post(client, _chat(key))
+        assert r.headers["x-ultrafast-replica"] == "b"  # where the conversation's KV is now
+
+    asyncio.run(go())
+
+
+def test_the_death_watch_routes_around_a_replica_the_moment_its_call_breaks():
+    async def go():
+        router = Router(["a", "b"])
+        died = asyncio.Event()
+
+        async def watch(name):
+            yield 1
+            if name == "a":
+                await died.wait()
+                raise ReplicaFailed("ActorDiedError")
+            await asyncio.sleep(3600)
+
+        death_watch = DeathWatch(router, lambda: ["a", "b"], watch, retry_s=3600)
+        death_watch.start()
+        await asyncio.sleep(0.05)
+        assert router.loads["a"].healthy and router.loads["b"].healthy
+        died.set()
+        await asyncio.sleep(0.05)
+        assert not router.loads["a"].healthy and router.loads["b"].healthy
+        death_watch.stop()
 
     asyncio.run(go())

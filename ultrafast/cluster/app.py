@@ -24,10 +24,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray import serve
 from ray.exceptions import RayError
 
 from ultrafast.cluster.asgi_call import call_asgi
+from ultrafast.cluster.asgi_websocket import WebSocketCalls
+from ultrafast.cluster.direct_http import CountCalls, DirectHTTP
 from ultrafast.cluster.ingress import ReplicaFailed
 from ultrafast.config import EngineConfig, ServerConfig
 
@@ -35,6 +38,7 @@ log = logging.getLogger(__name__)
 
 HEALTH_CHECK_PERIOD_S = 2.0
 HEALTH_CHECK_TIMEOUT_S = 10.0
+WATCH_CALL_S = 2.0  # a death watch call's least length (longer while direct calls run)
 
 
 @dataclass
@@ -62,6 +66,10 @@ class EngineReplica:
 
             share_buckets(self.state.api_keys, SharedLimits(spec.limits_store, spec.limits_fail))
         self.app = build_app(self.state)
+        self.websockets = WebSocketCalls(self.app)
+        self.http_port: int | None = None  # the app on 127.0.0.1, for the ingress's direct calls
+        self.direct_calls = CountCalls(self.app)
+        self._http_task: asyncio.Task | None = None
 
     def _bridge(self) -> None:
         """The bridge needs the loop the calls run on: made at the first call, as the
@@ -80,13 +88,39 @@ class EngineReplica:
         async for item in call_asgi(self.app, request):
             yield item
 
+    async def ws_open(self, conn_id: str, request: dict) -> AsyncIterator[dict]:
+        """A relayed WebSocket (/v1/realtime): what the app sends, as asgi_websocket.py says."""
+        self._bridge()
+        async for item in self.websockets.open(conn_id, request):
+            yield item
+
+    async def ws_push(self, conn_id: str, message: dict) -> bool:
+        return await self.websockets.push(conn_id, message)
+
+    async def watch(self) -> AsyncIterator[int]:
+        """A call that lasts WATCH_CALL_S: Ray breaks it (ActorDiedError) the moment this
+        process dies, so the ingress learns of a death at once, not at its next poll."""
+        yield os.getpid()
+        await asyncio.sleep(WATCH_CALL_S)
+        # a stopping replica stays up while this call runs (Ray waits for its own calls):
+        # so it lasts until the ingress's direct calls here are done too
+        while self.direct_calls.in_flight > 0:
+            await asyncio.sleep(0.05)
+
     async def routing_stats(self) -> dict:
+        if self.http_port is None:  # on the loop the calls run on (the first call's)
+            from ultrafast.cluster.direct_http import serve_on_loopback
+
+            self._bridge()
+            self.http_port, self._http_task = await serve_on_loopback(self.direct_calls)
         state = self.state
         snap = state.engine.snapshot()
         costs = snap.step_costs
         admission = state.admission
         return {
             "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "http_port": self.http_port,
             "ready": state.engine.alive and not state.draining,
             "base_s": costs.base_s,
             "per_token_s": costs.per_token_s,
@@ -150,11 +184,16 @@ def deploy_replica(index: int, spec: ReplicaSpec, generation: int = 0) -> None:
 
 
 class RayBackends:
-    """The ingress's Backends over Serve handles, one application per replica."""
+    """The ingress's Backends over Serve handles, one application per replica. HTTP calls to
+    a replica on the ingress's own node go straight to its loopback port (direct_http.py)
+    unless `direct` is off."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, direct: bool = True):
         self.count = count
         self._handles: dict[str, Any] = {}
+        self.direct = DirectHTTP() if direct else None
+        self.ports: dict[str, int] = {}  # replica -> its loopback port, same node only
+        self._node_id = ray.get_runtime_context().get_node_id()
 
     def names(self) -> list[str]:
         return [app_name(i) for i in range(self.count)]
@@ -167,11 +206,37 @@ class RayBackends:
         return handle
 
     async def forward(self, name: str, request: dict) -> AsyncIterator[Any]:
+        port = self.ports.get(name)
+        if self.direct is not None and port:
+            async for item in self.direct.forward(port, request):
+                yield item
+            return
         try:
             stream = self._handle(name).options(stream=True).forward.remote(request)
             async for item in stream:
                 yield item
         except (RayError, RuntimeError) as exc:  # the actor died, or the app is gone
+            raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
+
+    async def ws_open(self, name: str, conn_id: str, request: dict) -> AsyncIterator[dict]:
+        try:
+            stream = self._handle(name).options(stream=True).ws_open.remote(conn_id, request)
+            async for item in stream:
+                yield item
+        except (RayError, RuntimeError) as exc:
+            raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
+
+    async def ws_push(self, name: str, conn_id: str, message: dict) -> bool:
+        try:
+            return await self._handle(name).ws_push.remote(conn_id, message)
+        except (RayError, RuntimeError) as exc:
+            raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
+
+    async def watch(self, name: str) -> AsyncIterator[int]:
+        try:
+            async for pid in self._handle(name).options(stream=True).watch.remote():
+                yield pid
+        except (RayError, RuntimeError) as exc:
             raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
 
     async def running(self) -> dict:
@@ -180,7 +245,12 @@ class RayBackends:
         return {n: str(apps[n].status).endswith("RUNNING") for n in self.names() if n in apps}
 
     async def stats(self, name: str) -> dict:
-        return await self._handle(name).routing_stats.remote()
+        stats = await self._handle(name).routing_stats.remote()
+        if stats.get("node_id") == self._node_id and stats.get("http_port"):
+            self.ports[name] = int(stats["http_port"])  # a restarted replica: its new port
+        else:
+            self.ports.pop(name, None)
+        return stats
 
     async def metrics_text(self, name: str) -> str:
         return await self._handle(name).metrics_text.remote()

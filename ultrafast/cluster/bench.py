@@ -3,7 +3,8 @@
 1. priority TTFT p50/p99 through the cluster ingress (1 replica) vs a single `ultrafast serve`,
    each under the same default-tier background load;
 2. default-tier throughput (completion tokens/s) with 2 replicas vs 1;
-3. session continuation TTFT after a replica kill vs the same sessions' warm TTFT.
+3. session continuation TTFT after a replica kill vs the same sessions' warm TTFT; the
+   replicas share a Redis KV tier (--kv-store), so moved sessions restore their KV.
 
     python -m ultrafast.cluster.bench --duration-s 20 --out runs/cluster-bench.json
 
@@ -87,7 +88,7 @@ async def _load(url: str, duration_s: float, concurrency: int, probe: bool) -> d
     return out
 
 
-async def _continuation(cluster, sessions: int) -> dict:
+async def _continuation(cluster, sessions: int, kv_url: str) -> dict:
     """Warm turn TTFT vs the first turn after the sessions' replica is killed."""
     warm, after = [], []
     async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as client:
@@ -101,17 +102,41 @@ async def _continuation(cluster, sessions: int) -> dict:
                     warm.append(t)
                 homes[s] = where.get("replica")
         victim = homes[0]
+        await _kv_written(kv_url)  # the victim's sessions' KV is in Redis
+        hits_before = await _l3_hits(client)
         await asyncio.to_thread(cluster.kill_replica, victim)
         moved = [s for s, home in homes.items() if home == victim]
         for s in moved:
             t, _ = await _ttft(client, _chat(f"def s{s}_after(x):", 4, session_id=f"bench-{s}"))
             if t is not None:
                 after.append(t)
+        hits_after = await _l3_hits(client)
     return {
         "warm_ttft_ms": round(1000 * statistics.median(warm), 1) if warm else None,
         "after_kill_ttft_ms": [round(1000 * t, 1) for t in after],
         "sessions_moved": len(moved),
+        # prompt tokens whose KV came from Redis after the kill (0: the moves recomputed)
+        "kv_tokens_restored_from_redis": hits_after - hits_before,
     }
+
+
+async def _kv_written(redis_url: str, timeout_s: float = 30.0) -> None:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not await client.keys("uf:kv:*") and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+    finally:
+        await client.aclose()
+
+
+async def _l3_hits(client: httpx.AsyncClient) -> float:
+    """Prompt tokens served from the Redis KV tier, over the replicas now running."""
+    text = (await client.get("/metrics")).text
+    series = 'ultrafast_kv_tier_hit_tokens_total{replica="all",tier="L3_redis"}'
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(series))
 
 
 def run(args) -> dict:
@@ -130,13 +155,21 @@ def run(args) -> dict:
         finally:
             single.stop()
         for replicas in (1, 2):
-            cluster = ClusterProcess(*COMMON, "--session-store", redis.url, replicas=replicas)
+            cluster = ClusterProcess(
+                *COMMON,
+                "--session-store",
+                redis.url,
+                "--kv-store",
+                redis.url,
+                replicas=replicas,
+            )
             try:
                 results[f"cluster_{replicas}"] = asyncio.run(
                     _load(cluster.url, args.duration_s, args.concurrency * replicas, True)
                 )
                 if replicas == 2:
-                    results["continuation"] = asyncio.run(_continuation(cluster, args.sessions))
+                    continuation = _continuation(cluster, args.sessions, redis.url)
+                    results["continuation"] = asyncio.run(continuation)
             finally:
                 cluster.stop()
     finally:

@@ -55,6 +55,14 @@ def add_cluster_parser(sub: Any) -> None:
         help="when the limits' Redis is unreachable: open = each replica limits alone, "
         "closed = refuse rate-limited calls (429)",
     )
+    p.add_argument(
+        "--relay",
+        choices=["direct", "ray"],
+        default="direct",
+        help="how HTTP calls reach a replica on the ingress's machine: direct = its own "
+        "loopback port (fewer hops), ray = through its Serve handle (other machines' "
+        "replicas and WebSockets always use the handle)",
+    )
     p.add_argument("--host", default=ServerConfig.host, help="ingress bind address")
     p.add_argument("--port", type=int, default=ServerConfig.port)
     p.add_argument("--served-model-name", default=ServerConfig.served_model_name)
@@ -108,7 +116,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
             num_cpus=args.replica_cpus,
         )
     )
-    return run_cluster(spec, args.replicas, args.address)
+    return run_cluster(spec, args.replicas, args.address, direct=args.relay == "direct")
 
 
 def start_ray(address: str | None, replicas: int, num_cpus: float) -> None:
@@ -146,7 +154,7 @@ def wait_running(names: list[str], timeout_s: float = 300.0) -> None:
     raise RuntimeError(f"replicas not running after {timeout_s} s")
 
 
-def run_cluster(spec, replicas: int, address: str | None) -> int:
+def run_cluster(spec, replicas: int, address: str | None, direct: bool = True) -> int:
     import uvicorn
     from ray import serve
 
@@ -161,8 +169,11 @@ def run_cluster(spec, replicas: int, address: str | None) -> int:
         for i in range(replicas):
             deploy_replica(i, spec)
         wait_running([app_name(i) for i in range(replicas)])
-        backends = RayBackends(replicas)
+        backends = RayBackends(replicas, direct=direct)
         app, poller = build_cluster_app(backends, spec)
+        from ultrafast.cluster.health import DeathWatch
+
+        watch = DeathWatch(poller.router, backends.names, backends.watch)
         from ultrafast.server.http_timeouts import protocol_class
 
         cfg = spec.server
@@ -189,6 +200,7 @@ def run_cluster(spec, replicas: int, address: str | None) -> int:
         async def lifespan(_app):
             await poller.poll_once()
             poller.start()
+            watch.start()
             print(
                 f"ultrafast cluster ready: {replicas} replicas of {spec.engine.model}"
                 f" on http://{spec.server.host}:{spec.server.port} "
@@ -197,6 +209,7 @@ def run_cluster(spec, replicas: int, address: str | None) -> int:
             )
             yield
             poller.stop()
+            watch.stop()
 
         app.router.lifespan_context = lifespan
         server.run()
@@ -235,8 +248,12 @@ def build_cluster_app(backends, spec):
     restart_lock = asyncio.Lock()
 
     async def ready(http: HTTPRequest) -> Response:
+        direct = getattr(backends, "ports", {})  # replicas the ingress calls past Ray
         replicas = {
-            n: {k: v for k, v in s.items() if k in ("ready", "pid", "num_running", "in_flight")}
+            n: {
+                **{k: v for k, v in s.items() if k in ("ready", "pid", "num_running", "in_flight")},
+                "relay": "direct" if n in direct else "ray",
+            }
             for n, s in poller.last.items()
         }
         up = any(s.get("ready") for s in poller.last.values())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from ultrafast.cluster.router import REASONS, TIERS, Router
 
@@ -84,6 +84,49 @@ class ReplicaPoller:
     def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+
+
+class DeathWatch:
+    """One call at a time in flight on each replica (EngineReplica.watch), re-issued as each
+    ends: Ray breaks it the moment the replica's process dies, so calls stop going there at
+    once instead of after the poller's next round (a call to a dead replica otherwise waits in
+    Ray for its replacement). The poller brings the replica back when its successor answers."""
+
+    def __init__(
+        self,
+        router: Router,
+        names: Callable[[], list[str]],
+        watch: Callable[[str], AsyncIterator[int]],
+        retry_s: float = 0.5,
+    ):
+        self.router, self.names, self.watch, self.retry_s = router, names, watch, retry_s
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    async def _watch_one(self, name: str) -> None:
+        while True:
+            try:
+                async for _ in self.watch(name):
+                    pass
+                continue  # the call ended as planned: the next one
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                load = self.router.loads.get(name)
+                if load is not None and load.healthy:
+                    log.warning("replica %s died (%s): routing around it", name, exc)
+                self.router.mark_down(name)
+            await asyncio.sleep(self.retry_s)
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for name in self.names():
+            if name not in self._tasks:
+                self._tasks[name] = loop.create_task(self._watch_one(name))
+
+    def stop(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        self._tasks.clear()
 
 
 def merge_metrics(per_replica: dict[str, str], router: Router, replica_up: dict) -> str:

@@ -27,7 +27,8 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
 
 from ultrafast.cluster.router import Router, RouteRequest
 from ultrafast.server import auth
@@ -55,6 +56,12 @@ class Backends(Protocol):
         ...
 
     async def metrics_text(self, name: str) -> str: ...
+
+    def ws_open(self, name: str, conn_id: str, request: dict) -> AsyncIterator[dict]:
+        """A relayed WebSocket's server side (asgi_websocket.py); raises ReplicaFailed."""
+        ...
+
+    async def ws_push(self, name: str, conn_id: str, message: dict) -> bool: ...
 
 
 class Homes:
@@ -85,7 +92,7 @@ def route_request(path: str, headers, body: dict | None, homes: Homes) -> RouteR
     if len(parts) >= 4 and parts[2] in ("conversations", "responses"):  # GET/DELETE by id
         key = key or homes.key_of(parts[3])
     if not isinstance(body, dict):
-        return RouteRequest(affinity_key=key)
+        return RouteRequest(affinity_key=key, home=homes.replica_of(key) if key else None)
     tier = body.get("service_tier")
     tier = tier if tier in ("priority", "flex") else "default"  # auto: the replica decides
     if isinstance(body.get("session_id"), str):
@@ -99,6 +106,8 @@ def route_request(path: str, headers, body: dict | None, homes: Homes) -> RouteR
     if isinstance(body.get("previous_response_id"), str):
         key = homes.key_of(body["previous_response_id"])
         home = homes.replica_of(body["previous_response_id"])  # where the chain's KV is
+    if home is None and key:  # a conversation opened over /v1/realtime lives where it began
+        home = homes.replica_of(key)
     hint = body.get("prompt_cache_key")
     return RouteRequest(
         tier=tier,
@@ -231,6 +240,10 @@ class ClusterIngress:
         if route.affinity_key:
             headers["x-session-id"] = route.affinity_key
         self._learn(route, headers, first, name)
+        if route.affinity_key and 200 <= start["status"] < 300 and route.home != name:
+            # the conversation's KV is here now: its next turns stay (after a failover they
+            # would otherwise move back to the restarted replica and restore all over again)
+            self.homes.learn(route.affinity_key, route.affinity_key, name)
         event_stream = headers.get("content-type", "").startswith("text/event-stream")
 
         async def rest() -> AsyncIterator[bytes]:
@@ -329,8 +342,14 @@ def build_ingress_app(
             headers={**exc.headers, "x-request-id": uuid.uuid4().hex},
         )
 
+    async def realtime(ws: WebSocket) -> None:
+        from ultrafast.cluster.realtime_relay import relay_realtime
+
+        await relay_realtime(ingress, ws)
+
     methods = ["GET", "POST", "DELETE", "PUT", "PATCH"]
     routes = [
+        WebSocketRoute("/v1/realtime", realtime),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready_route, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
