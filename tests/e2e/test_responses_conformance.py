@@ -221,3 +221,36 @@ def test_stored_chat_completions_belong_to_their_tenant_only_by_id(srv):
     assert error_of(r) == (404, "chat_completion_not_found", None)
     r = httpx.get(srv.url + "/v1/chat/completions/bad%20id", timeout=30)
     assert r.status_code == 404
+
+
+def test_a_response_retried_with_its_idempotency_key_is_stored_once(srv):
+    """The cluster's ingress retries a call on another replica with the same Idempotency-Key:
+    the retry gets the same response id, and the conversation holds each turn once."""
+    conv = httpx.post(srv.url + "/v1/conversations", json={}, timeout=30).json()["id"]
+    body = {
+        "model": MODEL,
+        "input": "def g():",
+        "conversation": conv,
+        "max_output_tokens": 4,
+        "temperature": 0,
+    }
+    first, again = (
+        httpx.post(
+            srv.url + "/v1/responses", json=body, headers={"Idempotency-Key": "k-1"}, timeout=60
+        )
+        for _ in range(2)
+    )
+    assert first.status_code == again.status_code == 200
+    assert first.json()["id"] == again.json()["id"]
+    assert first.json()["output"] == again.json()["output"]
+    items = httpx.get(srv.url + f"/v1/conversations/{conv}/items", timeout=30).json()["data"]
+    roles = sorted(i["role"] for i in items if i.get("type") == "message")
+    assert roles == ["assistant", "user"]  # each turn once
+    other = httpx.post(
+        srv.url + "/v1/responses", json=body, headers={"Idempotency-Key": "k-2"}, timeout=60
+    )
+    assert other.json()["id"] != first.json()["id"]  # another key, another call
+    bad = httpx.post(
+        srv.url + "/v1/responses", json=body, headers={"Idempotency-Key": "a b"}, timeout=60
+    )
+    assert error_of(bad) == (400, "invalid_value", "Idempotency-Key")

@@ -215,3 +215,15 @@ def test_the_death_watch_routes_around_a_replica_the_moment_its_call_breaks():
         death_watch.stop()
 
     asyncio.run(go())
+
+
+def test_a_responses_call_gets_one_idempotency_key_across_a_retry():
+    async def go():
+        backends = ScriptedBackends({"a": "dead", "b": "dead"})  # tried on both, in turn
+        client, _, _ = _client(backends)
+        r = await _post(client, {"input": "hi"}, path="/v1/responses")
+        assert r.status_code == 503
+        keys = [dict(req["headers"]).get(b"idempotency-key") for _, req in backends.calls]
+        assert len(keys) == 2 and keys[0] is not None and keys[0] == keys[1]
+
+    asyncio.run(go())

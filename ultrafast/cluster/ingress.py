@@ -161,11 +161,14 @@ class ClusterIngress:
             return _refusal(decision)
         headers = [(k.encode(), v.encode()) for k, v in http.headers.items()]
         if (
-            http.url.path == "/v1/chat/completions"
-            and isinstance(body, dict)
-            and body.get("session_id")
+            isinstance(body, dict)
             and "idempotency-key" not in http.headers
+            and (
+                (http.url.path == "/v1/chat/completions" and body.get("session_id"))
+                or http.url.path == "/v1/responses"
+            )
         ):  # a retry on another replica then stores the turn once (the store dedupes by key)
+            # and a Response keeps its id
             headers.append((b"idempotency-key", f"ingress-{uuid.uuid4().hex}".encode()))
         request = {
             "method": http.method,

@@ -384,6 +384,19 @@ def call_input(
     )
 
 
+def response_id_for(tenant: str, idempotency_key: str | None) -> str:
+    """A fresh id, or with an Idempotency-Key the same id for every retry of the call (the
+    cluster's ingress adds one): its turns and its response object are then stored once."""
+    if idempotency_key is None:
+        return "resp_" + uuid.uuid4().hex
+    if not NAME_RE.fullmatch(idempotency_key):
+        raise invalid_value("Idempotency-Key", "Idempotency-Key must match [A-Za-z0-9_-]{1,64}")
+    return "resp_" + uuid.uuid5(_RESPONSE_KEYS, f"{tenant}\n{idempotency_key}").hex
+
+
+_RESPONSE_KEYS = uuid.UUID("6f1d8a52-3c0e-4f7e-9a55-2b8e0d4c7a11")  # namespace of keyed ids
+
+
 async def store_input(
     flow: SessionFlow, tenant: str, history: History, new: list[ChatMessage], response_id: str
 ) -> str:
@@ -432,9 +445,18 @@ def responses_routes(state: ServerState) -> list[Route]:
         req = validate(ResponsesRequest, await read_json(http, state))
         check_request(req, state)
         tenant = tenant_of(http)
-        response_id = "resp_" + uuid.uuid4().hex
+        key = http.headers.get("idempotency-key")
+        response_id = response_id_for(tenant, key)
+        if key is not None and not req.stream and req.store:
+            # a retry of a call that already ended and was stored gets that response back
+            done = await flow.get_object(tenant, RESPONSE, response_id)
+            if done is not None:
+                return JSONResponse(done.body)
         new = req.new_messages()
         history = await resolve_history(flow, tenant, req)
+        # a retry whose first attempt stored its input: those turns are this call's own, not
+        # history (storing them again returns the stored ones: turn ids are idempotent)
+        history.turns = [t for t in history.turns if not t.turn_id.startswith(response_id + "-")]
         system = [ChatMessage("system", req.instructions)] if req.instructions else []
         messages = system + turns_to_messages(history.turns, flow.model_name) + new
         run = await prepare_call(state, http.scope, call_input(req, state, messages, response_id))
