@@ -127,6 +127,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="weight type an HF directory converts to for the ggml executor: auto = bf16 "
         "where the CPU has AVX-512 BF16, else f16; q8_0 = half of f16's bytes",
     )
+    p.add_argument(
+        "--flash-attn",
+        choices=["on", "off"],
+        default="on" if EngineConfig.flash_attn else "off",
+        help="ggml executor: llama.cpp's fused CPU attention (default on: faster decode, "
+        "batches and prefill on SmolLM2 here); off: the plain attention ops",
+    )
     add_compile_arg(p)
 
 
@@ -164,6 +171,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         draft_model=args.draft_model,
         max_draft_tokens=args.max_draft_tokens,
         spec_measured_costs=args.spec_costs == "measured",
+        flash_attn=args.flash_attn == "on",
         compile=args.compile,
         gguf_type=args.gguf_type,
     )

@@ -103,6 +103,9 @@ class EngineConfig:
     compile: str = "auto"  # torch executor decode steps: auto (on with CUDA), inductor, graphs, off
     # type an HF directory converts to for the ggml executor; auto: ultrafast/weight_format.py
     gguf_type: str = "auto"
+    # ggml executor: llama.cpp's fused CPU attention (faster decode, wide batches and prefill
+    # on SmolLM2 here: BENCHMARKS.md "Flash attention"); False: the plain attention ops
+    flash_attn: bool = True
     fake_step_s: float = 0.02  # executor "fake" (load/fault tests only): time per engine step
     # speculative decoding: off, ngram (prompt lookup), draft (model), auto (ngram, else the
     # draft model when one fits the tokenizer). A request's `prediction` is used in any tier.

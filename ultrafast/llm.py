@@ -76,6 +76,7 @@ def build_executor(config: EngineConfig, files: ModelFiles):
             n_threads_batch=config.n_threads_batch,
             threads_auto=config.n_threads is None and config.n_threads_batch is None,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            flash_attn=config.flash_attn,
         )
     from ultrafast.executors.torch_exec import TorchExecutor
 

@@ -227,3 +227,23 @@ def test_fixed_spec_costs_reach_the_speculator():
     for measured in (True, False):
         config = EngineConfig(model=str(DEMO_MODEL_DIR), spec="ngram", spec_measured_costs=measured)
         assert build_speculator(config, files).config.use_measured_costs is measured
+
+
+def test_the_flash_attention_flag_reaches_the_ggml_executor():
+    from ultrafast.cli import parse_args
+    from ultrafast.cli_serve import engine_options
+    from ultrafast.config import DEMO_MODEL_DIR, EngineConfig
+    from ultrafast.llm import build_executor
+    from ultrafast.model_files import resolve_model
+
+    assert engine_options(parse_args(["serve", "--flash-attn", "off"]))["flash_attn"] is False
+    files = resolve_model(str(DEMO_MODEL_DIR))
+    for on in (True, False):
+        config = EngineConfig(
+            model=str(DEMO_MODEL_DIR), executor="ggml", num_slots=1, max_model_len=64, flash_attn=on
+        )
+        executor = build_executor(config, files)
+        try:
+            assert executor.flash_attn is on
+        finally:
+            executor.close()

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ultrafast.config import EngineConfig
 from ultrafast.quant.evaluate import gguf_perplexity, windows
 
 
@@ -93,7 +94,11 @@ def perplexity_parity(
     n_threads: int | None = None,
 ) -> PerplexityParity:
     ours, count = engine_perplexity(gguf_path, ids, seq_len, max_tokens, n_threads)
-    reference, ref_count = gguf_perplexity(gguf_path, ids, seq_len, max_tokens, n_threads)
+    # llama.cpp with the attention our engine runs (EngineConfig.flash_attn): the same
+    # computation, so any gap is ours
+    reference, ref_count = gguf_perplexity(
+        gguf_path, ids, seq_len, max_tokens, n_threads, flash_attn=EngineConfig.flash_attn
+    )
     if count != ref_count:
         raise RuntimeError(f"scored {count} tokens, llama.cpp {ref_count}")
     return PerplexityParity(ours, reference, count, seq_len)

@@ -150,8 +150,10 @@ def gguf_perplexity(
     seq_len: int = 256,
     max_tokens: int | None = None,
     n_threads: int | None = None,
+    flash_attn: bool = False,
 ) -> tuple[float, int]:
-    """Perplexity from llama.cpp's logits (llama-cpp-python's `Llama`, every position scored)."""
+    """Perplexity from llama.cpp's logits (llama-cpp-python's `Llama`, every position scored;
+    `flash_attn` as our engine runs it, for a parity of the same computation)."""
     from ultrafast.executors.llama_cpp_params import open_llama
 
     gguf_path = Path(gguf_path)
@@ -168,6 +170,7 @@ def gguf_perplexity(
         verbose=False,
         n_threads=n_threads,
         n_threads_batch=n_threads,
+        flash_attn=flash_attn,
     )
     total_nll, total = 0.0, 0
     try:
