@@ -31,22 +31,7 @@ async def call_asgi(app, request: dict) -> AsyncIterator[Any]:
     async def send(message: dict) -> None:
         await queue.put(message)
 
-    client = request.get("client") or ["127.0.0.1", 0]
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": request["method"],
-        "scheme": "http",
-        "path": request["path"],
-        "raw_path": request["path"].encode(),
-        "root_path": "",
-        "query_string": request.get("query_string", b""),
-        "headers": [(bytes(k).lower(), bytes(v)) for k, v in request.get("headers", [])],
-        "client": (client[0], int(client[1])),
-        "server": ("127.0.0.1", 0),
-        "state": {},
-    }
+    scope = {**base_scope(request, "http"), "method": request["method"]}
     task = asyncio.get_running_loop().create_task(app(scope, receive, send))
     task.add_done_callback(lambda _: queue.put_nowait(None))
     try:
@@ -73,3 +58,23 @@ async def call_asgi(app, request: dict) -> AsyncIterator[Any]:
                 await asyncio.wait_for(asyncio.shield(task), 2.0)
             if not task.done():
                 task.cancel()
+
+
+def base_scope(request: dict, kind: str) -> dict[str, Any]:
+    """The ASGI scope of a relayed call (`kind` "http" or "websocket") from its request dict:
+    path, query, headers and client as the ingress saw them, on a loopback server."""
+    client = request.get("client") or ["127.0.0.1", 0]
+    return {
+        "type": kind,
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "scheme": "http" if kind == "http" else "ws",
+        "path": request["path"],
+        "raw_path": request["path"].encode(),
+        "root_path": "",
+        "query_string": request.get("query_string", b""),
+        "headers": [(bytes(k).lower(), bytes(v)) for k, v in request.get("headers", [])],
+        "client": (client[0], int(client[1])),
+        "server": ("127.0.0.1", 0),
+        "state": {},
+    }

@@ -14,6 +14,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ultrafast.cluster.asgi_call import base_scope
+
 CLOSE_TIMEOUT_S = 5.0  # an app that ignores the client's disconnect is cancelled after it
 
 
@@ -92,19 +94,4 @@ class WebSocketCalls:
 
 
 def _scope(request: dict) -> dict[str, Any]:
-    client = request.get("client") or ["127.0.0.1", 0]
-    return {
-        "type": "websocket",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "scheme": "ws",
-        "path": request["path"],
-        "raw_path": request["path"].encode(),
-        "root_path": "",
-        "query_string": request.get("query_string", b""),
-        "headers": [(bytes(k).lower(), bytes(v)) for k, v in request.get("headers", [])],
-        "client": (client[0], int(client[1])),
-        "server": ("127.0.0.1", 0),
-        "subprotocols": [],
-        "state": {},
-    }
+    return {**base_scope(request, "websocket"), "subprotocols": []}
