@@ -88,8 +88,20 @@ async def _load(url: str, duration_s: float, concurrency: int, probe: bool) -> d
     return out
 
 
-async def _continuation(cluster, sessions: int, kv_url: str) -> dict:
-    """Warm turn TTFT vs the first turn after the sessions' replica is killed."""
+async def _replaced(cluster, name: str, old_pid: int, timeout_s: float = 180.0) -> float:
+    """Wait until Ray has started `name` again (a new pid, ready); seconds waited."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        info = (await asyncio.to_thread(cluster.replicas)).get(name, {})
+        if info.get("ready") and int(info.get("pid") or old_pid) != old_pid:
+            return time.monotonic() - started
+        await asyncio.sleep(0.25)
+    raise RuntimeError(f"replica {name} was not replaced in {timeout_s:.0f} s")
+
+
+async def _continuation(cluster, sessions: int, kv_url: str, after_kill: str = "now") -> dict:
+    """Warm turn TTFT vs the first turn after the sessions' replica is killed: at once
+    (`now`, the replacement then starts on the same cores), or once Ray has replaced it."""
     warm, after = [], []
     async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as client:
         homes = {}
@@ -102,9 +114,12 @@ async def _continuation(cluster, sessions: int, kv_url: str) -> dict:
                     warm.append(t)
                 homes[s] = where.get("replica")
         victim = homes[0]
+        if victim is None:
+            raise RuntimeError("the cluster named no replica for the sessions' turns")
         await _kv_written(kv_url)  # the victim's sessions' KV is in Redis
         hits_before = await _l3_hits(client)
-        await asyncio.to_thread(cluster.kill_replica, victim)
+        pid = await asyncio.to_thread(cluster.kill_replica, victim)
+        waited_s = await _replaced(cluster, victim, pid) if after_kill == "replaced" else 0.0
         moved = [s for s, home in homes.items() if home == victim]
         for s in moved:
             t, _ = await _ttft(client, _chat(f"def s{s}_after(x):", 4, session_id=f"bench-{s}"))
@@ -115,6 +130,8 @@ async def _continuation(cluster, sessions: int, kv_url: str) -> dict:
         "warm_ttft_ms": round(1000 * statistics.median(warm), 1) if warm else None,
         "after_kill_ttft_ms": [round(1000 * t, 1) for t in after],
         "sessions_moved": len(moved),
+        "after_kill": after_kill,
+        "waited_for_replacement_s": round(waited_s, 1),
         # prompt tokens whose KV came from Redis after the kill (0: the moves recomputed)
         "kv_tokens_restored_from_redis": hits_after - hits_before,
     }
@@ -168,7 +185,7 @@ def run(args) -> dict:
                     _load(cluster.url, args.duration_s, args.concurrency * replicas, True)
                 )
                 if replicas == 2:
-                    continuation = _continuation(cluster, args.sessions, redis.url)
+                    continuation = _continuation(cluster, args.sessions, redis.url, args.after_kill)
                     results["continuation"] = asyncio.run(continuation)
             finally:
                 cluster.stop()
@@ -182,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration-s", type=float, default=20.0, help="per load phase")
     p.add_argument("--concurrency", type=int, default=2, help="default streams per replica")
     p.add_argument("--sessions", type=int, default=6)
+    p.add_argument(
+        "--after-kill",
+        choices=["now", "replaced"],
+        default="now",
+        help="send the moved sessions' turns at once after the kill, or once Ray has started "
+        "the replacement (on 2 cores its start shares the cores with the surviving replica)",
+    )
     p.add_argument("--out", default="runs/cluster-bench.json")
     args = p.parse_args(argv)
     results = run(args)
