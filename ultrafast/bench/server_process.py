@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -20,6 +21,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_cli(argv: list[str], stdout) -> subprocess.Popen:
+    """`python -m ultrafast.cli ARGV...` as a child, its output unbuffered into `stdout`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "ultrafast.cli", *argv],
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def wait_healthy(
+    proc: subprocess.Popen, url: str, timeout_s: float, exit_output: Callable[[], str]
+) -> bool:
+    """Poll `url`/health until it answers 200 (True) or `timeout_s` passes (False); a child
+    that exits first is a RuntimeError carrying `exit_output()`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited at startup (code {proc.returncode}): {exit_output()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    return False
+
+
+def stop_child(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
+    """SIGTERM (the server drains), SIGKILL after `grace_s`; the exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 class ServerProcess:
     def __init__(
         self,
@@ -31,46 +73,26 @@ class ServerProcess:
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "ultrafast.cli",
-            "serve",
-            *([] if model is None else [str(model)]),
-            "--port",
-            str(self.port),
-            "--num-slots",
-            str(num_slots),
-            "--max-model-len",
-            str(max_model_len),
-            *args,
-        ]
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        self.proc = spawn_cli(
+            [
+                "serve",
+                *([] if model is None else [str(model)]),
+                "--port",
+                str(self.port),
+                "--num-slots",
+                str(num_slots),
+                "--max-model-len",
+                str(max_model_len),
+                *args,
+            ],
+            subprocess.PIPE,
         )
-        deadline = time.monotonic() + startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                output = self.proc.stdout.read() if self.proc.stdout else ""
-                raise RuntimeError(f"server exited: {output[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server did not become healthy in {startup_timeout_s} s")
+        if not wait_healthy(self.proc, self.url, startup_timeout_s, self._output):
+            self.stop()
+            raise RuntimeError(f"server did not become healthy in {startup_timeout_s} s")
+
+    def _output(self) -> str:
+        return (self.proc.stdout.read() if self.proc.stdout else "")[-2000:]
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_child(self.proc)

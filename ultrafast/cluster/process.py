@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import tempfile
-import time
 
 import httpx
 
-from ultrafast.bench.server_process import free_port
+from ultrafast.bench.server_process import free_port, spawn_cli, stop_child, wait_healthy
 from ultrafast.config import DEMO_MODEL_DIR
 
 
@@ -26,40 +23,16 @@ class ClusterProcess:
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "ultrafast.cli",
-            "cluster",
-            model,
-            "--port",
-            str(self.port),
-            "--replicas",
-            str(replicas),
-            "--threads",
-            "1",
-            *args,
-        ]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="ultrafast-cluster-", suffix=".log")
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        self.proc = spawn_cli(
+            ["cluster", model, "--port", str(self.port), "--replicas", str(replicas)]
+            + ["--threads", "1", *args],
+            self.log,
         )
-        deadline = time.monotonic() + startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"cluster exited at startup: {self.log_tail()}")
-            try:
-                # the ingress listens once every replica runs (/ready may need a key)
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"the cluster did not start in {startup_timeout_s} s")
+        # the ingress listens once every replica runs (/health needs no key, /ready may)
+        if not wait_healthy(self.proc, self.url, startup_timeout_s, self.log_tail):
+            self.stop()
+            raise RuntimeError(f"the cluster did not start in {startup_timeout_s} s")
 
     def replicas(self, headers: dict | None = None) -> dict:
         """name -> {pid, ready, ...} from the ingress's /ready."""
@@ -77,12 +50,6 @@ class ClusterProcess:
             return f.read()[-num_chars:]
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # the ingress stops Serve and Ray
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = stop_child(self.proc, grace_s=60.0)  # the ingress stops Serve and Ray
         self.log.close()
-        return self.proc.returncode
+        return code

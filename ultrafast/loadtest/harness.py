@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ultrafast.bench.server_process import free_port
+from ultrafast.bench.server_process import free_port, stop_child, wait_healthy
 from ultrafast.config import DEMO_MODEL_DIR
 from ultrafast.executors.fake_exec import plain_word_tokens, reference_tokens
 from ultrafast.loadtest.client import plain_call
@@ -89,19 +89,11 @@ class ServerHandle:
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-        deadline = time.monotonic() + startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited at startup: {self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    time.sleep(0.2)  # let the probe's connection close before the count
-                    self.num_fds_at_start = num_fds(self.pid)
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server did not become healthy in {startup_timeout_s} s")
+        if not wait_healthy(self.proc, self.url, startup_timeout_s, self.log_tail):
+            self.stop()
+            raise RuntimeError(f"server did not become healthy in {startup_timeout_s} s")
+        time.sleep(0.2)  # let the probe's connection close before the count
+        self.num_fds_at_start = num_fds(self.pid)
 
     @property
     def pid(self) -> int:
@@ -117,15 +109,9 @@ class ServerHandle:
             return f.read()[-num_chars:]
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = stop_child(self.proc)
         self.log.close()
-        return self.proc.returncode
+        return code
 
 
 class ExternalServer:
