@@ -41,17 +41,21 @@ def model_bytes(path: Path | str) -> int:
 
 def swap_spec() -> ServerSpec:
     """code (the default) stays; `b` and `c` (two names of the draft model) share what is left."""
+    return _demo_models(
+        (("code", str(DEMO_MODEL_DIR)), ("b", str(DEMO_DRAFT_DIR)), ("c", str(DEMO_DRAFT_DIR))),
+        model_bytes(DEMO_MODEL_DIR) + model_bytes(DEMO_DRAFT_DIR) + 1,
+    )
+
+
+def _demo_models(models: tuple[tuple[str, str], ...], budget: int) -> ServerSpec:
+    """`serve --models` on real (demo-sized) weights within `budget` bytes."""
     return ServerSpec(
         executor="demo",
         num_slots=NUM_SLOTS,
         max_model_len=MAX_LEN,
         extra=SERVE_FLAGS,
-        models=(
-            ("code", str(DEMO_MODEL_DIR)),
-            ("b", str(DEMO_DRAFT_DIR)),
-            ("c", str(DEMO_DRAFT_DIR)),
-        ),
-        max_resident_bytes=model_bytes(DEMO_MODEL_DIR) + model_bytes(DEMO_DRAFT_DIR) + 1,
+        models=models,
+        max_resident_bytes=budget,
     )
 
 
@@ -71,17 +75,13 @@ def draft_copy() -> Path:
 def fault_spec() -> ServerSpec:
     """`small` (the default) and `gone` fit together; `code` never fits the budget."""
     draft = model_bytes(DEMO_DRAFT_DIR)
-    return ServerSpec(
-        executor="demo",
-        num_slots=NUM_SLOTS,
-        max_model_len=MAX_LEN,
-        extra=SERVE_FLAGS,
-        models=(
+    return _demo_models(
+        (
             ("small", str(DEMO_DRAFT_DIR)),
             ("gone", str(draft_copy())),
             ("code", str(DEMO_MODEL_DIR)),
         ),
-        max_resident_bytes=2 * draft + 1,
+        2 * draft + 1,
     )
 
 
