@@ -113,6 +113,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="upper bound of the adaptive number of draft tokens per step",
     )
     p.add_argument(
+        "--short-first-window-ms",
+        type=float,
+        default=EngineConfig.short_first_window_s * 1000,
+        help="default/flex requests expected to finish sooner go ahead of longer ones that "
+        "arrived up to this long before them (0: first come, first served)",
+    )
+    p.add_argument(
         "--spec-costs",
         choices=["measured", "fixed"],
         default="measured",
@@ -171,6 +178,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         draft_model=args.draft_model,
         max_draft_tokens=args.max_draft_tokens,
         spec_measured_costs=args.spec_costs == "measured",
+        short_first_window_s=args.short_first_window_ms / 1000,
         flash_attn=args.flash_attn == "on",
         compile=args.compile,
         gguf_type=args.gguf_type,

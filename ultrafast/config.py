@@ -96,6 +96,9 @@ class EngineConfig:
     # queued requests over all tiers: a waiting request holds only its token ids, so this is a
     # memory bound, not a latency one (admission refuses on predicted wait first)
     max_waiting: int = 4096
+    # shortest first within the default and flex tiers: a request goes ahead of longer ones
+    # that arrived at most this much earlier (SchedulerConfig.short_first_window_s); 0 = FIFO
+    short_first_window_s: float = 2.0
     n_threads: int | None = None  # kernel threads, ggml or torch on CPU (default: every core)
     n_threads_batch: int | None = None  # ggml threads for multi-token passes (default n_threads)
     device: str | None = None  # torch executor: cpu / cuda
@@ -122,6 +125,8 @@ class EngineConfig:
     kv_store: str | None = None  # redis://host:port[/db]: conversations' KV shared by replicas
 
     def __post_init__(self) -> None:
+        if self.short_first_window_s < 0:
+            raise ValueError("short_first_window_s must be >= 0")
         if self.kv_host_cache_gb < 0 or self.kv_disk_gb <= 0:
             raise ValueError("kv_host_cache_gb must be >= 0 and kv_disk_gb > 0")
         if self.kv_store and not self.kv_store.startswith(("redis://", "rediss://", "unix://")):

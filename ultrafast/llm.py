@@ -141,6 +141,7 @@ def build_engine(
         max_prefill_chunk_tokens=config.max_prefill_chunk_tokens,
         max_model_len=config.max_model_len,
         max_waiting=config.max_waiting,
+        short_first_window_s=config.short_first_window_s,
     )
     core = EngineCore(
         executor,

@@ -142,6 +142,10 @@ class Request:
     tier: ServiceTier = ServiceTier.DEFAULT
     tenant: str = ""  # salts prefix-cache hashes so tenants never share KV
     arrival_time_s: float = 0.0  # time.monotonic() when the server accepted it
+    # its place within its tier (Scheduler): arrival, plus up to the short-first window for
+    # the work it is expected to take, so a short request goes ahead of longer ones that
+    # arrived less than that much earlier
+    order_time_s: float = 0.0
     first_scheduled_time_s: float | None = None  # when it first got a slot (queue wait ends)
     eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ultrafast.core.kv_pool import KVSlotPool
@@ -47,7 +47,7 @@ def _phase_rank(request: Request) -> int:
 
 
 def _phase_key(request: Request) -> tuple[int, float]:
-    return _phase_rank(request), request.arrival_time_s
+    return _phase_rank(request), request.order_time_s
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,12 @@ class SchedulerConfig:
     # work of another length to the next step: it would only add passes to the priority
     # request's latency, and costs the same passes a step later.
     one_pass_per_length: bool = False
+    # Short requests first: a default/flex request expected to take t seconds is ordered as if
+    # it arrived min(t, window) later, so in a burst the requests that finish soon (one-token
+    # classifications, short answers) start before long generations that arrived up to
+    # `window` earlier, and their slots free sooner. Bounded, so nothing waits for ever.
+    # 0 = first come, first served. Priority requests are always first come, first served.
+    short_first_window_s: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_prefill_chunk_tokens) < 1:
@@ -70,9 +76,17 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: KVSlotPool):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: KVSlotPool,
+        expected_work_s: Callable[[Request], float | None] | None = None,
+    ):
+        """`expected_work_s(request)`: seconds it is expected to run alone (None: unknown);
+        with `config.short_first_window_s` it orders each tier's requests, shortest first."""
         self.config = config
         self.pool = pool
+        self._expected_work_s = expected_work_s
         self.waiting: dict[ServiceTier, collections.deque[Request]] = {
             tier: collections.deque() for tier in ServiceTier
         }
@@ -120,8 +134,24 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         if not request.arrival_time_s:
             request.arrival_time_s = time.monotonic()
+        request.order_time_s = request.arrival_time_s + self._head_start_s(request)
         self.requests[request.request_id] = request
-        self.waiting[request.tier].append(request)
+        self.enqueue(request)
+
+    def _head_start_s(self, request: Request) -> float:
+        window = self.config.short_first_window_s
+        if window <= 0 or request.tier == ServiceTier.PRIORITY or self._expected_work_s is None:
+            return 0.0
+        work_s = self._expected_work_s(request)
+        return 0.0 if work_s is None else min(max(work_s, 0.0), window)
+
+    def enqueue(self, request: Request) -> None:
+        """Put a waiting request in its tier's queue at its place (by order_time_s)."""
+        queue = self.waiting[request.tier]
+        i = len(queue)
+        while i > 0 and queue[i - 1].order_time_s > request.order_time_s:
+            i -= 1
+        queue.insert(i, request)
 
     def abort(self, request_id: str) -> None:
         request = self.requests.get(request_id)

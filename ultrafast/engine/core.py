@@ -95,7 +95,7 @@ class EngineCore:
         self.pool = KVSlotPool(executor.num_slots)
         # held while the pool changes, so another thread may read it (cached_prefix_tokens)
         self.pool_lock = threading.Lock()
-        self.scheduler = Scheduler(config, self.pool)
+        self.scheduler = Scheduler(config, self.pool, self._expected_work_s)
         self.last_stats: StepStats | None = None
         self.priority_itl_target_s = priority_itl_target_s
         self.costs = StepCostModel()
@@ -233,6 +233,17 @@ class EngineCore:
         except Exception:  # drafts are only a speed-up: a failing draft model costs no request
             log.exception("speculative drafting failed; this step decodes without drafts")
             return {}
+
+    def _expected_work_s(self, request: Request) -> float | None:
+        """Seconds `request` takes alone at the measured costs (its prefill, then a lone
+        decode per token it may make): how the scheduler puts short requests first."""
+        costs = self.costs
+        per_token_s, decode_s = costs.per_token_s, costs.single_decode_s
+        if per_token_s is None or decode_s is None:
+            return None
+        return (
+            request.num_prompt_tokens * per_token_s + request.sampling_params.max_tokens * decode_s
+        )
 
     def _forced_drafts_worth(self, available: int) -> int:
         """How many grammar-forced tokens to propose as drafts: all are accepted, so the k

@@ -290,7 +290,7 @@ class KVCacheManager:
             if not future.done():
                 self.stats.num_fetch_timeouts += 1
                 log.warning("KV read for %s timed out; it recomputes", request_id)
-            scheduler.waiting[request.tier].append(request)
+            scheduler.enqueue(request)
 
     # ---- restore (engine thread, before a schedule) ----------------------------------------
 
