@@ -18,7 +18,6 @@ from ultrafast.tokenizer import Tokenizer
 
 MAX_FORCED_DRAFTS = 32  # tokens the grammar forces, proposed at once as free drafts
 
-
 class GrammarMatcher:
     """llguidance's matcher with the request's own end-of-sequence ids: when the grammar
     allows EOS (it is complete), the mask allows every id the request stops on."""
@@ -36,6 +35,7 @@ class GrammarMatcher:
         self._grammar_eos_token = grammar_eos_ids[0]
         self._request_eos = tuple(t for t in request_eos_ids if 0 <= t < vocab_size)
         self._num_words = num_words(vocab_size)
+        self._row = np.zeros((1, self._num_words), dtype=np.int32)
         # (word, bit) of each grammar EOS id inside the mask
         self._grammar_eos_bits = tuple(
             (t >> 5, t & 31) for t in grammar_eos_ids if 0 <= t < 32 * self._num_words
@@ -78,14 +78,20 @@ class GrammarMatcher:
 
     def masks(self, draft_ids: list[int]) -> np.ndarray:
         """int32[len(draft_ids) + 1, words]: row j allows the tokens that may follow the
-        output so far plus draft_ids[:j]. The matcher ends where it started."""
-        out = np.zeros((len(draft_ids) + 1, self._num_words), dtype=np.int32)
+        output so far plus draft_ids[:j]. The matcher ends where it started. Without drafts
+        the array is this matcher's own row, rewritten by the next call: one step's mask."""
         m = self._m
         if not draft_ids:  # a plain decode step: one row, no advance, no rollback
-            if not m.is_error():
+            out = self._row  # llguidance writes every word; the row is read within the step
+            if m.is_error():
+                out.fill(0)
+            else:
                 m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
-            self._fix_eos(out[0])
+            # the EOS bit is set exactly when the grammar accepts (or has stopped)
+            if m.is_accepting() or m.is_stopped() or m.is_error():
+                self._fix_eos(out[0])
             return out
+        out = np.zeros((len(draft_ids) + 1, self._num_words), dtype=np.int32)
         consumed = 0
         for j in range(len(draft_ids) + 1):
             row = out[j]
