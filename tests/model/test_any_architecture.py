@@ -53,9 +53,11 @@ def llama_cpp_greedy(path, prompt_ids: list[int], num_new: int) -> tuple[list[in
 
 
 def offline(path, spec: str = "off", num_slots: int = 2, max_model_len: int = 256) -> LLM:
+    # drafts sized from fixed costs: measured ones on a busy machine may say none pay
     return LLM(
         str(path),
         spec=spec,
+        spec_measured_costs=False,
         n_threads=1,
         num_slots=num_slots,
         max_num_seqs=num_slots,
