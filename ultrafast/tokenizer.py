@@ -269,6 +269,9 @@ class Tokenizer:
             raise ChatTemplateError(self._template_problem)
         if self._template is None:
             raise NoChatTemplateError("this model has no chat template; use /v1/completions")
+        # as transformers renders: `tools` and `documents` are always defined (None when the
+        # request has none), so templates may test them with a bare `{% if tools %}`
+        template_vars = {"tools": None, "documents": None, **template_vars}
         try:
             return self._template.render(
                 **template_vars,
