@@ -23,7 +23,10 @@ WEATHER = {
 }
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "ping"}},
+    {
+        "type": "function",
+        "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}},
+    },
 ]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
@@ -49,6 +52,7 @@ def trigger_id(trigger_and_url):
 
 def chat(client, **fields):
     fields.setdefault("max_tokens", 80)
+    fields.setdefault("temperature", 0.0)
     return client.chat.completions.create(
         model=client.models.list().data[0].id, messages=ASK, tools=TOOLS, **fields
     )
@@ -94,7 +98,6 @@ def test_streamed_call_equals_the_non_streamed_one(client, trigger_id):
         "tool_choice": "auto",
         "parallel_tool_calls": False,
         "logit_bias": {str(trigger_id): 100},
-        "temperature": 0.0,
     }
     body = chat(client, **fields).choices[0]
     content, calls, finish = "", {}, None
@@ -113,3 +116,40 @@ def test_streamed_call_equals_the_non_streamed_one(client, trigger_id):
         for c in body.message.tool_calls
     ]
     assert [calls[i] for i in sorted(calls)] == expected
+
+
+def test_responses_api_call_and_the_history_it_leaves(client):
+    """The Responses API: a call opened by the token becomes a function_call item; sent back
+    with its result, the history renders the trigger again and the next turn is served."""
+    model = client.models.list().data[0].id
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    first = client.responses.create(
+        model=model,
+        input="Weather in Paris?",
+        tools=flat,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=80,
+        temperature=0.0,
+    )
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert not [item for item in first.output if item.type == "message"]
+    chat_history = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.call_id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
+    ]
+    again = client.chat.completions.create(
+        model=model, messages=chat_history, tools=TOOLS, tool_choice="none", max_tokens=8
+    )
+    assert again.choices[0].finish_reason in ("stop", "length")
+    assert TRIGGER not in (again.choices[0].message.content or "")
