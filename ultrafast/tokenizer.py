@@ -120,10 +120,18 @@ class Tokenizer:
         context_length: int | None = None,
         generation_defaults: dict | None = None,
         source: str = "tokenizer.json",
+        special_ids: frozenset[int] | None = None,
     ):
+        """`special_ids`: the ids `decode_fn` drops with skip_special_tokens (default: the
+        added tokens marked special, the ones HF `tokenizers` drops)."""
         self._tok = tokenizer
         self._encode_fn = encode_fn  # GGUF vocabularies: llama.cpp's own ids and text
         self._decode_fn = decode_fn
+        if special_ids is None:
+            added = tokenizer.get_added_tokens_decoder()
+            special_ids = frozenset(i for i, t in added.items() if t.special)
+        self.special_ids = special_ids
+        self._special_tokens: dict[str, int] | None = None
         self.config = config
         self.source = source  # where the vocabulary came from (logs, tests)
         self.bos_token = _token_text(config.get("bos_token"))
@@ -206,6 +214,7 @@ class Tokenizer:
             context_length=vocab.context_length,
             generation_defaults=vocab.sampling_defaults,
             source=f"GGUF metadata of {Path(path).name}",
+            special_ids=vocab.special,
         )
 
     @property
@@ -227,7 +236,27 @@ class Tokenizer:
             ids = ids + [self.eos_token_id]
         return ids
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Text -> id of each special token (one that decode skips; llguidance keeps it out of
+        free text, a grammar names it as `<[id]>`)."""
+        if self._special_tokens is None:
+            texts = ((self._tok.id_to_token(i), i) for i in sorted(self.special_ids))
+            self._special_tokens = {t: i for t, i in texts if t}
+        return self._special_tokens
+
+    def decode(
+        self,
+        token_ids: list[int],
+        skip_special_tokens: bool = True,
+        keep_ids: frozenset[int] = frozenset(),
+    ) -> str:
+        """`keep_ids`: special tokens whose text stays although the others are skipped (a tool
+        call's trigger token, which the tool parser must see)."""
+        if skip_special_tokens and keep_ids and not keep_ids.isdisjoint(token_ids):
+            dropped = self.special_ids - keep_ids
+            token_ids = [t for t in token_ids if t not in dropped]
+            skip_special_tokens = False
         if self._decode_fn is not None:
             return self._decode_fn(token_ids, skip_special_tokens)
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -240,6 +269,9 @@ class Tokenizer:
             raise ChatTemplateError(self._template_problem)
         if self._template is None:
             raise NoChatTemplateError("this model has no chat template; use /v1/completions")
+        # as transformers renders: `tools` and `documents` are always defined (None when the
+        # request has none), so templates may test them with a bare `{% if tools %}`
+        template_vars = {"tools": None, "documents": None, **template_vars}
         try:
             return self._template.render(
                 **template_vars,
@@ -257,8 +289,10 @@ class Tokenizer:
                 f"the model's chat template failed on these messages: {type(exc).__name__}: {exc}"
             ) from None
 
-    def detokenizer(self, prompt_token_ids: list[int] | None = None) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, prompt_token_ids or [])
+    def detokenizer(
+        self, prompt_token_ids: list[int] | None = None, keep_ids: frozenset[int] = frozenset()
+    ) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_token_ids or [], keep_ids)
 
 
 def _raise_template_error(message: str):
@@ -275,8 +309,14 @@ class IncrementalDetokenizer:
 
     _CONTEXT_TOKENS = 4
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        keep_ids: frozenset[int] = frozenset(),
+    ):
         self._tokenizer = tokenizer
+        self._keep_ids = keep_ids  # special tokens whose text the output keeps
         self._ids = list(prompt_token_ids[-self._CONTEXT_TOKENS :])
         self._prefix_offset = 0  # start of the decode window
         self._read_offset = len(self._ids)  # ids before this are already emitted
@@ -285,9 +325,8 @@ class IncrementalDetokenizer:
     def push(self, token_ids: list[int]) -> str:
         """Add new ids; return the newly stable text (may be empty)."""
         self._ids.extend(token_ids)
-        decode = self._tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset])
-        full = decode(self._ids[self._prefix_offset :])
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
             return ""  # nothing new yet, or an unfinished multi-byte character
         delta = full[len(prefix) :]
@@ -296,10 +335,13 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, keep_ids=self._keep_ids)
+
     def flush(self) -> str:
         """At the end of generation: whatever is left, even a broken character."""
-        full = self._tokenizer.decode(self._ids[self._prefix_offset :])
-        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         delta = full[len(prefix) :] if len(full) > len(prefix) else ""
         self._read_offset = len(self._ids)
         self._prefix_offset = self._read_offset

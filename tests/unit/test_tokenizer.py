@@ -84,3 +84,13 @@ def test_template_cannot_reach_python_internals(tmp_path, tok):
     with pytest.raises(Exception) as info:
         evil.apply_chat_template([{"role": "user", "content": "x"}])
     assert "unsafe" in str(info.value).lower() or "undefined" in type(info.value).__name__.lower()
+
+
+def test_templates_may_test_tools_bare_as_transformers_defines_it(tok):
+    """Qwen 2.5's template opens with `{%- if tools %}`: with no tools in the request it must
+    render (transformers passes tools=None), not fail on an undefined name."""
+    qwen_like = Tokenizer(
+        tok._tok, {"chat_template": "{% if tools %}T{% endif %}{{ messages[0].content }}"}
+    )
+    assert qwen_like.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+    assert qwen_like.apply_chat_template([{"role": "user", "content": "x"}], tools=[1]) == "Tx"

@@ -233,7 +233,11 @@ async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Ge
         tok = state.tokenizer
         prediction_ids: list[int] | None = None
         echo: list[str] | None = None
-        plan = None if call.tools is None else call.tools.for_template(tok.chat_template)
+        plan = (
+            None
+            if call.tools is None
+            else call.tools.for_template(tok.chat_template, tok.special_tokens)
+        )
         grammar, grammar_param = call.params.grammar, call.grammar_param
         # the calls' grammar (tools/grammar.py); `none` bans the call trigger unless a
         # response_format grammar already shapes the answer
@@ -309,6 +313,7 @@ async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Ge
             prediction_token_ids=prediction_ids,
             tenant=tenant.name,
             tools=plan,
+            keep_token_ids=frozenset() if plan is None else plan.keep_token_ids,
             grammar_compile=compiling,
         )
         run = GenerationRun(state.run_deps(), spec, ticket)

@@ -55,6 +55,8 @@ class GenerationSpec:
     arrival_s: float = 0.0
     prediction_token_ids: list[int] | None = None  # chat `prediction`: drafts for every choice
     tools: Any = None  # a ToolPlan (server/tools/plan.py): the text splits into content + calls
+    # special tokens whose text the output keeps (a tool format's trigger token); others skipped
+    keep_token_ids: frozenset[int] = frozenset()
     # the compile of params.grammar (a concurrent.futures.Future) when it may still be running
     grammar_compile: Any = None
 
@@ -148,7 +150,8 @@ class GenerationRun:
             if self.scores_prompt:
                 choice.prompt_token_ids = spec.prompts[self.choice_prompts[choice.index]]
         self.detoks = [
-            tok.detokenizer(spec.prompts[self.choice_prompts[c]]) for c in range(num_choices)
+            tok.detokenizer(spec.prompts[self.choice_prompts[c]], spec.keep_token_ids)
+            for c in range(num_choices)
         ]
         self.matchers = [StopStringMatcher(spec.stops) for _ in range(num_choices)]
         self.num_output_tokens = [0] * num_choices
@@ -174,6 +177,10 @@ class GenerationRun:
         early). One per run."""
         assert self._commit_hook is None, "a run commits once"
         self._commit_hook = hook
+
+    def decode_token(self, token_ids: list[int]) -> str:
+        """Logprobs' token text: the output's special tokens shown as the output text has them."""
+        return self.deps.tokenizer.decode(token_ids, keep_ids=self.spec.keep_token_ids)
 
     @property
     def scores_prompt(self) -> bool:
@@ -379,7 +386,7 @@ class GenerationRun:
             self.spec.tier.api_name,
             self.choices,
             self.usage(),
-            self.deps.tokenizer.decode,
+            self.decode_token,
             self.spec.want_logprobs,
         )
         return JSONResponse(body, headers=self.timing_headers())
@@ -415,7 +422,7 @@ class GenerationRun:
             spec.model_name,
             spec.tier.api_name,
             spec.chat,
-            self.deps.tokenizer.decode,
+            self.decode_token,
             spec.want_logprobs,
         )
         try:

@@ -8,6 +8,7 @@ the grammar keeps the model inside the format, so any instruct model can call to
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -25,6 +26,13 @@ class ToolFormat:
 
     def open_text(self) -> str:
         return self.trigger + self.begin
+
+    def special_tokens(self, vocabulary: Mapping[str, int]) -> dict[str, int]:
+        """The special tokens (text -> id, from the model's `vocabulary` of them) that this
+        format's texts contain: Mistral's `[TOOL_CALLS]` is one control token in Mistral
+        tokenizers, so the grammar must name that token and the output must keep its text."""
+        texts = (self.trigger, self.begin, self.end, self.separator)
+        return {t: i for t, i in vocabulary.items() if t and any(t in s for s in texts)}
 
 
 HERMES = ToolFormat("hermes", "<tool_call>", "\n", "\n</tool_call>", "\n", native=True)

@@ -7,11 +7,19 @@ call is forced to `{"name":"<one of the tools>","arguments":<its parameters' sch
 (`parallel_tool_calls: false`, or a named function) the grammar ends at that call's close, so
 the only next token is end-of-sequence: generation stops right after the closing brace (the
 format's closing text, `</tool_call>` or `]`, is left out: the parser needs no more).
+
+Where the format's text holds a special token of the model's vocabulary (Mistral's
+`[TOOL_CALLS]` is one control token), the grammar names that token by id (`<[id]>`):
+llguidance keeps special tokens out of quoted text and free text, so spelled as text the model
+could never emit its native trigger. Free text then may not spell the trigger out either, so
+the parser only ever sees the trigger the token wrote.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +35,23 @@ class ToolSchema:
     parameters: dict | None  # None: any JSON object
 
 
-def _lit(text: str) -> str:
-    return json.dumps(text) if text else ""
+def _lit(text: str, tokens: Mapping[str, int] | None = None) -> str:
+    """`text` as grammar items: quoted, except each special token inside it (`tokens`: text
+    -> id), which becomes `<[id]>` (the model writes it as that one token)."""
+    if not text:
+        return ""
+    if not tokens:
+        return json.dumps(text)
+    pattern = "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True))
+    items, pos = [], 0
+    for found in re.finditer(pattern, text):
+        if found.start() > pos:
+            items.append(json.dumps(text[pos : found.start()]))
+        items.append(f"<[{tokens[found.group()]}]>")
+        pos = found.end()
+    if pos < len(text):
+        items.append(json.dumps(text[pos:]))
+    return " ".join(items)
 
 
 def _closed(schema: Any) -> Any:
@@ -67,10 +90,17 @@ def _schema(parameters: dict | None) -> str:
 
 
 def tool_call_lark(
-    fmt: ToolFormat, tools: list[ToolSchema], *, required: bool, single: bool
+    fmt: ToolFormat,
+    tools: list[ToolSchema],
+    *,
+    required: bool,
+    single: bool,
+    tokens: Mapping[str, int] | None = None,
 ) -> str:
     """`required`: a call from the first token (else free text first, calls after the
-    trigger); `single`: exactly one call, then end-of-sequence."""
+    trigger); `single`: exactly one call, then end-of-sequence. `tokens`: the special tokens
+    (text -> id) the format's texts contain (ToolFormat.special_tokens)."""
+    tokens = tokens or {}
     lines = ["%llguidance {}"]
     names = []
     for i, tool in enumerate(tools):
@@ -81,29 +111,38 @@ def tool_call_lark(
         names.append(f"call_{i}")
     lines.append("call: " + " | ".join(names))
     open_rest = fmt.begin  # after the trigger
+    trigger, separator = _lit(fmt.trigger, tokens), _lit(fmt.separator, tokens)
+    end = "" if single else _lit(fmt.end, tokens)
     if fmt.array:
-        calls = "call" if single else f"call ({_lit(fmt.separator)} call)*"
-        end = "" if single else _lit(fmt.end)
-        lines.append(f"block_rest: {_lit(open_rest)} {calls} {end}")
+        calls = "call" if single else f"call ({separator} call)*"
+        lines.append(f"block_rest: {_lit(open_rest, tokens)} {calls} {end}")
         more = ""
     else:
-        end = "" if single else _lit(fmt.end)
-        lines.append(f"block_rest: {_lit(open_rest)} call {end}")
-        more = "" if single else f" ({_lit(fmt.separator)} {_lit(fmt.trigger)} block_rest)*"
+        lines.append(f"block_rest: {_lit(open_rest, tokens)} call {end}")
+        more = "" if single else f" ({separator} {trigger} block_rest)*"
     if required:
-        lines.append(f"start: {_lit(fmt.trigger)} block_rest{more}")
-    else:
+        lines.append(f"start: {trigger} block_rest{more}")
+    elif trigger == _lit(fmt.trigger):  # a text trigger: a lazy lexeme ends at its first match
         lines.append("TEXT: /(.|\\n)*/")
-        lines.append(f"trigger[lazy]: TEXT {_lit(fmt.trigger)}")
+        lines.append(f"trigger[lazy]: TEXT {trigger}")
         lines.append(f"start: TEXT | trigger block_rest{more}")
+    else:  # a special token cannot end a lexeme: text, then the token's rule
+        lines.append(_text_without(fmt.trigger))
+        lines.append(f"start: TEXT | TEXT {trigger} block_rest{more}")
     return "\n".join(lines) + "\n"
 
 
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
 
 
+def _text_without(text: str) -> str:
+    """The TEXT terminal: any text that never contains `text`."""
+    escaped = "".join("\\" + c if c in _REGEX_META else c for c in text)
+    return f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{escaped}(.|\\n)*/"
+
+
 def no_call_lark(fmt: ToolFormat) -> str:
     """`tool_choice: none`: any text that never contains the format's trigger, so the model
-    cannot start a call even when the history shows it calls."""
-    trigger = "".join("\\" + c if c in _REGEX_META else c for c in fmt.trigger)
-    return f"%llguidance {{}}\nstart: TEXT\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*{trigger}(.|\\n)*/\n"
+    cannot start a call even when the history shows it calls (a special-token trigger is
+    kept out of free text by llguidance itself)."""
+    return f"%llguidance {{}}\nstart: TEXT\n{_text_without(fmt.trigger)}\n"

@@ -3,6 +3,7 @@ the grammar and the parser from them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,9 +39,25 @@ class ToolPlan:
     # chat completions `stream_options.include_tool_call_done`: the fast path's side event
     done_events: bool = field(default=False, compare=False)
     fmt: ToolFormat = GENERIC  # set from the model's chat template (for_template)
+    # the special tokens (text, id) inside the format's texts, in this model's vocabulary
+    fmt_tokens: tuple[tuple[str, int], ...] = ()
 
-    def for_template(self, chat_template: str | None) -> ToolPlan:
-        return replace(self, fmt=detect_format(chat_template))
+    def for_template(
+        self, chat_template: str | None, special_tokens: Mapping[str, int] | None = None
+    ) -> ToolPlan:
+        """The plan for one model: its chat template picks the format, its special tokens
+        (Tokenizer.special_tokens) say which of the format's texts are single tokens."""
+        fmt = detect_format(chat_template)
+        found = fmt.special_tokens(special_tokens or {})
+        return replace(self, fmt=fmt, fmt_tokens=tuple(sorted(found.items())))
+
+    @property
+    def keep_token_ids(self) -> frozenset[int]:
+        """Special tokens the output text must keep (the detokenizer skips the others): the
+        format's own, which the parser reads calls by; none when no call may be made."""
+        if not self.calls_allowed:
+            return frozenset()
+        return frozenset(i for _, i in self.fmt_tokens)
 
     @property
     def calls_allowed(self) -> bool:
@@ -71,6 +88,7 @@ class ToolPlan:
             [ToolSchema(t.name, t.parameters) for t in tools],
             required=self.choice in ("required", "function"),
             single=self.single,
+            tokens=dict(self.fmt_tokens),
         )
 
     def grammar(self) -> GrammarSpec | None:
