@@ -18,6 +18,7 @@ from ultrafast.tokenizer import Tokenizer
 
 MAX_FORCED_DRAFTS = 32  # tokens the grammar forces, proposed at once as free drafts
 
+
 class GrammarMatcher:
     """llguidance's matcher with the request's own end-of-sequence ids: when the grammar
     allows EOS (it is complete), the mask allows every id the request stops on."""
