@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 
 COMPILE_POLL_S = 0.002  # an idle step's wait for a compile: new arrivals wait at most this
 FORCED_DRAFT_RETRY_STEPS = 64  # steps without forced drafts before one is tried again
-FORCED_WORTH_MEMO_STEPS = 8  # steps a forced-draft decision is reused before it is recomputed
 
 
 @dataclass
@@ -110,10 +109,6 @@ class EngineCore:
         self.grammar = grammar
         self._compiling: dict[str, Request] = {}  # admitted while their grammar compiles
         self._forced_idle_steps = 0  # calls of _forced_drafts_worth that proposed none
-        # (forced tokens, one stream?) -> forced drafts worth proposing, cleared every
-        # FORCED_WORTH_MEMO_STEPS: the cost fit is a visible part of a small model's step
-        self._forced_worth_memo: dict[tuple[int, bool], int] = {}
-        self._forced_memo_steps = 0
         self.idle_speed: IdleSpeed | None = None  # timed by warmup(measure_speed=True)
         self.kv_cache: KVCacheManager | None = None
         if kv_cache is not None and kv_cache.enabled:
@@ -257,16 +252,12 @@ class EngineCore:
         fixed costs (SpecConfig.use_measured_costs off): all."""
         if self.speculator is not None and not self.speculator.config.use_measured_costs:
             return available
-        lone = len(self.scheduler.running) <= 1
-        k = self._forced_worth_memo.get((available, lone))
-        if k is None:  # asked again after FORCED_WORTH_MEMO_STEPS (costs drift slowly)
-            costs = self.costs
-            base_s, per_token_s = costs.base_s, costs.per_token_s
-            if base_s is None or per_token_s is None:
-                return available
-            measured = costs.lone_pass_s if lone else ()
-            k = best_draft_length(1.0, available, base_s, per_token_s, 0.0, measured)
-            self._forced_worth_memo[available, lone] = k
+        costs = self.costs
+        base_s, per_token_s = costs.base_s, costs.per_token_s
+        if base_s is None or per_token_s is None:
+            return available
+        measured = costs.lone_pass_s if len(self.scheduler.running) <= 1 else ()
+        k = best_draft_length(1.0, available, base_s, per_token_s, 0.0, measured)
         if k == 0:  # now and then one rides anyway: a width timed under a load spike is retimed
             self._forced_idle_steps += 1
             if self._forced_idle_steps >= FORCED_DRAFT_RETRY_STEPS:
@@ -325,10 +316,6 @@ class EngineCore:
         if self.speculator is not None and self.scheduler.running:
             drafts = self._propose(self.speculator)
         if self.grammar is not None:
-            self._forced_memo_steps += 1
-            if self._forced_memo_steps >= FORCED_WORTH_MEMO_STEPS:
-                self._forced_memo_steps = 0
-                self._forced_worth_memo.clear()
             drafts = grammar_steps.constrain_drafts(
                 drafts, self.scheduler.running, self._forced_drafts_worth
             )

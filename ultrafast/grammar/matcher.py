@@ -36,7 +36,6 @@ class GrammarMatcher:
         self._grammar_eos_token = grammar_eos_ids[0]
         self._request_eos = tuple(t for t in request_eos_ids if 0 <= t < vocab_size)
         self._num_words = num_words(vocab_size)
-        self._row = np.zeros((1, self._num_words), dtype=np.int32)
         # (word, bit) of each grammar EOS id inside the mask
         self._grammar_eos_bits = tuple(
             (t >> 5, t & 31) for t in grammar_eos_ids if 0 <= t < 32 * self._num_words
@@ -79,20 +78,14 @@ class GrammarMatcher:
 
     def masks(self, draft_ids: list[int]) -> np.ndarray:
         """int32[len(draft_ids) + 1, words]: row j allows the tokens that may follow the
-        output so far plus draft_ids[:j]. The matcher ends where it started. Without drafts
-        the array is this matcher's own row, rewritten by the next call: one step's mask."""
+        output so far plus draft_ids[:j]. The matcher ends where it started."""
+        out = np.zeros((len(draft_ids) + 1, self._num_words), dtype=np.int32)
         m = self._m
         if not draft_ids:  # a plain decode step: one row, no advance, no rollback
-            out = self._row  # llguidance writes every word; the row is read within the step
-            if m.is_error():
-                out.fill(0)
-            else:
+            if not m.is_error():
                 m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
-            # the EOS bit is set exactly when the grammar accepts (or has stopped)
-            if m.is_accepting() or m.is_stopped() or m.is_error():
-                self._fix_eos(out[0])
+            self._fix_eos(out[0])
             return out
-        out = np.zeros((len(draft_ids) + 1, self._num_words), dtype=np.int32)
         consumed = 0
         for j in range(len(draft_ids) + 1):
             row = out[j]
