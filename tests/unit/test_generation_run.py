@@ -5,6 +5,7 @@ for a failed run, and the barge-in interrupt that ends the wait without a fake o
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -35,7 +36,8 @@ class CapturingEngine:
         self.aborted.append(request_id)
 
 
-def make_run(tok, ping_interval_s=5.0):
+def make_run(tok, ping_interval_s=5.0, **spec_changes):
+    """A run over a CapturingEngine; `spec_changes` replace GenerationSpec fields."""
     engine = CapturingEngine()
     admission = Admission(ServerConfig())
     deps = RunDeps(
@@ -60,6 +62,7 @@ def make_run(tok, ping_interval_s=5.0):
         include_usage=False,
         want_logprobs=False,
     )
+    spec = replace(spec, **spec_changes)
     ticket = admission.reserve(ServiceTier.DEFAULT)
     return GenerationRun(deps, spec, ticket), engine
 

@@ -13,18 +13,15 @@ import llguidance
 import pytest
 
 from tests.special_token_model import MISTRAL_TEMPLATE, TRIGGER, make_model_dir
-from ultrafast.config import DEMO_MODEL_DIR, ServerConfig
+from ultrafast.config import DEMO_MODEL_DIR
 from ultrafast.core.types import TokenLogprobs
-from ultrafast.request import SamplingParams, ServiceTier
-from ultrafast.server.admission import Admission
-from ultrafast.server.bridge import EngineBridge, RequestOutput
-from ultrafast.server.generate import GenerationRun, GenerationSpec, RunDeps
-from ultrafast.server.metrics import ServerMetrics
+from ultrafast.request import SamplingParams
+from ultrafast.server.bridge import RequestOutput
 from ultrafast.server.tools.formats import MISTRAL
 from ultrafast.server.tools.plan import FunctionTool, ToolPlan
 from ultrafast.tokenizer import Tokenizer
 
-from .test_generation_run import CapturingEngine
+from .test_generation_run import make_run
 from .test_tools_run import sse_chunks, stream_calls
 
 ARGS_SCHEMA = {
@@ -157,33 +154,15 @@ def test_tool_choice_none_never_allows_the_trigger_token(tok, lltok, trigger_id)
 
 
 def mistral_run(tok, plan: ToolPlan, stream: bool):
-    engine = CapturingEngine()
-    admission = Admission(ServerConfig())
-    deps = RunDeps(
-        bridge=EngineBridge(engine, asyncio.get_running_loop()),
-        tokenizer=tok,
-        admission=admission,
-        metrics=ServerMetrics(),
-        guard=None,
-        runs=set(),
-        ping_interval_s=5.0,
-    )
-    spec = GenerationSpec(
-        request_id="chatcmpl-t",
-        model_name="m",
+    return make_run(
+        tok,
         prompts=[[5, 6, 7]],
         params=SamplingParams(max_tokens=64, logprobs=True),
-        n=1,
-        tier=ServiceTier.DEFAULT,
-        stops=[],
-        chat=True,
         stream=stream,
-        include_usage=False,
         want_logprobs=True,
         tools=plan,
         keep_token_ids=plan.keep_token_ids,
     )
-    return GenerationRun(deps, spec, admission.reserve(ServiceTier.DEFAULT)), engine
 
 
 def feed(engine, ids: list[int]) -> None:
