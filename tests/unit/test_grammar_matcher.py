@@ -62,6 +62,23 @@ def test_masks_follow_drafts_and_leave_the_matcher_where_it_was(runtime, tok):
     assert m.consume(ids) and m.is_stopped
 
 
+def test_a_single_row_ends_the_request_on_its_own_stop_ids(runtime, tok):
+    """The plain decode row (the matcher's reused buffer, with the EOS test on one bit): a
+    complete grammar allows the request's stop ids only, even ones the grammar does not know;
+    a matcher in error allows only them too, so the request ends instead of sampling garbage."""
+    spec = GrammarSpec.from_json_schema(COLOR)
+    ids = tok.encode('{"color":"red"}', add_special_tokens=False)
+    m = runtime.matcher(spec, (7, 11))
+    first = m.masks([]).copy()
+    assert ids[0] in allowed_ids(first[0], tok.vocab_size)
+    assert not set(allowed_ids(first[0], tok.vocab_size)) & {7, 11}
+    assert m.consume(ids) and m.is_stopped
+    assert allowed_ids(m.masks([])[0], tok.vocab_size) == [7, 11]
+    bad = runtime.matcher(spec, (7,))
+    assert not bad.consume(tok.encode("x", add_special_tokens=False)) and bad.is_error
+    assert allowed_ids(bad.masks([])[0], tok.vocab_size) == [7]
+
+
 def test_forced_tokens_are_what_the_grammar_leaves_no_choice_about(runtime, tok):
     m = runtime.matcher(GrammarSpec.from_json_schema(COLOR), tok.eos_token_ids)
     m.consume(tok.encode("{", add_special_tokens=False))

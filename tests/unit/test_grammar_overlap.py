@@ -17,7 +17,7 @@ from tests.unit.engine_driver import run_all
 from tests.unit.test_grammar_engine import SCHEMA, SPEC, engine, request, text
 from tests.unit.test_grammar_engine import runtime as runtime  # noqa: F401 (fixture)
 from tests.unit.test_grammar_engine import tok as tok  # noqa: F401 (fixture)
-from ultrafast.engine.core import FORCED_DRAFT_RETRY_STEPS
+from ultrafast.engine.core import FORCED_DRAFT_RETRY_STEPS, FORCED_WORTH_REUSE_CALLS
 from ultrafast.grammar.cache import GrammarError
 from ultrafast.grammar.mask import allowed_bools, apply_mask_numpy
 
@@ -108,6 +108,22 @@ def test_forced_drafts_are_dropped_when_a_wider_pass_costs_more_than_it_saves(
     assert taken.count(1) == 2 and set(taken) == {0, 1}
 
 
+def test_no_forced_draft_is_reused_for_a_while_then_recomputed(tok, runtime):  # noqa: F811
+    core, _ = engine(tok, runtime)
+    costs = core.costs
+    for _ in range(20):
+        costs.observe(1, 1, 0.001, 0.001)
+        costs.observe(1, 8, 0.004, 0.004)
+    costs.lone_pass_s[1], costs.lone_pass_s[2] = 0.001, 0.003  # a draft costs a step: none
+    core._forced_idle_steps = -(10**6)  # no retry ride within this test
+    assert core._forced_drafts_worth(1) == 0
+    costs.lone_pass_s[2] = 0.0011  # now one pays, but "none" still stands for a while
+    assert core._forced_drafts_worth(2) == 1  # each count of forced tokens is its own entry
+    taken = [core._forced_drafts_worth(1) for _ in range(FORCED_WORTH_REUSE_CALLS)]
+    assert taken[:-1] == [0] * (FORCED_WORTH_REUSE_CALLS - 1)
+    assert taken[-1] == 1 and core._forced_drafts_worth(1) == 1  # a paying k is never reused
+
+
 def test_forced_drafts_all_ride_when_passes_are_cheap(tok, runtime):  # noqa: F811
     core, _ = engine(tok, runtime)
     for _ in range(20):
@@ -161,6 +177,20 @@ def test_greedy_under_masks_equals_masking_every_row(as_numpy):
     got = sample_plan(seqs, logits.copy() if as_numpy else torch.from_numpy(logits.copy()))
     for i, s in enumerate(seqs):  # the batch argmax path: every position's greedy id
         assert got.sampled_token_ids[s.request_id] == want_ids[4 * i : 4 * i + 4]
+
+
+@pytest.mark.parametrize("vocab", [300, 333])
+def test_masked_argmax_blocks_ids_past_a_short_mask(vocab):
+    from ultrafast.sampling.sampler import _masked_argmax
+
+    rng = np.random.default_rng(vocab)
+    row = rng.standard_normal(vocab).astype(np.float32)
+    row[320:] = 50.0  # the best ids lie past a 10-word mask: never allowed
+    mask = rng.integers(-(2**31), 2**31 - 1, size=10, dtype=np.int64).astype(np.int32)
+    want = row.copy()
+    want[~allowed_bools(mask, vocab)] = -np.inf
+    assert _masked_argmax(row, mask) == int(want.argmax())
+    assert np.array_equal(row, want)  # masked in place, like apply_mask_numpy
 
 
 def test_fixed_draft_costs_keep_every_forced_draft(tok, runtime):  # noqa: F811

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 COMPILE_POLL_S = 0.002  # an idle step's wait for a compile: new arrivals wait at most this
 FORCED_DRAFT_RETRY_STEPS = 64  # steps without forced drafts before one is tried again
+# calls that reuse "no forced draft pays" before it is recomputed from the step costs: the
+# search is a Python loop over draft lengths, run for every constrained seq
+FORCED_WORTH_REUSE_CALLS = 16
 
 
 @dataclass
@@ -109,6 +112,8 @@ class EngineCore:
         self.grammar = grammar
         self._compiling: dict[str, Request] = {}  # admitted while their grammar compiles
         self._forced_idle_steps = 0  # calls of _forced_drafts_worth that proposed none
+        # (forced tokens available, lone stream) -> calls left that may reuse "none pay"
+        self._forced_none_memo: dict[tuple[int, bool], int] = {}
         self.idle_speed: IdleSpeed | None = None  # timed by warmup(measure_speed=True)
         self.kv_cache: KVCacheManager | None = None
         if kv_cache is not None and kv_cache.enabled:
@@ -248,16 +253,25 @@ class EngineCore:
     def _forced_drafts_worth(self, available: int) -> int:
         """How many grammar-forced tokens to propose as drafts: all are accepted, so the k
         with the most tokens per second at the measured step costs (a lone stream's by its
-        own timed pass widths). Before the costs are known, or when drafts are sized from
-        fixed costs (SpecConfig.use_measured_costs off): all."""
+        own timed pass widths); "none" is reused for FORCED_WORTH_REUSE_CALLS calls. Before
+        the costs are known, or when drafts are sized from fixed costs
+        (SpecConfig.use_measured_costs off): all."""
         if self.speculator is not None and not self.speculator.config.use_measured_costs:
             return available
         costs = self.costs
         base_s, per_token_s = costs.base_s, costs.per_token_s
         if base_s is None or per_token_s is None:
             return available
-        measured = costs.lone_pass_s if len(self.scheduler.running) <= 1 else ()
-        k = best_draft_length(1.0, available, base_s, per_token_s, 0.0, measured)
+        lone = len(self.scheduler.running) <= 1
+        calls_left = self._forced_none_memo.get((available, lone), 0)
+        if calls_left:  # none paid a moment ago: the (slowly moving) costs still say so
+            self._forced_none_memo[available, lone] = calls_left - 1
+            k = 0
+        else:
+            measured = costs.lone_pass_s if lone else ()
+            k = best_draft_length(1.0, available, base_s, per_token_s, 0.0, measured)
+            if k == 0:  # a positive k is recomputed each time: it may be a width to time
+                self._forced_none_memo[available, lone] = FORCED_WORTH_REUSE_CALLS - 1
         if k == 0:  # now and then one rides anyway: a width timed under a load spike is retimed
             self._forced_idle_steps += 1
             if self._forced_idle_steps >= FORCED_DRAFT_RETRY_STEPS:

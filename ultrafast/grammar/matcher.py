@@ -40,6 +40,8 @@ class GrammarMatcher:
         self._grammar_eos_bits = tuple(
             (t >> 5, t & 31) for t in grammar_eos_ids if 0 <= t < 32 * self._num_words
         )
+        self._row = np.zeros((1, self._num_words), dtype=np.int32)  # masks([])'s buffer
+        self._row_address, self._row_bytes = self._row.ctypes.data, self._row.nbytes
 
     def _to_grammar(self, token: int) -> int:
         return self._grammar_eos_token if token in self._request_eos else token
@@ -78,14 +80,19 @@ class GrammarMatcher:
 
     def masks(self, draft_ids: list[int]) -> np.ndarray:
         """int32[len(draft_ids) + 1, words]: row j allows the tokens that may follow the
-        output so far plus draft_ids[:j]. The matcher ends where it started."""
-        out = np.zeros((len(draft_ids) + 1, self._num_words), dtype=np.int32)
+        output so far plus draft_ids[:j]. The matcher ends where it started. A plain decode
+        step's single row is the matcher's own buffer, rewritten by the next call: the step
+        samples from it before the next step asks again."""
         m = self._m
         if not draft_ids:  # a plain decode step: one row, no advance, no rollback
-            if not m.is_error():
-                m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+            out = self._row
+            if m.is_error():
+                out.fill(0)
+            else:
+                m.unsafe_compute_mask_ptr(self._row_address, self._row_bytes)
             self._fix_eos(out[0])
             return out
+        out = np.zeros((len(draft_ids) + 1, self._num_words), dtype=np.int32)
         consumed = 0
         for j in range(len(draft_ids) + 1):
             row = out[j]
@@ -105,8 +112,14 @@ class GrammarMatcher:
         """The grammar's EOS bit stands for all of the request's stop ids; a row with nothing
         allowed (an error, or a stopped grammar) allows only those, so the request ends."""
         words = row.view(np.uint32)
-        eos_set = any(int(words[w]) >> b & 1 for w, b in self._grammar_eos_bits)
-        if not eos_set and words.any():  # the common case: EOS not allowed, something is
+        if len(self._grammar_eos_bits) == 1:
+            w, b = self._grammar_eos_bits[0]
+            eos_set = bool(int(words[w]) >> b & 1)
+            if not eos_set and not self._m.is_error():
+                return  # the common case; a matcher not in error allows something
+        else:
+            eos_set = any(int(words[w]) >> b & 1 for w, b in self._grammar_eos_bits)
+        if not eos_set and words.any():
             return
         if self._request_eos:
             for w, b in self._grammar_eos_bits:

@@ -221,9 +221,22 @@ def _greedy_under_masks(seqs: list[ScheduledSeq], rows: np.ndarray, ids: list[in
             for j in range(seq.num_logits):
                 token, word = ids[row + j], ids[row + j] >> 5
                 if word >= mask.shape[1] or not int(mask[j, word]) >> (token & 31) & 1:
-                    apply_mask_numpy(rows[row + j : row + j + 1], mask[j : j + 1])
-                    ids[row + j] = int(rows[row + j].argmax())
+                    ids[row + j] = _masked_argmax(rows[row + j], mask[j])
         row += seq.num_logits
+
+
+def _masked_argmax(logits_row: np.ndarray, mask_row: np.ndarray) -> int:
+    """Block what `mask_row` does not allow in `logits_row` (in place), then its argmax. The
+    mask's words are inverted before unpacking: fewer bytes than inverting the unpacked row."""
+    vocab, covered = logits_row.shape[0], 32 * mask_row.shape[0]
+    blocked = np.unpackbits(
+        np.invert(mask_row).view(np.uint8), count=min(vocab, covered), bitorder="little"
+    ).view(bool)
+    if vocab > covered:  # ids past the mask are never allowed
+        logits_row[covered:] = -np.inf
+        logits_row = logits_row[:covered]
+    np.putmask(logits_row, blocked, -np.inf)
+    return int(logits_row.argmax())
 
 
 def apply_token_masks(seqs: list[ScheduledSeq], logits):
