@@ -243,6 +243,22 @@ def test_more_threads_for_multi_token_passes_keep_the_tokens(executor, tiny_llam
         ex.close()
 
 
+def test_a_step_with_spare_threads_runs_on_fewer_and_the_next_on_all(tiny_llama_gguf_f32):
+    ex = GgmlExecutor(
+        tiny_llama_gguf_f32, num_slots=2, max_model_len=64, kv_cache_dtype="f32", n_threads=2
+    )
+    try:
+        plan = StepPlan([_seq("a", 0, [1, 2, 3], 0)], spare_threads=1)
+        assert not ex.execute(plan).errors
+        assert ex._threads_now == (1, 1)  # a core left to the grammar compile
+        assert not ex.execute(StepPlan([_seq("a", 0, [4], 3)])).errors
+        assert ex._threads_now == (2, 2)
+        plan = StepPlan([_seq("a", 0, [5], 4)], spare_threads=5)  # never below one thread
+        assert not ex.execute(plan).errors and ex._threads_now == (1, 1)
+    finally:
+        ex.close()
+
+
 def test_thread_calibration_leaves_slots_empty_and_tokens_unchanged(executor, tiny_llama_gguf_f32):
     ex = GgmlExecutor(
         tiny_llama_gguf_f32, num_slots=4, max_model_len=128, kv_cache_dtype="f32", threads_auto=True

@@ -6,7 +6,7 @@ logits in one pass. Fake executor over the demo vocabulary, as test_grammar_engi
 from __future__ import annotations
 
 import json
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jsonschema
 import numpy as np
@@ -17,7 +17,13 @@ from tests.unit.engine_driver import run_all
 from tests.unit.test_grammar_engine import SCHEMA, SPEC, engine, request, text
 from tests.unit.test_grammar_engine import runtime as runtime  # noqa: F401 (fixture)
 from tests.unit.test_grammar_engine import tok as tok  # noqa: F401 (fixture)
-from ultrafast.engine.core import FORCED_DRAFT_RETRY_STEPS, FORCED_WORTH_REUSE_CALLS
+from ultrafast.engine.core import (
+    COMPILE_SPARE_THREADS,
+    COMPILE_STEP_S,
+    FORCED_DRAFT_RETRY_STEPS,
+    FORCED_WORTH_REUSE_CALLS,
+)
+from ultrafast.grammar import GrammarSpec
 from ultrafast.grammar.cache import GrammarError
 from ultrafast.grammar.mask import allowed_bools, apply_mask_numpy
 
@@ -48,12 +54,57 @@ def test_a_compiling_request_prefills_and_waits_while_others_decode(tok, runtime
     assert "c" not in outputs or outputs["c"] == []
     assert slow.num_computed_tokens == slow.num_prompt_tokens - 1
     assert all(s.num_logits == 0 for p in executor.plans for s in p.seqs if s.request_id == "c")
+    # every step so far left a core to the compile
+    assert executor.plans and all(p.spare_threads == COMPILE_SPARE_THREADS for p in executor.plans)
     runtime.compile(SPEC)
     compiling.set_result(None)
+    num_plans = len(executor.plans)
     step_until(core, outputs, lambda: not core.has_work())
+    assert all(p.spare_threads == 0 for p in executor.plans[num_plans:])  # all cores again
     assert outputs["c"] == want["c"]  # the same tokens as a request compiled up front
     jsonschema.validate(json.loads(text(tok, outputs["c"])), SCHEMA)
     assert outputs["finished:c"] == ["stop"] and not core._compiling
+
+
+def test_steps_stay_short_while_a_grammar_compiles(tok, runtime):  # noqa: F811
+    core, executor = engine(tok, runtime)
+    for _ in range(20):  # 1 ms a step plus 0.05 ms a token: ~20 tokens fit COMPILE_STEP_S
+        core.costs.observe(1, 1, 0.00105, 0.00105)
+        core.costs.observe(1, 101, 0.00605, 0.00605)
+    short = core.costs.token_budget(COMPILE_STEP_S)
+    assert short is not None and short < 100
+    compiling: Future = Future()
+    slow = request(tok, "c", prompt="word " * 150)
+    slow.grammar_pending = compiling
+    core.add_request(slow)
+    core.step()
+    core.step()
+    # a prefill chunk per step no larger than the short budget (or the minimum prefill)
+    assert all(p.num_scheduled_tokens <= max(short, 32) for p in executor.plans)
+    runtime.compile(SPEC)
+    compiling.set_result(None)
+    core.step()  # the compile is noticed: the rest of the prompt in one full step
+    assert executor.plans[-1].num_scheduled_tokens > max(short, 32)
+
+
+def test_a_cached_grammar_starts_without_a_thread_hop(runtime):  # noqa: F811
+    class NoPool:
+        def submit(self, *args):
+            raise AssertionError("a cached spec went to the compile pool")
+
+    runtime.compile(SPEC)
+    done = runtime.start_compile(SPEC, NoPool())
+    assert done.done() and done.result() is None
+    bad = _never_compiles()
+    with pytest.raises(GrammarError):
+        runtime.compile(bad)
+    failed = runtime.start_compile(bad, NoPool())  # a cached failure is answered at once too
+    assert failed.done() and isinstance(failed.exception(), GrammarError)
+    with ThreadPoolExecutor(1) as pool:  # a new one does go to the pool
+        fresh = GrammarSpec.from_json_schema({"type": "integer", "minimum": 7})
+        assert fresh not in runtime.cache
+        runtime.start_compile(fresh, pool).result(timeout=30)
+        assert fresh in runtime.cache
 
 
 def test_a_failed_compile_aborts_its_request_only(tok, runtime):  # noqa: F811

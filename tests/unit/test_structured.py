@@ -13,7 +13,14 @@ from ultrafast.server.errors import APIError
 SPEC = GrammarSpec.json_object()
 
 
-class SlowRuntime:
+class PoolRuntime:
+    """GrammarRuntime.start_compile without a cache: every compile goes to the pool."""
+
+    def start_compile(self, spec, pool):
+        return pool.submit(self.compile, spec)
+
+
+class SlowRuntime(PoolRuntime):
     def __init__(self):
         self.release = threading.Event()
 
@@ -21,7 +28,7 @@ class SlowRuntime:
         self.release.wait(10)
 
 
-class FailingRuntime:
+class FailingRuntime(PoolRuntime):
     def compile(self, spec):
         raise GrammarError("Unsatisfiable schema")
 

@@ -83,7 +83,7 @@ def _ttft(llm, grammar, prompt: str = PROMPT) -> float:
     start = time.perf_counter()
     pending = None
     if grammar is not None:  # what the server does: compile on a thread, prefill meanwhile
-        pending = _COMPILE_THREAD.submit(llm.engine.grammar.compile, grammar)
+        pending = llm.engine.grammar.start_compile(grammar, _COMPILE_THREAD)
     request = Request(f"t-{time.monotonic_ns()}", tok.encode(prompt), params)
     request.grammar_pending = pending
     llm.engine.add_request(request)

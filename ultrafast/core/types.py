@@ -78,6 +78,10 @@ class StepPlan:
     # request id -> Draft.source of the drafts its seq carries (the executor ignores it;
     # the scheduler reports acceptance per source from it)
     draft_sources: dict[str, str] = field(default_factory=dict)
+    # kernel threads to leave idle in this step: a grammar compiles on another thread, and a
+    # core of its own lets it finish (and its request start) instead of timesharing with the
+    # pass's spinning threads (executors that size no thread pool ignore it)
+    spare_threads: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:

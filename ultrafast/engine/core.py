@@ -27,6 +27,13 @@ from ultrafast.request import Request, SamplingParams, ServiceTier
 log = logging.getLogger(__name__)
 
 COMPILE_POLL_S = 0.002  # an idle step's wait for a compile: new arrivals wait at most this
+# kernel threads a step leaves idle while a request's grammar compiles on a server thread:
+# with every core in the pass, the compile timeshares with spinning kernel threads and the
+# request's first token waits for both (bench grammar: first-seen schema TTFT)
+COMPILE_SPARE_THREADS = 1
+# and each such step is sized to about this long at the full thread count (~twice that on
+# one core fewer), so a compile of a few ms is noticed soon after it ends
+COMPILE_STEP_S = 0.002
 FORCED_DRAFT_RETRY_STEPS = 64  # steps without forced drafts before one is tried again
 # calls that reuse "no forced draft pays" before it is recomputed from the step costs: the
 # search is a Python loop over draft lengths, run for every constrained seq
@@ -338,9 +345,14 @@ class EngineCore:
             if self.kv_cache is not None:
                 self.kv_cache.release_held(self.scheduler)
                 self.kv_cache.restore_waiting(self.scheduler, self.costs.per_token_s)
-            plan = self.scheduler.schedule(
-                drafts, self.priority_token_budget, self.step_token_budget
-            )
+            token_budget = self.step_token_budget
+            if self._compiling:  # short steps, so the one after the compile ends runs in full
+                short = self.costs.token_budget(COMPILE_STEP_S)
+                if short is not None:
+                    token_budget = short if token_budget is None else min(token_budget, short)
+            plan = self.scheduler.schedule(drafts, self.priority_token_budget, token_budget)
+        if self._compiling:  # a core for the compile, which its request waits on
+            plan.spare_threads = COMPILE_SPARE_THREADS
         constrained = (
             grammar_steps.fill_masks(plan, self.scheduler.requests) if self.grammar else {}
         )

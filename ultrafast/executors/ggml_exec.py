@@ -323,7 +323,7 @@ class GgmlExecutor:
             num_scoring_rows += seq.num_prompt_logits
             ran.append(seq)
         if num_tokens:
-            self._decode(num_tokens, ran)
+            self._decode(num_tokens, ran, plan.spare_threads)
         logits = self._logits_view(num_rows + num_scoring_rows)
         prompt_logprobs = {}
         if num_scoring_rows:
@@ -376,10 +376,15 @@ class GgmlExecutor:
             llama_cpp.llama_set_n_threads(self._ctx, single, batch)
             self._threads_now = (single, batch)
 
-    def _decode(self, num_tokens: int, ran: list[ScheduledSeq]) -> None:
+    def _decode(self, num_tokens: int, ran: list[ScheduledSeq], spare_threads: int = 0) -> None:
         plan = self.thread_plan
         if plan is not None:  # llama.cpp: 1-token passes on the first, larger on the second
-            self._set_threads(plan.for_tokens(1), plan.for_tokens(num_tokens))
+            single, batch = plan.for_tokens(1), plan.for_tokens(num_tokens)
+        else:
+            single, batch = self.n_threads, self.n_threads_batch
+        if spare_threads:
+            single, batch = max(1, single - spare_threads), max(1, batch - spare_threads)
+        self._set_threads(single, batch)
         self._batch.n_tokens = num_tokens
         status = llama_cpp.llama_decode(self._ctx, self._batch)
         if status != 0:

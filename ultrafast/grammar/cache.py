@@ -82,6 +82,11 @@ class GrammarCache:
             raise GrammarError(error)
         return matcher
 
+    def __contains__(self, spec: GrammarSpec) -> bool:
+        """Compiled (or failed) already: compiled() answers without compiling."""
+        with self._lock:
+            return spec.key in self._entries
+
     def new_matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         """A fresh matcher of its own for one request."""
         return self.compiled(spec).deep_copy()

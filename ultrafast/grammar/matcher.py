@@ -7,10 +7,12 @@ trace, and a preempted request (which keeps its output tokens) needs nothing reb
 
 from __future__ import annotations
 
+from concurrent.futures import Executor, Future
+
 import llguidance
 import numpy as np
 
-from ultrafast.grammar.cache import GrammarCache
+from ultrafast.grammar.cache import GrammarCache, GrammarError
 from ultrafast.grammar.mask import num_words, set_bits
 from ultrafast.grammar.spec import GrammarSpec
 from ultrafast.grammar.tokenizer import build_lltokenizer
@@ -147,6 +149,20 @@ class GrammarRuntime:
         """Compile (or find) `spec`; GrammarError if it does not compile. Drops the GIL:
         call it off the engine thread."""
         self.cache.compiled(spec)
+
+    def start_compile(self, spec: GrammarSpec, pool: Executor) -> Future:
+        """`compile(spec)` on `pool`, or, for a spec in the cache, its outcome at once (a done
+        future: the engine then never sees the request as compiling, which would cost its
+        steps a core for the thread hop)."""
+        if spec in self.cache:
+            done: Future = Future()
+            try:
+                self.compile(spec)
+                done.set_result(None)
+            except GrammarError as exc:
+                done.set_exception(exc)
+            return done
+        return pool.submit(self.compile, spec)
 
     def matcher(self, spec: GrammarSpec, request_eos_ids: tuple[int, ...]) -> GrammarMatcher:
         return GrammarMatcher(

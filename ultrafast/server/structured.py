@@ -46,8 +46,8 @@ def start_compile(grammar_runtime, spec: GrammarSpec, param: str) -> Future:
         raise unsupported_parameter(
             param.split(".")[0], "constrained decoding is not available for this model"
         )
-    future = _compile_pool.submit(grammar_runtime.compile, spec)
-    future.started_s = time.monotonic()  # type: ignore[attr-defined]
+    future = grammar_runtime.start_compile(spec, _compile_pool)
+    future.started_s = time.monotonic()
     return future
 
 
