@@ -147,3 +147,21 @@ def test_locality_never_takes_a_running_slot_and_falls_back_to_lru():
     assert pool.allocate("z", [6] * 9, "").slot_id == 1
     assert pool.allocate("w", [5] * 9, "").slot_id == 0
     assert pool.allocate("none left", [4] * 9, "") is None
+
+
+def test_requests_that_barely_decode_stay_away_from_the_lasting_run():
+    """A burst of one-token calls among long generations: the short ones take slots away from
+    the long ones, so the long ones stay consecutive (one forward pass) after the short ones
+    leave, instead of being split by the holes they leave."""
+    pool = KVSlotPool(8, block_size=4)
+    first = pool.allocate("long-0", [1] * 9, "").slot_id
+    short = pool.allocate("short-0", [2] * 9, "", lasting=False).slot_id
+    second = pool.allocate("long-1", [3] * 9, "").slot_id
+    short_again = pool.allocate("short-1", [4] * 9, "", lasting=False).slot_id
+    third = pool.allocate("long-2", [5] * 9, "").slot_id
+    assert [first, second, third] == [0, 1, 2]  # one run of lasting slots
+    assert [short, short_again] == [7, 6]  # from the other end of the pool
+    # the short ones never count as neighbours for a lasting request
+    pool.release(second)
+    pool.release(short)
+    assert pool.allocate("long-3", [6] * 9, "").slot_id == second  # the hole in the run

@@ -141,8 +141,9 @@ def test_drafts_stop_at_max_tokens_and_a_stop_inside_them_cuts_the_rest():
     sched.add_request(request("a", [1, 2, 3], max_tokens=4, eos=(5,)))
     to_decoding(sched, "a", 10)
     plan = sched.schedule(drafts={"a": Draft([5, 6, 7, 8, 9], None, "draft")})
-    # one output so far, max_tokens 4: at most 2 drafts (+ the target's own token)
-    assert seqs(plan) == [("a", 0, [10, 5, 6], 3, 3)]
+    # one output so far, max_tokens 4: at most 2 drafts (+ the target's own token); a request
+    # of so few decodes is placed from the top of the pool (slot 1 of 2)
+    assert seqs(plan) == [("a", 1, [10, 5, 6], 3, 3)]
     outcome = sched.update(plan, sampled(a=[5, 6, 8]))  # both drafts agree, but 5 is eos
     (out,) = outcome.outputs
     assert (out.new_token_ids, out.finish_reason) == ([5], "stop")

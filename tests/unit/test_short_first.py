@@ -2,7 +2,7 @@
 
 from tests.unit.engine_driver import prompt, run_all
 from ultrafast.core.kv_pool import KVSlotPool
-from ultrafast.core.scheduler import Scheduler, SchedulerConfig
+from ultrafast.core.scheduler import LASTING_DECODES, Scheduler, SchedulerConfig
 from ultrafast.core.types import StepResult
 from ultrafast.engine.core import EngineCore
 from ultrafast.executors.fake_exec import FakeExecutor, reference_tokens
@@ -115,3 +115,16 @@ def test_the_engine_orders_by_measured_costs_and_every_token_stays_exact():
     assert first_seq["short"] < first_seq["long"]
     assert out["long"] == reference_tokens(prompt(1, 8), 40)
     assert out["short"] == reference_tokens(prompt(2, 8), 1)
+
+
+def test_one_token_calls_take_slots_away_from_the_long_generations():
+    """Placement by max_tokens (Scheduler -> KVSlotPool `lasting`): interleaved arrivals, yet
+    the long requests' decodes end up in consecutive slots, one forward pass a step."""
+    sched = make(0.0, num_slots=8, budget=64)
+    for i in range(3):
+        sched.add_request(request(f"long-{i}", LASTING_DECODES + 1, float(10 + 2 * i)))
+        sched.add_request(request(f"short-{i}", 1, float(11 + 2 * i)))
+    plan = sched.schedule()
+    slots = {s.request_id: s.slot_id for s in plan.seqs}
+    assert [slots[f"long-{i}"] for i in range(3)] == [0, 1, 2]
+    assert [slots[f"short-{i}"] for i in range(3)] == [7, 6, 5]

@@ -53,6 +53,7 @@ class Slot:
     num_computed: int = 0
     tenant: str | None = None  # whose tokens these are
     last_used: int = 0  # pool clock at release, for LRU eviction
+    lasting: bool = True  # its running owner will decode for a while (see allocate)
 
 
 @dataclass
@@ -92,21 +93,28 @@ class KVSlotPool:
         return self.num_slots - self.num_running
 
     def allocate(
-        self, request_id: str, token_ids: list[int], tenant: str, reuse_prefix: bool = True
+        self,
+        request_id: str,
+        token_ids: list[int],
+        tenant: str,
+        reuse_prefix: bool = True,
+        lasting: bool = True,
     ) -> SlotAllocation | None:
         """A slot for a request about to compute `token_ids`, reusing the longest cached prefix.
 
         At least one token is always left to compute, so the request gets logits to sample from.
         `reuse_prefix` False computes every token (a cached position has no logits to score the
-        prompt with). Returns None when every slot is running.
+        prompt with). `lasting` False: the request will decode a few tokens at most, so a slot
+        with no cached prefix to reuse is taken away from the requests that will (_pick_victim).
+        Returns None when every slot is running.
         """
         if not reuse_prefix:
-            slot = self._pick_victim()
+            slot = self._pick_victim(lasting=lasting)
             if slot is None:
                 return None
             self._evicting(slot)
             slot.owner, slot.hashes, slot.token_ids = request_id, [], token_ids
-            slot.num_computed, slot.tenant = 0, tenant
+            slot.num_computed, slot.tenant, slot.lasting = 0, tenant, lasting
             return SlotAllocation(slot.slot_id, 0, None)
         wanted = block_hashes(token_ids[: len(token_ids) - 1], tenant, self.block_size)
         best_idle, best_idle_len, best_busy, best_busy_len = None, 0, None, 0
@@ -126,7 +134,9 @@ class KVSlotPool:
             # system prompt) and more than another slot holds, copy the shared prefix there
             # and keep the conversation's KV warm for its next turn
             num_lost = slot.num_computed - num_matched
-            victim = self._pick_victim(exclude=slot) if num_lost > num_matched else None
+            victim = (
+                self._pick_victim(exclude=slot, lasting=lasting) if num_lost > num_matched else None
+            )
             if victim is not None and victim.num_computed < num_lost:
                 copy = KVCopy(slot.slot_id, victim.slot_id, num_matched)
                 slot = victim
@@ -134,14 +144,14 @@ class KVSlotPool:
             elif num_lost >= self.block_size:
                 self._evicting(slot)
         else:
-            slot = best_idle or self._pick_victim()
+            slot = best_idle or self._pick_victim(lasting=lasting)
             if slot is None:
                 return None
             self._evicting(slot)
             num_blocks = best_busy_len
             if best_busy is not None and num_blocks:
                 copy = KVCopy(best_busy.slot_id, slot.slot_id, num_blocks * self.block_size)
-        slot.owner = request_id
+        slot.owner, slot.lasting = request_id, lasting
         slot.hashes = wanted[:num_blocks]
         num_cached = num_blocks * self.block_size + num_extra
         slot.token_ids, slot.num_computed, slot.tenant = token_ids, num_cached, tenant
@@ -190,25 +200,32 @@ class KVSlotPool:
             best = max(best, n)
         return best
 
-    def _pick_victim(self, exclude: Slot | None = None) -> Slot | None:
-        """A slot next to running ones first (two running neighbours before one), then an
-        empty slot before a cached one, then the least recently used.
+    def _pick_victim(self, exclude: Slot | None = None, lasting: bool = True) -> Slot | None:
+        """A slot next to running lasting ones first (two such neighbours before one), then an
+        empty slot before a cached one, then the least recently used, then the lowest slot. For
+        a request that will not last (`lasting` False): away from the lasting ones first, and
+        from the top of the pool down, so the lasting run has room to grow.
 
         Neighbours first because the ggml executor runs sequences in one forward pass only
         while their slots are consecutive: a request placed away from the others costs every
-        step one more pass for as long as it runs, dearer than a cached prefix it evicts."""
+        step one more pass for as long as it runs, dearer than a cached prefix it evicts. A
+        request that decodes a token or two (a burst of one-token calls) barely shares those
+        passes, yet beside the lasting ones it takes the slots that keep them in one run and,
+        once gone, leaves holes that split it."""
         slots = self.slots
         idle = [s for s in slots if s.owner is None and s is not exclude]
         if not idle:
             return None
         last = len(slots) - 1
+        sign = -1 if lasting else 1
 
-        def key(s: Slot) -> tuple[int, bool, int]:
+        def key(s: Slot) -> tuple[int, bool, int, int]:
             i = s.slot_id
-            neighbours = (i > 0 and slots[i - 1].owner is not None) + (
-                i < last and slots[i + 1].owner is not None
+            before, after = slots[i - 1] if i > 0 else None, slots[i + 1] if i < last else None
+            neighbours = sum(
+                n is not None and n.owner is not None and n.lasting for n in (before, after)
             )
-            return -neighbours, bool(s.hashes), s.last_used
+            return sign * neighbours, bool(s.hashes), s.last_used, sign * -i
 
         return min(idle, key=key)
 

@@ -40,6 +40,9 @@ _PHASE_RANKS = {phase: rank for rank, phase in enumerate(_PHASES)}
 # prefill tokens a step capped for the default tier's token gaps still carries, so arrivals
 # keep moving towards their first token however many decodes share the step
 MIN_PREFILL_TOKENS = 32
+# decodes a request still has to make (by max_tokens) to be placed among the requests that
+# decode in one pass (KVSlotPool.allocate's `lasting`); fewer: placed away from them
+LASTING_DECODES = 4
 
 
 def _phase_rank(request: Request) -> int:
@@ -329,11 +332,13 @@ class Scheduler:
         return num
 
     def _allocate(self, request: Request):
+        decodes_left = request.sampling_params.max_tokens - request.num_output_tokens - 1
         return self.pool.allocate(
             request.request_id,
             request.all_token_ids,
             request.tenant,
             reuse_prefix=not _scores_prompt(request),
+            lasting=decodes_left >= LASTING_DECODES,
         )
 
     def _preempt_for(self, tier: ServiceTier) -> bool:
