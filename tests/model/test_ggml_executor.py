@@ -14,6 +14,7 @@ pytest.importorskip("llama_cpp")
 
 from ultrafast.core.types import KVCopy, ScheduledSeq, StepPlan  # noqa: E402
 from ultrafast.executors.ggml_exec import GgmlExecutor  # noqa: E402
+from ultrafast.executors.ggml_threads import PREFILL_CALIBRATION_TOKENS  # noqa: E402
 from ultrafast.request import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -266,7 +267,8 @@ def test_thread_calibration_leaves_slots_empty_and_tokens_unchanged(executor, ti
     try:
         expected = generate(executor, PROMPTS, 12)
         plan = ex.calibrate_threads()
-        assert ex.thread_plan is plan and plan.widths == (1, 2, 4)  # capped at the 4 slots
+        # decodes capped at the 4 slots, and one prefill chunk
+        assert ex.thread_plan is plan and plan.widths == (1, 2, 4, PREFILL_CALIBRATION_TOKENS)
         assert all(1 <= t <= max(ex.n_threads, 2) for t in plan.threads)
         assert ex._slot_lens == [0, 0, 0, 0]
         assert all(llama_pos_max(ex, slot) == -1 for slot in range(4))

@@ -53,6 +53,34 @@ def test_calibration_picks_per_width_from_the_timings():
     assert calibrate(time_pass, (1, 2), max_width=3, budget_s=float("inf")).widths == (1, 2)
 
 
+def test_a_prefill_chunk_gets_its_own_count_when_no_decode_earns_a_second_thread():
+    """A small model: one thread is as fast for every decode up to 16 sequences, but a
+    128-token prefill runs nearly twice as fast on two (the burst that found this was all
+    prefill, and the widest decode's count had put it on one core)."""
+    calls = []
+
+    def time_pass(width: int, threads: int) -> float:
+        calls.append(width)
+        if width == 128:
+            return 30.0 if threads == 1 else 17.0
+        return 1.0 + 0.1 * width  # threads make no difference
+
+    plan = calibrate(time_pass, (1, 2), max_width=16, budget_s=float("inf"), prefill_tokens=128)
+    assert plan.widths == (1, 2, 4, 8, 16, 128) and plan.threads == (1, 1, 1, 1, 1, 2)
+    assert [plan.for_tokens(n) for n in (1, 16, 127, 128, 512)] == [1, 1, 1, 2, 2]
+    assert calls[:6] == [1] * 6 and calls[6:12] == [128] * 6  # timed right after width 1
+    # no prefill width when the chunk is no wider than the widest decode kept
+    unlimited = float("inf")
+    assert calibrate(time_pass, (1, 2), 16, budget_s=unlimited, prefill_tokens=8).widths == (
+        1,
+        2,
+        4,
+        8,
+        16,
+    )
+    assert calibrate(time_pass, (1, 2), 4, budget_s=unlimited, prefill_tokens=4).widths == (1, 2, 4)
+
+
 def test_calibration_stops_widening_past_its_time_budget():
     def slow_pass(width: int, threads: int) -> float:
         return 0.5 * width  # a busy machine: every pass takes long

@@ -31,6 +31,7 @@ from ultrafast.executors import ggml_state
 from ultrafast.executors.ggml_threads import (
     CALIBRATION_PROMPT_TOKENS,
     CALIBRATION_WIDTHS,
+    PREFILL_CALIBRATION_TOKENS,
     THREAD_MARGIN,
     ThreadPlan,
     calibrate,
@@ -338,20 +339,24 @@ class GgmlExecutor:
         return result
 
     def calibrate_threads(self, margin: float = THREAD_MARGIN) -> ThreadPlan:
-        """Time decode passes of several widths on each candidate thread count and keep the
-        plan they imply (ggml_threads.py). Runs on the idle executor at start: it uses the
-        first slots as scratch and leaves every slot it touched empty."""
+        """Time decode passes of several widths and one prefill chunk on each candidate thread
+        count and keep the plan they imply (ggml_threads.py). Runs on the idle executor at
+        start: it uses the first slots as scratch and leaves every slot it touched empty."""
         width = min(self.num_slots, max(CALIBRATION_WIDTHS), self.max_num_batched_tokens)
         context = min(CALIBRATION_PROMPT_TOKENS, self.max_model_len - 2)
+        chunk = min(PREFILL_CALIBRATION_TOKENS, self.max_num_batched_tokens, self.max_model_len)
         greedy = SamplingParams(temperature=0.0, max_tokens=2)
-        prompt = [(i * 31 + 7) % self.vocab_size for i in range(context)]
+        prompt = [(i * 31 + 7) % self.vocab_size for i in range(max(context, chunk))]
 
         def seq(slot: int, token_ids: list[int], start: int) -> ScheduledSeq:
             return ScheduledSeq(f"calibration-{slot}", slot, token_ids, start, 1, greedy, 0, 0)
 
         def time_pass(num_seqs: int, threads: int) -> float:
             self._set_threads(threads, threads)
-            plan = StepPlan([seq(s, prompt[:1], context) for s in range(num_seqs)])
+            if num_seqs > width:  # the prefill chunk, in slot 0 (its context is rewritten)
+                plan = StepPlan([seq(0, prompt[:chunk], 0)])
+            else:
+                plan = StepPlan([seq(s, prompt[:1], context) for s in range(num_seqs)])
             start_s = time.perf_counter()
             result = self.execute(plan)
             elapsed_s = time.perf_counter() - start_s
@@ -361,8 +366,14 @@ class GgmlExecutor:
 
         try:
             for slot in range(width):
-                self.execute(StepPlan([seq(slot, prompt, 0)]))
-            plan = calibrate(time_pass, candidate_thread_counts(physical_cores()), width, margin)
+                self.execute(StepPlan([seq(slot, prompt[:context], 0)]))
+            plan = calibrate(
+                time_pass,
+                candidate_thread_counts(physical_cores()),
+                width,
+                margin,
+                prefill_tokens=chunk if chunk > width else 0,
+            )
         finally:
             for slot in range(width):
                 llama_cpp.llama_memory_seq_rm(self._memory, slot, -1, -1)

@@ -6,7 +6,10 @@ thread and its threads spin against the event loop that streams its tokens, whil
 sixteen sequences' decodes or a prefill chunk keeps every core busy. So at start the executor
 times decode passes of several widths (sequences x 1 token) on each candidate count and keeps,
 per width, the fewest threads within `margin` of the fastest: a thread that buys less than
-that is worth more to the event loop, the tokenizer and the clients on the same cores.
+that is worth more to the event loop, the tokenizer and the clients on the same cores. It also
+times one prefill chunk: on a small model no decode width up to sixteen may earn the second
+thread while a prefill does (a burst of prompts is all prefill), so wide passes get their own
+measured count instead of the widest decode's.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ THREAD_MARGIN = 0.10  # one more thread must make the pass this much faster to b
 # a start on a busy machine (or a large model) stops timing wider passes after this long; the
 # widest width measured then covers the rest
 CALIBRATION_BUDGET_S = 3.0
+# one sequence's prefill chunk timed at start (right after the lone decode): its count is
+# used for every pass at least this wide
+PREFILL_CALIBRATION_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -70,13 +76,19 @@ def calibrate(
     margin: float = THREAD_MARGIN,
     widths: tuple[int, ...] = CALIBRATION_WIDTHS,
     budget_s: float = CALIBRATION_BUDGET_S,
+    prefill_tokens: int = 0,
 ) -> ThreadPlan:
-    """`time_pass(width, threads)` -> seconds of one decode pass; the plan it implies."""
+    """`time_pass(width, threads)` -> seconds of one pass: `width` sequences' decodes, or, for
+    `width == prefill_tokens` (when it is wider than every decode width kept), one sequence's
+    prefill chunk of that many tokens. The plan they imply. The lone decode and the prefill
+    are timed first, wider decodes while the time budget lasts."""
     kept = tuple(w for w in widths if w <= max(1, max_width))
-    chosen: list[int] = []
-    table: list[tuple[float, ...]] = []
+    order = list(kept)
+    if prefill_tokens > kept[-1]:
+        order.insert(1, prefill_tokens)
+    measured: dict[int, tuple[int, tuple[float, ...]]] = {}
     spent_s = 0.0
-    for width in kept:
+    for width in order:
         if spent_s > budget_s:
             break
         # candidates alternate within each repetition, so a drift of the machine's speed
@@ -87,6 +99,13 @@ def calibrate(
                 elapsed_s = time_pass(width, t)
                 best[t] = min(best[t], elapsed_s)
                 spent_s += elapsed_s
-        chosen.append(choose_threads(best, margin))
-        table.append(tuple(round(best[t] * 1000, 2) for t in candidates))
-    return ThreadPlan(kept[: len(chosen)], tuple(chosen), tuple(table))
+        measured[width] = (
+            choose_threads(best, margin),
+            tuple(round(best[t] * 1000, 2) for t in candidates),
+        )
+    timed = sorted(measured)
+    return ThreadPlan(
+        tuple(timed),
+        tuple(measured[w][0] for w in timed),
+        tuple(measured[w][1] for w in timed),
+    )
