@@ -278,6 +278,30 @@ def test_thread_calibration_leaves_slots_empty_and_tokens_unchanged(executor, ti
         ex.close()
 
 
+def test_calibration_times_each_candidate_on_its_own_thread_count(tiny_llama_gguf_f32, monkeypatch):
+    """The passes timed for a candidate run on that many threads (once they all ran on the
+    executor's default count, so every candidate measured the same and one thread won)."""
+    from ultrafast.executors import ggml_exec
+
+    ex = GgmlExecutor(
+        tiny_llama_gguf_f32, num_slots=4, max_model_len=256, kv_cache_dtype="f32", n_threads=2
+    )
+    seen = set()
+    decode = ggml_exec.llama_cpp.llama_decode
+
+    def spy(ctx, batch):
+        seen.add(ex._threads_now)
+        return decode(ctx, batch)
+
+    monkeypatch.setattr(ggml_exec.llama_cpp, "llama_decode", spy)
+    monkeypatch.setattr(ggml_exec, "physical_cores", lambda: 2)
+    try:
+        ex.calibrate_threads()
+        assert {(1, 1), (2, 2)} <= seen
+    finally:
+        ex.close()
+
+
 def llama_pos_max(ex: GgmlExecutor, slot: int) -> int:
     import llama_cpp
 

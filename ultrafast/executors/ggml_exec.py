@@ -352,7 +352,7 @@ class GgmlExecutor:
             return ScheduledSeq(f"calibration-{slot}", slot, token_ids, start, 1, greedy, 0, 0)
 
         def time_pass(num_seqs: int, threads: int) -> float:
-            self._set_threads(threads, threads)
+            self.thread_plan = ThreadPlan((1,), (threads,))  # every pass on `threads`
             if num_seqs > width:  # the prefill chunk, in slot 0 (its context is rewritten)
                 plan = StepPlan([seq(0, prompt[:chunk], 0)])
             else:
@@ -364,6 +364,7 @@ class GgmlExecutor:
                 raise RuntimeError(f"thread calibration failed: {result.errors}")
             return elapsed_s
 
+        before = self.thread_plan
         try:
             for slot in range(width):
                 self.execute(StepPlan([seq(slot, prompt[:context], 0)]))
@@ -378,7 +379,7 @@ class GgmlExecutor:
             for slot in range(width):
                 llama_cpp.llama_memory_seq_rm(self._memory, slot, -1, -1)
                 self._slot_lens[slot] = 0
-            self._set_threads(self.n_threads, self.n_threads_batch)
+            self.thread_plan = before
         self.thread_plan = plan
         return plan
 
