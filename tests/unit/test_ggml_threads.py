@@ -54,9 +54,9 @@ def test_calibration_picks_per_width_from_the_timings():
 
 
 def test_a_prefill_chunk_gets_its_own_count_when_no_decode_earns_a_second_thread():
-    """A small model: one thread is as fast for every decode up to 16 sequences, but a
-    128-token prefill runs nearly twice as fast on two (the burst that found this was all
-    prefill, and the widest decode's count had put it on one core)."""
+    """A machine where one thread is as fast for every decode up to 16 sequences, but a
+    128-token prefill runs nearly twice as fast on two: wide passes get the prefill's count,
+    not the widest decode's."""
     calls = []
 
     def time_pass(width: int, threads: int) -> float:

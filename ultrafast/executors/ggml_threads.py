@@ -7,9 +7,9 @@ sixteen sequences' decodes or a prefill chunk keeps every core busy. So at start
 times decode passes of several widths (sequences x 1 token) on each candidate count and keeps,
 per width, the fewest threads within `margin` of the fastest: a thread that buys less than
 that is worth more to the event loop, the tokenizer and the clients on the same cores. It also
-times one prefill chunk: on a small model no decode width up to sixteen may earn the second
-thread while a prefill does (a burst of prompts is all prefill), so wide passes get their own
-measured count instead of the widest decode's.
+times one prefill chunk, so wide passes (a burst of prompts is all prefill) get their own
+measured count instead of the widest decode's: a compute-bound chunk and a decode of a few
+sequences need not want the same count.
 """
 
 from __future__ import annotations
