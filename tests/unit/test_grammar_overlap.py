@@ -42,6 +42,7 @@ def step_until(core, outputs, condition, limit=200):
 def test_a_compiling_request_prefills_and_waits_while_others_decode(tok, runtime):  # noqa: F811
     want, _ = run_all(engine(tok, runtime)[0], [request(tok, "c", prompt="a longer prompt here")])
     core, executor = engine(tok, runtime)
+    core.costs.single_decode_s = 0.001  # a model whose steps are shorter than a compile
     compiling: Future = Future()
     slow = request(tok, "c", prompt="a longer prompt here")
     slow.grammar_pending = compiling
@@ -85,6 +86,21 @@ def test_steps_stay_short_while_a_grammar_compiles(tok, runtime):  # noqa: F811
     compiling.set_result(None)
     core.step()  # the compile is noticed: the rest of the prompt in one full step
     assert executor.plans[-1].num_scheduled_tokens > max(short, 32)
+
+
+def test_a_model_whose_steps_outlast_a_compile_keeps_every_core(tok, runtime):  # noqa: F811
+    core, executor = engine(tok, runtime)
+    for _ in range(20):  # 10 ms a lone decode: the prefill hides the compile
+        core.costs.observe(1, 1, 0.01, 0.01)
+        core.costs.observe(1, 101, 0.05, 0.05)
+    compiling: Future = Future()
+    slow = request(tok, "c", prompt="word " * 150)
+    slow.grammar_pending = compiling
+    core.add_request(slow)
+    core.step()
+    assert executor.plans[-1].spare_threads == 0
+    assert executor.plans[-1].num_scheduled_tokens > 100  # no short steps either
+    compiling.set_result(None)
 
 
 def test_a_cached_grammar_starts_without_a_thread_hop(runtime):  # noqa: F811

@@ -32,7 +32,10 @@ COMPILE_POLL_S = 0.002  # an idle step's wait for a compile: new arrivals wait a
 # request's first token waits for both (bench grammar: first-seen schema TTFT)
 COMPILE_SPARE_THREADS = 1
 # and each such step is sized to about this long at the full thread count (~twice that on
-# one core fewer), so a compile of a few ms is noticed soon after it ends
+# one core fewer), so a compile of a few ms is noticed soon after it ends. Only where a lone
+# decode is shorter than this: a model whose steps outlast a compile (SmolLM2: ~10 ms a
+# decode, ~6 ms a 10 KB schema) hides the compile in its prefill, and a step on one core
+# fewer would cost more than the compile it speeds up (+22 ms first-seen TTFT when tried)
 COMPILE_STEP_S = 0.002
 FORCED_DRAFT_RETRY_STEPS = 64  # steps without forced drafts before one is tried again
 # calls that reuse "no forced draft pays" before it is recomputed from the step costs: the
@@ -309,6 +312,12 @@ class EngineCore:
         elif ServiceTier.DEFAULT in tiers and self.default_itl_target_s:
             self.step_token_budget = self.costs.token_budget(self.default_itl_target_s)
 
+    def _steps_shorter_than_a_compile(self) -> bool:
+        """A lone decode measured shorter than COMPILE_STEP_S: steps can be kept short while
+        a grammar compiles (see COMPILE_STEP_S)."""
+        decode_s = self.costs.single_decode_s
+        return decode_s is not None and decode_s < COMPILE_STEP_S
+
     def _take_compiled_grammars(self, wait: bool) -> None:
         """Matchers for the requests whose compile has finished. A failed compile aborts its
         request (the server answers 400 from the same compile); an aborted request is
@@ -346,12 +355,13 @@ class EngineCore:
                 self.kv_cache.release_held(self.scheduler)
                 self.kv_cache.restore_waiting(self.scheduler, self.costs.per_token_s)
             token_budget = self.step_token_budget
-            if self._compiling:  # short steps, so the one after the compile ends runs in full
+            spare = self._compiling and self._steps_shorter_than_a_compile()
+            if spare:  # short steps, so the one after the compile ends runs in full
                 short = self.costs.token_budget(COMPILE_STEP_S)
                 if short is not None:
                     token_budget = short if token_budget is None else min(token_budget, short)
             plan = self.scheduler.schedule(drafts, self.priority_token_budget, token_budget)
-        if self._compiling:  # a core for the compile, which its request waits on
+        if spare:  # a core for the compile, which its request waits on
             plan.spare_threads = COMPILE_SPARE_THREADS
         constrained = (
             grammar_steps.fill_masks(plan, self.scheduler.requests) if self.grammar else {}
