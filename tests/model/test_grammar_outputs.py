@@ -103,3 +103,51 @@ def test_torch_executor_masks_too():
     finally:
         llm.close()
     assert_all_valid(llm, schemas, results)
+
+
+@pytest.mark.parametrize("executor", ["ggml", "torch"])
+def test_a_grammar_that_compiles_during_the_prefill_gives_the_same_tokens(executor):
+    """The prompt prefills while the grammar compiles and its last row's logits are kept
+    (ScheduledSeq.defer_sample): greedy and seeded sampled outputs equal those of grammars
+    compiled up front, on both real executors."""
+    from concurrent.futures import Future
+
+    schemas = SCHEMAS[::10]
+    n = 2 * len(schemas)
+    llm = LLM(str(DEMO_MODEL_DIR), executor=executor, spec="off", num_slots=n, max_num_seqs=n)
+    try:
+        want = run(llm, schemas, (0.0, 1.0))
+        tok, engine = llm.tokenizer, llm.engine
+        ids = tok.encode("Answer in JSON:\n")
+        pending: Future = Future()
+        requests = {}
+        for temperature in (0.0, 1.0):
+            for i, entry in enumerate(schemas):
+                spec = GrammarSpec.from_json_schema(entry["schema"], strict=True)
+                params = SamplingParams(
+                    max_tokens=MAX_TOKENS, temperature=temperature, seed=i, grammar=spec
+                )
+                rid = f"{entry['name']}@{temperature}"
+                request = Request(rid, ids, params, eos_token_ids=tok.eos_token_ids)
+                request.grammar_pending = pending
+                requests[rid] = request
+                engine.add_request(request)
+        out: dict[str, list[int]] = {rid: [] for rid in requests}
+        finish: dict[str, str | None] = {}
+
+        def step() -> None:
+            for o in engine.step():
+                out[o.request_id].extend(o.new_token_ids)
+                if o.finished:
+                    finish[o.request_id] = o.finish_reason
+
+        for _ in range(3):  # the prompts prefill; nothing is sampled yet
+            step()
+        assert not any(out.values())
+        assert all(r.num_computed_tokens == r.num_prompt_tokens for r in requests.values())
+        pending.set_result(None)  # their specs are in the cache since the first run
+        while engine.has_work():
+            step()
+    finally:
+        llm.close()
+    assert {rid: (out[rid], finish[rid]) for rid in requests} == want

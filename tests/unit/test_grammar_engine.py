@@ -40,11 +40,12 @@ def runtime(tok):
     return GrammarRuntime.for_tokenizer(tok, tok.vocab_size)
 
 
-def engine(tok, runtime, num_slots=4, spec=None):
+def engine(tok, runtime, num_slots=4, spec=None, keeps_logits=True):
     tokenizer_json = DEMO_MODEL_DIR / "tokenizer.json"
     executor = FakeExecutor(
         num_slots, 512, tok.vocab_size, plain_word_tokens(tokenizer_json), keep_plans=True
     )
+    executor.keeps_logits = keeps_logits  # False: an executor without KeptSampling
     config = SchedulerConfig(max_num_seqs=num_slots, max_model_len=512)
     return EngineCore(executor, config, speculator=spec, grammar=runtime), executor
 

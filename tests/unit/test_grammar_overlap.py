@@ -39,9 +39,14 @@ def step_until(core, outputs, condition, limit=200):
     raise AssertionError("condition never held")
 
 
-def test_a_compiling_request_prefills_and_waits_while_others_decode(tok, runtime):  # noqa: F811
+@pytest.mark.parametrize("keeps_logits", [True, False])
+def test_a_compiling_request_prefills_and_waits_while_others_decode(
+    tok,
+    runtime,  # noqa: F811
+    keeps_logits,
+):
     want, _ = run_all(engine(tok, runtime)[0], [request(tok, "c", prompt="a longer prompt here")])
-    core, executor = engine(tok, runtime)
+    core, executor = engine(tok, runtime, keeps_logits=keeps_logits)
     core.costs.single_decode_s = 0.001  # a model whose steps are shorter than a compile
     compiling: Future = Future()
     slow = request(tok, "c", prompt="a longer prompt here")
@@ -50,17 +55,35 @@ def test_a_compiling_request_prefills_and_waits_while_others_decode(tok, runtime
     core.add_request(request(tok, "free", None, max_tokens=30))
     outputs: dict = {}
     step_until(core, outputs, lambda: len(outputs.get("free", [])) >= 10)
-    # the free request decoded step after step; the constrained one sampled nothing, yet
-    # its prompt is in the slot but for the one token whose logits need the grammar
+    # the free request decoded step after step; the constrained one sampled nothing
     assert "c" not in outputs or outputs["c"] == []
-    assert slow.num_computed_tokens == slow.num_prompt_tokens - 1
-    assert all(s.num_logits == 0 for p in executor.plans for s in p.seqs if s.request_id == "c")
+    mine = [s for p in executor.plans for s in p.seqs if s.request_id == "c"]
+    if keeps_logits:  # the whole prompt is in, its last row's logits kept for the grammar
+        assert slow.num_computed_tokens == slow.num_prompt_tokens
+        assert [s.defer_sample for s in mine] == [False] * (len(mine) - 1) + [True]
+        assert mine[-1].num_logits == 1 and "c" in core._kept
+    else:  # all but the one token whose logits need the grammar
+        assert slow.num_computed_tokens == slow.num_prompt_tokens - 1
+        assert all(s.num_logits == 0 and not s.defer_sample for s in mine)
     # every step so far left a core to the compile
     assert executor.plans and all(p.spare_threads == COMPILE_SPARE_THREADS for p in executor.plans)
     runtime.compile(SPEC)
     compiling.set_result(None)
     num_plans = len(executor.plans)
+    for out in core.step():  # the matcher is made at the start of the step
+        outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if out.finished:
+            outputs.setdefault("finished:" + out.request_id, []).append(out.finish_reason)
+    if keeps_logits:  # its first token straight from the kept row
+        assert outputs["c"] and not core._kept
     step_until(core, outputs, lambda: not core.has_work())
+    last_prompt_pass = [
+        s
+        for p in executor.plans[num_plans:]
+        for s in p.seqs
+        if s.request_id == "c" and s.start_position == slow.num_prompt_tokens - 1
+    ]
+    assert len(last_prompt_pass) == (0 if keeps_logits else 1)  # no pass of its own when kept
     assert all(p.spare_threads == 0 for p in executor.plans[num_plans:])  # all cores again
     assert outputs["c"] == want["c"]  # the same tokens as a request compiled up front
     jsonschema.validate(json.loads(text(tok, outputs["c"])), SCHEMA)
@@ -270,3 +293,33 @@ def test_fixed_draft_costs_keep_every_forced_draft(tok, runtime):  # noqa: F811
         core.costs.observe(1, 8, 0.02, 0.02)
     core.costs.lone_pass_s[2:] = [1.0] * (len(core.costs.lone_pass_s) - 2)
     assert core._forced_drafts_worth(4) == 4
+
+
+@pytest.mark.parametrize("as_numpy", [True, False])
+def test_a_deferred_row_is_kept_and_the_others_sampled_as_usual(as_numpy):
+    from ultrafast.core.types import ScheduledSeq
+    from ultrafast.request import SamplingParams
+    from ultrafast.sampling.sampler import sample_keeping_deferred, sample_kept_row, sample_plan
+
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((4, 64)).astype(np.float32)
+    greedy = SamplingParams(temperature=0.0)
+    a = ScheduledSeq("a", 0, [1], 5, 1, greedy, 1, 0)
+    b = ScheduledSeq("b", 1, [1, 2, 3], 0, 1, greedy, 2, 0, defer_sample=True)
+    c = ScheduledSeq("c", 2, [4, 5], 7, 2, greedy, 3, 0)  # a decode with one draft: two rows
+    wrap = (lambda x: x) if as_numpy else torch.from_numpy
+    got = sample_keeping_deferred([a, b, c], wrap(logits.copy()))
+    rest = np.concatenate([logits[:1], logits[2:]])
+    want = sample_plan([a, c], wrap(rest))
+    assert got.sampled_token_ids == want.sampled_token_ids and "b" not in got.sampled_token_ids
+    kept = got.kept_logits["b"]
+    assert np.array_equal(np.asarray(kept), logits[1])
+    # later, under a mask that blocks the row's argmax: the best allowed token
+    mask = np.full((1, 2), -1, dtype=np.int32)
+    best = int(logits[1].argmax())
+    mask[0, best >> 5] &= ~(1 << (best & 31))
+    b.token_mask = mask
+    sampled = sample_kept_row(b, kept).sampled_token_ids["b"]
+    masked = logits[1].copy()
+    masked[best] = -np.inf
+    assert sampled == [int(masked.argmax())]

@@ -84,12 +84,17 @@ class Scheduler:
         config: SchedulerConfig,
         pool: KVSlotPool,
         expected_work_s: Callable[[Request], float | None] | None = None,
+        keeps_logits: bool = False,
     ):
         """`expected_work_s(request)`: seconds it is expected to run alone (None: unknown);
-        with `config.short_first_window_s` it orders each tier's requests, shortest first."""
+        with `config.short_first_window_s` it orders each tier's requests, shortest first.
+        `keeps_logits`: the executor can keep a row's logits for later sampling
+        (executors/base.py KeptSampling), so a request whose grammar still compiles prefills
+        its whole prompt (ScheduledSeq.defer_sample) instead of holding the last token back."""
         self.config = config
         self.pool = pool
         self._expected_work_s = expected_work_s
+        self._keeps_logits = keeps_logits
         self.waiting: dict[ServiceTier, collections.deque[Request]] = {
             tier: collections.deque() for tier in ServiceTier
         }
@@ -364,7 +369,8 @@ class Scheduler:
         self, plan: StepPlan, request: Request, budget: int, draft: Draft | None
     ) -> int:
         start = request.num_computed_tokens
-        end = request.num_tokens - request.awaits_grammar  # its first logits wait for it
+        awaits = request.awaits_grammar  # its first logits wait for the grammar
+        end = request.num_tokens - (awaits and not self._keeps_logits)
         n = min(end - start, budget, self.config.max_prefill_chunk_tokens)
         if n <= 0:
             return 0
@@ -395,6 +401,7 @@ class Scheduler:
                 token_ids=token_ids,
                 start_position=start,
                 num_logits=1 + num_drafts if samples else 0,
+                defer_sample=samples and awaits,
                 sampling_params=request.sampling_params,
                 sampling_seed=request.sampling_seed,
                 num_output_tokens=request.num_output_tokens,
@@ -425,7 +432,7 @@ class Scheduler:
                 out.error = error
                 outputs.append(out)
                 continue
-            if not seq.num_logits:
+            if not seq.num_logits or seq.defer_sample:  # kept logits: the engine samples them
                 request.num_computed_tokens += seq.num_tokens
                 self.pool.commit(
                     request.held_slot_id,
@@ -433,8 +440,8 @@ class Scheduler:
                     request.num_computed_tokens,
                     request.tenant,
                 )
-                if request.num_computed_tokens == request.num_tokens:  # max_tokens 0: scored
-                    self._finish(request, RequestStatus.FINISHED_LENGTH)
+                if request.num_computed_tokens == request.num_tokens and not seq.defer_sample:
+                    self._finish(request, RequestStatus.FINISHED_LENGTH)  # max_tokens 0: scored
                     outputs.append(self._output(request, [], []))
                 continue
             sampled = result.sampled_token_ids[seq.request_id]

@@ -53,6 +53,10 @@ class ScheduledSeq:
     # allows the tokens that may follow the drafts before position j; None = free.
     # The sampler masks the logits with it before anything else (ultrafast/grammar/mask.py).
     token_mask: Any = None
+    # The last prompt token of a request whose grammar still compiles: the executor keeps
+    # that row's logits instead of sampling (StepResult.kept_logits; num_logits is 1), and
+    # the engine samples them under the mask once the matcher exists (`sample_kept`)
+    defer_sample: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -113,6 +117,9 @@ class StepResult:
     # one entry per prompt-scoring row (ScheduledSeq.num_prompt_logits), in row order
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # a request that failed alone
+    # request id -> a defer_sample seq's logits as the executor keeps them (opaque outside
+    # it: only its `sample_kept` reads them)
+    kept_logits: dict[str, Any] = field(default_factory=dict)
     execute_time_s: float = 0.0  # forward pass
     sample_time_s: float = 0.0  # sampling on the logits
 

@@ -11,16 +11,23 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from ultrafast.core.kv_pool import KVSlotPool
 from ultrafast.core.scheduler import Scheduler, SchedulerConfig
-from ultrafast.core.types import Draft, RequestOutput, StepPlan, StepResult
+from ultrafast.core.types import (
+    Draft,
+    RequestOutput,
+    ScheduledSeq,
+    StepOutcome,
+    StepPlan,
+    StepResult,
+)
 from ultrafast.engine import grammar_steps
 from ultrafast.engine.idle_speed import IdleSpeed, measure_idle_speed
 from ultrafast.engine.speculation import SpecStats, Speculator, best_draft_length
 from ultrafast.engine.step_costs import StepCostModel
-from ultrafast.executors.base import Executor
+from ultrafast.executors.base import Executor, KeptSampling
 from ultrafast.kvcache.manager import KVCacheConfig, KVCacheManager
 from ultrafast.request import Request, SamplingParams, ServiceTier
 
@@ -108,7 +115,12 @@ class EngineCore:
         self.pool = KVSlotPool(executor.num_slots)
         # held while the pool changes, so another thread may read it (cached_prefix_tokens)
         self.pool_lock = threading.Lock()
-        self.scheduler = Scheduler(config, self.pool, self._expected_work_s)
+        self.scheduler = Scheduler(
+            config,
+            self.pool,
+            self._expected_work_s,
+            keeps_logits=bool(getattr(executor, "keeps_logits", False)),
+        )
         self.last_stats: StepStats | None = None
         self.priority_itl_target_s = priority_itl_target_s
         self.costs = StepCostModel()
@@ -121,6 +133,9 @@ class EngineCore:
         self.speculator = speculator
         self.grammar = grammar
         self._compiling: dict[str, Request] = {}  # admitted while their grammar compiles
+        # request id -> the logits its last prompt token left while its grammar compiled
+        # (ScheduledSeq.defer_sample), sampled when the matcher is made
+        self._kept: dict[str, Any] = {}
         self._forced_idle_steps = 0  # calls of _forced_drafts_worth that proposed none
         # (forced tokens available, lone stream) -> calls left that may reuse "none pay"
         self._forced_none_memo: dict[tuple[int, bool], int] = {}
@@ -318,29 +333,83 @@ class EngineCore:
         decode_s = self.costs.single_decode_s
         return decode_s is not None and decode_s < COMPILE_STEP_S
 
-    def _take_compiled_grammars(self, wait: bool) -> None:
-        """Matchers for the requests whose compile has finished. A failed compile aborts its
+    def _take_compiled_grammars(self, wait: bool) -> list[RequestOutput]:
+        """Matchers for the requests whose compile has finished, and the first token of those
+        whose prompt is already in (from its kept logits). A failed compile aborts its
         request (the server answers 400 from the same compile); an aborted request is
         forgotten. `wait`: nothing else to run, so wait a moment for a compile to end."""
         requests = self.scheduler.requests
         pending = [r.grammar_pending for r in self._compiling.values()]
         if wait and pending:
             concurrent.futures.wait(pending, COMPILE_POLL_S, concurrent.futures.FIRST_COMPLETED)
+        outputs: list[RequestOutput] = []
         for request_id, request in list(self._compiling.items()):
             if requests.get(request_id) is not request:
                 del self._compiling[request_id]
+                self._kept.pop(request_id, None)
             elif request.grammar_pending.done():
                 del self._compiling[request_id]
+                kept = self._kept.pop(request_id, None)
                 try:
                     request.grammar_matcher = self.grammar.matcher(
                         request.sampling_params.grammar, request.eos_token_ids
                     )
                 except ValueError:  # GrammarError: the compile failed
                     self.abort(request_id)
+                    continue
+                if kept is not None:
+                    outputs += self._sample_kept(request, kept)
+        return outputs
+
+    def _apply(
+        self, plan: StepPlan, result: StepResult, constrained: dict[str, Request]
+    ) -> StepOutcome:
+        """The scheduler's update of a step (or of a kept row's sampling), and what follows
+        it: the KV tier's write-through, the grammars' advance, the speculator's accounting;
+        kept logits are held until their request's grammar is ready."""
+        with self.pool_lock:
+            clock = self.pool.clock
+            outcome = self.scheduler.update(plan, result)
+            if self.kv_cache is not None:  # write-through of the slots released now
+                self.kv_cache.after_update(clock)
+        outputs = outcome.outputs
+        if constrained:  # only accepted tokens advance a grammar
+            grammar_steps.advance(outputs, constrained)
+        if self.speculator is not None:
+            self.speculator.observe(
+                outcome.verifications, [o.request_id for o in outputs if o.finished]
+            )
+        if result.kept_logits:
+            self._kept.update(result.kept_logits)
+        return outcome
+
+    def _sample_kept(self, request: Request, kept: Any) -> list[RequestOutput]:
+        """The first token of a request whose prompt prefilled while its grammar compiled,
+        from the logits its last prompt token left (ScheduledSeq.defer_sample), under the
+        mask now that the matcher exists: no pass of its own after the compile. Nothing if
+        the request was preempted since (its prefill runs again and samples as usual)."""
+        if request.num_computed_tokens != request.num_tokens or request.num_output_tokens:
+            return []
+        seq = ScheduledSeq(
+            request_id=request.request_id,
+            slot_id=request.held_slot_id,
+            token_ids=[],  # nothing to compute: the prefill did
+            start_position=request.num_tokens,
+            num_logits=1,
+            sampling_params=request.sampling_params,
+            sampling_seed=request.sampling_seed,
+            num_output_tokens=0,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+        )
+        seq.token_mask = request.grammar_matcher.masks([])
+        result = cast(KeptSampling, self.executor).sample_kept(seq, kept)
+        return self._apply(StepPlan([seq]), result, {request.request_id: request}).outputs
 
     def step(self) -> list[RequestOutput]:
+        early: list[RequestOutput] = []  # first tokens sampled from kept logits
         if self._compiling:
-            self._take_compiled_grammars(wait=False)
+            early = self._take_compiled_grammars(wait=False)
         tp = time.perf_counter()
         drafts: dict[str, Draft] = {}
         if self.speculator is not None and self.scheduler.running:
@@ -377,20 +446,10 @@ class EngineCore:
         else:
             result = StepResult()
             if self._compiling:  # only compiles to wait for: do not spin
-                self._take_compiled_grammars(wait=True)
+                early += self._take_compiled_grammars(wait=True)
         t2 = time.perf_counter()
-        with self.pool_lock:
-            clock = self.pool.clock
-            outcome = self.scheduler.update(plan, result)
-            if self.kv_cache is not None:  # write-through of the slots released now
-                self.kv_cache.after_update(clock)
-        outputs = outcome.outputs
-        if constrained:  # only accepted tokens advance a grammar
-            grammar_steps.advance(outputs, constrained)
-        if self.speculator is not None:
-            self.speculator.observe(
-                outcome.verifications, [o.request_id for o in outputs if o.finished]
-            )
+        outcome = self._apply(plan, result, constrained)
+        outputs = early + outcome.outputs if early else outcome.outputs
         t3 = time.perf_counter()
         seqs = plan.seqs
         num_tokens = num_drafts = 0

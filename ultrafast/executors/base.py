@@ -7,9 +7,9 @@ scheduled sequence, and samples at the requested positions with `sampling.sample
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
-from ultrafast.core.types import StepPlan, StepResult
+from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
 
 
 class Executor(Protocol):
@@ -26,6 +26,19 @@ class Executor(Protocol):
 
     def close(self) -> None:
         """Free native resources (llama.cpp context, CUDA memory)."""
+        ...
+
+
+class KeptSampling(Protocol):
+    """Optional: sampling a row kept by an earlier step (ScheduledSeq.defer_sample). An
+    executor with it sets `keeps_logits = True`; without it, the scheduler holds a compiling
+    request's last prompt token back instead, and that token runs as its own pass later."""
+
+    keeps_logits: bool
+
+    def sample_kept(self, seq: ScheduledSeq, kept: Any) -> StepResult:
+        """Sample `seq`'s one position (its token_mask applied) from `kept`, the value this
+        executor put in StepResult.kept_logits. Called from the engine thread between steps."""
         ...
 
 

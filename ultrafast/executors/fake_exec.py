@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ultrafast.core.types import StepPlan, StepResult
+from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
 from ultrafast.executors.fake_scoring import score_prompt
 from ultrafast.kvcache.fingerprint import kv_fingerprint
 
@@ -89,6 +89,8 @@ def fault_prompt(mode: int, at_output: int, tail: list[int]) -> list[int]:
 
 
 class FakeExecutor:
+    keeps_logits = True  # executors/base.py KeptSampling
+
     def __init__(
         self,
         num_slots: int = 4,
@@ -165,7 +167,9 @@ class FakeExecutor:
                 result.prompt_logprobs[seq.request_id] = score_prompt(
                     kv, seq, lambda context: next_token(context, self.output_ids)
                 )
-            if seq.num_logits:
+            if seq.defer_sample:  # the "logits": the context the next token depends on
+                result.kept_logits[seq.request_id] = list(kv)
+            elif seq.num_logits:
                 n = len(kv)
                 result.sampled_token_ids[seq.request_id] = [
                     next_token(kv[: n - seq.num_logits + 1 + j], self._choices(seq, j))
@@ -175,6 +179,10 @@ class FakeExecutor:
             time.sleep(max(0.0, self.step_s - (time.perf_counter() - started)))
         result.execute_time_s = time.perf_counter() - started
         return result
+
+    def sample_kept(self, seq: ScheduledSeq, kept) -> StepResult:
+        token = next_token(kept, self._choices(seq, 0))
+        return StepResult(sampled_token_ids={seq.request_id: [token]})
 
     # KV export/import (kvcache/): the "KV" is the slot's token list, so a wrong import shows
     # up as wrong output tokens

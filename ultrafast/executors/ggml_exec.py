@@ -42,7 +42,7 @@ from ultrafast.executors.prompt_scoring import scoring_problem, split_prompt_row
 from ultrafast.kvcache.fingerprint import file_sha256, kv_fingerprint
 from ultrafast.model.config import ModelLoadError
 from ultrafast.request import SamplingParams
-from ultrafast.sampling.sampler import sample_plan
+from ultrafast.sampling.sampler import sample_keeping_deferred, sample_kept_row
 
 _LOG_LEVEL_ERROR = 4  # ggml_log_level: 3 is WARN, 4 ERROR, 5 CONT
 _LOG_LEVEL_CONT = 5
@@ -145,6 +145,8 @@ def _slot_of(seq: ScheduledSeq) -> int:
 
 class GgmlExecutor:
     """Executor on llama.cpp. `max_num_batched_tokens` bounds the tokens of one step."""
+
+    keeps_logits = True  # executors/base.py KeptSampling
 
     def __init__(
         self,
@@ -331,12 +333,15 @@ class GgmlExecutor:
             logits, prompt_logprobs = split_prompt_rows(ran, logits)
         self.last_logits = logits  # the sampled rows: a draft model's q reads them
         sampled_s = time.perf_counter()
-        result = sample_plan(ran, logits) if num_rows else StepResult()
+        result = sample_keeping_deferred(ran, logits) if num_rows else StepResult()
         result.prompt_logprobs = prompt_logprobs
         result.errors.update(errors)
         result.execute_time_s = sampled_s - start_s
         result.sample_time_s = time.perf_counter() - sampled_s
         return result
+
+    def sample_kept(self, seq: ScheduledSeq, kept) -> StepResult:
+        return sample_kept_row(seq, kept)
 
     def calibrate_threads(self, margin: float = THREAD_MARGIN) -> ThreadPlan:
         """Time decode passes of several widths and one prefill chunk on each candidate thread

@@ -21,7 +21,7 @@ from ultrafast.kvcache.fingerprint import kv_fingerprint
 from ultrafast.model.attention import SeqSpan, SlotKVCache
 from ultrafast.model.llama import LlamaForCausalLM
 from ultrafast.model.loader import load_model, resolve_dtype
-from ultrafast.sampling.sampler import sample_plan
+from ultrafast.sampling.sampler import sample_keeping_deferred, sample_kept_row
 
 
 def _default_device() -> str:
@@ -29,6 +29,8 @@ def _default_device() -> str:
 
 
 class TorchExecutor:
+    keeps_logits = True  # executors/base.py KeptSampling
+
     def __init__(
         self,
         model: str | Path | LlamaForCausalLM,
@@ -168,6 +170,10 @@ class TorchExecutor:
         return (packed[:num_tokens], packed[num_tokens : 2 * num_tokens], packed[2 * num_tokens :])
 
     @torch.inference_mode()
+    def sample_kept(self, seq: ScheduledSeq, kept) -> StepResult:
+        return sample_kept_row(seq, kept)
+
+    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         seqs, copies, errors = self._validate(plan)
@@ -190,7 +196,7 @@ class TorchExecutor:
             logits = logits.cpu()  # the sampler works on the host; this also waits for the GPU
         self.last_logits = logits
         t1 = time.perf_counter()
-        result = sample_plan(seqs, logits)
+        result = sample_keeping_deferred(seqs, logits)
         result.prompt_logprobs = prompt_logprobs
         result.errors.update(errors)
         result.execute_time_s = t1 - t0

@@ -156,6 +156,38 @@ def _rejection_sample(
     return draw(residual, generator)
 
 
+def sample_keeping_deferred(seqs: list[ScheduledSeq], logits) -> StepResult:
+    """`sample_plan`, except that the row of each `defer_sample` seq is copied into
+    StepResult.kept_logits instead of sampled (a numpy row or a tensor, for `sample_kept`)."""
+    if not any(s.defer_sample for s in seqs if s.num_logits):
+        return sample_plan(seqs, logits)
+    kept: dict = {}
+    rest: list[ScheduledSeq] = []
+    rows: list[int] = []
+    row = 0
+    for seq in seqs:
+        if not seq.num_logits:
+            continue
+        if seq.defer_sample:
+            kept[seq.request_id] = (
+                logits[row].copy() if isinstance(logits, np.ndarray) else logits[row].clone()
+            )
+        else:
+            rest.append(seq)
+            rows.extend(range(row, row + seq.num_logits))
+        row += seq.num_logits
+    result = sample_plan(rest, logits[rows]) if rest else StepResult()
+    result.kept_logits = kept
+    return result
+
+
+def sample_kept_row(seq: ScheduledSeq, kept) -> StepResult:
+    """Sample `seq` (one position, its mask applied) from a row `sample_keeping_deferred`
+    kept."""
+    row = kept[None, :] if isinstance(kept, np.ndarray) else kept.unsqueeze(0)
+    return sample_plan([seq], row)
+
+
 def sample_plan(seqs: list[ScheduledSeq], logits) -> StepResult:
     """Sample every requested position. `logits` is [sum(num_logits), vocab] in plan order:
     a torch tensor, or a float32 numpy array (the ggml executor's zero-copy view)."""
