@@ -424,7 +424,7 @@ class EngineCore:
                 self.kv_cache.release_held(self.scheduler)
                 self.kv_cache.restore_waiting(self.scheduler, self.costs.per_token_s)
             token_budget = self.step_token_budget
-            spare = self._compiling and self._steps_shorter_than_a_compile()
+            spare = bool(self._compiling) and self._steps_shorter_than_a_compile()
             if spare:  # short steps, so the one after the compile ends runs in full
                 short = self.costs.token_budget(COMPILE_STEP_S)
                 if short is not None:
