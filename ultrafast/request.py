@@ -171,8 +171,9 @@ class Request:
     # when it admits a request with sampling_params.grammar (opaque here: no llguidance in core)
     grammar_matcher: Any = None
     # the server's compile of that grammar, still running (a concurrent.futures.Future), or
-    # None: until the engine has the matcher, the prompt's last token (the one whose logits
-    # are sampled) waits and the rest of the prompt prefills (Scheduler._schedule_chunk)
+    # None: until the engine has the matcher nothing is sampled; the prompt prefills and its
+    # last row's logits are kept for the matcher (or, on an executor that cannot keep them,
+    # the last prompt token waits; Scheduler._schedule_chunk)
     grammar_pending: Any = None
 
     @property
