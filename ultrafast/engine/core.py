@@ -410,6 +410,8 @@ class EngineCore:
         early: list[RequestOutput] = []  # first tokens sampled from kept logits
         if self._compiling:
             early = self._take_compiled_grammars(wait=False)
+            if early:  # out now: after this step's pass they would wait a whole step more
+                return early
         tp = time.perf_counter()
         drafts: dict[str, Draft] = {}
         if self.speculator is not None and self.scheduler.running:
