@@ -26,6 +26,7 @@ from ultrafast.engine.core import (
 from ultrafast.grammar import GrammarSpec
 from ultrafast.grammar.cache import GrammarError
 from ultrafast.grammar.mask import allowed_bools, apply_mask_numpy
+from ultrafast.request import ServiceTier
 
 
 def step_until(core, outputs, condition, limit=200):
@@ -323,3 +324,25 @@ def test_a_deferred_row_is_kept_and_the_others_sampled_as_usual(as_numpy):
     masked = logits[1].copy()
     masked[best] = -np.inf
     assert sampled == [int(masked.argmax())]
+
+
+def test_a_request_preempted_while_its_logits_are_kept_prefills_again(tok, runtime):  # noqa: F811
+    """Its kept row no longer matches its slot: it is dropped, the prompt prefills again and
+    the first token is sampled as usual, the same tokens as a grammar compiled up front."""
+    want, _ = run_all(engine(tok, runtime)[0], [request(tok, "c", prompt="a longer prompt here")])
+    core, _ = engine(tok, runtime, num_slots=1)
+    compiling: Future = Future()
+    slow = request(tok, "c", prompt="a longer prompt here")
+    slow.grammar_pending = compiling
+    core.add_request(slow)
+    outputs: dict = {}
+    step_until(core, outputs, lambda: "c" in core._kept)
+    core.add_request(request(tok, "p", None, tier=ServiceTier.PRIORITY, max_tokens=3))
+    step_until(core, outputs, lambda: slow.num_preemptions == 1)
+    runtime.compile(SPEC)  # ready while "c" waits for its slot back
+    compiling.set_result(None)
+    for out in core.step():  # the matcher is made; the kept row no longer matches: dropped
+        outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert not core._kept and not outputs.get("c") and slow.num_computed_tokens == 0
+    step_until(core, outputs, lambda: not core.has_work())
+    assert outputs["c"] == want["c"]
