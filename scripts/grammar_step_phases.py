@@ -4,7 +4,11 @@ Wraps the engine's step phases (the grammar's drafts and masks, scheduling, the 
 sampling, the update) with timers and runs `ultrafast bench grammar`'s batch-1 request
 (an endless JSON array of integers) constrained and free, interleaved, on one engine. Prints
 the median microseconds per step of each phase. Also runs the free request's tokens under a
-grammar that allows everything (`any`): same tokens, the grammar's bookkeeping only.
+grammar that allows everything (`any`): same tokens, the grammar's bookkeeping only; and the
+free request with llguidance's own per-token calls beside it (`bare`: after each step a raw
+matcher consumes the next token of the constrained run's output and computes its mask into a
+buffer nobody reads): what llguidance costs between real forward passes, with no code of ours,
+the floor of any integration of it on this model and machine.
 
     python scripts/grammar_step_phases.py [MODEL] [--rounds 5] [--tokens 256]
 """
@@ -14,6 +18,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
+import numpy as np
 
 from ultrafast.bench.grammar import ENDLESS, PROMPT
 from ultrafast.engine import grammar_steps
@@ -42,17 +48,33 @@ class PhaseTimer:
         setattr(owner, name, timed)
 
 
-def one_request(llm, timer: PhaseTimer, grammar, tokens: int) -> tuple[int, int, dict]:
+def one_request(
+    llm, timer: PhaseTimer, grammar, tokens: int, bare: list[int] | None = None
+) -> tuple[int, int, dict, list[int]]:
+    """`bare`: a constrained run's tokens, walked by a raw llguidance matcher beside a free
+    request (see the module's docstring)."""
     timer.ns.clear()
     engine = llm.engine
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, grammar=grammar)
     engine.add_request(Request(f"r{time.monotonic_ns()}", llm.tokenizer.encode(PROMPT), params))
+    shadow = buffer = None
+    if bare is not None:
+        shadow = engine.grammar.cache.new_matcher(ENDLESS)
+        buffer = np.zeros(((engine.grammar.vocab_size + 31) // 32,), dtype=np.int32)
+    out: list[int] = []
     steps = 0
     start = time.perf_counter_ns()
     while engine.has_work():
-        engine.step()
+        for o in engine.step():
+            out += o.new_token_ids
+        if shadow is not None:
+            t = time.perf_counter_ns()
+            if steps < len(bare):
+                shadow.consume_token(bare[steps])
+            shadow.unsafe_compute_mask_ptr(buffer.ctypes.data, buffer.nbytes)
+            timer.ns["llguidance"] = timer.ns.get("llguidance", 0) + time.perf_counter_ns() - t
         steps += 1
-    return steps, time.perf_counter_ns() - start, dict(timer.ns)
+    return steps, time.perf_counter_ns() - start, dict(timer.ns), out
 
 
 def main() -> None:
@@ -71,13 +93,15 @@ def main() -> None:
     timer.wrap(engine.scheduler, "update", "update")
     timer.wrap(engine.executor, "execute", "execute")
     timer.wrap(sampler, "_greedy_under_masks", "masked argmax")
-    runs: dict[str, list] = {"free": [], "any": [], "json": []}
-    grammars = {"free": None, "any": ANY, "json": ENDLESS}
-    for grammar in grammars.values():  # warm: compiles, cost model
+    runs: dict[str, list] = {"free": [], "bare": [], "any": [], "json": []}
+    grammars = {"free": None, "bare": None, "any": ANY, "json": ENDLESS}
+    walk = one_request(llm, timer, ENDLESS, args.tokens)[3]  # warm: compiles, cost model
+    for grammar in grammars.values():
         one_request(llm, timer, grammar, args.tokens)
     for _ in range(args.rounds):
         for name, grammar in grammars.items():
-            runs[name].append(one_request(llm, timer, grammar, args.tokens))
+            bare = walk if name == "bare" else None
+            runs[name].append(one_request(llm, timer, grammar, args.tokens, bare)[:3])
     llm.close()
     print(f"model {args.model}, {args.tokens} tokens, median of {args.rounds} rounds, us/step")
     for name, results in runs.items():

@@ -86,6 +86,56 @@ def test_forced_tokens_are_what_the_grammar_leaves_no_choice_about(runtime, tok)
     assert forced and '"color":"'.startswith(forced)
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        COLOR,
+        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}},
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 12},
+                "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}},
+                "ok": {"type": "boolean"},
+            },
+            "required": ["name", "ok"],
+        },
+        {"type": "object"},
+    ],
+)
+def test_the_forced_token_check_skips_the_probe_only_where_nothing_is_forced(runtime, tok, schema):
+    """Random walks through the grammar: wherever forced_tokens() skips llguidance's probe
+    (two allowed tokens begin differently), the probe would have found nothing; and the
+    mask it computed on the way is the one the step then samples under."""
+    spec = GrammarSpec.from_json_schema(schema)
+    rng = np.random.default_rng(len(str(schema)))
+    skipped = probed = 0
+    for _ in range(6):
+        m = runtime.matcher(spec, tok.eos_token_ids)
+        walked: list[int] = []
+        for _ in range(60):
+            if m.is_stopped or m.is_error:
+                break
+            forced = m.forced_tokens()
+            row = m.masks([])[0].copy()
+            fresh = runtime.matcher(spec, tok.eos_token_ids)  # same state, no shortcuts
+            fresh.consume(walked)
+            assert np.array_equal(fresh.masks([])[0], row)
+            if m._may_force(row):
+                probed += 1
+                assert forced == m._m.compute_ff_tokens()[:32]
+            else:
+                skipped += 1
+                assert forced == [] and m._m.compute_ff_tokens() == []
+            allowed = [t for t in allowed_ids(row, tok.vocab_size) if t not in tok.eos_token_ids]
+            if not allowed:
+                break
+            t = int(rng.choice(forced[:1] or allowed))
+            walked.append(t)
+            assert m.consume([t])
+    assert probed and (skipped or schema is COLOR)  # COLOR's two words begin alike: g, gr
+
+
 def test_the_cache_is_bounded_in_entries_and_bytes(tok):
     rt = GrammarRuntime.for_tokenizer(tok, tok.vocab_size, max_entries=3, max_bytes=10_000)
     specs = [

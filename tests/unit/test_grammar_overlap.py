@@ -25,7 +25,7 @@ from ultrafast.engine.core import (
 )
 from ultrafast.grammar import GrammarSpec
 from ultrafast.grammar.cache import GrammarError
-from ultrafast.grammar.mask import allowed_bools, apply_mask_numpy
+from ultrafast.grammar.mask import AllowedIdsCache, allowed_bools, apply_mask_numpy, set_bits
 from ultrafast.request import ServiceTier
 
 
@@ -271,17 +271,37 @@ def test_greedy_under_masks_equals_masking_every_row(as_numpy):
 
 
 @pytest.mark.parametrize("vocab", [300, 333])
-def test_masked_argmax_blocks_ids_past_a_short_mask(vocab):
-    from ultrafast.sampling.sampler import _masked_argmax
+@pytest.mark.parametrize("allowed", [3, 160])
+def test_masked_argmax_blocks_ids_past_a_short_mask(vocab, allowed, monkeypatch):
+    from ultrafast.sampling import sampler
 
-    rng = np.random.default_rng(vocab)
-    row = rng.standard_normal(vocab).astype(np.float32)
-    row[320:] = 50.0  # the best ids lie past a 10-word mask: never allowed
-    mask = rng.integers(-(2**31), 2**31 - 1, size=10, dtype=np.int64).astype(np.int32)
-    want = row.copy()
-    want[~allowed_bools(mask, vocab)] = -np.inf
-    assert _masked_argmax(row, mask) == int(want.argmax())
-    assert np.array_equal(row, want)  # masked in place, like apply_mask_numpy
+    rng = np.random.default_rng(vocab + allowed)
+    mask = np.zeros(10, dtype=np.int32)  # a 10-word mask: 320 ids
+    set_bits(mask, rng.choice(320, size=allowed, replace=False).tolist())
+    for max_ids in (1024, 0):  # the few-ids search, and blocking the whole row
+        monkeypatch.setattr(sampler, "_ALLOWED_IDS", AllowedIdsCache(max_ids=max_ids))
+        for _ in range(2):  # a first-seen row, then the same row again
+            row = rng.standard_normal(vocab).astype(np.float32)
+            row[320:] = 50.0  # the best ids lie past the mask: never allowed
+            row[rng.integers(0, min(320, vocab))] = 40.0  # allowed or not: the best in the mask
+            want = row.copy()
+            want[~allowed_bools(mask, vocab)] = -np.inf
+            assert sampler._masked_argmax(row, mask) == int(want.argmax())
+
+
+def test_allowed_ids_cache_is_bounded_and_remembers_wide_rows():
+    cache = AllowedIdsCache(max_entries=3, max_ids=4)
+    rows = [np.zeros(4, dtype=np.int32) for _ in range(5)]
+    for i, row in enumerate(rows):
+        set_bits(row, [i, 64 + i])
+    assert cache.get(rows[0]).tolist() == [0, 64]
+    assert cache.get(rows[0]) is cache.get(rows[0])  # found again, not recomputed
+    for row in rows[1:]:
+        cache.get(row)
+    assert len(cache) <= 3
+    wide = np.full(4, -1, dtype=np.int32)  # every id: more than max_ids
+    assert cache.get(wide) is None and cache.get(wide) is None
+    assert cache.get(rows[4]).tolist() == [4, 68]
 
 
 def test_fixed_draft_costs_keep_every_forced_draft(tok, runtime):  # noqa: F811

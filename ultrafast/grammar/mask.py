@@ -23,6 +23,36 @@ def allowed_ids(mask_row: np.ndarray, vocab_size: int) -> list[int]:
     return np.flatnonzero(allowed_bools(mask_row, vocab_size)).tolist()
 
 
+class AllowedIdsCache:
+    """The allowed ids of recently seen mask rows that allow few tokens. A grammar's rows
+    repeat (its states recur: after a digit, inside a string), and an argmax over a handful
+    of ids costs a fraction of unpacking and blocking the whole vocabulary. Bounded: at
+    `max_entries` rows it starts over; a row allowing more than `max_ids` is remembered as
+    None (the caller blocks the row instead)."""
+
+    def __init__(self, max_entries: int = 256, max_ids: int = 1024):
+        self.max_entries, self.max_ids = max_entries, max_ids
+        self._ids: dict[bytes, np.ndarray | None] = {}
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def get(self, mask_row: np.ndarray) -> np.ndarray | None:
+        """int64 ids the row allows, ascending (ids past the vocabulary included), or None
+        when it allows more than max_ids."""
+        key = mask_row.tobytes()
+        if key in self._ids:
+            return self._ids[key]
+        bits = np.unpackbits(np.frombuffer(key, dtype=np.uint8), bitorder="little")
+        ids: np.ndarray | None = np.flatnonzero(bits)
+        if ids is not None and ids.size > self.max_ids:
+            ids = None
+        if len(self._ids) >= self.max_entries:
+            self._ids.clear()
+        self._ids[key] = ids
+        return ids
+
+
 def set_bits(mask_row: np.ndarray, token_ids) -> None:
     words = mask_row.view(np.uint32)
     for t in token_ids:

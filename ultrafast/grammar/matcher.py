@@ -31,8 +31,10 @@ class GrammarMatcher:
         vocab_size: int,
         grammar_eos_ids: tuple[int, ...],
         request_eos_ids: tuple[int, ...],
+        first_keys: list[int],
     ):
         self._m = matcher
+        self._first_keys = first_keys  # see first_byte_keys
         self.vocab_size = vocab_size
         self._grammar_eos = grammar_eos_ids
         self._grammar_eos_token = grammar_eos_ids[0]
@@ -42,8 +44,13 @@ class GrammarMatcher:
         self._grammar_eos_bits = tuple(
             (t >> 5, t & 31) for t in grammar_eos_ids if 0 <= t < 32 * self._num_words
         )
+        words: dict[int, int] = {}  # the same bits as (word, bits of that word)
+        for w, b in self._grammar_eos_bits:
+            words[w] = words.get(w, 0) | 1 << b
+        self._grammar_eos_words = tuple(words.items())
         self._row = np.zeros((1, self._num_words), dtype=np.int32)  # masks([])'s buffer
         self._row_address, self._row_bytes = self._row.ctypes.data, self._row.nbytes
+        self._row_fresh = False  # _row holds the mask of the matcher's present state
 
     def _to_grammar(self, token: int) -> int:
         return self._grammar_eos_token if token in self._request_eos else token
@@ -66,13 +73,40 @@ class GrammarMatcher:
         return self._m.validate_tokens([self._to_grammar(t) for t in token_ids])
 
     def forced_tokens(self) -> list[int]:
-        """Tokens the grammar forces next (a draft that costs nothing to propose)."""
-        if self._m.is_stopped() or self._m.is_error():
+        """Tokens the grammar forces next (a draft that costs nothing to propose). The mask
+        of this position comes first (its step samples under it anyway): when two allowed
+        tokens begin differently no byte is forced, and llguidance's probe is skipped. After
+        a forward pass either call pays for llguidance's cold caches, so the probe only
+        costs where forcing is possible."""
+        m = self._m
+        if m.is_stopped() or m.is_error():
             return []
-        return self._m.compute_ff_tokens()[:MAX_FORCED_DRAFTS]
+        if not self._may_force(self.masks([])[0]):
+            return []
+        return m.compute_ff_tokens()[:MAX_FORCED_DRAFTS]
+
+    def _may_force(self, row: np.ndarray) -> bool:
+        """False when the lowest and highest allowed ids begin with different bytes (or one
+        is a special token, or EOS is allowed): then the next byte is not forced. Bytes
+        operations only: a step's numpy calls cost several times their warm time once the
+        forward pass has emptied the caches."""
+        data = row.tobytes()  # little-endian words: byte k holds ids 8k .. 8k + 7
+        body = data.lstrip(b"\0")
+        if not body:
+            return True  # nothing allowed: let llguidance say
+        lo_byte = len(data) - len(body)
+        hi_byte = len(data.rstrip(b"\0")) - 1
+        lo_bits, hi_bits = data[lo_byte], data[hi_byte]
+        lowest = 8 * lo_byte + (lo_bits & -lo_bits).bit_length() - 1
+        highest = 8 * hi_byte + hi_bits.bit_length() - 1
+        keys = self._first_keys
+        if highest >= len(keys):
+            return True
+        return keys[lowest] == keys[highest]
 
     def consume(self, token_ids: list[int]) -> bool:
         """Advance over accepted tokens; False if the grammar refused one (error state)."""
+        self._row_fresh = False
         for t in token_ids:
             if self._m.is_stopped():  # a stop id after completion: nothing left to match
                 return True
@@ -84,15 +118,18 @@ class GrammarMatcher:
         """int32[len(draft_ids) + 1, words]: row j allows the tokens that may follow the
         output so far plus draft_ids[:j]. The matcher ends where it started. A plain decode
         step's single row is the matcher's own buffer, rewritten by the next call: the step
-        samples from it before the next step asks again."""
+        samples from it before the next step asks again; it is computed once per state (the
+        forced-token check may have done it this step)."""
         m = self._m
         if not draft_ids:  # a plain decode step: one row, no advance, no rollback
             out = self._row
-            if m.is_error():
-                out.fill(0)
-            else:
-                m.unsafe_compute_mask_ptr(self._row_address, self._row_bytes)
-            self._fix_eos(out[0])
+            if not self._row_fresh:
+                if m.is_error():
+                    out.fill(0)
+                else:
+                    m.unsafe_compute_mask_ptr(self._row_address, self._row_bytes)
+                self._fix_eos(out[0])
+                self._row_fresh = True
             return out
         out = np.zeros((len(draft_ids) + 1, self._num_words), dtype=np.int32)
         consumed = 0
@@ -113,14 +150,14 @@ class GrammarMatcher:
     def _fix_eos(self, row: np.ndarray) -> None:
         """The grammar's EOS bit stands for all of the request's stop ids; a row with nothing
         allowed (an error, or a stopped grammar) allows only those, so the request ends."""
+        eos_set = False
+        for w, bits in self._grammar_eos_words:  # row.item: a Python int, no numpy scalar
+            if row.item(w) & bits:
+                eos_set = True
+                break
+        if not eos_set and not self._m.is_error():
+            return  # the common case: a matcher not in error allows something, EOS not
         words = row.view(np.uint32)
-        if len(self._grammar_eos_bits) == 1:
-            w, b = self._grammar_eos_bits[0]
-            eos_set = bool(int(words[w]) >> b & 1)
-            if not eos_set and not self._m.is_error():
-                return  # the common case; a matcher not in error allows something
-        else:
-            eos_set = any(int(words[w]) >> b & 1 for w, b in self._grammar_eos_bits)
         if not eos_set and words.any():
             return
         if self._request_eos:
@@ -139,6 +176,7 @@ class GrammarRuntime:
         self.vocab_size = vocab_size
         self.cache = GrammarCache(lltokenizer, **cache_caps)
         self._eos = tuple(lltokenizer.eos_tokens) or (lltokenizer.eos_token,)
+        self._first_keys = first_byte_keys(lltokenizer, vocab_size)
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int, **cache_caps) -> GrammarRuntime:
@@ -166,5 +204,22 @@ class GrammarRuntime:
 
     def matcher(self, spec: GrammarSpec, request_eos_ids: tuple[int, ...]) -> GrammarMatcher:
         return GrammarMatcher(
-            self.cache.new_matcher(spec), self.vocab_size, self._eos, request_eos_ids
+            self.cache.new_matcher(spec),
+            self.vocab_size,
+            self._eos,
+            request_eos_ids,
+            self._first_keys,
         )
+
+
+def first_byte_keys(lltokenizer: llguidance.LLTokenizer, vocab_size: int) -> list[int]:
+    """Each token's first byte; 256 + id for a special or empty token (it begins like no
+    other token). Two allowed tokens with different keys mean the grammar does not force
+    the next byte. A list: the step reads two entries, as Python ints."""
+    keys = list(range(256, 256 + vocab_size))
+    for t in range(min(vocab_size, lltokenizer.vocab_size)):
+        if not lltokenizer.is_special_token(t):
+            data = lltokenizer.decode_bytes([t])
+            if data:
+                keys[t] = data[0]
+    return keys

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ultrafast.core.types import ScheduledSeq, StepResult, TokenLogprobs
-from ultrafast.grammar.mask import allowed_bools, apply_mask_numpy
+from ultrafast.grammar.mask import AllowedIdsCache, allowed_bools, apply_mask_numpy
 
 _MASK_64 = (1 << 64) - 1
 
@@ -257,10 +257,21 @@ def _greedy_under_masks(seqs: list[ScheduledSeq], rows: np.ndarray, ids: list[in
         row += seq.num_logits
 
 
+_ALLOWED_IDS = AllowedIdsCache()
+
+
 def _masked_argmax(logits_row: np.ndarray, mask_row: np.ndarray) -> int:
-    """Block what `mask_row` does not allow in `logits_row` (in place), then its argmax. The
-    mask's words are inverted before unpacking: fewer bytes than inverting the unpacked row."""
+    """The first maximum of `logits_row` among the ids `mask_row` allows. A row that allows
+    few ids (most grammar states) is searched over those alone, found by the row's bytes in
+    a small cache; any other row is blocked in place first (its words inverted before
+    unpacking: fewer bytes than inverting the unpacked row)."""
     vocab, covered = logits_row.shape[0], 32 * mask_row.shape[0]
+    ids = _ALLOWED_IDS.get(mask_row)
+    if ids is not None and ids.size:
+        if ids[-1] >= vocab:  # ids past the vocabulary are never allowed
+            ids = ids[ids < vocab]
+        if ids.size:
+            return int(ids[logits_row[ids].argmax()])
     blocked = np.unpackbits(
         np.invert(mask_row).view(np.uint8), count=min(vocab, covered), bitorder="little"
     ).view(bool)
