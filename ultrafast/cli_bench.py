@@ -461,6 +461,11 @@ def _add_grammar(suites: Any) -> None:
     p.add_argument(
         "--concurrency", type=int, default=16, help="requests per batch, 2nd row (default 16)"
     )
+    p.add_argument(
+        "--served",
+        action="store_true",
+        help="first-seen / cached schema TTFT through a server instead (streamed chat calls)",
+    )
     _add_out(p, "runs/bench_grammar.json")
 
 

@@ -210,8 +210,9 @@ def test_realtime_turns_stream_and_barge_in_keeps_only_what_was_sent(srv):
         assert done["usage"]["completion_tokens"] < 1500  # stopped, not run to the end
         assert done["output"][0]["content"][0]["text"] == sent
 
-        ws.send("not json")
-        assert json.loads(ws.recv(timeout=30))["error"]["code"] == "invalid_json"
+        for bad in ("not json", "[" * 200_000):  # too deep for the parser: refused too
+            ws.send(bad)
+            assert json.loads(ws.recv(timeout=30))["error"]["code"] == "invalid_json"
         for options, code in (
             ({"max_output_tokens": "8"}, "invalid_type"),
             ({"temperature": 9}, "invalid_value"),

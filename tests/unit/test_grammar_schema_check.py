@@ -97,3 +97,6 @@ def test_huge_enums_deep_nesting_and_slow_patterns():
         problem(obj(p={"type": "string", "pattern": "(ab)" * 400})).path == "properties.p.pattern"
     )
     assert problem({"patternProperties": {"x{1,99999}": {}}}).path == "patternProperties.x{1,99999}"
+    # not a regular expression at all: named by its path too
+    assert problem(obj(p={"type": "string", "pattern": "(ab"})).path == "properties.p.pattern"
+    assert problem({"patternProperties": {"[a-": {}}}).path == "patternProperties.[a-"

@@ -253,6 +253,18 @@ CHAT_CASES = {
     "B43 star": (chat(session_id="*"), (400, IV, "session_id")),
     "B43 trailing newline": (chat(session_id="abc\n"), (400, IV, "session_id")),
     "B43 not a string": (chat(session_id=5), (400, IV, "session_id")),
+    "B31 bad schema, unknown draft": (
+        chat(response_format=schema_format({"$schema": "http://example.com/s", "type": "foo"})),
+        (400, IV, "response_format"),
+    ),
+    "B31 $schema not a string": (
+        chat(response_format=schema_format({"$schema": 5, "type": "string"})),
+        (400, IV, "response_format"),
+    ),
+    "B31 bad keyword value, deep": (
+        chat(response_format=schema_format({"properties": {"a": {"minLength": -1}}})),
+        (400, IV, "response_format"),
+    ),
 }
 
 
@@ -292,6 +304,35 @@ COMPLETION_CASES = {
     "B38 chat fields": ({"prompt": "x", "messages": MSG}, (400, "unknown_parameter", "messages")),
     "suffix": ({"prompt": "x", "suffix": "y"}, (400, "unsupported_parameter", "suffix")),
 }
+
+
+def test_schema_meta_validation_never_fetches_and_never_crashes(monkeypatch):
+    """An unknown `$schema` is checked as Draft 2020-12 without being fetched (the native
+    validator would try the URL); a schema nested past the body cap's depth, which only a
+    caller other than the HTTP parser could hand over, is a 400 before the native code."""
+    import jsonschema_rs
+
+    from ultrafast.server import protocol
+
+    seen = []
+    real = jsonschema_rs.meta.validate
+    monkeypatch.setattr(
+        protocol.jsonschema_rs.meta, "validate", lambda schema: (seen.append(schema), real(schema))
+    )
+    ok = chat(response_format=schema_format({"$schema": "http://example.com/s", "type": "string"}))
+    parse_chat_request(ok, ALL_FEATURES)
+    assert seen and all("$schema" not in s for s in seen)
+    known = "https://json-schema.org/draft/2020-12/schema"
+    parse_chat_request(chat(response_format=schema_format({"$schema": known})), ALL_FEATURES)
+    assert seen[-1]["$schema"] == known
+    for levels in (100, 20_000):  # past the 64 the body parser allows; past json's recursion
+        deep: dict = {"type": "integer"}
+        for _ in range(levels):
+            deep = {"type": "array", "items": deep}
+        with pytest.raises(APIError) as info:
+            protocol._check_schema(deep, "response_format", ALL_FEATURES)
+        assert (info.value.status, info.value.param) == (400, "response_format")
+        assert "nested too deeply" in info.value.message
 
 
 @pytest.mark.parametrize("case", sorted(COMPLETION_CASES))

@@ -9,6 +9,7 @@
    prefills, as the server does), with the same schema cached, and with no schema; plus the
    bare compile time; and first-seen vs none with a long prompt (new to the prefix cache),
    whose prefill the compile overlaps.
+`--served` measures the TTFT half through the server instead (bench/grammar_served.py).
 Run it on a quiet machine: the figures are small differences of step times.
 """
 
@@ -170,6 +171,10 @@ def markdown(report: dict) -> str:
 
 
 def main(args) -> int:
+    if args.served:  # the same TTFT figures through the server: bench/grammar_served.py
+        from ultrafast.bench import grammar_served
+
+        return grammar_served.main(args)
     from ultrafast.llm import LLM
 
     n = max(1, args.concurrency)

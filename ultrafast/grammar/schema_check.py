@@ -143,6 +143,10 @@ def _check_pattern(pattern: object, path: str) -> None:
         raise SchemaProblem(path, "a pattern must be a string")
     if len(pattern) > MAX_PATTERN_CHARS:
         raise SchemaProblem(path, f"the pattern is longer than {MAX_PATTERN_CHARS} characters")
+    try:  # the "regex" format of the meta-schema, which its validator does not check
+        re.compile(pattern)
+    except re.error as exc:
+        raise SchemaProblem(path, f"the pattern is not a valid regular expression: {exc}") from None
     for low, high in _REPEAT.findall(pattern):
         if int(low) > MAX_REPEAT or (high and int(high) > MAX_REPEAT):
             raise SchemaProblem(

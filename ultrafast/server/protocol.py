@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import jsonschema
+import jsonschema_rs
 from pydantic import BaseModel, ValidationError
 
 from ultrafast.request import ServiceTier
@@ -48,6 +48,7 @@ from ultrafast.server.errors import (
     unsupported_content,
     unsupported_parameter,
 )
+from ultrafast.server.json_body import nesting_ok
 from ultrafast.server.protocol_models import (
     _MESSAGE_SHAPE,
     _TOKEN_ID,
@@ -198,11 +199,17 @@ def _check_tier(req: _Common) -> None:
 
 
 def _check_schema(schema: Any, param: str, limits: Limits) -> None:
-    size = len(
-        json.dumps(schema, ensure_ascii=False, separators=(",", ":")).encode(
+    try:
+        encoded = json.dumps(schema, ensure_ascii=False, separators=(",", ":")).encode(
             "utf-8", "surrogatepass"
         )
-    )
+    except RecursionError:
+        raise invalid_value(param, "the schema is nested too deeply") from None
+    # the meta-validator (native code) recurses with the schema: an HTTP body is capped at
+    # json_body.MAX_DEPTH already, and so is a schema from anywhere else
+    if not nesting_ok(encoded):
+        raise invalid_value(param, "the schema is nested too deeply")
+    size = len(encoded)
     if size > limits.max_schema_bytes:
         raise too_large(
             "grammar_too_large",
@@ -211,13 +218,36 @@ def _check_schema(schema: Any, param: str, limits: Limits) -> None:
         )
     if not isinstance(schema, dict):
         raise invalid_value(param, "a JSON Schema must be an object")
+    if not isinstance(schema.get("$schema", ""), str):
+        raise invalid_value(param, "not a valid JSON Schema: $schema must be a string")
+    if "$schema" in schema and schema["$schema"] not in KNOWN_METASCHEMAS:
+        # an unknown draft is checked as 2020-12 (as jsonschema's validator_for did): never
+        # fetched, which the meta-validator would otherwise try
+        schema = {k: v for k, v in schema.items() if k != "$schema"}
     try:
-        validator = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
-        validator.check_schema(schema)
-    except jsonschema.exceptions.SchemaError as exc:
-        raise invalid_value(param, f"not a valid JSON Schema: {exc.message[:200]}") from None
-    except RecursionError:
-        raise invalid_value(param, "the schema is nested too deeply") from None
+        jsonschema_rs.meta.validate(schema)
+    except jsonschema_rs.ValidationError as exc:
+        where = ".".join(str(p) for p in exc.instance_path)
+        message = str(exc).strip().splitlines()[0][:200]
+        raise invalid_value(
+            param, f"not a valid JSON Schema{f' at {where}' if where else ''}: {message}"
+        ) from None
+    except jsonschema_rs.ReferencingError:  # nothing left to resolve; kept as a 400, not a 500
+        raise invalid_value(param, "not a valid JSON Schema: unresolvable $schema") from None
+
+
+# the drafts whose meta-schemas jsonschema-rs carries (with and without the empty fragment)
+KNOWN_METASCHEMAS = frozenset(
+    uri + tail
+    for uri in (
+        "http://json-schema.org/draft-04/schema",
+        "http://json-schema.org/draft-06/schema",
+        "http://json-schema.org/draft-07/schema",
+        "https://json-schema.org/draft/2019-09/schema",
+        "https://json-schema.org/draft/2020-12/schema",
+    )
+    for tail in ("", "#")
+)
 
 
 # ---- chat -----------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ultrafast.server.calls import CallInput, check_options, plain_params, prepare_call
 from ultrafast.server.errors import APIError, invalid_type
 from ultrafast.server.generate import ChoiceDelta, GenerationRun
+from ultrafast.server.json_body import nesting_ok
 from ultrafast.server.protocol_models import NAME_RE
 from ultrafast.server.sessions.chat_tokens import ChatMessage
 from ultrafast.server.sessions.conversations import InputItem, validate
@@ -323,8 +324,12 @@ def realtime_routes(state: ServerState) -> list[WebSocketRoute]:
             while True:
                 raw = await ws.receive_text()
                 try:
-                    event = json.loads(raw) if len(raw) <= MAX_MESSAGE_BYTES else None
-                except json.JSONDecodeError:
+                    event = (
+                        json.loads(raw)
+                        if len(raw) <= MAX_MESSAGE_BYTES and nesting_ok(raw.encode())
+                        else None
+                    )
+                except (json.JSONDecodeError, RecursionError):
                     event = None
                 if not isinstance(event, dict):
                     await conn.send(
