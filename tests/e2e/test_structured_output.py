@@ -168,6 +168,31 @@ def test_bad_schemas_are_400_with_the_keywords_path(server, schema, code, param)
     assert ok.status_code == 200
 
 
+def test_a_schema_invalid_by_its_meta_schema_is_400_on_both_apis(server):
+    schema = prop(type="string", minLength=-1)
+    for path, body, param in (
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "response_format": schema_format(schema)},
+            "response_format",
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": "x",
+                "store": False,
+                "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}},
+            },
+            "text.format.schema",
+        ),
+    ):
+        r = post(server, body, path)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_value", param)
+        assert "properties.x.minLength" in error["message"]
+
+
 def test_deep_nesting_is_refused(server):
     schema: dict = {"type": "integer"}
     for _ in range(40):

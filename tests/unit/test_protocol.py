@@ -330,9 +330,44 @@ def test_schema_meta_validation_never_fetches_and_never_crashes(monkeypatch):
         for _ in range(levels):
             deep = {"type": "array", "items": deep}
         with pytest.raises(APIError) as info:
-            protocol._check_schema(deep, "response_format", ALL_FEATURES)
+            protocol.check_client_schema(deep, "response_format", ALL_FEATURES, "response_format")
         assert (info.value.status, info.value.param) == (400, "response_format")
         assert "nested too deeply" in info.value.message
+
+
+def test_a_schema_that_passed_is_not_checked_again_and_a_bad_one_always_is(monkeypatch):
+    import jsonschema_rs
+
+    from ultrafast.server import protocol
+
+    calls = []
+    real = jsonschema_rs.meta.validate
+    monkeypatch.setattr(protocol, "_PASSED_SCHEMAS", protocol._RecentDigests(2))
+    monkeypatch.setattr(
+        protocol.jsonschema_rs.meta, "validate", lambda schema: (calls.append(1), real(schema))
+    )
+    good = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for _ in range(3):  # an agent's tool schema, every turn
+        parse_chat_request(chat(tools=[tool("f", good)]), ALL_FEATURES)
+    assert len(calls) == 1
+    bad = {"type": "object", "properties": {"a": {"type": "integer", "minimum": "0"}}}
+    for _ in range(2):
+        assert refusal(parse_chat_request, chat(tools=[tool("f", bad)]), ALL_FEATURES) == (
+            400,
+            IV,
+            "tools[0].function.parameters",
+        )
+    assert len(calls) == 3
+    unsupported = {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}
+    for _ in range(2):  # valid by the meta-schema, not enforceable: refused every time
+        body = chat(response_format=schema_format(unsupported))
+        assert refusal(parse_chat_request, body, ALL_FEATURES)[2] == (
+            "response_format.json_schema.schema.properties.a.uniqueItems"
+        )
+    for i in range(3):  # the set is bounded: the first schema has been forgotten
+        parse_chat_request(chat(tools=[tool("f", {**good, "title": str(i)})]), ALL_FEATURES)
+    parse_chat_request(chat(tools=[tool("f", good)]), ALL_FEATURES)
+    assert len(calls) == 3 + 2 + 3 + 1
 
 
 @pytest.mark.parametrize("case", sorted(COMPLETION_CASES))

@@ -29,7 +29,9 @@ Choices where the spec left room (also asserted in tests/unit/test_protocol.py):
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections import OrderedDict
 from typing import Any
 
 import jsonschema_rs
@@ -198,7 +200,11 @@ def _check_tier(req: _Common) -> None:
         raise invalid_value("priority", "priority and service_tier disagree")
 
 
-def _check_schema(schema: Any, param: str, limits: Limits) -> None:
+def check_client_schema(schema: Any, param: str, limits: Limits, keywords_param: str) -> None:
+    """A client schema: size and depth, valid by its meta-schema (400 at `param`), and
+    nothing we cannot enforce exactly (400 naming the keyword's path under `keywords_param`;
+    never weakened). A schema that passed recently passes again without the checks: agents
+    send the same tool schemas every turn."""
     try:
         encoded = json.dumps(schema, ensure_ascii=False, separators=(",", ":")).encode(
             "utf-8", "surrogatepass"
@@ -218,6 +224,15 @@ def _check_schema(schema: Any, param: str, limits: Limits) -> None:
         )
     if not isinstance(schema, dict):
         raise invalid_value(param, "a JSON Schema must be an object")
+    digest = hashlib.sha256(encoded).digest()
+    if _PASSED_SCHEMAS.seen(digest):
+        return
+    _check_meta_schema(schema, param)
+    check_schema_param(schema, keywords_param)
+    _PASSED_SCHEMAS.add(digest)
+
+
+def _check_meta_schema(schema: dict, param: str) -> None:
     if not isinstance(schema.get("$schema", ""), str):
         raise invalid_value(param, "not a valid JSON Schema: $schema must be a string")
     if "$schema" in schema and schema["$schema"] not in KNOWN_METASCHEMAS:
@@ -234,6 +249,28 @@ def _check_schema(schema: Any, param: str, limits: Limits) -> None:
         ) from None
     except jsonschema_rs.ReferencingError:  # nothing left to resolve; kept as a 400, not a 500
         raise invalid_value(param, "not a valid JSON Schema: unresolvable $schema") from None
+
+
+class _RecentDigests:
+    """A bounded LRU set of digests (thread-safe enough: the event loop's thread only)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+
+    def seen(self, digest: bytes) -> bool:
+        if digest in self._seen:
+            self._seen.move_to_end(digest)
+            return True
+        return False
+
+    def add(self, digest: bytes) -> None:
+        self._seen[digest] = None
+        while len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+
+
+_PASSED_SCHEMAS = _RecentDigests(1024)  # schemas that passed check_client_schema, by JSON
 
 
 # the drafts whose meta-schemas jsonschema-rs carries (with and without the empty fragment)
@@ -342,9 +379,9 @@ def _check_response_format(fmt: ResponseFormat, limits: Limits) -> None:
             raise invalid_value(
                 "response_format", "json_schema.name must match [A-Za-z0-9_-]{1,64}"
             )
-        _check_schema(fmt.json_schema.schema_, "response_format", limits)
-        # what we cannot enforce exactly: 400 naming the keyword's path (never weakened)
-        check_schema_param(fmt.json_schema.schema_, "response_format.json_schema.schema")
+        check_client_schema(
+            fmt.json_schema.schema_, "response_format", limits, "response_format.json_schema.schema"
+        )
     elif fmt.json_schema is not None:
         raise invalid_value("response_format", "json_schema is only allowed with type json_schema")
     _require_feature("response_format", limits)
@@ -365,10 +402,9 @@ def _check_tools(req: ChatCompletionRequest, limits: Limits) -> None:
         names.add(name)
         if tool.function.parameters is not None:
             param = f"tools[{i}].function.parameters"
-            _check_schema(tool.function.parameters, param, limits)
+            check_client_schema(tool.function.parameters, param, limits, param)
             if tool.function.parameters.get("type", "object") != "object":
                 raise invalid_value(param, "a tool's parameters must describe a JSON object")
-            check_schema_param(tool.function.parameters, param)  # enforced exactly, or 400
     choice = req.tool_choice
     if isinstance(choice, ToolChoiceFunction) and choice.function.name not in names:
         raise invalid_value(

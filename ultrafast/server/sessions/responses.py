@@ -31,6 +31,7 @@ from starlette.routing import Route
 from ultrafast.server.calls import CallInput, check_options, plain_params, prepare_call
 from ultrafast.server.errors import APIError, invalid_value, too_large, unsupported_parameter
 from ultrafast.server.generate import GenerationRun
+from ultrafast.server.protocol import check_client_schema
 from ultrafast.server.protocol_models import (
     BY_JSON_TYPE,
     JSON_ARRAY,
@@ -51,7 +52,7 @@ from ultrafast.server.sessions.flow import SessionFlow, not_found, tenant_of, tu
 from ultrafast.server.sessions.responses_stream import final_status, stream_response
 from ultrafast.server.sessions.store import RESPONSE, SeqConflict, StoredObject, Turn
 from ultrafast.server.state import ServerState, read_json
-from ultrafast.server.structured import check_schema_param, json_format_grammar
+from ultrafast.server.structured import json_format_grammar
 from ultrafast.server.tools.responses_api import (
     call_item,
     check_arguments_items,
@@ -189,14 +190,8 @@ def _check_text_format(req: ResponsesRequest, state: ServerState) -> None:
             raise invalid_value("text.format.schema", "type json_schema needs a schema object")
         if fmt.name is None or not NAME_RE.fullmatch(fmt.name):
             raise invalid_value("text.format.name", "name must match [A-Za-z0-9_-]{1,64}")
-        size = len(orjson.dumps(fmt.schema_))
-        if size > state.limits.max_schema_bytes:
-            raise too_large(
-                "grammar_too_large",
-                "text.format.schema",
-                f"the schema is {size} bytes; the limit is {state.limits.max_schema_bytes}",
-            )
-        check_schema_param(fmt.schema_, "text.format.schema")
+        param = "text.format.schema"
+        check_client_schema(fmt.schema_, param, state.limits, param)
     if "response_format" not in state.limits.features:
         raise unsupported_parameter("text.format", "structured output is not available here")
 

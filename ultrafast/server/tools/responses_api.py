@@ -17,12 +17,11 @@ from ultrafast.server.errors import invalid_value, quote
 from ultrafast.server.protocol import (
     Limits,
     _check_call_arguments,
-    _check_schema,
     _require_feature,
+    check_client_schema,
 )
 from ultrafast.server.protocol_models import NAME_RE, _Strict
 from ultrafast.server.sessions.chat_tokens import ChatMessage
-from ultrafast.server.structured import check_schema_param
 from ultrafast.server.tools.parse import CallArgs, CallDone, CallStart
 from ultrafast.server.tools.plan import FunctionTool, ToolPlan
 
@@ -106,12 +105,10 @@ def plan_from_responses(req: Any, limits: Limits) -> ToolPlan | None:
             )
         names.add(tool.name)
         if tool.parameters is not None:
-            _check_schema(tool.parameters, f"tools[{i}].parameters", limits)
+            param = f"tools[{i}].parameters"
+            check_client_schema(tool.parameters, param, limits, param)
             if tool.parameters.get("type", "object") != "object":
-                raise invalid_value(
-                    f"tools[{i}].parameters", "a tool's parameters must describe a JSON object"
-                )
-            check_schema_param(tool.parameters, f"tools[{i}].parameters")
+                raise invalid_value(param, "a tool's parameters must describe a JSON object")
         tools.append(FunctionTool(tool.name, tool.description, tool.parameters, tool.strict))
     _require_feature("tools", limits)
     choice, named = _choice(req.tool_choice, names)
