@@ -20,7 +20,7 @@ import time
 
 import httpx
 
-from ultrafast.bench.grammar import _long_prompt, big_schema
+from ultrafast.bench.grammar import big_schema, long_prompt
 from ultrafast.bench.report import write_report
 from ultrafast.bench.server_process import ServerProcess
 
@@ -75,10 +75,10 @@ def run(client: httpx.Client, rounds: int) -> dict:
         for kind in order:
             body = chat_body(SHORT_PROMPT, None if kind == "none" else schema)
             ttft[kind].append(time_to_first_content(client, body))
-        ttft["long_none"].append(time_to_first_content(client, chat_body(_long_prompt(), None)))
+        ttft["long_none"].append(time_to_first_content(client, chat_body(long_prompt(), None)))
         fresh = big_schema(salt + 10_000 + r)
         ttft["long_first_seen"].append(
-            time_to_first_content(client, chat_body(_long_prompt(), fresh))
+            time_to_first_content(client, chat_body(long_prompt(), fresh))
         )
     medians = {f"ttft_{k}_ms": statistics.median(v) * 1000 for k, v in ttft.items()}
     return {

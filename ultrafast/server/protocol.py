@@ -211,10 +211,6 @@ def check_client_schema(schema: Any, param: str, limits: Limits, keywords_param:
         )
     except RecursionError:
         raise invalid_value(param, "the schema is nested too deeply") from None
-    # the meta-validator (native code) recurses with the schema: an HTTP body is capped at
-    # json_body.MAX_DEPTH already, and so is a schema from anywhere else
-    if not nesting_ok(encoded):
-        raise invalid_value(param, "the schema is nested too deeply")
     size = len(encoded)
     if size > limits.max_schema_bytes:
         raise too_large(
@@ -227,6 +223,10 @@ def check_client_schema(schema: Any, param: str, limits: Limits, keywords_param:
     digest = hashlib.sha256(encoded).digest()
     if _PASSED_SCHEMAS.seen(digest):
         return
+    # the meta-validator (native code) recurses with the schema: an HTTP body is capped at
+    # json_body.MAX_DEPTH already, and so is a schema from anywhere else
+    if not nesting_ok(encoded):
+        raise invalid_value(param, "the schema is nested too deeply")
     _check_meta_schema(schema, param)
     check_schema_param(schema, keywords_param)
     _PASSED_SCHEMAS.add(digest)
