@@ -6,6 +6,7 @@ import torch
 
 from ultrafast.config import DEMO_MODEL_DIR
 from ultrafast.core.types import ScheduledSeq
+from ultrafast.engine.speculation import best_draft_length
 from ultrafast.grammar import GrammarSpec
 from ultrafast.grammar.cache import GrammarError
 from ultrafast.grammar.mask import allowed_ids
@@ -134,6 +135,65 @@ def test_the_forced_token_check_skips_the_probe_only_where_nothing_is_forced(run
             walked.append(t)
             assert m.consume([t])
     assert probed and (skipped or schema is COLOR)  # COLOR's two words begin alike: g, gr
+
+
+class _CountingMatcher:
+    """llguidance's matcher, counting the forced-token probes (the tokenizing call)."""
+
+    def __init__(self, inner):
+        self.inner, self.probes = inner, 0
+
+    def compute_ff_tokens(self):
+        self.probes += 1
+        return self.inner.compute_ff_tokens()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+# what riding n forced tokens is worth under three step-cost profiles (the engine's own rule):
+# a 2-token pass at 2.4x a 1-token one with wide passes cheap per token (the demo model on
+# this CPU), at 1.6x (SmolLM2), and passes that grow by a full step per token (never worth it)
+_WORTH = {
+    "wide passes pay": lambda n: best_draft_length(1.0, n, 0.6, 0.05, 0.0, (None, 1.0, 2.4)),
+    "one pays": lambda n: best_draft_length(1.0, n, 0.6, 0.4, 0.0, (None, 1.0, 1.6)),
+    "none pays": lambda n: best_draft_length(1.0, n, 0.0, 1.0),
+}
+
+
+@pytest.mark.parametrize("profile", sorted(_WORTH))
+@pytest.mark.parametrize("schema", [COLOR, {"type": "array", "items": {"enum": ["abc", "b"]}}])
+def test_forced_tokens_ride_as_the_costs_say_and_are_tokenized_only_when_they_can(
+    runtime, tok, profile, schema
+):
+    """forced_tokens(worth) keeps the tokens worth(len(forced)) says pay, as a probe of every
+    forced token would; and when the forced bytes bound the run below what pays, llguidance
+    never tokenizes them."""
+    worth = _WORTH[profile]
+    spec = GrammarSpec.from_json_schema(schema)
+    rng = np.random.default_rng(7)
+    skipped = 0
+    for _ in range(6):
+        m = runtime.matcher(spec, tok.eos_token_ids)
+        counting = m._m = _CountingMatcher(m._m)
+        for _ in range(40):
+            if m.is_stopped or m.is_error:
+                break
+            before = counting.probes
+            forced = m.forced_tokens(worth)
+            probed = counting.probes > before
+            every = counting.inner.compute_ff_tokens()[:32]
+            assert forced == every[: worth(len(every))]
+            if every and not probed:
+                skipped += 1
+                assert worth(len(every)) == 0
+            row = m.masks([])[0]
+            allowed = [t for t in allowed_ids(row, tok.vocab_size) if t not in tok.eos_token_ids]
+            if not allowed:
+                break
+            assert m.consume([int(rng.choice(every[:1] or allowed))])
+    # a profile where nothing pays tokenizes nothing forced
+    assert skipped or profile != "none pays"
 
 
 def test_the_cache_is_bounded_in_entries_and_bytes(tok):

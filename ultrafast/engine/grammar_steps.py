@@ -36,9 +36,7 @@ def constrain_drafts(
                 probs = draft.probs[:n] if draft.probs is not None and n else None
                 draft = Draft(draft.token_ids[:n], probs, draft.source) if n else None
         if draft is None or not draft.token_ids:
-            forced = matcher.forced_tokens()
-            if forced and forced_worth is not None:
-                forced = forced[: forced_worth(len(forced))]
+            forced = matcher.forced_tokens(forced_worth)
             draft = Draft(forced, None, "grammar") if forced else None
         if draft is None:
             out.pop(rid, None)

@@ -7,6 +7,7 @@ trace, and a preempted request (which keeps its output tokens) needs nothing reb
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 import llguidance
@@ -72,18 +73,29 @@ class GrammarMatcher:
         """How many leading tokens of `token_ids` the grammar accepts from here."""
         return self._m.validate_tokens([self._to_grammar(t) for t in token_ids])
 
-    def forced_tokens(self) -> list[int]:
-        """Tokens the grammar forces next (a draft that costs nothing to propose). The mask
-        of this position comes first (its step samples under it anyway): when two allowed
-        tokens begin differently no byte is forced, and llguidance's probe is skipped. After
-        a forward pass either call pays for llguidance's cold caches, so the probe only
-        costs where forcing is possible."""
+    def forced_tokens(self, worth: Callable[[int], int] | None = None) -> list[int]:
+        """Tokens the grammar forces next (a draft that costs nothing to propose), as many as
+        `worth(n)` says n of them pay for (None: all). The mask of this position comes first
+        (its step samples under it anyway): when two allowed tokens begin differently no byte
+        is forced, and llguidance's probe is skipped. After a forward pass llguidance's calls
+        pay for cold caches, so each costs only where its answer can be used: the forced
+        bytes bound how many tokens can be forced (each holds at least one), and when even
+        that many would not pay, the forced bytes are never tokenized (the costly part)."""
         m = self._m
         if m.is_stopped() or m.is_error():
             return []
         if not self._may_force(self.masks([])[0]):
             return []
-        return m.compute_ff_tokens()[:MAX_FORCED_DRAFTS]
+        if worth is None:
+            return m.compute_ff_tokens()[:MAX_FORCED_DRAFTS]
+        most = min(len(m.compute_ff_bytes()), MAX_FORCED_DRAFTS)
+        k = worth(most) if most else 0
+        if not k:
+            return []
+        forced = m.compute_ff_tokens()[:MAX_FORCED_DRAFTS]
+        if k > len(forced):  # the best of fewer tokens than the bound: ask again
+            k = worth(len(forced)) if forced else 0
+        return forced[:k]
 
     def _may_force(self, row: np.ndarray) -> bool:
         """False when the lowest and highest allowed ids begin with different bytes (or one
@@ -182,6 +194,11 @@ class GrammarRuntime:
     def for_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int, **cache_caps) -> GrammarRuntime:
         """GrammarUnavailable if llguidance cannot use this vocabulary."""
         return cls(build_lltokenizer(tokenizer, vocab_size), vocab_size, **cache_caps)
+
+    @property
+    def compiles_running(self) -> int:
+        """Compiles under way now on any thread (a server's compile pool, a caller's)."""
+        return self.cache.compiles_running
 
     def compile(self, spec: GrammarSpec) -> None:
         """Compile (or find) `spec`; GrammarError if it does not compile. Drops the GIL:
