@@ -127,6 +127,45 @@ def test_a_model_whose_steps_outlast_a_compile_keeps_every_core(tok, runtime):  
     compiling.set_result(None)
 
 
+def test_any_compile_under_way_leaves_a_core_and_its_steps_teach_the_costs_nothing(tok):
+    """A compile on another thread (the server starts one before the prompt is tokenized, so
+    its request is not in the engine yet) timeshares with every pass on all cores: steps leave
+    it a core while it runs, and their times (contention, not the model) are not learned."""
+    import threading
+
+    from ultrafast.grammar.matcher import GrammarRuntime
+
+    own = GrammarRuntime.for_tokenizer(tok, tok.vocab_size)  # its cache's compile is held
+    core, executor = engine(tok, own)
+    core.costs.single_decode_s = 0.001  # a model whose steps are shorter than a compile
+    entered, release = threading.Event(), threading.Event()
+    compile_for_real = own.cache._compile
+
+    def held_compile(spec):
+        entered.set()
+        release.wait(10)
+        return compile_for_real(spec)
+
+    own.cache._compile = held_compile
+    worker = threading.Thread(target=own.compile, args=(SPEC,))
+    worker.start()
+    try:
+        assert entered.wait(10) and own.compiles_running == 1
+        core.add_request(request(tok, "free", None, max_tokens=50))
+        outputs: dict = {}
+        step_until(core, outputs, lambda: len(outputs.get("free", [])) >= 5)
+        assert all(p.spare_threads == COMPILE_SPARE_THREADS for p in executor.plans)
+        assert core.costs.single_decode_s == 0.001  # nothing learned from those steps
+    finally:
+        release.set()
+        worker.join(10)
+    assert own.compiles_running == 0
+    num_plans = len(executor.plans)
+    step_until(core, outputs, lambda: len(outputs["free"]) >= 10)
+    assert all(p.spare_threads == 0 for p in executor.plans[num_plans:])  # every core again
+    assert core.costs.single_decode_s != 0.001  # and the steps are learned from again
+
+
 def test_a_cached_grammar_starts_without_a_thread_hop(runtime):  # noqa: F811
     class NoPool:
         def submit(self, *args):

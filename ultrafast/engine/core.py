@@ -34,7 +34,7 @@ from ultrafast.request import Request, SamplingParams, ServiceTier
 log = logging.getLogger(__name__)
 
 COMPILE_POLL_S = 0.002  # an idle step's wait for a compile: new arrivals wait at most this
-# kernel threads a step leaves idle while a request's grammar compiles on a server thread:
+# kernel threads a step leaves idle while a grammar compiles on any thread (_a_grammar_compiles):
 # with every core in the pass, the compile timeshares with spinning kernel threads and the
 # request's first token waits for both (bench grammar: first-seen schema TTFT)
 COMPILE_SPARE_THREADS = 1
@@ -327,6 +327,15 @@ class EngineCore:
         elif ServiceTier.DEFAULT in tiers and self.default_itl_target_s:
             self.step_token_budget = self.costs.token_budget(self.default_itl_target_s)
 
+    def _a_grammar_compiles(self) -> bool:
+        """A grammar compiles now: for a request admitted meanwhile, or on any thread (the
+        server compiles while a request's prompt is still being tokenized). A pass on every
+        core beside it timeshares with the compile: on two cores a 1 ms decode then took
+        12-22 ms (the kernel threads wait for each other while one is descheduled)."""
+        return bool(self._compiling) or (
+            self.grammar is not None and self.grammar.compiles_running > 0
+        )
+
     def _steps_shorter_than_a_compile(self) -> bool:
         """A lone decode measured shorter than COMPILE_STEP_S: steps can be kept short while
         a grammar compiles (see COMPILE_STEP_S)."""
@@ -413,6 +422,7 @@ class EngineCore:
             if early:  # out now: after this step's pass they would wait a whole step more
                 return early
         tp = time.perf_counter()
+        compiling = self._a_grammar_compiles()
         drafts: dict[str, Draft] = {}
         if self.speculator is not None and self.scheduler.running:
             drafts = self._propose(self.speculator)
@@ -426,13 +436,13 @@ class EngineCore:
                 self.kv_cache.release_held(self.scheduler)
                 self.kv_cache.restore_waiting(self.scheduler, self.costs.per_token_s)
             token_budget = self.step_token_budget
-            spare = bool(self._compiling) and self._steps_shorter_than_a_compile()
-            if spare:  # short steps, so the one after the compile ends runs in full
+            spare = compiling and self._steps_shorter_than_a_compile()
+            if spare and self._compiling:  # short steps: the one after the compile runs in full
                 short = self.costs.token_budget(COMPILE_STEP_S)
                 if short is not None:
                     token_budget = short if token_budget is None else min(token_budget, short)
             plan = self.scheduler.schedule(drafts, self.priority_token_budget, token_budget)
-        if spare:  # a core for the compile, which its request waits on
+        if spare:  # a core for the compile, which its request (or one on its way) waits on
             plan.spare_threads = COMPILE_SPARE_THREADS
         constrained = (
             grammar_steps.fill_masks(plan, self.scheduler.requests) if self.grammar else {}
@@ -458,7 +468,9 @@ class EngineCore:
         for seq in seqs:
             num_tokens += len(seq.token_ids)
             num_drafts += seq.num_logits - 1 if seq.num_logits > 1 else 0
-        if seqs and self._one_pass(plan):
+        # a pass beside a compile (or on a core fewer for it) times the contention, not the
+        # model: the costs that size steps and decide spare cores learn from the others only
+        if seqs and self._one_pass(plan) and not (compiling or self._a_grammar_compiles()):
             pass_s = result.execute_time_s + result.sample_time_s
             self.costs.observe(len(seqs), num_tokens, pass_s + t0 - tp, pass_s)
         if seqs:

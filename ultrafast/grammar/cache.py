@@ -52,6 +52,7 @@ class GrammarCache:
         self._bytes = 0
         self._lock = threading.Lock()
         self.num_compiles = 0
+        self._running = 0  # compiles under way now, on any thread
         self.num_hits = 0
 
     def __len__(self) -> int:
@@ -60,6 +61,11 @@ class GrammarCache:
     @property
     def num_bytes(self) -> int:
         return self._bytes
+
+    @property
+    def compiles_running(self) -> int:
+        """Compiles under way on any thread (each holds a core until it ends)."""
+        return self._running
 
     def compiled(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         """The start-state matcher of `spec` (shared: deep-copy it before use).
@@ -71,7 +77,13 @@ class GrammarCache:
                 self._entries.move_to_end(key)
                 self.num_hits += 1
         if hit is None:  # compile outside the lock: another spec may compile meanwhile
-            hit = self._compile(spec)
+            with self._lock:
+                self._running += 1
+            try:
+                hit = self._compile(spec)
+            finally:
+                with self._lock:
+                    self._running -= 1
             with self._lock:
                 if key not in self._entries:
                     self._entries[key] = hit
