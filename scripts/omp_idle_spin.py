@@ -2,6 +2,12 @@
 after a forward pass, and the time of back-to-back one-token passes, at several
 GOMP_SPINCOUNT values (libgomp reads it once at load, so each runs in its own process).
 
+The llama-cpp-python wheel is built with OpenMP: after a pass its idle thread spins ~9.5 ms
+(a core the event loop and a grammar compile then wait for). Lowering GOMP_SPINCOUNT frees
+that core sooner, but ggml's barrier between ops is an OpenMP barrier too, so under contention
+a waiting thread sleeps mid-pass: at 10,000 SmolLM2's served batch-1 decode lost ~4%, which is
+why the server keeps libgomp's default (BENCHMARKS.md, sixth session).
+
     python scripts/omp_idle_spin.py [GGUF] [--rounds 30]
 """
 

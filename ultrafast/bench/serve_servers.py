@@ -26,7 +26,6 @@ import httpx
 
 from ultrafast.bench.server_process import free_port
 from ultrafast.config import REPO_ROOT
-from ultrafast.omp_env import peer_env
 
 SERVED_NAME = "bench"  # every server answers to this model name
 VLLM_VENV = REPO_ROOT / ".venv-vllm"
@@ -43,7 +42,6 @@ class ServerSpec:
     # request fields that make the server ignore EOS and produce max_tokens exactly
     exact_length_fields: dict = field(default_factory=dict)
     min_tokens_field: bool = False  # also send min_tokens = max_tokens
-    ours: bool = False  # a peer gets the environment without our OpenMP tuning (omp_env.py)
 
 
 def tcmalloc_path() -> str | None:
@@ -57,7 +55,7 @@ def tcmalloc_path() -> str | None:
 def ours_spec(gguf: Path, precision: str, extra_args: list[str]) -> ServerSpec:
     argv = [sys.executable, "-m", "ultrafast.cli", "serve", str(gguf), "--host", "127.0.0.1"]
     argv += ["--served-model-name", SERVED_NAME, *extra_args]
-    return ServerSpec("ours", argv, precision, exact_length_fields={"ignore_eos": True}, ours=True)
+    return ServerSpec("ours", argv, precision, exact_length_fields={"ignore_eos": True})
 
 
 def llama_cpp_spec(gguf: Path, precision: str, threads: int, n_ctx: int) -> ServerSpec:
@@ -96,11 +94,6 @@ def vllm_spec(
         exact_length_fields={"ignore_eos": True},
         min_tokens_field=True,
     )
-
-
-def spawn_env(spec: ServerSpec) -> dict[str, str]:
-    """The environment a server starts with: a peer's without our OpenMP tuning."""
-    return {**(os.environ if spec.ours else peer_env()), "PYTHONUNBUFFERED": "1", **spec.env}
 
 
 def tree_pids(root: int) -> list[int]:
@@ -188,7 +181,7 @@ class RunningServer:
             [*spec.argv, spec.port_flag, str(self.port)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=spawn_env(spec),
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **spec.env},
             start_new_session=True,  # its own process group: the tree stops together
         )
         self.memory = PeakRss(self.proc.pid)
