@@ -331,7 +331,7 @@ class EngineCore:
         """A grammar compiles now: for a request admitted meanwhile, or on any thread (the
         server compiles while a request's prompt is still being tokenized). A pass on every
         core beside it timeshares with the compile: on two cores a 1 ms decode then took
-        12-22 ms (the kernel threads wait for each other while one is descheduled)."""
+        10-22 ms (the kernel threads wait for each other while one is descheduled)."""
         return bool(self._compiling) or (
             self.grammar is not None and self.grammar.compiles_running > 0
         )
