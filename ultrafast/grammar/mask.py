@@ -59,11 +59,6 @@ def set_bits(mask_row: np.ndarray, token_ids) -> None:
         words[t >> 5] |= np.uint32(1 << (t & 31))
 
 
-def has_any(mask_row: np.ndarray, token_ids) -> bool:
-    words = mask_row.view(np.uint32)
-    return any(int(words[t >> 5]) >> (t & 31) & 1 for t in token_ids if t >> 5 < words.size)
-
-
 def apply_mask_numpy(logits: np.ndarray, mask: np.ndarray) -> None:
     """Disallowed entries of `logits` [rows, vocab] (float32) become -inf, in place: one
     unpack for all rows (ids past the mask unpack as 0: blocked), no copy of the logits."""
