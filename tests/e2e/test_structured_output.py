@@ -174,7 +174,7 @@ def test_a_schema_invalid_by_its_meta_schema_is_400_on_both_apis(server):
         (
             "/v1/chat/completions",
             {"messages": MESSAGES, "response_format": schema_format(schema)},
-            "response_format",
+            "response_format.json_schema.schema.properties.x.minLength",
         ),
         (
             "/v1/responses",
@@ -183,7 +183,7 @@ def test_a_schema_invalid_by_its_meta_schema_is_400_on_both_apis(server):
                 "store": False,
                 "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}},
             },
-            "text.format.schema",
+            "text.format.schema.properties.x.minLength",
         ),
     ):
         r = post(server, body, path)

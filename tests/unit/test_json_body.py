@@ -38,8 +38,12 @@ CASES = {
     "B27 reversed pair": (rb'{"a": "\udc00\ud800"}', BAD_UTF8),
     "B27 surrogate in a key": (rb'{"\ud800": 1}', BAD_UTF8),
     "B29 100k-deep arrays": (b"[" * 100_000, BAD),
-    "B29 100k-deep objects": (b'{"a":' * 100_000, BAD),
-    "B29 65 deep, balanced": (b'{"a":' + b"[" * 64 + b"]" * 64 + b"}", BAD),
+    # the param names where the limit is passed (the 65th container)
+    "B29 100k-deep objects": (b'{"a":' * 100_000, BAD[:3] + (".".join(["a"] * 64),)),
+    "B29 65 deep, balanced": (
+        b'{"a":' + b"[" * 64 + b"]" * 64 + b"}",
+        BAD[:3] + ("a" + "[0]" * 63,),
+    ),
     "B30 duplicate key": (b'{"model":"a","model":"b"}', BAD),
     "B30 nested duplicate key": (b'{"m":[{"role":"user","role":"system"}]}', BAD),
 }

@@ -131,7 +131,7 @@ CHAT_CASES = {
     ),
     "B31 bad schema": (
         chat(response_format=schema_format({"type": "foo"})),
-        (400, IV, "response_format"),
+        (400, IV, "response_format.json_schema.schema.type"),
     ),
     "B31 schema not an object": (
         chat(response_format=schema_format(5)),
@@ -148,15 +148,15 @@ CHAT_CASES = {
     ),
     "B35 pattern": (
         chat(tools=[tool(parameters={"type": "string", "pattern": 5})]),
-        (400, IV, "tools[0].function.parameters"),
+        (400, IV, "tools[0].function.parameters.pattern"),
     ),
     "B35 type": (
         chat(tools=[tool(parameters={"type": "foo"})]),
-        (400, IV, "tools[0].function.parameters"),
+        (400, IV, "tools[0].function.parameters.type"),
     ),
     "B35 second tool": (
         chat(tools=[tool("a"), tool("b", {"properties": 3})]),
-        (400, IV, "tools[1].function.parameters"),
+        (400, IV, "tools[1].function.parameters.properties"),
     ),
     "B35 big parameters": (
         chat(tools=[tool(parameters={"description": "x" * 70_000})]),
@@ -255,15 +255,15 @@ CHAT_CASES = {
     "B43 not a string": (chat(session_id=5), (400, IV, "session_id")),
     "B31 bad schema, unknown draft": (
         chat(response_format=schema_format({"$schema": "http://example.com/s", "type": "foo"})),
-        (400, IV, "response_format"),
+        (400, IV, "response_format.json_schema.schema.type"),
     ),
     "B31 $schema not a string": (
         chat(response_format=schema_format({"$schema": 5, "type": "string"})),
-        (400, IV, "response_format"),
+        (400, IV, "response_format.json_schema.schema.$schema"),
     ),
     "B31 bad keyword value, deep": (
         chat(response_format=schema_format({"properties": {"a": {"minLength": -1}}})),
-        (400, IV, "response_format"),
+        (400, IV, "response_format.json_schema.schema.properties.a.minLength"),
     ),
 }
 
@@ -331,8 +331,10 @@ def test_schema_meta_validation_never_fetches_and_never_crashes(monkeypatch):
             deep = {"type": "array", "items": deep}
         with pytest.raises(APIError) as info:
             protocol.check_client_schema(deep, "response_format", ALL_FEATURES, "response_format")
-        assert (info.value.status, info.value.param) == (400, "response_format")
-        assert "nested too deeply" in info.value.message
+        # the path names where the limit is passed: the 65th level, under 64 `items`
+        expected = "response_format" + ".items" * 64
+        assert (info.value.status, info.value.param) == (400, expected)
+        assert "nested more than 64 deep" in info.value.message
 
 
 def test_a_schema_that_passed_is_not_checked_again_and_a_bad_one_always_is(monkeypatch):
@@ -355,7 +357,7 @@ def test_a_schema_that_passed_is_not_checked_again_and_a_bad_one_always_is(monke
         assert refusal(parse_chat_request, chat(tools=[tool("f", bad)]), ALL_FEATURES) == (
             400,
             IV,
-            "tools[0].function.parameters",
+            "tools[0].function.parameters.properties.a.minimum",
         )
     assert len(calls) == 3
     unsupported = {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}

@@ -33,7 +33,7 @@ HISTORY = [
         (chat(tools=[tool("a", {"type": "string"})]), "tools[0].function.parameters"),
         (
             chat(tools=[tool("a", {"type": "object", "minLength": "x"})]),
-            "tools[0].function.parameters",
+            "tools[0].function.parameters.minLength",
         ),
         (
             {

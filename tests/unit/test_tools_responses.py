@@ -45,7 +45,7 @@ def request(**fields) -> ResponsesRequest:
         ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].name"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [{**TOOLS[0], "parameters": {"type": "array"}}]}, "tools[0].parameters"),
-        ({"tools": [{**TOOLS[0], "parameters": {"type": "nope"}}]}, "tools[0].parameters"),
+        ({"tools": [{**TOOLS[0], "parameters": {"type": "nope"}}]}, "tools[0].parameters.type"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "z"}}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),

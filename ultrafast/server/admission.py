@@ -234,8 +234,9 @@ class Admission:
             over_s = wait_s - self.allowed_wait_s(ticket.tier, own_s)
             if over_s > 0:
                 self.release(ticket)
+                allowed_s = self.allowed_wait_s(ticket.tier, own_s)
                 raise self._refuse(
-                    "wait_over_target", self._wait_error(ticket.tier, wait_s, over_s)
+                    "wait_over_target", self._wait_error(ticket.tier, wait_s, allowed_s, over_s)
                 )
         ticket.num_prompt_tokens = num_prompt_tokens
         ticket.prefill_pending = True
@@ -261,12 +262,18 @@ class Admission:
             },
         )
 
-    def _wait_error(self, tier: ServiceTier, wait_s: float, over_s: float) -> APIError:
+    def _wait_error(
+        self, tier: ServiceTier, wait_s: float, allowed_s: float, over_s: float
+    ) -> APIError:
         target_ms = self.targets(tier).ttft_ms
+        # the wait is compared with what the target leaves after the request's own prefill,
+        # so say both: a short queue can be too long for a long prompt
         return APIError(
             429,
-            f"the {tier.api_name} tier's predicted wait for a first token, ~{wait_s:.1f} s of "
-            f"work queued ahead, exceeds its {target_ms / 1000:.0f} s target; retry later",
+            f"the {tier.api_name} tier's predicted wait for a first token, "
+            f"~{_seconds(wait_s)} of work queued ahead, is more than the "
+            f"~{_seconds(allowed_s)} its {_seconds(target_ms / 1000)} target leaves after this "
+            f"request's own prefill; retry later",
             "rate_limit_error",
             "wait_over_target",
             "service_tier",
@@ -290,3 +297,8 @@ class Admission:
         self.first_token(ticket)
         ticket.released = True
         self._count(ticket, -1)
+
+
+def _seconds(s: float) -> str:
+    """A duration as people read it: milliseconds under a second, else seconds."""
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.3g} s"

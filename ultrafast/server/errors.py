@@ -88,8 +88,8 @@ def too_large(code: str, param: str | None, message: str) -> APIError:
     return APIError(413, message, INVALID_REQUEST, code, param)
 
 
-def invalid_json(message: str, code: str = "invalid_json") -> APIError:
-    return bad_request(code, None, message)
+def invalid_json(message: str, code: str = "invalid_json", param: str | None = None) -> APIError:
+    return bad_request(code, param, message)
 
 
 def unsupported_media_type(message: str) -> APIError:

@@ -64,6 +64,49 @@ def nesting_ok(raw: bytes, max_depth: int = MAX_DEPTH) -> bool:
     return int(depth.max()) <= max_depth
 
 
+# strings (keys among them) and the punctuation that moves a JSON path
+_PATH_TOKEN = re.compile(rb'"(?:[^"\\]+|\\.)*"?|[\[\]{},:]', re.S)
+_PATH_SCAN_TOKENS = 200_000  # an error path is a courtesy: never a slow refusal
+
+
+def too_deep_param(raw: bytes, max_depth: int = MAX_DEPTH) -> str | None:
+    """The path (`a.b[3].c`) to the first container nested deeper than `max_depth`, for
+    the 400's `param`; None when it is not found within the scan budget."""
+    stack: list[list] = []  # [is_object, key or index, expecting a key]
+    for count, match in enumerate(_PATH_TOKEN.finditer(raw)):
+        if count > _PATH_SCAN_TOKENS:
+            return None
+        token = match.group()
+        if token in (b"{", b"["):
+            if not stack and token == b"[":
+                return None  # not an object at all: there is no field to name
+            if len(stack) >= max_depth:
+                return _path_text(stack)
+            stack.append([token == b"{", None if token == b"{" else 0, token == b"{"])
+        elif token in (b"}", b"]"):
+            if stack:
+                stack.pop()
+        elif token == b",":
+            if stack and stack[-1][0]:
+                stack[-1][2] = True
+            elif stack:
+                stack[-1][1] += 1
+        elif token == b":":
+            if stack:
+                stack[-1][2] = False
+        elif stack and stack[-1][0] and stack[-1][2]:  # a key
+            try:
+                stack[-1][1] = json.loads(token)
+            except ValueError:
+                return None
+    return None
+
+
+def _path_text(stack: list[list]) -> str | None:
+    parts = [f"[{key}]" if not is_object else f".{key}" for is_object, key, _ in stack]
+    return "".join(parts).lstrip(".") or None
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
@@ -105,7 +148,9 @@ def parse_json_body(raw: bytes, max_bytes: int = MAX_BODY_BYTES) -> dict:
     if not text.strip():
         raise invalid_json("the body is empty; send a JSON object")
     if not nesting_ok(raw):
-        raise invalid_json(f"JSON nesting is deeper than {MAX_DEPTH} levels")
+        raise invalid_json(
+            f"JSON nesting is deeper than {MAX_DEPTH} levels", param=too_deep_param(raw)
+        )
     try:
         body = json.loads(
             text,

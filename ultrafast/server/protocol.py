@@ -22,7 +22,11 @@ Choices where the spec left room (also asserted in tests/unit/test_protocol.py):
 - An integer field takes an integral float (`n: 2.0`); `2.5` is `invalid_type`.
 - `top_p: 0` is greedy. `service_tier` takes OpenAI's whole enum: `fast` is priority, `scale`
   behaves as `auto` (the best tier the key may use now); the response names the tier served.
-- Completions `max_tokens: 0` is allowed with `echo` (score the prompt, generate nothing).
+- Completions `max_tokens: 0` is allowed with `echo` (score the prompt, generate nothing);
+  without `max_tokens` a completion is 16 tokens at most (the spec's default and vLLM's).
+- A function tool without `parameters` (or with `{}`) takes no arguments: its calls carry `{}`.
+- A schema error's `param` is the keyword's own path
+  (`response_format.json_schema.schema.properties.zip.pattern`), the nesting limit's too.
 - `max_completion_tokens` wins over `max_tokens` when both are sent.
 - Text content parts are joined with "\\n" (as vLLM does).
 """
@@ -50,7 +54,7 @@ from ultrafast.server.errors import (
     unsupported_content,
     unsupported_parameter,
 )
-from ultrafast.server.json_body import nesting_ok
+from ultrafast.server.json_body import MAX_DEPTH, nesting_ok
 from ultrafast.server.protocol_models import (
     _MESSAGE_SHAPE,
     _TOKEN_ID,
@@ -201,16 +205,19 @@ def _check_tier(req: _Common) -> None:
 
 
 def check_client_schema(schema: Any, param: str, limits: Limits, keywords_param: str) -> None:
-    """A client schema: size and depth, valid by its meta-schema (400 at `param`), and
-    nothing we cannot enforce exactly (400 naming the keyword's path under `keywords_param`;
-    never weakened). A schema that passed recently passes again without the checks: agents
-    send the same tool schemas every turn."""
+    """A client schema: its size (400 at `param`), then its depth, its meta-schema and
+    nothing we cannot enforce exactly (400 naming the exact path under `keywords_param`,
+    e.g. `...schema.properties.zip.pattern`; never weakened). A schema that passed recently
+    passes again without the checks: agents send the same tool schemas every turn."""
     try:
         encoded = json.dumps(schema, ensure_ascii=False, separators=(",", ":")).encode(
             "utf-8", "surrogatepass"
         )
     except RecursionError:
-        raise invalid_value(param, "the schema is nested too deeply") from None
+        raise invalid_value(
+            _at(keywords_param, _too_deep_path(schema)),
+            f"the schema is nested more than {MAX_DEPTH} deep",
+        ) from None
     size = len(encoded)
     if size > limits.max_schema_bytes:
         raise too_large(
@@ -226,15 +233,20 @@ def check_client_schema(schema: Any, param: str, limits: Limits, keywords_param:
     # the meta-validator (native code) recurses with the schema: an HTTP body is capped at
     # json_body.MAX_DEPTH already, and so is a schema from anywhere else
     if not nesting_ok(encoded):
-        raise invalid_value(param, "the schema is nested too deeply")
-    _check_meta_schema(schema, param)
+        raise invalid_value(
+            _at(keywords_param, _too_deep_path(schema)),
+            f"the schema is nested more than {MAX_DEPTH} deep",
+        )
+    _check_meta_schema(schema, keywords_param)
     check_schema_param(schema, keywords_param)
     _PASSED_SCHEMAS.add(digest)
 
 
 def _check_meta_schema(schema: dict, param: str) -> None:
     if not isinstance(schema.get("$schema", ""), str):
-        raise invalid_value(param, "not a valid JSON Schema: $schema must be a string")
+        raise invalid_value(
+            _at(param, ["$schema"]), "not a valid JSON Schema: $schema must be a string"
+        )
     if "$schema" in schema and schema["$schema"] not in KNOWN_METASCHEMAS:
         # an unknown draft is checked as 2020-12 (as jsonschema's validator_for did): never
         # fetched, which the meta-validator would otherwise try
@@ -244,11 +256,33 @@ def _check_meta_schema(schema: dict, param: str) -> None:
     except jsonschema_rs.ValidationError as exc:
         where = ".".join(str(p) for p in exc.instance_path)
         message = str(exc).strip().splitlines()[0][:200]
+        # `param` names the keyword itself (…schema.properties.zip.pattern), as OpenAI does
         raise invalid_value(
-            param, f"not a valid JSON Schema{f' at {where}' if where else ''}: {message}"
+            _at(param, list(exc.instance_path)),
+            f"not a valid JSON Schema{f' at {where}' if where else ''}: {message}",
         ) from None
     except jsonschema_rs.ReferencingError:  # nothing left to resolve; kept as a 400, not a 500
         raise invalid_value(param, "not a valid JSON Schema: unresolvable $schema") from None
+
+
+def _at(param: str, path: list) -> str:
+    """`param` followed by a JSON path: `.key` for object members, `[i]` for array items."""
+    return param + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path)
+
+
+def _too_deep_path(value: Any, max_depth: int = MAX_DEPTH) -> list:
+    """The path to the first container nested deeper than `max_depth` (the schema is in
+    memory already; walked without recursion, so any depth is safe)."""
+    stack: list[tuple[Any, list]] = [(value, [])]
+    while stack:
+        node, path = stack.pop()
+        if len(path) >= max_depth:
+            return path
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, child in items:
+            if isinstance(child, (dict, list)):
+                stack.append((child, [*path, key]))
+    return []
 
 
 class _RecentDigests:

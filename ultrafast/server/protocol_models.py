@@ -341,12 +341,20 @@ class ChatCompletionRequest(_Common):
         return content if isinstance(content, str) else "".join(p.text or "" for p in content)
 
 
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
 class CompletionRequest(_Common):
     prompt: Any  # str | list[str] | list[int] | list[list[int]], checked by hand (B24)
     logprobs: Int | None = None  # number of top alternatives, 0..20
     echo: bool = False
     suffix: str | None = None
     best_of: Int | None = None  # only 1: each choice is returned as sampled
+
+    def requested_max_tokens(self) -> int | None:
+        # the spec's default, and vLLM's: a raw prompt without max_tokens continues for 16
+        # tokens (chat, which has a stop of its own, runs to the end of the turn instead)
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
     def _logprobs(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0

@@ -49,7 +49,9 @@ MAX_ITEMS_PER_CALL = 1024
 class TextPart(_Strict):
     type: Literal["input_text", "output_text", "text"]
     text: str
-    annotations: list | None = None  # output_text echoes; ignored
+    # a response's own output_text parts, sent back as input, carry these: ignored
+    annotations: list | None = None
+    logprobs: list | None = None
 
 
 class InputItem(_Strict):

@@ -82,12 +82,9 @@ class TextFormat(_Strict):
         """The format as a response body carries it."""
         out: dict[str, Any] = {"type": self.type}
         if self.type == "json_schema":
-            out.update(
-                name=self.name,
-                description=self.description,
-                schema=self.schema_,
-                strict=bool(self.strict),
-            )
+            out.update(name=self.name, schema=self.schema_, strict=bool(self.strict))
+            if self.description is not None:  # omitted when unset, as OpenAI's bodies do
+                out["description"] = self.description
         return out
 
 
@@ -294,10 +291,11 @@ class ResponseBuilder:
     def text_part(text: str) -> dict:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def event(self, name: str, **fields) -> bytes:
-        payload = {"type": name, "sequence_number": self.sequence_number, **fields}
+    def event(self, event_type: str, /, **fields) -> bytes:
+        # positional-only: an event's own fields may include `name` (a function call's)
+        payload = {"type": event_type, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
-        return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+        return b"event: " + event_type.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
     def where(self) -> dict:
         return {"item_id": self.item_id, "output_index": self.message_index, "content_index": 0}

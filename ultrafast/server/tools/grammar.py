@@ -32,7 +32,7 @@ _JSON_OPTIONS = {"item_separator": ",", "key_separator": ":", "whitespace_flexib
 @dataclass(frozen=True)
 class ToolSchema:
     name: str
-    parameters: dict | None  # None: any JSON object
+    parameters: dict | None  # None or {}: no arguments (`{}`)
 
 
 def _lit(text: str, tokens: Mapping[str, int] | None = None) -> str:
@@ -80,10 +80,13 @@ _OPEN_KEYS = frozenset(
 )
 
 
+# a function declared without parameters (or with `{}`) takes none: its arguments are `{}`
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def _schema(parameters: dict | None) -> str:
-    schema: dict[str, Any] = _closed(parameters) if parameters else {"type": "object"}
-    if not parameters or "type" not in schema:
-        schema.setdefault("type", "object")
+    schema: dict[str, Any] = _closed(parameters) if parameters else dict(NO_ARGUMENTS)
+    schema.setdefault("type", "object")
     schema["x-guidance"] = {**_JSON_OPTIONS, **schema.get("x-guidance", {})}
     # properties keep their order: the grammar makes the model write them in it
     return "%json " + json.dumps(schema, separators=(",", ":"), ensure_ascii=False)

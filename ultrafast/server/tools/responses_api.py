@@ -79,7 +79,8 @@ ITEM_TAGS = frozenset({"message", "function_call", "function_call_output"})
 def item_type(value: Any) -> str:
     """Input items are told apart by `type` (a message may leave it out)."""
     kind = value.get("type", "message") if isinstance(value, dict) else "message"
-    return kind if kind in ITEM_TAGS else "message"
+    # a `type` that is not a string ({} or []) is the message model's 400, not a lookup
+    return kind if isinstance(kind, str) and kind in ITEM_TAGS else "message"
 
 
 def plan_from_responses(req: Any, limits: Limits) -> ToolPlan | None:
@@ -221,6 +222,7 @@ class CallEvents:
                 out.append(
                     self.b.event(
                         "response.function_call_arguments.done",
+                        name=e.name,
                         arguments=e.arguments,
                         **where,
                     )
