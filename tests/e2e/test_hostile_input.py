@@ -149,6 +149,19 @@ def test_a_413_closes_without_draining_the_body(server):
         assert closed, "the server kept reading a body it refused"
 
 
+def test_a_client_uploading_a_refused_body_still_reads_the_413(server):
+    """The close lingers (the client's last bytes are dropped, not answered with a reset), so a
+    client that writes the whole body before reading, as httpx does, gets the answer."""
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=b"x" * (5 << 20),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+    assert r.headers["connection"] == "close"
+
+
 def test_a_per_ip_connection_cap_is_on_by_default_above_a_burst(server):
     cap = ServerConfig().max_connections_per_ip
     assert cap >= 2 * 64
