@@ -106,7 +106,9 @@ SCENARIOS = [
         in_ci=True,
     ),
     Scenario(
-        "F30", "corrupt, truncated, foreign KV blobs on disk and in Redis", kv.f30_damaged_blobs
+        "F30",
+        "corrupt, truncated, foreign, forged KV blobs on disk and in Redis",
+        kv.f30_damaged_blobs,
     ),
     Scenario("F31", "the KV disk tier full (budget), then gone", kv.f31_disk_full),
     Scenario("F32", "Redis restarts while KV is saving", kv.f32_redis_restart),
