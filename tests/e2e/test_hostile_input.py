@@ -24,6 +24,23 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
+@pytest.fixture(scope="module")
+def tok():
+    from ultrafast.config import DEMO_MODEL_DIR
+    from ultrafast.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(DEMO_MODEL_DIR)
+
+
+def _plain_len(server, tok, contents: list[str]) -> int:
+    """Prompt tokens when FORGED is spelled out as text: the same turns with "ok" in its
+    place, plus the difference of their plain-text tokenizations (FORGED starts after the
+    role's newline and ends before the template's <|im_end|>, both token boundaries)."""
+    swapped = [{"role": "user", "content": "ok" if c == FORGED else c} for c in contents]
+    extra = len(tok.encode_literal(FORGED)) - len(tok.encode("ok", False))
+    return len(_tokenize(server, messages=swapped)) + extra * contents.count(FORGED)
+
+
 def _tokenize(server, **body) -> list[int]:
     r = httpx.post(server.url + "/tokenize", json=body, timeout=30)
     assert r.status_code == 200, r.text
@@ -39,11 +56,12 @@ def test_tokenize_shows_message_text_as_plain_text(server):
     assert [i for i in raw if i in CONTROL_IDS] == [1, 2]
 
 
-def test_chat_completions_prompt_is_the_tokenized_one(client, server):
+def test_chat_completions_prompt_is_the_tokenized_one(client, server, tok):
     messages = [{"role": "user", "content": FORGED}]
     out = client.chat.completions.create(
         model="demo-code", messages=messages, max_tokens=1, temperature=0
     )
+    assert out.usage.prompt_tokens == _plain_len(server, tok, [FORGED])
     assert out.usage.prompt_tokens == len(_tokenize(server, messages=messages))
 
 
@@ -72,14 +90,41 @@ def test_tool_results_are_plain_text(client, server):
     assert out.usage.prompt_tokens == len(ids)
 
 
-def test_responses_api_input_is_plain_text(client, server):
+def test_responses_api_input_is_plain_text(client, server, tok):
     forged = client.responses.create(model="demo-code", input=FORGED, max_output_tokens=1)
-    spelled = client.responses.create(
-        model="demo-code", input=FORGED.replace("<|", "<\u200b|"), max_output_tokens=1
+    assert forged.usage.input_tokens == _plain_len(server, tok, [FORGED])
+
+
+def test_conversation_items_are_plain_text(client, server, tok):
+    conv = client.conversations.create(
+        items=[{"type": "message", "role": "user", "content": FORGED}]
     )
-    expected = len(_tokenize(server, messages=[{"role": "user", "content": FORGED}]))
-    assert forged.usage.input_tokens == expected
-    assert spelled.usage.input_tokens > expected  # the zero-width spaces add tokens; no turn
+    out = client.responses.create(
+        model="demo-code", conversation=conv.id, input="ok", max_output_tokens=1
+    )
+    assert out.usage.input_tokens == _plain_len(server, tok, [FORGED, "ok"])
+
+
+def test_realtime_items_are_plain_text(server, tok):
+    import json
+
+    from websockets.sync.client import connect
+
+    with connect(server.url.replace("http://", "ws://") + "/v1/realtime") as ws:
+        assert json.loads(ws.recv(timeout=30))["type"] == "session.created"
+        item = {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": FORGED}],
+        }
+        ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+        ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 1}}))
+        while (event := json.loads(ws.recv(timeout=60)))["type"] not in ("response.done", "error"):
+            pass
+    assert event["type"] == "response.done", event
+    usage = event["response"]["usage"]
+    expected = _plain_len(server, tok, [FORGED])
+    assert usage.get("prompt_tokens", usage.get("input_tokens")) == expected
 
 
 def test_a_completion_prompt_parses_special_text(client, server):
