@@ -83,7 +83,8 @@ def test_refused_credentials_are_a_clear_start_up_error(password_redis, userinfo
         assert "wrong" not in str(info.value)  # the password never reaches a message
 
 
-def test_serve_with_a_wrong_password_exits_with_the_reason(password_redis):
+@pytest.mark.parametrize("flag", ["--session-store", "--kv-store"])
+def test_serve_with_a_wrong_password_exits_with_the_reason(password_redis, flag):
     url = f"redis://:wrong@127.0.0.1:{password_redis.port}/0"
     out = subprocess.run(
         [
@@ -95,7 +96,7 @@ def test_serve_with_a_wrong_password_exits_with_the_reason(password_redis):
             "fake",
             "--port",
             str(free_port()),
-            "--session-store",
+            flag,
             url,
         ],
         capture_output=True,
