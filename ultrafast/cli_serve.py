@@ -304,6 +304,14 @@ def _add_session_args(srv: argparse.ArgumentParser) -> None:
         "the user data dir) or redis://host:port/db",
     )
     srv.add_argument(
+        "--redis-ca-file",
+        default=None,
+        metavar="FILE",
+        help="CA certificate(s) that verify rediss:// (TLS) servers: the session store, "
+        "--kv-store and a cluster's shared limits (default: the system's CAs); "
+        "credentials go in the URL: redis://user:password@host:port/db",
+    )
+    srv.add_argument(
         "--session-ttl-s",
         type=float,
         default=ServerConfig.session_ttl_s,
@@ -419,6 +427,13 @@ def _add_kv_cache_args(srv: argparse.ArgumentParser) -> None:
         metavar="redis://HOST:PORT",
         help="Redis for conversations' KV (L3), shared by every server of the same model",
     )
+    srv.add_argument(
+        "--kv-secret-file",
+        default=None,
+        metavar="FILE",
+        help="the secret that signs KV blobs (HMAC-SHA256; created 0600 on first start; "
+        "default: kv-secret in the data dir): replicas sharing KV must share this file",
+    )
 
 
 def kv_cache_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -427,6 +442,8 @@ def kv_cache_options(args: argparse.Namespace) -> dict[str, Any]:
         kv_disk_dir=args.kv_disk_dir,
         kv_disk_gb=args.kv_disk_gb,
         kv_store=args.kv_store,
+        kv_secret_file=args.kv_secret_file,
+        kv_redis_ca_file=args.redis_ca_file,
     )
 
 
@@ -555,6 +572,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         shaper_window_ms=args.shaper_window_ms,
         drain_timeout_s=args.drain_timeout_s,
         session_store=args.session_store,
+        redis_ca_file=args.redis_ca_file,
         session_ttl_s=args.session_ttl_s,
         max_sessions_per_tenant=args.max_sessions_per_tenant,
         api_keys_path=args.api_keys,

@@ -123,6 +123,8 @@ class EngineConfig:
     kv_disk_dir: str | None = None
     kv_disk_gb: float = 10.0  # hard limit of the disk tier
     kv_store: str | None = None  # redis://host:port[/db]: conversations' KV shared by replicas
+    kv_redis_ca_file: str | None = None  # verifies a rediss:// kv_store (--redis-ca-file)
+    kv_secret_file: str | None = None  # signs KV blobs (kvcache/secret.py); None: the data dir's
 
     def __post_init__(self) -> None:
         if self.short_first_window_s < 0:
@@ -211,12 +213,15 @@ class ServerConfig:
     sse_ping_interval_s: float = 15.0  # keeps proxies from cutting idle streams
     header_timeout_s: float = 10.0  # a request head must arrive this fast (slowloris); 0 = off
     body_timeout_s: float = 30.0  # and its body this long after the head; 0 = off
-    max_connections_per_ip: int = 0  # open connections from one client address; 0 = no cap
+    # open connections from one client address (0 = no cap): far above a 64-call burst from one
+    # client, far below what exhausts the server's file descriptors
+    max_connections_per_ip: int = 256
     write_stall_timeout_s: float = 30.0  # a client reading nothing this long is cut; 0 = off
     max_stream_buffer_events: int = 256  # per stream, before undelivered outputs are merged
     max_body_bytes: int = 4 * 1024 * 1024
     max_tokens_cap: int = 4096  # per-request ceiling on max_tokens
     session_store: str = ""  # sqlite:///path or redis://host:port/db; "" = default_session_store()
+    redis_ca_file: str | None = None  # verifies rediss:// servers (session store, shared limits)
     session_ttl_s: float = SESSION_TTL_S  # a session expires this long after its last write
     max_sessions_per_tenant: int = MAX_SESSIONS_PER_TENANT
     session_commit_grace_s: float = 30.0  # an answer's commit is retried this long (store outage)

@@ -161,6 +161,8 @@ def kv_cache_config(config: EngineConfig) -> KVCacheConfig:
         disk_dir=config.kv_disk_dir,
         disk_bytes=int(config.kv_disk_gb * (1 << 30)),
         redis_url=config.kv_store,
+        secret_file=config.kv_secret_file,
+        redis_ca_file=config.kv_redis_ca_file,
     )
 
 

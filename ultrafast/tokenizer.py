@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -115,6 +116,7 @@ class Tokenizer:
         generation_eos: list[int] | None = None,
         *,
         encode_fn: Callable[[str], list[int]] | None = None,
+        encode_literal_fn: Callable[[str], list[int]] | None = None,
         decode_fn: Callable[[list[int], bool], str] | None = None,
         add_eos: bool = False,
         context_length: int | None = None,
@@ -126,6 +128,9 @@ class Tokenizer:
         added tokens marked special, the ones HF `tokenizers` drops)."""
         self._tok = tokenizer
         self._encode_fn = encode_fn  # GGUF vocabularies: llama.cpp's own ids and text
+        self._encode_literal_fn = encode_literal_fn  # the same, special text spelled out
+        self._literal_tok: HFTokenizer | None = None  # built on first use (encode_literal)
+        self._literal_lock = threading.Lock()
         self._decode_fn = decode_fn
         if special_ids is None:
             added = tokenizer.get_added_tokens_decoder()
@@ -209,6 +214,7 @@ class Tokenizer:
             config,
             list(vocab.eog_ids),
             encode_fn=vocab.encode,
+            encode_literal_fn=vocab.encode_literal,
             decode_fn=vocab.decode,
             add_eos=vocab.add_eos,
             context_length=vocab.context_length,
@@ -235,6 +241,20 @@ class Tokenizer:
         if add_special_tokens and self.add_eos and self.eos_token_id is not None:
             ids = ids + [self.eos_token_id]
         return ids
+
+    def encode_literal(self, text: str) -> list[int]:
+        """Ids of `text` with special-token text spelled out as plain text (llama.cpp's
+        parse_special=false; user-defined added tokens are still matched): how a chat message's
+        client text is tokenized (server/sessions/client_text.py)."""
+        if self._encode_literal_fn is not None:
+            return self._encode_literal_fn(text)
+        if self._literal_tok is None:
+            with self._literal_lock:
+                if self._literal_tok is None:  # a twin: the switch is per tokenizer object
+                    twin = HFTokenizer.from_str(self._tok.to_str())
+                    twin.encode_special_tokens = True
+                    self._literal_tok = twin
+        return self._literal_tok.encode(text, add_special_tokens=False).ids
 
     @property
     def special_tokens(self) -> dict[str, int]:

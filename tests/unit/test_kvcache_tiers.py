@@ -20,11 +20,12 @@ from ultrafast.kvcache.manager import KVCacheConfig
 from ultrafast.request import Request, SamplingParams
 
 FP = "f" * 32
+KEY = b"k" * 32
 
 
 def test_blob_round_trip_and_refusals():
-    framed = blob.pack(FP, "alice", [1, 2, 3], b"payload")
-    assert blob.unpack(framed, FP, "alice") == ([1, 2, 3], b"payload")
+    framed = blob.pack(FP, "alice", [1, 2, 3], b"payload", KEY)
+    assert blob.unpack(framed, FP, "alice", KEY) == ([1, 2, 3], b"payload")
     cases = {
         "truncated": framed[:-5],
         "checksum": framed[:20] + bytes([framed[20] ^ 1]) + framed[21:],
@@ -33,12 +34,14 @@ def test_blob_round_trip_and_refusals():
     }
     for name, bad in cases.items():
         with pytest.raises(blob.BlobRefused):
-            blob.unpack(bad, FP, "alice")
+            blob.unpack(bad, FP, "alice", KEY)
         assert name
     with pytest.raises(blob.BlobRefused, match="fingerprint"):
-        blob.unpack(framed, "0" * 32, "alice")
+        blob.unpack(framed, "0" * 32, "alice", KEY)
     with pytest.raises(blob.BlobRefused, match="tenant"):
-        blob.unpack(framed, FP, "bob")
+        blob.unpack(framed, FP, "bob", KEY)
+    with pytest.raises(blob.BlobRefused, match="signature"):
+        blob.unpack(framed, FP, "alice", b"another secret")
 
 
 def test_host_tier_keeps_the_byte_budget_lru():
@@ -214,11 +217,12 @@ def test_a_damaged_disk_blob_recomputes(tmp_path, damage):
         elif damage == "truncate":
             data = data[: len(data) // 2]
         else:
-            token_ids, payload = blob.unpack(data, first.kv_cache.fingerprint, "")
+            key = first.kv_cache.secret
+            token_ids, payload = blob.unpack(data, first.kv_cache.fingerprint, "", key)
             if damage == "foreign":
-                data = blob.pack("0" * 32, "", token_ids, payload)
+                data = blob.pack("0" * 32, "", token_ids, payload, key)
             else:
-                data = blob.pack(first.kv_cache.fingerprint, "eve", token_ids, payload)
+                data = blob.pack(first.kv_cache.fingerprint, "eve", token_ids, payload, key)
         path.write_bytes(data)
     second = _engine(disk_dir=str(tmp_path))
     _, cached = _turn(second, "after", history[0])  # asserts the output is still right
@@ -226,7 +230,7 @@ def test_a_damaged_disk_blob_recomputes(tmp_path, damage):
     assert sum(second.kv_cache.stats.refusals.values()) >= 1
     second.close()  # the new turn's write-through (a worker thread) has landed by now
     for path in tmp_path.glob("*.kv"):  # the refused blob is gone: what is left is sound
-        blob.unpack(path.read_bytes(), second.kv_cache.fingerprint, "")
+        blob.unpack(path.read_bytes(), second.kv_cache.fingerprint, "", second.kv_cache.secret)
 
 
 def test_abort_while_waiting_for_an_l3_read(tmp_path):

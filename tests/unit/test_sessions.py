@@ -222,3 +222,20 @@ def test_unwritable_sqlite_is_unavailable_not_a_crash(tmp_path):
 def test_bad_store_urls_are_refused():
     with pytest.raises(ValueError):
         open_store("postgres://x")
+
+
+def test_the_embedded_store_is_created_private(tmp_path):
+    """sessions.db (and its WAL files) 0600 in a 0700 directory: conversations are private."""
+    import stat
+
+    path = tmp_path / "state" / "sessions.db"
+
+    async def body(store):
+        await store.create("t", "s1")
+        await store.append("t", "s1", Turn("u0", "user", "hello"))
+
+    run(_with_store(f"sqlite:///{path}", body))
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    files = [p for p in path.parent.iterdir() if p.name.startswith("sessions.db")]
+    assert path in files
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), files

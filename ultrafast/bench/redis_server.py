@@ -23,7 +23,14 @@ class RedisServerMissing(RuntimeError):
 
 
 class RedisServer:
-    def __init__(self, data_dir: str | Path | None = None, port: int | None = None):
+    def __init__(
+        self,
+        data_dir: str | Path | None = None,
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+    ):
+        """`extra_args`: more redis-server options (`--requirepass`, `--user`, `--tls-port`
+        ...); the plain port stays open on loopback, so readiness is seen without them."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RedisServerMissing(
@@ -34,6 +41,7 @@ class RedisServer:
         self.dir = Path(data_dir or tempfile.mkdtemp(prefix="ultrafast-redis-"))
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.extra_args = tuple(extra_args)
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -59,6 +67,7 @@ class RedisServer:
                 "no",
                 "--loglevel",
                 "warning",
+                *self.extra_args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -76,7 +85,7 @@ class RedisServer:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+                return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))  # up, with a password
         except OSError:
             return False
 

@@ -64,7 +64,10 @@ class EngineReplica:
         if spec.limits_store and self.state.api_keys is not None:
             from ultrafast.cluster.shared_limits import SharedLimits, share_buckets
 
-            share_buckets(self.state.api_keys, SharedLimits(spec.limits_store, spec.limits_fail))
+            shared = SharedLimits(
+                spec.limits_store, spec.limits_fail, ca_file=spec.server.redis_ca_file
+            )
+            share_buckets(self.state.api_keys, shared)
         self.app = build_app(self.state)
         self.websockets = WebSocketCalls(self.app)
         self.http_port: int | None = None  # the app on 127.0.0.1, for the ingress's direct calls

@@ -175,10 +175,11 @@ def run_cluster(spec, replicas: int, address: str | None, direct: bool = True) -
 
         watch = DeathWatch(poller.router, backends.names, backends.watch)
         from ultrafast.server.http_timeouts import protocol_class
+        from ultrafast.server.unread_body import CloseOnUnreadBody
 
         cfg = spec.server
         config = uvicorn.Config(
-            app,
+            CloseOnUnreadBody(app),
             host=cfg.host,
             port=cfg.port,
             log_level="warning",

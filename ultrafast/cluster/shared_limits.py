@@ -53,9 +53,16 @@ class SharedLimits:
     """One Redis connection and the outage state for every bucket of this process."""
 
     def __init__(
-        self, url: str, fail: str = "open", prefix: str = "ultrafast:limits:", retry_s: float = 1.0
+        self,
+        url: str,
+        fail: str = "open",
+        prefix: str = "ultrafast:limits:",
+        retry_s: float = 1.0,
+        ca_file: str | None = None,
     ):
         import redis
+
+        from ultrafast.redis_conn import check_at_start, client_options
 
         if fail not in FAIL_MODES:
             raise ValueError(f"--limits-fail must be one of {FAIL_MODES}, not {fail!r}")
@@ -63,7 +70,10 @@ class SharedLimits:
         self.prefix = prefix
         self.retry_s = retry_s
         # short timeouts: a take runs on the event loop, and an outage must not stall it long
-        self.client = redis.Redis.from_url(url, socket_timeout=0.2, socket_connect_timeout=0.2)
+        check_at_start(url, "shared rate limits", ca_file)  # refused credentials: ValueError
+        self.client = redis.Redis.from_url(
+            url, socket_timeout=0.2, socket_connect_timeout=0.2, **client_options(url, ca_file)
+        )
         self._script = self.client.register_script(_BUCKET_SCRIPT)
         self._down_until = 0.0
         self.errors = 0  # Redis calls that failed (for /metrics and the tests)

@@ -1,23 +1,27 @@
-"""The framing of one exported slot: fingerprint, tenant, token ids, executor payload, checksum.
+"""The framing of one exported slot: fingerprint, tenant, token ids, executor payload, MAC.
 
-    b"UFKV" | u16 version | u16 header length | header (JSON) | i32 token ids | payload | sha256
+    b"UFKV" | u16 version | u16 header length | header (JSON) | i32 token ids | payload | mac
 
 The header names the fingerprint, the tenant digest, the token count and the payload length;
-the trailing sha256 covers everything before it, so a truncated or flipped blob is refused
-before any byte reaches the executor. `unpack` refuses with a reason (BlobRefused), never
-returns a payload it could not check.
+the trailing HMAC-SHA256 under the server secret (secret.py) covers everything before it, so
+a truncated or flipped blob, and one whose bytes were changed by whoever can write the disk
+directory or Redis (a plain checksum they could recompute), or one a server with another
+secret wrote, is refused before any byte reaches the executor. `unpack` refuses with a reason
+(BlobRefused), never returns a payload it could not check. Version 1 blobs (a bare sha256,
+unsigned) are refused like any other unauthenticated blob: those turns recompute once.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 
 import numpy as np
 
 MAGIC = b"UFKV"
-VERSION = 1
+VERSION = 2
 _PREFIX = struct.Struct("<4sHH")
 _DIGEST_LEN = 32
 
@@ -30,7 +34,11 @@ def tenant_digest(tenant: str) -> str:
     return hashlib.sha256(b"ultrafast-kv-tenant:" + tenant.encode()).hexdigest()[:16]
 
 
-def pack(fingerprint: str, tenant: str, token_ids: list[int], payload: bytes) -> bytes:
+def _mac(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).digest()
+
+
+def pack(fingerprint: str, tenant: str, token_ids: list[int], payload: bytes, key: bytes) -> bytes:
     header = json.dumps(
         {
             "fingerprint": fingerprint,
@@ -48,11 +56,12 @@ def pack(fingerprint: str, tenant: str, token_ids: list[int], payload: bytes) ->
             payload,
         )
     )
-    return body + hashlib.sha256(body).digest()
+    return body + _mac(key, body)
 
 
-def unpack(blob: bytes, fingerprint: str, tenant: str) -> tuple[list[int], bytes]:
-    """(token ids, payload) of a blob made under `fingerprint` for `tenant`, else BlobRefused."""
+def unpack(blob: bytes, fingerprint: str, tenant: str, key: bytes) -> tuple[list[int], bytes]:
+    """(token ids, payload) of a blob signed with `key` under `fingerprint` for `tenant`, else
+    BlobRefused."""
     if len(blob) < _PREFIX.size + _DIGEST_LEN:
         raise BlobRefused(f"blob of {len(blob)} bytes is truncated")
     magic, version, header_len = _PREFIX.unpack_from(blob)
@@ -61,8 +70,11 @@ def unpack(blob: bytes, fingerprint: str, tenant: str) -> tuple[list[int], bytes
     if version != VERSION:
         raise BlobRefused(f"blob layout version {version}, this server reads {VERSION}")
     body, digest = blob[:-_DIGEST_LEN], blob[-_DIGEST_LEN:]
-    if hashlib.sha256(body).digest() != digest:
-        raise BlobRefused("blob checksum mismatch (corrupt or truncated)")
+    if not hmac.compare_digest(_mac(key, body), digest):
+        raise BlobRefused(
+            "blob signature mismatch (corrupt, truncated, altered, or made by a server with "
+            "another KV secret)"
+        )
     start = _PREFIX.size
     try:
         header = json.loads(body[start : start + header_len])

@@ -3,6 +3,8 @@ leaves the old blob or the new one, never half of one), within a hard byte budge
 
 The index (key -> size, last use) is rebuilt from the directory at start, so a restarted
 server finds its conversations' KV. Leftover temporary files of a crash are removed then.
+Blobs are created 0600 and a directory this tier creates is 0700: conversations' KV is as
+private as their text.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class DiskTier:
 
     def __init__(self, directory: str | Path, budget_bytes: int):
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.budget_bytes = budget_bytes
         self.stats = TierStats()
         self._failures = FailureLog(self.name, self.stats)
@@ -93,7 +95,8 @@ class DiskTier:
             self._evict_to(self.budget_bytes - len(blob), keep=key)
         tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
         try:
-            with open(tmp, "wb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with open(fd, "wb") as f:
                 f.write(blob)
                 f.flush()
                 os.fsync(f.fileno())

@@ -59,6 +59,11 @@ class HostTier:
             self.stats.bytes_read += entry.nbytes
             return entry
 
+    def resolve(self, key: str) -> str:
+        """The key of the entry `key` names (itself, or the entry an alias points at)."""
+        with self._lock:
+            return self._resolve(key)
+
     def contains(self, key: str) -> bool:
         with self._lock:
             return self._resolve(key) in self._entries

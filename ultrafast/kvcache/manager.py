@@ -13,7 +13,11 @@ tenant, compared before any import: a hash collision or a foreign blob recompute
 - L3 fetch: a request whose prefix is only in L3 is held out of the queue while a worker
   thread reads it into L2 (the engine never waits on disk or Redis)
 
-The executor calls (export/import) run on the engine thread between steps; framing, checksums
+A blob read from L3 must carry the HMAC of this server's secret (blob.py, secret.py); a blob
+refused for any reason (forged, foreign, another tenant's, tokens that differ from the prompt,
+an import the executor rejects) is deleted from every tier, so no later turn reads it again.
+
+The executor calls (export/import) run on the engine thread between steps; framing, MACs
 and all disk/Redis I/O run on the worker threads.
 """
 
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ultrafast.core.kv_pool import block_hashes
-from ultrafast.kvcache import blob
+from ultrafast.kvcache import blob, secret
 from ultrafast.kvcache.host import HostEntry, HostTier
 from ultrafast.kvcache.tiers import KVTier
 
@@ -50,6 +54,8 @@ class KVCacheConfig:
     disk_bytes: int = 10 << 30
     redis_url: str | None = None  # L3 in Redis (redis://127.0.0.1:PORT)
     redis_ttl_s: int = 86400
+    redis_ca_file: str | None = None  # verifies a rediss:// server (redis_conn.py)
+    secret_file: str | None = None  # the KV secret (secret.py); None = kv-secret in the data dir
     fetch_timeout_s: float = 5.0  # a request waits at most this long for its L3 read
     skip_slower_restores: bool = True  # False: restore even when recomputing looks faster
 
@@ -87,7 +93,16 @@ class KVCacheStats:
         self.restore_latency_buckets[index] += 1
 
 
-REFUSAL_LABELS = ("checksum", "truncated", "fingerprint", "tenant", "version", "executor", "tokens")
+REFUSAL_LABELS = (
+    "signature",
+    "checksum",
+    "truncated",
+    "fingerprint",
+    "tenant",
+    "version",
+    "executor",
+    "tokens",
+)
 
 
 def refusal_label(reason: str) -> str:
@@ -130,7 +145,7 @@ def build_tiers(config: KVCacheConfig) -> tuple[HostTier, list[KVTier]]:
     if config.redis_url:
         from ultrafast.kvcache.redis_tier import RedisTier
 
-        persistent.append(RedisTier(config.redis_url, config.redis_ttl_s))
+        persistent.append(RedisTier(config.redis_url, config.redis_ttl_s, config.redis_ca_file))
     host_bytes = config.host_bytes or (STAGING_HOST_BYTES if persistent else 0)
     return HostTier(host_bytes), persistent
 
@@ -142,6 +157,8 @@ class KVCacheManager:
         self.pool = pool
         self.fingerprint: str = executor.kv_fingerprint()
         self.host, self.persistent = build_tiers(config)
+        # signs and checks every L3 blob; ValueError (a start-up error) if it cannot be read
+        self.secret = secret.load_or_create(config.secret_file) if self.persistent else b""
         self.stats = KVCacheStats()
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kv-io")
         self._writes: set[concurrent.futures.Future] = set()
@@ -192,10 +209,14 @@ class KVCacheManager:
         self.stats.num_saves += 1
         self.stats.bytes_saved += len(payload)
         if self.persistent:
-            future = self._io.submit(self._write_l3, key, slot.tenant, entry)
-            with self._writes_lock:
-                self._writes.add(future)
-            future.add_done_callback(self._write_done)
+            self._submit_write(self._write_l3, key, slot.tenant, entry)
+
+    def _submit_write(self, fn: Any, *args: Any) -> None:
+        """An L3 write or delete on a worker (flush() waits for it)."""
+        future = self._io.submit(fn, *args)
+        with self._writes_lock:
+            self._writes.add(future)
+        future.add_done_callback(self._write_done)
 
     def _write_done(self, future: concurrent.futures.Future) -> None:
         with self._writes_lock:
@@ -204,7 +225,7 @@ class KVCacheManager:
             log.error("KV write failed unexpectedly", exc_info=future.exception())
 
     def _write_l3(self, key: str, tenant: str, entry: HostEntry) -> None:
-        framed = blob.pack(self.fingerprint, tenant, entry.token_ids, entry.payload)
+        framed = blob.pack(self.fingerprint, tenant, entry.token_ids, entry.payload, self.secret)
         for tier in self.persistent:
             tier.put(key, framed)  # a failure is counted and logged by the tier
 
@@ -256,7 +277,7 @@ class KVCacheManager:
             if framed is None:
                 continue
             try:
-                token_ids, payload = blob.unpack(framed, self.fingerprint, tenant)
+                token_ids, payload = blob.unpack(framed, self.fingerprint, tenant, self.secret)
             except blob.BlobRefused as exc:
                 self._refuse(str(exc), key, tier)
                 continue
@@ -266,9 +287,18 @@ class KVCacheManager:
             return
 
     def _refuse(self, reason: str, key: str, tier: Any) -> None:
+        """Count and log a refused blob and delete it from every tier (L2 now, L3 on a worker:
+        this may be the engine thread), so no later fetch reads it again."""
         log.warning("KV blob %s in %s refused: %s; the turn recomputes", key, tier.name, reason)
         self.stats.refusals[refusal_label(reason)] += 1
-        tier.delete(key)
+        key = self.host.resolve(key)  # an alias names the entry's own key
+        self.host.delete(key)
+        if self.persistent:
+            self._submit_write(self._delete_l3, key)
+
+    def _delete_l3(self, key: str) -> None:
+        for tier in self.persistent:
+            tier.delete(key)  # a failure is counted and logged by the tier
 
     def has_held(self) -> bool:
         return bool(self._held)

@@ -17,11 +17,22 @@ KEY_PREFIX = "uf:kv:"
 class RedisTier:
     name = "redis"
 
-    def __init__(self, url: str, ttl_s: int = 86400, max_blob_bytes: int = 512 << 20):
+    def __init__(
+        self,
+        url: str,
+        ttl_s: int = 86400,
+        ca_file: str | None = None,
+        max_blob_bytes: int = 512 << 20,
+    ):
         import redis  # a core dependency; imported only when configured
 
+        from ultrafast.redis_conn import check_at_start, client_options
+
+        check_at_start(url, "KV store (--kv-store)", ca_file)  # refused credentials: ValueError
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
-        self._redis = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=1.0)
+        self._redis = redis.Redis.from_url(
+            url, socket_timeout=2.0, socket_connect_timeout=1.0, **client_options(url, ca_file)
+        )
         self.url, self.ttl_s, self.max_blob_bytes = url, ttl_s, max_blob_bytes
         self.stats = TierStats()
         self._failures = FailureLog(self.name, self.stats)

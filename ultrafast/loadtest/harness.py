@@ -71,6 +71,10 @@ class ServerSpec:
             str(self.max_model_len),
             "--priority-ttft-ms",
             "10000",
+            # hundreds of concurrent calls from one loopback client: no per-IP cap unless the
+            # scenario's own flags set one (they come later and win)
+            "--max-connections-per-ip",
+            "0",
         ]
         if self.executor == "fake":
             cmd += ["--executor", "fake", "--fake-step-ms", str(self.fake_step_ms)]

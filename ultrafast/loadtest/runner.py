@@ -100,7 +100,15 @@ SCENARIOS = [
     Scenario("F15", "near-cap and over-cap prompts in parallel", f.f15_huge_prompts, in_ci=True),
     Scenario("F16", "retry with the same Idempotency-Key", st.f16_idempotent_retry, in_ci=True),
     Scenario(
-        "F30", "corrupt, truncated, foreign KV blobs on disk and in Redis", kv.f30_damaged_blobs
+        "F37",
+        "turn markers inside chat messages never become control tokens",
+        f.f37_control_text,
+        in_ci=True,
+    ),
+    Scenario(
+        "F30",
+        "corrupt, truncated, foreign, forged KV blobs on disk and in Redis",
+        kv.f30_damaged_blobs,
     ),
     Scenario("F31", "the KV disk tier full (budget), then gone", kv.f31_disk_full),
     Scenario("F32", "Redis restarts while KV is saving", kv.f32_redis_restart),
@@ -135,6 +143,7 @@ RUN_ORDER = [
     "F3b",
     "F12",
     "F15",
+    "F37",
     "L2",
     "F11",
     "F10",

@@ -11,6 +11,7 @@ a hang, and say so in the metrics.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -68,9 +69,13 @@ async def _until(condition, timeout_s: float = 10.0) -> bool:
 
 
 def _damage(blobs: list[bytes], i: int) -> bytes:
-    """Conversation i's blob damaged one of four ways; `blobs` are all conversations' blobs."""
+    """Conversation i's blob damaged one of five ways; `blobs` are all conversations' blobs."""
     data = blobs[i]
-    kind = i % 4
+    kind = i % 5
+    if kind == 4:  # forged: a payload byte changed and the sha256 trailer recomputed
+        body = bytearray(data[:-32])
+        body[-8] ^= 0x01
+        return bytes(body) + hashlib.sha256(bytes(body)).digest()
     if kind == 0:
         return data[:40] + bytes([data[40] ^ 0xFF]) + data[41:]  # a flipped byte
     if kind == 1:
@@ -84,7 +89,7 @@ async def f30_damaged_blobs(ctx: Context, result: Result) -> None:
     redis = RedisServer()
     disk = Path(tempfile.mkdtemp(prefix="uf-f30-"))
     spec = kv_spec("--kv-disk-dir", str(disk), "--kv-store", redis.url)
-    convs = [Conversation(ctx) for _ in range(ctx.size(8, 4))]
+    convs = [Conversation(ctx) for _ in range(ctx.size(10, 5))]
     try:
         srv = await start_server(ctx, spec)
         try:

@@ -62,6 +62,7 @@ class GgufVocab:
     pre: str
     spm: SpmEncoder | None = field(default=None, repr=False)  # for "llama" vocabularies
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _literal: HFTokenizer | None = field(default=None, repr=False)  # encode_literal's twin
 
     def encode(self, text: str, parse_special: bool = True) -> list[int]:
         """llama.cpp's llama_tokenize(add_special=False, parse_special)."""
@@ -69,12 +70,21 @@ class GgufVocab:
             return self.spm.encode(text, parse_special)
         if parse_special:
             return self.hf_tokenizer.encode(text, add_special_tokens=False).ids
-        with self._lock:  # parity checks only: HF keeps this switch on the shared object
-            self.hf_tokenizer.encode_special_tokens = True
-            try:
-                return self.hf_tokenizer.encode(text, add_special_tokens=False).ids
-            finally:
-                self.hf_tokenizer.encode_special_tokens = False
+        return self.encode_literal(text)
+
+    def encode_literal(self, text: str) -> list[int]:
+        """llama_tokenize(parse_special=false): control tokens' text is spelled as plain text
+        (user-defined tokens are still matched). A twin tokenizer does it: HF keeps the
+        switch on the tokenizer object, which other threads share."""
+        if self.spm is not None:
+            return self.spm.encode(text, False)
+        if self._literal is None:
+            with self._lock:
+                if self._literal is None:
+                    twin = HFTokenizer.from_str(self.hf_tokenizer.to_str())
+                    twin.encode_special_tokens = True
+                    self._literal = twin
+        return self._literal.encode(text, add_special_tokens=False).ids
 
     def token_text(self, token_id: int | None) -> str | None:
         if token_id is None:

@@ -39,6 +39,7 @@ from ultrafast.server.protocol import (
     parse_chat_request,
     parse_completion_request,
 )
+from ultrafast.server.sessions.chat_tokens import encode_chat
 from ultrafast.server.sessions.flow import ChatSession
 from ultrafast.server.sessions.realtime import realtime_routes
 from ultrafast.server.sessions.replay import replay_response
@@ -134,9 +135,8 @@ def build_app(state: ServerState) -> Starlette:
 
     async def tokenize(http: HTTPRequest) -> Response:
         body = await read_json(http, state)
-        text = _tokenize_input(state, body)
         ids = await asyncio.get_running_loop().run_in_executor(
-            state.pool, state.tokenizer.encode, text, bool(body.get("add_special_tokens", True))
+            state.pool, _tokenize_ids, state, body
         )
         return JSONResponse(
             {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
@@ -240,14 +240,16 @@ def conversation_routes(state: ServerState) -> list:
     return [*responses_routes(state), *realtime_routes(state), *stored_chat_routes(state)]
 
 
-def _tokenize_input(state: ServerState, body: dict) -> str:
+def _tokenize_ids(state: ServerState, body: dict) -> list[int]:
+    """A raw `prompt` as /v1/completions tokenizes it (special-token text parsed); `messages`
+    as a chat call does (encode_chat: client text never becomes control ids)."""
     if isinstance(body.get("prompt"), str):
-        return body["prompt"]
+        return state.tokenizer.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
     messages = body.get("messages")
     if isinstance(messages, list) and messages:
         req = parse_chat_request({"messages": messages}, state.limits)
         try:
-            return state.tokenizer.apply_chat_template(req.messages_for_template())
+            return encode_chat(state.tokenizer, chat_messages(req))
         except ChatTemplateError as exc:
             raise template_error(exc, "messages") from None
     raise APIError(

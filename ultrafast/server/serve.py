@@ -51,6 +51,7 @@ from ultrafast.server.sessions.backends import open_store
 from ultrafast.server.sessions.flow import SessionFlow
 from ultrafast.server.state import ServerState
 from ultrafast.server.tenants import load_api_keys
+from ultrafast.server.unread_body import CloseOnUnreadBody
 
 log = logging.getLogger("ultrafast")
 
@@ -232,6 +233,7 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
         config.session_store or default_session_store(),
         config.session_ttl_s,
         config.max_sessions_per_tenant,
+        config.redis_ca_file,
     )
     state = ServerState(
         config=config,
@@ -282,7 +284,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         log.warning("listening on %s: reachable from other machines", config.host)
     state = build_state(engine_config, config)
     uv_config = uvicorn.Config(
-        build_app(state),
+        CloseOnUnreadBody(build_app(state)),  # an early 413 closes instead of draining
         host=config.host,
         port=config.port,
         log_level="warning",

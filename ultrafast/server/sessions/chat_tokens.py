@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ultrafast.server.sessions import client_text
+
 _SENTINEL = "\ue000{}\ue001"  # private-use code points: never in a template's own text
 _SPLIT = re.compile("\ue000([0-9]+)\ue001")
 
@@ -42,35 +44,42 @@ class ChatMessage:
 def encode_plain(
     tokenizer, messages: list[ChatMessage], template_vars: dict | None = None
 ) -> list[int]:
-    text = tokenizer.apply_chat_template(template_messages(messages), **(template_vars or {}))
-    return tokenizer.encode(text, False)
+    """Render, then tokenize the whole text (client text as plain text: client_text.py)."""
+    client = client_text.for_tokenizer(tokenizer)
+    literals: list[str] = []
+    public = client.mark(template_messages(messages), literals)
+    variables = client.mark(template_vars or {}, literals)
+    return client.encode(tokenizer.apply_chat_template(public, **variables), literals)
 
 
 def encode_chat(
     tokenizer, messages: list[ChatMessage], template_vars: dict | None = None
 ) -> list[int]:
     """Token ids of the chat prompt; a message's `token_ids` are its content's ids.
-    `template_vars`: extra template variables (`tools`, server/tools/render.py)."""
+    `template_vars`: extra template variables (`tools`, server/tools/render.py).
+    Client text is tokenized as plain text: only the template's markup gives control ids."""
     spliced = [i for i, m in enumerate(messages) if m.token_ids]
-    variables = template_vars or {}
     if not spliced:
-        return encode_plain(tokenizer, messages, variables)
-    public = template_messages(messages)
+        return encode_plain(tokenizer, messages, template_vars)
+    client = client_text.for_tokenizer(tokenizer)
+    literals: list[str] = []
+    public = client.mark(template_messages(messages), literals)
+    variables = client.mark(template_vars or {}, literals)
     marked = [
         {**m, "content": _SENTINEL.format(i)} if i in spliced else m for i, m in enumerate(public)
     ]
     pieces = _SPLIT.split(tokenizer.apply_chat_template(marked, **variables))  # text, i, ...
     if [int(i) for i in pieces[1::2]] != spliced:  # a content dropped, repeated or reordered
-        return encode_plain(tokenizer, messages, variables)
+        return encode_plain(tokenizer, messages, template_vars)
     ids: list[int] = []
     for k, text in enumerate(pieces[0::2]):
         if text:
-            ids += tokenizer.encode(text, False)
+            ids += client.encode(text, literals)
         if k < len(spliced):
             ids += list(messages[spliced[k]].token_ids or ())
-    expected = tokenizer.apply_chat_template(public, **variables)
+    expected = client.restore(tokenizer.apply_chat_template(public, **variables), literals)
     if tokenizer.decode(ids, skip_special_tokens=False) != expected:
-        return encode_plain(tokenizer, messages, variables)
+        return encode_plain(tokenizer, messages, template_vars)
     return ids
 
 

@@ -58,6 +58,8 @@ class RedisStore(SessionStore):
         from redis.backoff import ExponentialBackoff
         from redis.exceptions import ConnectionError as RedisConnectionError
 
+        from ultrafast.redis_conn import client_options
+
         self.config = config
         self._errors = (aioredis.RedisError, OSError, asyncio.TimeoutError)
         # A pooled connection that a Redis restart or a link reset killed fails on its next
@@ -73,6 +75,7 @@ class RedisStore(SessionStore):
                 ExponentialBackoff(cap=0.2, base=0.01), 3, supported_errors=(RedisConnectionError,)
             ),
             retry_on_error=[RedisConnectionError],
+            **client_options(config.url, config.ca_file),
         )
         self._append = self._redis.register_script(_APPEND_LUA)
         self._create = self._redis.register_script(_CREATE_LUA)

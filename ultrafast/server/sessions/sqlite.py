@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,7 +50,9 @@ class SQLiteStore(SessionStore):
 
     def _connect(self) -> sqlite3.Connection:
         if self._db is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # created 0600 (sqlite gives its -wal and -shm files the database file's mode)
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
             db = sqlite3.connect(
                 str(self.path),
                 timeout=self.config.timeout_s,

@@ -109,6 +109,7 @@ class StoreConfig:
     ttl_s: float = DEFAULT_TTL_S
     max_sessions_per_tenant: int = DEFAULT_MAX_SESSIONS_PER_TENANT
     timeout_s: float = 2.0  # per backend call: a slow store fails the request, never hangs it
+    ca_file: str | None = None  # verifies a rediss:// server (redis_conn.py)
 
 
 class SessionStore:
