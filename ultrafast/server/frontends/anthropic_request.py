@@ -13,13 +13,16 @@ import json
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
+from pydantic import Field
+
 from ultrafast.request import ServiceTier
 from ultrafast.server.calls import CallInput, check_options, plain_params
 from ultrafast.server.errors import invalid_value, too_large, unsupported_content
 from ultrafast.server.frontends.common import ToolSpec, tool_plan, validated
-from ultrafast.server.protocol import Limits
+from ultrafast.server.protocol import Limits, _require_feature, check_client_schema
 from ultrafast.server.protocol_models import BY_JSON_TYPE, JSON_ARRAY, JSON_STRING, _Strict
 from ultrafast.server.sessions.chat_tokens import ChatMessage
+from ultrafast.server.structured import json_format_grammar
 from ultrafast.server.tools.plan import ToolPlan
 
 MEDIA_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
@@ -88,6 +91,19 @@ class Metadata(_Strict):
     user_id: str | None = None
 
 
+class OutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    """Structured output (`format`) through the grammar path; `effort` is a reasoning hint
+    this model has no use for (accepted)."""
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+
 class MessageParam(_Strict):
     role: Literal["user", "assistant"]
     content: Annotated[Annotated[str, JSON_STRING] | Annotated[list[Any], JSON_ARRAY], BY_JSON_TYPE]
@@ -113,6 +129,15 @@ class MessagesRequest(_Strict):
     stream: bool | None = None
     service_tier: str | None = None
     thinking: Any = None  # only {"type": "disabled"}
+    output_config: OutputConfig | None = None
+    speed: Literal["standard", "fast"] | None = None  # fast: the priority tier
+    # hints of Anthropic's platform, accepted and not needed here (the prefix cache is
+    # automatic, there is one place and one workspace)
+    cache_control: Any = None
+    inference_geo: str | None = None
+    diagnostics: Any = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
 
 
 class CountTokensRequest(_Strict):
@@ -279,6 +304,10 @@ def _check_ranges(req: MessagesRequest, limits: Limits) -> tuple[ServiceTier, bo
         max_tokens=req.max_tokens,
         max_tokens_param="max_tokens",
     )
+    if req.speed == "fast":  # Anthropic's fast mode is this server's priority tier
+        if req.service_tier not in (None, "auto", "priority"):
+            raise invalid_value("speed", "speed fast is the priority tier, not standard_only")
+        return ServiceTier.PRIORITY, False
     if req.service_tier is None:
         return ServiceTier.DEFAULT, False
     if req.service_tier not in TIERS:
@@ -295,6 +324,12 @@ def call_input(req: MessagesRequest, limits: Limits, request_id: str) -> CallInp
     params = plain_params(req.temperature, req.top_p, limits)
     if req.top_k is not None:
         params = replace(params, top_k=req.top_k if req.top_k < limits.vocab_size else 0)
+    fmt = req.output_config.format if req.output_config else None
+    if fmt is not None:
+        param = "output_config.format.schema"
+        check_client_schema(fmt.schema_, param, limits, param)
+        _require_feature("response_format", limits)
+        params = replace(params, grammar=json_format_grammar("json_schema", fmt.schema_, True))
     return CallInput(
         chat=True,
         params=params,
@@ -310,5 +345,5 @@ def call_input(req: MessagesRequest, limits: Limits, request_id: str) -> CallInp
         tier_param="service_tier",
         prompt_param="messages",
         max_tokens_param="max_tokens",
-        grammar_param="tools",
+        grammar_param="output_config.format" if fmt is not None else "tools",
     )
