@@ -274,3 +274,16 @@ def test_stop_matcher_reports_which_stop_ended_the_text():
     assert matcher.push("abc #") == ("abc ", False) and matcher.matched is None
     assert matcher.push("# then END") == ("abc "[4:], True)
     assert matcher.matched == "##"  # the earliest in the text, not the first listed
+
+
+def test_ollama_calls_are_objects_and_cut_ones_empty():
+    from ultrafast.server.frontends.ollama import ollama_calls
+
+    calls = (
+        {"function": {"name": "a", "arguments": '{"x":1}'}},
+        {"function": {"name": "b", "arguments": '{"x'}},
+    )
+    assert ollama_calls(calls) == [
+        {"function": {"name": "a", "arguments": {"x": 1}}},
+        {"function": {"name": "b", "arguments": {}}},
+    ]
