@@ -135,6 +135,15 @@ def test_anthropic_service_tier(tier, expected):
         ({"stop_sequences": [""]}, "stop_sequences"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"top_p": 0}, "top_p"),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "{"}]},
+            "messages[1].role",
+        ),
+        (
+            {"output_config": {"format": {"type": "json_schema", "schema": []}}},
+            "output_config.format.schema",
+        ),
+        ({"speed": "fast", "service_tier": "standard_only"}, "speed"),
     ],
 )
 def test_anthropic_refusals_name_the_field(fields, param):
@@ -259,6 +268,7 @@ def test_ollama_generate_raw_is_a_plain_completion():
         (GenerateRequest, {"images": ["a"]}, "images"),
         (GenerateRequest, {"suffix": "x"}, "suffix"),
         (GenerateRequest, {"context": [1, 2]}, "context"),
+        (ChatRequest, {"messages": [{"role": "assistant", "content": "x"}]}, "messages[0].role"),
     ],
 )
 def test_ollama_refusals_name_the_field(kind, fields, param):

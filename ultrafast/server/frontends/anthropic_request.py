@@ -321,6 +321,12 @@ def _check_ranges(req: MessagesRequest, limits: Limits) -> tuple[ServiceTier, bo
 def call_input(req: MessagesRequest, limits: Limits, request_id: str) -> CallInput:
     tier, auto = _check_ranges(req, limits)
     messages = to_messages(req, limits)
+    if req.messages[-1].role == "assistant":  # a prefill would be answered as a whole turn
+        raise invalid_value(
+            f"messages[{len(req.messages) - 1}].role",
+            "the last message must be a user turn: continuing an assistant turn (prefill) "
+            "is not available on this server",
+        )
     params = plain_params(req.temperature, req.top_p, limits)
     if req.top_k is not None:
         params = replace(params, top_k=req.top_k if req.top_k < limits.vocab_size else 0)

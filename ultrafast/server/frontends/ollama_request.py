@@ -155,6 +155,12 @@ def chat_messages(req: ChatRequest) -> list[ChatMessage]:
             if answered is not None:
                 extra["tool_call_id"] = answered
         out.append(ChatMessage(m.role, m.content, extra=extra))
+    if out and out[-1].role == "assistant":  # a prefill would be answered as a whole turn
+        raise invalid_value(
+            f"messages[{len(out) - 1}].role",
+            "the last message must not be the assistant's: continuing an assistant turn "
+            "is not available on this server",
+        )
     return out
 
 
