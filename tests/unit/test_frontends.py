@@ -297,3 +297,19 @@ def test_ollama_calls_are_objects_and_cut_ones_empty():
         {"function": {"name": "a", "arguments": {"x": 1}}},
         {"function": {"name": "b", "arguments": {}}},
     ]
+
+
+def test_x_api_key_maps_to_the_same_tenant_as_bearer():
+    from ultrafast.server.auth import authenticate
+    from ultrafast.server.tenants import hash_key, parse_api_keys
+
+    keys = parse_api_keys({"tenants": [{"name": "acme", "keys": [{"sha256": hash_key("k-1")}]}]})
+
+    def scope(*headers):
+        return {"type": "http", "path": "/v1/messages", "headers": list(headers)}
+
+    assert authenticate(keys, scope((b"x-api-key", b"k-1"))).name == "acme"
+    assert authenticate(keys, scope((b"authorization", b"Bearer k-1"))).name == "acme"
+    for bad in [((b"x-api-key", b"k-2"),), ((b"x-api-key", b" "),), ((b"x-api-key", b"k-1"),) * 2]:
+        error = refusal(authenticate, keys, scope(*bad))
+        assert error.status == 401 and error.type == "authentication_error"
