@@ -50,7 +50,7 @@ SEEDS = {
     "/api/show": {"model": MODEL},
 }
 ODD_VALUES = [None, 0, -1, 1.5, 1e308, "", "x", True, [], [1, "a"], {}, {"k": None}]
-PER_ROUTE = 40
+PER_ROUTE = 60
 # the length limits stay as they are (a dropped one runs to the context's end: slow, not bad)
 KEEP = {("max_tokens",), ("max_output_tokens",), ("options", "num_predict"), ("options",)}
 
@@ -75,8 +75,18 @@ def paths(value, at=()):
 
 
 def mutate(seed: dict, rng: random.Random):
-    body = copy.deepcopy(seed)
-    where = rng.choice([p for p in paths(body) if p and p not in KEEP])
+    """One or two mutations of `seed` (a copy)."""
+    body = _mutate_once(copy.deepcopy(seed), rng)
+    if rng.random() < 0.5:
+        body = _mutate_once(body, rng)
+    return body
+
+
+def _mutate_once(body: dict, rng: random.Random) -> dict:
+    places = [p for p in paths(body) if p and p not in KEEP]
+    if not places:
+        return body
+    where = rng.choice(places)
     parent = body
     for part in where[:-1]:
         parent = parent[part]

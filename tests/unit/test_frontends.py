@@ -144,6 +144,10 @@ def test_anthropic_service_tier(tier, expected):
             "output_config.format.schema",
         ),
         ({"speed": "fast", "service_tier": "standard_only"}, "speed"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": {"k": None}}]}]},
+            "messages[0].content[0].type",
+        ),
     ],
 )
 def test_anthropic_refusals_name_the_field(fields, param):

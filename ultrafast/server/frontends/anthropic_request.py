@@ -181,6 +181,7 @@ def system_text(system: str | list[TextBlock] | None) -> str | None:
 
 def _block(raw: Any, at: str):
     kind = raw.get("type") if isinstance(raw, dict) else None
+    kind = kind if isinstance(kind, str) else None  # {"type": {...}} is no block type
     if kind == "text":
         return validated(TextBlock, raw, at)
     if kind == "tool_use":
