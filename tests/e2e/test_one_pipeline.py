@@ -12,7 +12,7 @@ import yaml
 from ultrafast.bench.server_process import ServerProcess
 from ultrafast.server.tenants import hash_key
 
-KEYS = {"acme": "pipe-acme-key", "beta": "pipe-beta-key"}
+KEYS = {"acme": "pipe-acme-key", "beta": "pipe-beta-key", "gamma": "pipe-gamma-key"}
 MODEL = "demo-code"
 PROTOCOLS = ("chat", "responses", "anthropic", "ollama")
 MAX_TOKENS = 8
@@ -29,6 +29,7 @@ def srv(tmp_path_factory):
                 "tiers": ["priority", "default"],
             },
             {"name": "beta", "keys": [{"sha256": hash_key(KEYS["beta"])}]},
+            {"name": "gamma", "keys": [{"sha256": hash_key(KEYS["gamma"])}], "tiers": ["flex"]},
         ]
     }
     (tmp / "keys.yaml").write_text(yaml.safe_dump(spec))
@@ -150,3 +151,10 @@ def test_keys_are_checked_on_every_protocol_in_its_shape(srv):
     r = httpx.post(srv.url + "/api/chat", json={"model": MODEL, "messages": []})
     assert r.status_code == 401 and set(r.json()) == {"error"}
     assert httpx.get(srv.url + "/api/tags").status_code == 401
+
+
+@pytest.mark.parametrize("protocol", ["anthropic", "ollama"])
+def test_no_tier_named_is_the_keys_default_tier(srv, protocol):
+    r = call(srv, protocol, "def g():", tenant="gamma")
+    assert r.status_code == 200 and r.headers["x-service-tier"] == "flex", r.text
+    assert call(srv, protocol, "def g():", tenant="beta").headers["x-service-tier"] == "default"

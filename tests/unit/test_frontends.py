@@ -317,3 +317,26 @@ def test_x_api_key_maps_to_the_same_tenant_as_bearer():
     for bad in [((b"x-api-key", b"k-2"),), ((b"x-api-key", b" "),), ((b"x-api-key", b"k-1"),) * 2]:
         error = refusal(authenticate, keys, scope(*bad))
         assert error.status == 401 and error.type == "authentication_error"
+
+
+def test_key_tier_is_the_best_default_the_key_may_use():
+    from ultrafast.server.auth import SCOPE_KEY
+    from ultrafast.server.frontends.common import key_tier
+    from ultrafast.server.tenants import Tenant
+
+    def scope(*tiers):
+        return {SCOPE_KEY: Tenant("t", tiers=frozenset(tiers))}
+
+    assert key_tier({}) == ServiceTier.DEFAULT  # no keys: the anonymous tenant
+    assert key_tier(scope(ServiceTier.FLEX)) == ServiceTier.FLEX
+    assert key_tier(scope(ServiceTier.PRIORITY)) == ServiceTier.PRIORITY
+    assert key_tier(scope(*ServiceTier)) == ServiceTier.DEFAULT
+    call = anthropic_call(
+        parse_request(
+            {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}, LIMITS
+        ),
+        LIMITS,
+        "msg_1",
+        ServiceTier.FLEX,
+    )
+    assert call.tier == ServiceTier.FLEX

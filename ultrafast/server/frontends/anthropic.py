@@ -3,7 +3,8 @@
 The request becomes a `CallInput` (anthropic_request.py) and runs the one call pipeline
 (server/calls.py): the same tenants (a key in `x-api-key` or `Authorization: Bearer`, see
 server/auth.py), tiers (`service_tier` `auto` takes priority when the key may have it,
-`standard_only` the default tier; `priority` by name is an extension), admission, prefix
+`standard_only` the default tier; `priority` by name is an extension; none: the key's
+default, common.key_tier), admission, prefix
 cache, grammar-constrained tool calls, output guard and metrics. Only the shapes differ:
 the message object, its stop_reason (`end_turn`, `max_tokens`, `stop_sequence` with the
 sequence, `tool_use`, `refusal` for the guard, `model_context_window_exceeded`), its usage
@@ -33,7 +34,7 @@ from ultrafast.server.frontends.anthropic_request import (
     to_messages,
 )
 from ultrafast.server.frontends.anthropic_stream import stream_message
-from ultrafast.server.frontends.common import count_prompt_tokens
+from ultrafast.server.frontends.common import count_prompt_tokens, key_tier
 from ultrafast.server.generate import ENGINE_FAILED, ChoiceDelta, GenerationRun, run_error
 from ultrafast.server.guard import CONTENT_FILTER
 from ultrafast.server.state import ServerState, check_model, read_json
@@ -130,7 +131,8 @@ def anthropic_routes(state: ServerState) -> list[Route]:
         limits = state.limits_for(body.get("model"))
         req = parse_request(body, limits)
         message_id = "msg_" + uuid.uuid4().hex[:24]
-        run = await prepare_call(state, http.scope, call_input(req, limits, message_id))
+        call = call_input(req, limits, message_id, key_tier(http.scope))
+        run = await prepare_call(state, http.scope, call)
         builder = MessageBuilder(message_id, req.model)
         if req.stream:
             return await _respond_stream(run, builder)

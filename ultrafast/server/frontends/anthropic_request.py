@@ -285,7 +285,9 @@ def plan_of(req: Any, limits: Limits) -> ToolPlan | None:
     )
 
 
-def _check_ranges(req: MessagesRequest, limits: Limits) -> tuple[ServiceTier, bool]:
+def _check_ranges(
+    req: MessagesRequest, limits: Limits, default_tier: ServiceTier
+) -> tuple[ServiceTier, bool]:
     if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:
         raise invalid_value("temperature", "temperature must be in [0.0, 1.0]")
     if req.top_k is not None and req.top_k < 0:
@@ -310,7 +312,7 @@ def _check_ranges(req: MessagesRequest, limits: Limits) -> tuple[ServiceTier, bo
             raise invalid_value("speed", "speed fast is the priority tier, not standard_only")
         return ServiceTier.PRIORITY, False
     if req.service_tier is None:
-        return ServiceTier.DEFAULT, False
+        return default_tier, False
     if req.service_tier not in TIERS:
         raise invalid_value(
             "service_tier",
@@ -319,8 +321,14 @@ def _check_ranges(req: MessagesRequest, limits: Limits) -> tuple[ServiceTier, bo
     return TIERS[req.service_tier]
 
 
-def call_input(req: MessagesRequest, limits: Limits, request_id: str) -> CallInput:
-    tier, auto = _check_ranges(req, limits)
+def call_input(
+    req: MessagesRequest,
+    limits: Limits,
+    request_id: str,
+    default_tier: ServiceTier = ServiceTier.DEFAULT,
+) -> CallInput:
+    """`default_tier`: the tier when the request names none (the key's, common.key_tier)."""
+    tier, auto = _check_ranges(req, limits, default_tier)
     messages = to_messages(req, limits)
     if req.messages[-1].role == "assistant":  # a prefill would be answered as a whole turn
         raise invalid_value(

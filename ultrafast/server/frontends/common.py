@@ -9,6 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from ultrafast.request import ServiceTier
+from ultrafast.server import auth
 from ultrafast.server.calls import template_error
 from ultrafast.server.errors import from_validation_error, invalid_value
 from ultrafast.server.protocol import Limits, _require_feature, check_client_schema
@@ -102,3 +104,15 @@ async def count_prompt_tokens(
     except ChatTemplateError as exc:
         raise template_error(exc, param) from None
     return len(ids)
+
+
+def key_tier(scope) -> ServiceTier:
+    """The tier a call that names none runs on: the key's default. Anthropic's and Ollama's
+    clients rarely can name this server's tiers, so a key allowed only flex (or only
+    priority) serves there instead of being refused; a key with the default tier (and the
+    anonymous tenant) gets the default tier, as on OpenAI's routes."""
+    tiers = auth.tenant_of(scope).tiers
+    for tier in (ServiceTier.DEFAULT, ServiceTier.FLEX, ServiceTier.PRIORITY):
+        if tier in tiers:
+            return tier
+    return ServiceTier.DEFAULT

@@ -34,6 +34,7 @@ from starlette.routing import Route
 from ultrafast.server.calls import prepare_call
 from ultrafast.server.errors import invalid_value
 from ultrafast.server.frontends import ollama_errors
+from ultrafast.server.frontends.common import key_tier
 from ultrafast.server.frontends.ollama_models import model_routes, now_iso, resolve_name
 from ultrafast.server.frontends.ollama_request import (
     ChatRequest,
@@ -133,7 +134,8 @@ def ollama_routes(state: ServerState) -> list[Route]:
         if (chat and not req.messages) or (not chat and not req.prompt):
             return await _load_only(state, req, model, reply)
         request_id = ("chat-" if chat else "gen-") + uuid.uuid4().hex[:24]
-        run = await prepare_call(state, http.scope, call_input(req, model, limits, request_id))
+        call = call_input(req, model, limits, request_id, key_tier(http.scope))
+        run = await prepare_call(state, http.scope, call)
         reply.submitted_s = time.monotonic()
         if req.stream:
             return StreamingResponse(

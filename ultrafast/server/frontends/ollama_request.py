@@ -248,9 +248,9 @@ def _grammar(fmt: Any, limits: Limits):
     return grammar
 
 
-def _tier(name: str | None) -> tuple[ServiceTier, bool]:
+def _tier(name: str | None, default_tier: ServiceTier) -> tuple[ServiceTier, bool]:
     if name is None:
-        return ServiceTier.DEFAULT, False
+        return default_tier, False
     try:
         return ServiceTier.parse(name), name == "auto"
     except ValueError:
@@ -259,12 +259,19 @@ def _tier(name: str | None) -> tuple[ServiceTier, bool]:
         ) from None
 
 
-def call_input(req: Any, model: str, limits: Limits, request_id: str) -> CallInput:
+def call_input(
+    req: Any,
+    model: str,
+    limits: Limits,
+    request_id: str,
+    default_tier: ServiceTier = ServiceTier.DEFAULT,
+) -> CallInput:
+    """`default_tier`: the tier when the request names none (the key's, common.key_tier)."""
     params, max_tokens, stops = sampling(req.options, limits)
     grammar = _grammar(req.format, limits)
     if grammar is not None:
         params = replace(params, grammar=grammar)
-    tier, auto = _tier(req.service_tier)
+    tier, auto = _tier(req.service_tier, default_tier)
     chat = isinstance(req, ChatRequest)
     raw = not chat and req.raw
     plan = None
