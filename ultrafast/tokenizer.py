@@ -376,6 +376,7 @@ class StopStringMatcher:
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         self.stops = list(stops)
+        self.matched: str | None = None  # the stop string that ended the text, once one did
         self._held = ""
         self._hold = max((len(s) for s in stops), default=1) - 1
 
@@ -384,9 +385,10 @@ class StopStringMatcher:
         text = self._held + delta
         if not self.stops:
             return text, False
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self._held = ""
+        found = [(i, k) for k, i in enumerate(text.find(s) for s in self.stops) if i >= 0]
+        if found:
+            cut, k = min(found)
+            self.matched, self._held = self.stops[k], ""
             return text[:cut], True
         keep = self._longest_partial_suffix(text)
         self._held = text[len(text) - keep :] if keep else ""

@@ -31,6 +31,7 @@ from ultrafast.server.calls import (
     template_error,
 )
 from ultrafast.server.errors import APIError
+from ultrafast.server.frontends import error_response_for, frontend_routes
 from ultrafast.server.models_api import model_routes
 from ultrafast.server.playground import playground_routes
 from ultrafast.server.protocol import (
@@ -45,7 +46,7 @@ from ultrafast.server.sessions.realtime import realtime_routes
 from ultrafast.server.sessions.replay import replay_response
 from ultrafast.server.sessions.responses import responses_routes
 from ultrafast.server.sessions.stored_chat import store_chat_completion, stored_chat_routes
-from ultrafast.server.state import ServerState, check_model, check_ready, error_response, read_json
+from ultrafast.server.state import ServerState, check_model, check_ready, read_json
 from ultrafast.tokenizer import ChatTemplateError
 
 log = logging.getLogger(__name__)
@@ -167,12 +168,14 @@ def build_app(state: ServerState) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        *frontend_routes(state),  # Anthropic's and Ollama's APIs (before the playground's /)
         *playground_routes(),
         *conversation_routes(state),
     ]
 
     async def on_api_error(http: HTTPRequest, exc: APIError) -> Response:
-        return error_response(exc, http.headers.get("x-request-id") or uuid.uuid4().hex)
+        rid = http.headers.get("x-request-id") or uuid.uuid4().hex
+        return error_response_for(http.url.path, exc, rid)
 
     async def on_http_error(http: HTTPRequest, exc: HTTPException) -> Response:
         rid = uuid.uuid4().hex
@@ -192,11 +195,12 @@ def build_app(state: ServerState) -> Starlette:
             )
         else:
             error = APIError(exc.status_code, str(exc.detail), "invalid_request_error", None, None)
-        return error_response(error, rid)
+        return error_response_for(http.url.path, error, rid)
 
     async def on_crash(http: HTTPRequest, exc: Exception) -> Response:
         log.exception("unhandled error")  # details stay in the log, never in the body
-        return error_response(
+        return error_response_for(
+            http.url.path,
             APIError(500, "internal server error", "server_error", "internal_error", None),
             uuid.uuid4().hex,
         )
@@ -218,7 +222,12 @@ def build_app(state: ServerState) -> Starlette:
     hosts = auth.allowed_hosts_for(state.config.host, state.config.allowed_hosts)
     middleware = [
         Middleware(auth.HostAllowListMiddleware, allowed_hosts=hosts),
-        Middleware(auth.AuthMiddleware, keys=state.api_keys, refused=state.auth_refused),
+        Middleware(
+            auth.AuthMiddleware,
+            keys=state.api_keys,
+            refused=state.auth_refused,
+            render=error_response_for,
+        ),
     ]
     # Starlette calls each handler with an instance of the class it is registered for
     handlers: dict[Any, Callable[..., Awaitable[Response]]] = {

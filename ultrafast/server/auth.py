@@ -1,11 +1,13 @@
 """Auth before routing, tier entitlements and per-tenant rate limits (RELIABILITY B41-B49, S9).
 
-`AuthMiddleware` is plain ASGI and answers before the router, so without a valid key every
+`AuthMiddleware` is plain ASGI and answers before the router (in the error shape of the
+protocol the path belongs to, server/frontends/), so without a valid key every
 path (known or not, any method) is 401 and routes cannot be enumerated; only `GET /health` is
 open. A valid key puts its `Tenant` in the ASGI scope; `/metrics` also needs the `metrics`
 scope. Without `--api-keys` every call runs as the anonymous tenant with every tier and no
 limits (and the server only listens on loopback).
 
+A key goes in `Authorization: Bearer <key>` or, as Anthropic's clients send it, `x-api-key`.
 Failed attempts are logged with the reason and a short digest prefix, never the key; the
 `RedactingFilter` scrubs bearer tokens from any log line as a second line of defence.
 """
@@ -45,6 +47,11 @@ def authenticate(keys: ApiKeys, scope: dict) -> Tenant:
     """The Tenant behind the request's bearer key, or the 401/403 APIError to send."""
     headers = [v for k, v in scope.get("headers", []) if k == b"authorization"]
     query = scope.get("query_string", b"")
+    api_keys = [v for k, v in scope.get("headers", []) if k == b"x-api-key"]
+    if not headers and api_keys:  # Anthropic's clients send the key as `x-api-key`
+        if len(api_keys) != 1 or not api_keys[0].strip():
+            raise _bad_key("invalid API key: expected one `x-api-key` header", "invalid_api_key")
+        headers = [b"Bearer " + api_keys[0].strip()]
     if not headers:
         if re.search(rb"(^|&)api[_-]?key=", query):  # keys in URLs end up in logs: refused
             raise _bad_key(
@@ -85,25 +92,31 @@ def authenticate(keys: ApiKeys, scope: dict) -> Tenant:
     return tenant
 
 
-async def refuse(error: APIError, scope, receive, send) -> None:
-    """Answer before the router: the error envelope over HTTP; a WebSocket handshake is
-    closed with 1008 (policy violation) before it is accepted, which the server sends as 403."""
+def _openai_shape(path: str, error: APIError, request_id: str) -> JSONResponse:
+    return JSONResponse(
+        error.to_dict(),
+        status_code=error.status,
+        headers={**error.headers, "x-request-id": request_id},
+    )
+
+
+async def refuse(error: APIError, scope, receive, send, render=_openai_shape) -> None:
+    """Answer before the router: the error envelope over HTTP (`render(path, error, id)`
+    picks the protocol's shape); a WebSocket handshake is closed with 1008 (policy
+    violation) before it is accepted, which the server sends as 403."""
     if scope["type"] == "websocket":
         await send({"type": "websocket.close", "code": 1008, "reason": error.message[:120]})
         return
-    response = JSONResponse(
-        error.to_dict(),
-        status_code=error.status,
-        headers={**error.headers, "x-request-id": uuid.uuid4().hex},
-    )
+    response = render(scope.get("path", ""), error, uuid.uuid4().hex)
     await response(scope, receive, send)
 
 
 class AuthMiddleware:
-    def __init__(self, app, keys: ApiKeys | None, refused: dict):
+    def __init__(self, app, keys: ApiKeys | None, refused: dict, render=_openai_shape):
         self.app = app
         self.keys = keys
         self.refused = refused  # reason -> count, for metrics
+        self.render = render  # (path, APIError, request id) -> the refusal's response
 
     async def __call__(self, scope, receive, send):
         if (
@@ -116,7 +129,7 @@ class AuthMiddleware:
             scope[SCOPE_KEY] = authenticate(self.keys, scope)
         except APIError as error:
             self.refused[error.code] = self.refused.get(error.code, 0) + 1
-            return await refuse(error, scope, receive, send)
+            return await refuse(error, scope, receive, send, self.render)
         return await self.app(scope, receive, send)
 
 

@@ -250,6 +250,7 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
             store, config.session_commit_grace_s, config.served_model_name or files.name
         ),
         grammar=grammar,
+        model_files=files,
     )
     if config.models:  # several models resident by use: the first one is loaded now
         attach_residency(state, engine_config, config, build_engine)

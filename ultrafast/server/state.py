@@ -53,6 +53,7 @@ class ServerState:
     grammar: Any = None  # grammar.matcher.GrammarRuntime (compiles off the engine thread)
     # several models resident by use (server/residency/registry.py); None: one model
     residency: Any = None
+    model_files: Any = None  # the served model's ModelFiles (Ollama's /api/show, /api/tags)
 
     def limits_for(self, model: object) -> Limits:
         """The request limits of the model a body names (its vocabulary and defaults)."""
