@@ -31,6 +31,7 @@ from ultrafast.server.calls import (
     template_error,
 )
 from ultrafast.server.errors import APIError
+from ultrafast.server.frontends.embeddings import embedding_routes
 from ultrafast.server.models_api import model_routes
 from ultrafast.server.playground import playground_routes
 from ultrafast.server.protocol import (
@@ -162,6 +163,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         *model_routes(state),
+        *embedding_routes(state),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
