@@ -32,18 +32,66 @@ def minilm() -> tuple[Path, Path]:
 def varied_sentences(n: int = 200) -> list[str]:
     """n different sentences: lengths from 1 word to ~80, punctuation, digits, case, accents,
     code, a URL, non-Latin scripts (what WordPiece splits into [UNK] or pieces)."""
-    subjects = ["The cat", "A young engineer", "Our server", "Marie Curie", "The 3 dogs", "It",
-                "An old lighthouse keeper", "The GPU", "Nobody", "The committee"]
-    verbs = ["reads", "ignores", "repairs", "writes about", "dreams of", "measures", "sells",
-             "paints", "forgets", "celebrates"]
-    objects = ["the quarterly report", "a red bicycle", "tokenizers", "the moon at 3:45 a.m.",
-               "café au lait", "naïve Bayes models", "HTTP/2 headers", "€1,299.99 invoices",
-               "the Zürich train timetable", "a 404 error"]
-    extras = ["", " because it rained.", ", doesn't it?", "!!!", " (see https://example.com/a?b=1)",
-              " — again and again", "; the end.", " in 2024", " while humming quietly", "..."]
-    odd = ["def f(x): return x**2", "SELECT * FROM users WHERE id = 42;", "東京は大きい都市です。",
-           "Привет, как дела?", "hello", "OK", "e = mc^2", "I ❤ NY", "tl;dr: it works",
-           " ".join(["word"] * 80)]
+    subjects = [
+        "The cat",
+        "A young engineer",
+        "Our server",
+        "Marie Curie",
+        "The 3 dogs",
+        "It",
+        "An old lighthouse keeper",
+        "The GPU",
+        "Nobody",
+        "The committee",
+    ]
+    verbs = [
+        "reads",
+        "ignores",
+        "repairs",
+        "writes about",
+        "dreams of",
+        "measures",
+        "sells",
+        "paints",
+        "forgets",
+        "celebrates",
+    ]
+    objects = [
+        "the quarterly report",
+        "a red bicycle",
+        "tokenizers",
+        "the moon at 3:45 a.m.",
+        "café au lait",
+        "naïve Bayes models",
+        "HTTP/2 headers",
+        "€1,299.99 invoices",
+        "the Zürich train timetable",
+        "a 404 error",
+    ]
+    extras = [
+        "",
+        " because it rained.",
+        ", doesn't it?",
+        "!!!",
+        " (see https://example.com/a?b=1)",
+        " — again and again",
+        "; the end.",
+        " in 2024",
+        " while humming quietly",
+        "...",
+    ]
+    odd = [
+        "def f(x): return x**2",
+        "SELECT * FROM users WHERE id = 42;",
+        "東京は大きい都市です。",
+        "Привет, как дела?",
+        "hello",
+        "OK",
+        "e = mc^2",
+        "I ❤ NY",
+        "tl;dr: it works",
+        " ".join(["word"] * 80),
+    ]
     out = list(odd)
     for i in range(n):  # (subject, verb) differ within each hundred, the object across them
         s, v, o, e = i % 10, (i // 10) % 10, (i // 100 + 3 * i) % 10, (7 * i + i // 10) % 10

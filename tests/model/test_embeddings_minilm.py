@@ -34,8 +34,9 @@ def reference(files):
 
     def embed(texts: list[str]) -> np.ndarray:
         with torch.no_grad():
-            batch = tokenizer(texts, padding=True, truncation=True, max_length=512,
-                              return_tensors="pt")
+            batch = tokenizer(
+                texts, padding=True, truncation=True, max_length=512, return_tensors="pt"
+            )
             hidden = model(**batch).last_hidden_state
             mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * mask).sum(1) / mask.sum(1)

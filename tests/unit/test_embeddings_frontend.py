@@ -121,7 +121,9 @@ def test_bad_openai_input_is_a_400_at_the_exact_field(client, body, status, para
 
 
 def test_not_json_is_an_openai_400(client):
-    r = client.post("/v1/embeddings", content=b"{nope", headers={"content-type": "application/json"})
+    r = client.post(
+        "/v1/embeddings", content=b"{nope", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "error" in r.json()
 
 
@@ -186,3 +188,36 @@ def test_a_chat_model_asked_for_embeddings_is_a_clear_400(parts):
     with TestClient(build_app(none), base_url=LOCAL) as c:
         r = c.post("/v1/embeddings", json={"model": "chat", "input": "hi"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_embedding"
+
+
+def test_tier_entitlement_applies_to_embeddings(parts):
+    from ultrafast.server.tenants import hash_key, parse_api_keys
+
+    keys = {"gold": "sk-gold-0123456789", "plain": "sk-plain-0123456789"}
+    spec = {
+        "tenants": [
+            {
+                "name": "gold",
+                "keys": [{"sha256": hash_key(keys["gold"])}],
+                "tiers": ["priority", "default", "flex"],
+            },
+            {"name": "plain", "keys": [{"sha256": hash_key(keys["plain"])}]},
+        ]
+    }
+    keyed = replace(parts[0], api_keys=parse_api_keys(spec))
+    with TestClient(build_app(keyed), base_url=LOCAL) as c:
+
+        def call(who, tier, path="/v1/embeddings"):
+            body = {"model": "mini", "input": "a b", "service_tier": tier}
+            if path == "/api/embed":
+                body.pop("service_tier")
+            return c.post(path, json=body, headers={"Authorization": f"Bearer {keys[who]}"})
+
+        assert call("gold", "priority").status_code == 200
+        refused = call("plain", "priority")
+        assert refused.status_code == 403
+        assert refused.json()["error"]["type"] == "permission_error"
+        assert refused.json()["error"]["param"] == "service_tier"
+        assert call("plain", "auto").status_code == 200  # auto falls back to default
+        assert call("plain", None, "/api/embed").status_code == 200
+        assert c.post("/v1/embeddings", json={"input": "a"}).status_code == 401

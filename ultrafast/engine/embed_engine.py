@@ -150,8 +150,8 @@ class EmbeddingEngine:
     def _fail_everything(self) -> None:
         reason = EmbedError("engine_error", "the embedding engine stopped")
         for tier_queue in self.queue.waiting.values():
-            for job in tier_queue:
-                self._fail(job, reason)
+            for waiting in tier_queue:
+                self._fail(waiting, reason)
             tier_queue.clear()
-        while (job := self._next_nowait()) is not None:
-            self._fail(job, reason)
+        while (arrived := self._next_nowait()) is not None:
+            self._fail(arrived, reason)

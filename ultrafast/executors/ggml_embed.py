@@ -118,7 +118,9 @@ class EmbeddingExecutor:
         data = text.encode("utf-8", "surrogatepass")
         capacity = len(data) + 8
         buf = (llama_cpp.llama_token * capacity)()
-        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, False)
+        n = llama_cpp.llama_tokenize(
+            self._vocab, data, len(data), buf, capacity, add_special, False
+        )
         if n < 0:  # too small (cannot happen: a token covers at least one byte, plus specials)
             buf = (llama_cpp.llama_token * -n)()
             n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, -n, add_special, False)

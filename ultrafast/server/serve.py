@@ -35,6 +35,7 @@ from ultrafast.server.bridge import (
     shutdown_engine,
     start_engine,
 )
+from ultrafast.server.embed_models import embedding_only_state, split_embedding_models
 from ultrafast.server.guard import (
     AllGuards,
     ClassifierGuard,
@@ -43,7 +44,6 @@ from ultrafast.server.guard import (
     PatternGuard,
     load_score_function,
 )
-from ultrafast.server.embed_models import embedding_only_state, split_embedding_models
 from ultrafast.server.http_timeouts import protocol_class
 from ultrafast.server.kv_metrics import KVCacheCollector
 from ultrafast.server.metrics import ServerMetrics
@@ -178,8 +178,9 @@ def log_tier_targets(admission: Admission, idle_decode_s: float | None) -> None:
 def start_embedders(models, n_threads: int | None) -> dict[str, EmbeddingEngine]:
     embedders = {name: build_embedding_engine(path, n_threads) for name, path in models}
     for name, engine in embedders.items():
-        log.info("embedding model %s: %s pooling, %d dimensions", name, engine.pooling,
-                 engine.dimensions)
+        log.info(
+            "embedding model %s: %s pooling, %d dimensions", name, engine.pooling, engine.dimensions
+        )
     return embedders
 
 

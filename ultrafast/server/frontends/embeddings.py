@@ -27,8 +27,14 @@ from starlette.routing import Route
 from ultrafast.request import ServiceTier
 from ultrafast.server import auth
 from ultrafast.server.bridge import EmbeddingEngine, EmbedFailed, embed
-from ultrafast.server.errors import APIError, invalid_type, invalid_value, missing_field, quote
-from ultrafast.server.errors import unknown_parameter
+from ultrafast.server.errors import (
+    APIError,
+    invalid_type,
+    invalid_value,
+    missing_field,
+    quote,
+    unknown_parameter,
+)
 from ultrafast.server.residency.budget import parse_keep_alive
 from ultrafast.server.state import ServerState, check_ready, read_json
 
