@@ -80,8 +80,16 @@ def main() -> int:
             runs["ultrafast"].append(rate(run_ours, texts, batch, args.min_seconds))
             runs["sentence-transformers"].append(rate(run_st, texts, batch, args.min_seconds))
         row = {name: round(statistics.median(r), 1) for name, r in runs.items()}
-        print(json.dumps({"batch": batch, "threads": args.threads, "embeddings_per_s": row,
-                          "ratio": round(row["ultrafast"] / row["sentence-transformers"], 2)}))
+        print(
+            json.dumps(
+                {
+                    "batch": batch,
+                    "threads": args.threads,
+                    "embeddings_per_s": row,
+                    "ratio": round(row["ultrafast"] / row["sentence-transformers"], 2),
+                }
+            )
+        )
     ours.close()
     return 0
 

@@ -33,13 +33,16 @@ NAME = "all-MiniLM-L6-v2"
 SERVED_NAME = "all-minilm-l6-v2"
 LLAMA_CPP_VERSION = "0.3.36"  # the converter's version: the one the Makefile builds
 CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+# f32: ggml's f32 matmuls ran this 22M-parameter encoder faster than f16 or q8_0 on our CPUs
+# (1 thread, batch 32: 127 vs 102 and 94 embeddings per CPU-second) and are exact vs PyTorch
+OUTTYPE = "f32"
 
 
 def model_dir() -> Path:
     return cache_dir() / "models" / NAME
 
 
-def gguf_path(outtype: str = "f16") -> Path:
+def gguf_path(outtype: str = OUTTYPE) -> Path:
     """ULTRAFAST_MINILM_GGUF overrides, as ULTRAFAST_SMOLLM2_GGUF does for the chat model."""
     env = os.environ.get("ULTRAFAST_MINILM_GGUF")
     return Path(env) if env else cache_dir() / "models" / f"{NAME}.{outtype}.gguf"
@@ -122,7 +125,7 @@ def fetch_converter(dest: Path | None = None) -> Path:
     return dest
 
 
-def convert(model: Path, out: Path, outtype: str = "f16") -> Path:
+def convert(model: Path, out: Path, outtype: str = OUTTYPE) -> Path:
     """model directory -> GGUF with llama.cpp's converter (run in a child interpreter)."""
     script = fetch_converter() / "convert_hf_to_gguf.py"
     partial = out.with_name(out.name + ".partial")
@@ -143,7 +146,7 @@ def convert(model: Path, out: Path, outtype: str = "f16") -> Path:
     return out
 
 
-def fetch(outtype: str = "f16") -> tuple[Path, Path]:
+def fetch(outtype: str = OUTTYPE) -> tuple[Path, Path]:
     """(the sentence-transformers directory, the GGUF), made if missing. Raises FetchError."""
     directory = model_dir()
     directory.parent.mkdir(parents=True, exist_ok=True)

@@ -90,6 +90,9 @@ def test_beside_a_chat_model_both_serve(beside, expected):
     assert emb.status_code == 200, emb.text
     vectors = np.array([d["embedding"] for d in emb.json()["data"]])
     assert (vectors * expected).sum(axis=1).min() > 0.99999
+    models = {m["id"]: m for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]}
+    assert set(models) == {"code", "minilm"}
+    assert models["minilm"]["embedding"] == {"dimensions": 384, "pooling": "mean"}
     ollama = httpx.post(url + "/api/embed", json={"model": "minilm", "input": TEXTS[1]}, timeout=60)
     assert ollama.status_code == 200
     assert np.dot(ollama.json()["embeddings"][0], expected[1]) > 0.99999

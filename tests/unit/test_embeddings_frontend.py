@@ -221,3 +221,10 @@ def test_tier_entitlement_applies_to_embeddings(parts):
         assert call("plain", "auto").status_code == 200  # auto falls back to default
         assert call("plain", None, "/api/embed").status_code == 200
         assert c.post("/v1/embeddings", json={"input": "a"}).status_code == 401
+
+
+def test_models_lists_the_embedding_model_with_its_shape(client):
+    data = client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == ["mini"]
+    assert data[0]["embedding"] == {"dimensions": 8, "pooling": "mean"}
+    assert client.get("/v1/models/mini").json()["embedding"]["dimensions"] == 8
