@@ -1,6 +1,6 @@
-"""/v1/embeddings and /api/embed over the real app, state and embedding engine, with a fake
-executor: input forms, float/base64, dimensions, usage, and every bad input in each protocol's
-own error shape with the exact field (never a 500)."""
+"""/v1/embeddings and /api/embed (B80-B82) over the real app, state and embedding engine,
+with a fake executor: input forms, float/base64, dimensions, usage, and every bad input in
+each protocol's own error shape with the exact field (never a 500)."""
 
 import base64
 from dataclasses import replace
@@ -228,3 +228,13 @@ def test_models_lists_the_embedding_model_with_its_shape(client):
     assert [m["id"] for m in data] == ["mini"]
     assert data[0]["embedding"] == {"dimensions": 8, "pooling": "mean"}
     assert client.get("/v1/models/mini").json()["embedding"]["dimensions"] == 8
+
+
+def test_a_dead_embedding_engine_is_a_503_not_a_hang():
+    engine = EmbeddingEngine(FakeEmbedExecutor())
+    state = embedding_only_state(ServerConfig(), {"mini": engine}, None)
+    chat_beside = replace(state, model_name="chat", engine=type("Alive", (), {"alive": True})())
+    engine.shutdown()
+    with TestClient(build_app(chat_beside), base_url=LOCAL) as c:
+        r = c.post("/v1/embeddings", json={"model": "mini", "input": "a"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"

@@ -108,6 +108,15 @@ def _is_chat_model(state: ServerState, name: str) -> bool:
 
 async def run_embed_call(state: ServerState, scope: Any, call: EmbedCall) -> EmbedResult:
     check_ready(state)
+    if not call.engine.alive:
+        raise APIError(
+            503,
+            f"the embedding engine of {quote(call.model)} is not running",
+            "server_error",
+            "engine_dead",
+            None,
+            headers={"Retry-After": "5"},
+        )
     tenant = auth.tenant_of(scope)
     tier, _auto = auth.entitled_tier(
         tenant, call.tier, call.auto_tier, "service_tier", state.auth_refused
