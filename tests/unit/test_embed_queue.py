@@ -71,3 +71,13 @@ def test_refusals_queue_full_and_input_longer_than_a_pass():
     too_long = EmbedQueue(16, 8, 100).add(EmbedJob([ids(2), ids(17)]))
     assert too_long is not None and too_long.code == "input_too_long"
     assert "input 1" in too_long.message
+
+
+def test_pass_tokens_bounds_a_pass_but_a_long_input_still_runs_alone():
+    queue = EmbedQueue(max_batch_tokens=100, max_seqs=8, max_waiting_inputs=100, pass_tokens=25)
+    job = EmbedJob([ids(10), ids(10), ids(10), ids(60), ids(5)])
+    queue.add(job)
+    sizes = []
+    while pieces := queue.next_batch():
+        sizes.append([len(job.inputs[p.index]) for p in pieces])
+    assert sizes == [[10, 10], [10], [60], [5]]

@@ -50,8 +50,20 @@ class EmbedPiece:
 
 
 class EmbedQueue:
-    def __init__(self, max_batch_tokens: int, max_seqs: int, max_waiting_inputs: int):
+    """`max_batch_tokens`: the most one pass can hold (a longer input is refused);
+    `pass_tokens`: where a pass stops taking more inputs (it always takes one). An encoder's
+    attention spans the whole pass, masked per input, so a pass of N tokens pays N^2 in
+    attention: past a few hundred tokens, smaller passes are cheaper per input."""
+
+    def __init__(
+        self,
+        max_batch_tokens: int,
+        max_seqs: int,
+        max_waiting_inputs: int,
+        pass_tokens: int | None = None,
+    ):
         self.max_batch_tokens = max_batch_tokens
+        self.pass_tokens = min(pass_tokens or max_batch_tokens, max_batch_tokens)
         self.max_seqs = max_seqs
         self.max_waiting_inputs = max_waiting_inputs
         self.waiting: dict[ServiceTier, collections.deque[EmbedJob]] = {
@@ -90,7 +102,7 @@ class EmbedQueue:
                     self._drop(queue.popleft())
                     continue
                 size = len(job.inputs[job.next_input])
-                if tokens + size > self.max_batch_tokens:
+                if pieces and tokens + size > self.pass_tokens:
                     return pieces
                 pieces.append(EmbedPiece(job, job.next_input))
                 tokens += size

@@ -24,7 +24,12 @@ log = logging.getLogger(__name__)
 class EmbeddingEngine:
     def __init__(self, executor: Any, max_waiting_inputs: int = 65536):
         self.executor = executor
-        self.queue = EmbedQueue(executor.max_batch_tokens, executor.max_seqs, max_waiting_inputs)
+        self.queue = EmbedQueue(
+            executor.max_batch_tokens,
+            executor.max_seqs,
+            max_waiting_inputs,
+            pass_tokens=getattr(executor, "pass_tokens", None),
+        )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._dead_reason: str | None = None
         self._stopping = False
