@@ -53,7 +53,7 @@ class EmbedQueue:
     """`max_batch_tokens`: the most one pass can hold (a longer input is refused);
     `pass_tokens`: where a pass stops taking more inputs (it always takes one). An encoder's
     attention spans the whole pass, masked per input, so a pass of N tokens pays N^2 in
-    attention: past a few hundred tokens, smaller passes are cheaper per input."""
+    attention, and a priority input arriving mid-pass waits for at most one such pass."""
 
     def __init__(
         self,

@@ -75,10 +75,10 @@ class EmbeddingExecutor:
             raise NoEmbeddingMode(f"{gguf_path} declares no pooling: it has no embedding mode")
         self.pooling = pooling
         self.max_batch_tokens = max(max_batch_tokens, self.max_input_tokens)
-        # the scheduler's pass size: attention spans the pass (masked per input), so beyond
-        # ~256 tokens a pass pays more in attention than it saves in per-pass overhead
-        # (MiniLM, 1 thread, 64 sentences of ~22 tokens: 99 embeddings per CPU-second in passes
-        # of 8, 86 in passes of 32)
+        # the scheduler's pass size (core/embed_queue.py): attention spans the pass, masked per
+        # input, so its cost grows with the pass squared; small passes also bound how long a
+        # priority input waits. MiniLM, 1 thread, loaded machine: passes of 6, 12 and 32
+        # sentences (~22 tokens each) within noise of each other per CPU-second
         self.pass_tokens = pass_tokens
         self.max_seqs = max_seqs
         self.n_threads = n_threads or max(1, len(os.sched_getaffinity(0)))
@@ -88,6 +88,9 @@ class EmbeddingExecutor:
         params.embeddings = True
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED  # the GGUF's own
         params.n_threads = params.n_threads_batch = self.n_threads
+        # flash attention: without it BERT's masked attention over a 32-input pass ran 5x
+        # slower per input on our CPUs (18 vs 106 embeddings per CPU-second, 1 thread)
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.no_perf = True
         self._ctx = llama_cpp.llama_init_from_model(self._model, params)
         if not self._ctx:
