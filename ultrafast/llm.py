@@ -155,6 +155,25 @@ def build_engine(
     return core, tokenizer, files
 
 
+def embedding_pooling(model: str) -> str | None:
+    """The pooling a model file declares ("mean", "cls", "last"): an embedding model. None for
+    a chat model or an HF directory (embedding models are served from GGUF files)."""
+    path = Path(model)
+    if path.suffix != ".gguf" or not path.is_file():
+        return None
+    from ultrafast.executors.ggml_embed import gguf_pooling
+
+    return gguf_pooling(str(path))
+
+
+def build_embedding_engine(model: str, n_threads: int | None = None):
+    """An embedding model's engine (engine/embed_engine.py), its thread started."""
+    from ultrafast.engine.embed_engine import EmbeddingEngine
+    from ultrafast.executors.ggml_embed import EmbeddingExecutor
+
+    return EmbeddingEngine(EmbeddingExecutor(model, n_threads=n_threads))
+
+
 def kv_cache_config(config: EngineConfig) -> KVCacheConfig:
     return KVCacheConfig(
         host_bytes=int(config.kv_host_cache_gb * (1 << 30)),

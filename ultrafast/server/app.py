@@ -32,6 +32,7 @@ from ultrafast.server.calls import (
 )
 from ultrafast.server.errors import APIError
 from ultrafast.server.frontends import error_response_for, frontend_routes
+from ultrafast.server.frontends.embeddings import embedding_routes
 from ultrafast.server.models_api import model_routes
 from ultrafast.server.playground import playground_routes
 from ultrafast.server.protocol import (
@@ -163,6 +164,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         *model_routes(state),
+        *embedding_routes(state),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -32,14 +32,19 @@ import collections
 from collections.abc import Callable
 from dataclasses import replace
 
+from ultrafast.core.embed_queue import EmbedError, EmbedJob
 from ultrafast.core.types import RequestOutput, TokenLogprobs
 from ultrafast.engine.core import EngineCore
+from ultrafast.engine.embed_engine import EmbeddingEngine
 from ultrafast.engine.read_api import EngineSettings, EngineSnapshot, StepCostSnapshot
 from ultrafast.engine.thread import EngineThread
 from ultrafast.kvcache.manager import KVCacheSnapshot
 from ultrafast.request import Request, ServiceTier
 
 __all__ = [
+    "EmbedError",
+    "EmbedFailed",
+    "EmbeddingEngine",
     "EngineBridge",
     "EngineSettings",
     "EngineSnapshot",
@@ -49,6 +54,7 @@ __all__ = [
     "RequestOutput",
     "StepCostSnapshot",
     "TokenLogprobs",
+    "embed",
     "merge_outputs",
     "kv_cache_reader",
     "shutdown_engine",
@@ -220,3 +226,37 @@ class Generation:
         """Abort every choice and wake the consumer now: its wait returns None."""
         self.abort_all()
         self.queue.interrupt()
+
+
+class EmbedFailed(Exception):
+    def __init__(self, error: EmbedError):
+        super().__init__(error.message)
+        self.error = error
+
+
+async def embed(engine: EmbeddingEngine, inputs: list[list[int]], tier: ServiceTier) -> list:
+    """The inputs' vectors from the embedding engine's next passes (batched with whatever else
+    waits); EmbedFailed when it refuses or fails. A cancelled caller cancels the job."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(vectors: list | None, error: EmbedError | None) -> None:
+        if not future.done():
+            if error is None:
+                future.set_result(vectors)
+            else:
+                future.set_exception(EmbedFailed(error))
+
+    def on_done(vectors: list | None, error: EmbedError | None) -> None:  # engine thread
+        try:
+            loop.call_soon_threadsafe(settle, vectors, error)
+        except RuntimeError:  # the loop is closed (forced shutdown): nobody waits
+            pass
+
+    job = EmbedJob(inputs, tier, on_done)
+    engine.submit(job)
+    try:
+        return await future
+    except asyncio.CancelledError:
+        engine.cancel(job)
+        raise

@@ -29,7 +29,7 @@ from ultrafast.server.protocol import ChatCompletionRequest, CompletionRequest, 
 from ultrafast.server.residency.budget import parse_keep_alive
 from ultrafast.server.residency.views import view_with_bridge
 from ultrafast.server.sessions.chat_tokens import ChatMessage, encode_chat
-from ultrafast.server.state import ServerState, check_model, check_ready
+from ultrafast.server.state import ServerState, check_generates, check_model, check_ready
 from ultrafast.server.structured import json_format_grammar, start_compile, wait_compiled
 from ultrafast.server.tools.plan import ToolPlan, chat_tool_plan
 from ultrafast.tokenizer import ChatTemplateError, NoChatTemplateError
@@ -194,6 +194,7 @@ async def prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Gen
     models (server/residency/), the call first takes a lease on its model, loading it if need
     be, and runs on that model's view of the state; the lease ends with the run."""
     keep_alive = _keep_alive_seconds(call.keep_alive)
+    check_generates(state, call.model)
     if state.residency is None:
         return await _prepare_call(state, scope, call)
     check_ready(state)

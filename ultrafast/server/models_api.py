@@ -47,16 +47,33 @@ def resident_model_object(state, entry) -> dict:
     }
 
 
+def embedding_model_object(state, name: str) -> dict:
+    """An embedding model (server/frontends/embeddings.py): its vector size and pooling."""
+    engine = state.embedders[name]
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(state.started_s),
+        "owned_by": "ultrafast",
+        "max_model_len": engine.max_input_tokens,
+        "embedding": {"dimensions": engine.dimensions, "pooling": engine.pooling},
+    }
+
+
 def model_routes(state) -> list[Route]:
     async def list_models(http: HTTPRequest) -> Response:
+        embedders = [embedding_model_object(state, name) for name in state.embedders]
         if state.residency is not None:
             entries = state.residency.entries.values()
             data = [resident_model_object(state, e) for e in entries]
-            return JSONResponse({"object": "list", "data": data})
-        return JSONResponse({"object": "list", "data": [model_object(state)]})
+            return JSONResponse({"object": "list", "data": data + embedders})
+        chat = [] if state.model_name in state.embedders else [model_object(state)]
+        return JSONResponse({"object": "list", "data": chat + embedders})
 
     async def retrieve_model(http: HTTPRequest) -> Response:
         name = http.path_params["model"]
+        if name in state.embedders:
+            return JSONResponse(embedding_model_object(state, name))
         if state.residency is not None:  # 404 naming the model unless it is one of ours
             return JSONResponse(resident_model_object(state, state.residency.entry(name)))
         if name != state.model_name:

@@ -23,17 +23,19 @@ import time
 import uvicorn
 
 from ultrafast.config import EngineConfig, ServerConfig, default_session_store
-from ultrafast.llm import build_engine
+from ultrafast.llm import build_embedding_engine, build_engine, embedding_pooling
 from ultrafast.model.kv_budget import available_memory_bytes
 from ultrafast.server.admission import Admission, auto_in_flight
 from ultrafast.server.app import build_app
 from ultrafast.server.auth import RedactingFilter
 from ultrafast.server.bridge import (
+    EmbeddingEngine,
     EngineSettings,
     kv_cache_reader,
     shutdown_engine,
     start_engine,
 )
+from ultrafast.server.embed_models import embedding_only_state, split_embedding_models
 from ultrafast.server.guard import (
     AllGuards,
     ClassifierGuard,
@@ -174,7 +176,29 @@ def log_tier_targets(admission: Admission, idle_decode_s: float | None) -> None:
     log.info("%s; TTFT targets: %s", measured, targets)
 
 
+def start_embedders(models, n_threads: int | None) -> dict[str, EmbeddingEngine]:
+    embedders = {name: build_embedding_engine(path, n_threads) for name, path in models}
+    for name, engine in embedders.items():
+        log.info(
+            "embedding model %s: %s pooling, %d dimensions", name, engine.pooling, engine.dimensions
+        )
+    return embedders
+
+
 def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerState:
+    embed_models, chat_config, config = split_embedding_models(
+        engine_config, config, embedding_pooling
+    )
+    if chat_config is None:  # embedding models only
+        api_keys = load_api_keys(config.api_keys_path) if config.api_keys_path else None
+        embedders = start_embedders(embed_models, engine_config.n_threads)
+        return embedding_only_state(config, embedders, api_keys)
+    state = build_chat_state(chat_config, config)
+    state.embedders = start_embedders(embed_models, engine_config.n_threads)
+    return state
+
+
+def build_chat_state(engine_config: EngineConfig, config: ServerConfig) -> ServerState:
     api_keys = load_api_keys(config.api_keys_path) if config.api_keys_path else None
     guard = build_guard(config)  # bad files fail before the model loads
     core, tokenizer, files = build_engine(
@@ -310,9 +334,11 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         server.run()
     finally:
         unwatch_gc()
+        for embedder in state.embedders.values():
+            embedder.shutdown()
         if state.residency is not None:
             state.residency.close()
-        else:
+        elif state.engine not in state.embedders.values():
             shutdown_engine(state.engine)
     return server.exit_code
 

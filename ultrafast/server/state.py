@@ -54,6 +54,9 @@ class ServerState:
     # several models resident by use (server/residency/registry.py); None: one model
     residency: Any = None
     model_files: Any = None  # the served model's ModelFiles (Ollama's /api/show, /api/tags)
+    # embedding models, name -> EmbeddingEngine (server/frontends/embeddings.py); they stay
+    # loaded, beside the chat model(s) or alone (then `engine` is the first of them)
+    embedders: dict = field(default_factory=dict)
 
     def limits_for(self, model: object) -> Limits:
         """The request limits of the model a body names (its vocabulary and defaults)."""
@@ -151,6 +154,20 @@ def check_model(state: ServerState, model: str | None) -> None:
             f"the model {model!r} does not exist; this server has {state.model_name!r}",
             "not_found_error",
             "model_not_found",
+            "model",
+        )
+
+
+def check_generates(state: ServerState, model: str | None) -> None:
+    """400 when a generation call names an embedding model (it has no chat mode)."""
+    name = model if model is not None else state.model_name
+    if name in state.embedders:
+        raise APIError(
+            400,
+            f"the model {name!r} is an embedding model: it serves /v1/embeddings and "
+            "/api/embed only",
+            "invalid_request_error",
+            "model_not_generative",
             "model",
         )
 

@@ -1,0 +1,107 @@
+"""`ultrafast serve` with all-MiniLM-L6-v2: alone, and beside a chat model with --models.
+The official openai client's embeddings (it asks for base64), Ollama's /api/embed, a chat
+model asked for embeddings (400) and the embedding model asked to chat (400)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.embed_model import minilm
+from ultrafast.bench.server_process import ServerProcess
+from ultrafast.config import DEMO_MODEL_DIR
+from ultrafast.executors.ggml_embed import EmbeddingExecutor
+
+openai = pytest.importorskip("openai")
+
+TEXTS = ["A man is eating food.", "A monkey plays the drums.", "Stocks fell sharply today."]
+
+
+@pytest.fixture(scope="module")
+def expected():
+    ex = EmbeddingExecutor(str(minilm()[1]), n_threads=1)
+    try:
+        return ex.embed([ex.tokenize(t) for t in TEXTS])
+    finally:
+        ex.close()
+
+
+@pytest.fixture(scope="module")
+def alone():
+    srv = ServerProcess("--served-model-name", "minilm", "--threads", "1", model=minilm()[1])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def beside():
+    gguf = minilm()[1]
+    srv = ServerProcess(
+        "--models", f"code={DEMO_MODEL_DIR},minilm={gguf}", "--threads", "1", model=None
+    )
+    yield srv
+    srv.stop()
+
+
+def test_openai_client_embeds_alone(alone, expected):
+    client = openai.OpenAI(base_url=alone.url + "/v1", api_key="unused")
+    got = client.embeddings.create(model="minilm", input=TEXTS)  # base64 on the wire
+    vectors = np.array([d.embedding for d in got.data])
+    assert vectors.shape == (3, 384)
+    assert (vectors * expected).sum(axis=1).min() > 0.99999
+    assert got.usage.prompt_tokens == got.usage.total_tokens > len(TEXTS) * 3
+    floats = client.embeddings.create(model="minilm", input=TEXTS[0], encoding_format="float")
+    assert np.dot(floats.data[0].embedding, expected[0]) > 0.99999
+    short = client.embeddings.create(model="minilm", input=TEXTS[0], dimensions=64)
+    assert len(short.data[0].embedding) == 64
+
+
+def test_concurrent_requests_each_get_their_own_vectors(alone, expected):
+    def one(i: int) -> np.ndarray:
+        body = {"model": "minilm", "input": TEXTS[i % 3]}
+        r = httpx.post(alone.url + "/v1/embeddings", json=body, timeout=60)
+        return np.array(r.json()["data"][0]["embedding"])
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(24)))
+    for i, vector in enumerate(results):
+        assert np.dot(vector, expected[i % 3]) > 0.99999
+
+
+def test_embedding_model_alone_refuses_chat(alone):
+    body = {"model": "minilm", "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(alone.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_generative"
+    assert httpx.get(alone.url + "/ready", timeout=10).status_code == 200
+
+
+def test_beside_a_chat_model_both_serve(beside, expected):
+    url = beside.url
+    chat = httpx.post(
+        url + "/v1/completions",
+        json={"model": "code", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0},
+        timeout=60,
+    )
+    assert chat.status_code == 200, chat.text
+    emb = httpx.post(url + "/v1/embeddings", json={"model": "minilm", "input": TEXTS}, timeout=60)
+    assert emb.status_code == 200, emb.text
+    vectors = np.array([d["embedding"] for d in emb.json()["data"]])
+    assert (vectors * expected).sum(axis=1).min() > 0.99999
+    models = {m["id"]: m for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]}
+    assert set(models) == {"code", "minilm"}
+    assert models["minilm"]["embedding"] == {"dimensions": 384, "pooling": "mean"}
+    ollama = httpx.post(url + "/api/embed", json={"model": "minilm", "input": TEXTS[1]}, timeout=60)
+    assert ollama.status_code == 200
+    assert np.dot(ollama.json()["embeddings"][0], expected[1]) > 0.99999
+
+
+def test_chat_model_asked_for_embeddings_is_a_400(beside):
+    r = httpx.post(beside.url + "/v1/embeddings", json={"model": "code", "input": "x"}, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "model_not_embedding"
+    assert r.json()["error"]["param"] == "model"
+    r = httpx.post(beside.url + "/api/embed", json={"model": "code", "input": "x"}, timeout=30)
+    assert r.status_code == 400 and "no embedding mode" in r.json()["error"]
