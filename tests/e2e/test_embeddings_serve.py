@@ -59,6 +59,14 @@ def test_openai_client_embeds_alone(alone, expected):
     assert len(short.data[0].embedding) == 64
 
 
+def test_ollama_client_embeds_by_its_name_tag(alone, expected):
+    ollama = pytest.importorskip("ollama", reason="the official ollama client (test extra)")
+    got = ollama.Client(host=alone.url).embed(model="minilm:latest", input=TEXTS)
+    vectors = np.array(got.embeddings)
+    assert vectors.shape == (3, 384) and (vectors * expected).sum(axis=1).min() > 0.99999
+    assert got.prompt_eval_count > len(TEXTS) * 3
+
+
 def test_concurrent_requests_each_get_their_own_vectors(alone, expected):
     def one(i: int) -> np.ndarray:
         body = {"model": "minilm", "input": TEXTS[i % 3]}

@@ -270,13 +270,22 @@ def openai_body(call: EmbedCall, result: EmbedResult, encoding: str) -> bytes:
 # ---- Ollama: POST /api/embed --------------------------------------------------------------
 
 
+def ollama_name(state: ServerState, model: Any) -> Any:
+    """Ollama clients send `name:tag`: `name` and `name:latest` mean the served `name`
+    (case-insensitive), as on Ollama's other routes (ollama_models.resolve_name)."""
+    if not isinstance(model, str) or model in state.embedders:
+        return model
+    base = model.removesuffix(":latest").lower()
+    return next((n for n in state.embedders if n.lower() == base), model)
+
+
 def parse_ollama(state: ServerState, body: dict) -> EmbedCall:
     unknown = sorted(set(body) - OLLAMA_FIELDS)
     if unknown:
         raise unknown_parameter(unknown[0])
     if "model" not in body:
         raise missing_field("model")
-    name, engine = embedding_engine(state, body["model"])
+    name, engine = embedding_engine(state, ollama_name(state, body["model"]))
     value = body.get("input", [])
     texts = [value] if isinstance(value, str) else value
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
