@@ -81,6 +81,8 @@ def add_cluster_parser(sub: Any) -> None:
         keep_alive="5m",
         model_load_timeout_s=ServerConfig.model_load_timeout_s,
         no_preload=False,
+        log_level=ServerConfig.log_level,
+        no_access_log=not ServerConfig.access_log,
     )
 
 
@@ -91,7 +93,13 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         raise ValueError(
             "`ultrafast cluster` needs Ray: pip install 'ultrafast[ray]' (ray[serve]==2.60.0)"
         ) from None
-    from ultrafast.cli_serve import chosen_model, engine_options, kv_cache_options, server_config
+    from ultrafast.cli_serve import (
+        check_max_model_len,
+        chosen_model,
+        engine_options,
+        kv_cache_options,
+        server_config,
+    )
     from ultrafast.cluster.app import ReplicaSpec, with_replica_defaults
     from ultrafast.config import EngineConfig
 
@@ -100,13 +108,14 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     if args.threads is None:
         args.threads = 1  # replicas share the machine: one kernel thread each unless told
     model, served_name = chosen_model(args.model_path or args.model)
+    check_max_model_len(model, args.max_model_len)
     if args.served_model_name is None:
         args.served_model_name = served_name
     server = server_config(args)
-    if server.api_keys_path:  # a bad keys file fails here, not in every replica
-        from ultrafast.server.tenants import load_api_keys
+    if server.auth_on:  # a bad keys file fails here, not in every replica
+        from ultrafast.server.tenants import server_api_keys
 
-        load_api_keys(server.api_keys_path)
+        server_api_keys(server.api_keys_path, server.api_key_hashes)
     spec = with_replica_defaults(
         ReplicaSpec(
             engine=EngineConfig(model=model, **engine_options(args), **kv_cache_options(args)),
@@ -234,7 +243,7 @@ def build_cluster_app(backends, spec):
     from ultrafast.cluster.router import Router, RouterConfig
     from ultrafast.server import auth
     from ultrafast.server.errors import APIError
-    from ultrafast.server.tenants import load_api_keys
+    from ultrafast.server.tenants import server_api_keys
 
     server = spec.server
     targets = {t: getattr(server, t).ttft_ms / 1000 or 1e9 for t in ("priority", "default", "flex")}
@@ -284,7 +293,7 @@ def build_cluster_app(backends, spec):
                 await loop.run_in_executor(None, wait_running, [name])
         return JSONResponse({"restarted": backends.names()})
 
-    api_keys = load_api_keys(server.api_keys_path) if server.api_keys_path else None
+    api_keys = server_api_keys(server.api_keys_path, server.api_key_hashes)
     hosts = auth.allowed_hosts_for(server.host, server.allowed_hosts)
     app = build_ingress_app(ingress, metrics, ready, api_keys, hosts)
     from starlette.routing import Route
