@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from ultrafast.cli import build_parser
-from ultrafast.cli_serve import SERVE_GROUPS, SHOWN_DEFAULT, check_max_model_len
+from ultrafast.cli_help import SERVE_GROUPS, SHOWN_DEFAULT
+from ultrafast.cli_serve import check_max_model_len
 from ultrafast.config import DEMO_MODEL_DIR, ServerConfig
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ultrafast"
