@@ -50,10 +50,10 @@ def _texts(driver, css: str) -> list[str]:
     return [e.text for e in driver.find_elements("css selector", css)]
 
 
-def _send(driver, text: str, max_tokens: int = 8) -> str:
+def _send(driver, text: str, max_tokens: int = 8, timeout_s: float = 60) -> str:
     _set_number(driver, "max_tokens", max_tokens)
     _type_and_send(driver, text)
-    return _wait_state(driver, ENDED)
+    return _wait_state(driver, ENDED, timeout_s)
 
 
 def test_conversations_survive_a_reload(chat_server, browser):
@@ -217,7 +217,7 @@ def test_dark_mode_follows_the_system_and_fonts(chat_server, browser):
 
 
 def test_screenshot_of_the_default_model(browser):
-    """docs/playground.png: SmolLM2 (the default model) answering a question."""
+    """docs/playground.png: SmolLM2 (the default model) in a two-turn chat."""
     path = os.environ.get("ULTRAFAST_PLAYGROUND_SCREENSHOT")
     if not path:
         pytest.skip("set ULTRAFAST_PLAYGROUND_SCREENSHOT=path.png to take the screenshot")
@@ -225,13 +225,23 @@ def test_screenshot_of_the_default_model(browser):
 
     if not smollm2_gguf().is_file():
         pytest.skip(f"SmolLM2 is not fetched ({smollm2_gguf()}): python -m ultrafast.model_fetch")
-    srv = ServerProcess("--priority-ttft-ms", "10000", model=smollm2_gguf(), max_model_len=2048)
+    srv = ServerProcess(
+        "--priority-ttft-ms",
+        "10000",
+        model=smollm2_gguf(),
+        max_model_len=2048,
+        startup_timeout_s=600,  # under load, the start-up calibration takes minutes
+    )
     try:
-        browser.set_window_size(1200, 820)
+        browser.set_window_size(1200, 1000)
         browser.get(srv.url + "/")
-        browser.find_element("id", "system_prompt").send_keys("You are a concise assistant.")
-        assert _send(browser, "What is the capital of France?", max_tokens=128) in ENDED
-        assert _send(browser, "Write a Python function that reverses a string.", 200) in ENDED
+        browser.find_element("id", "temperature").send_keys("0.2")  # the model card's sampling
+        browser.find_element("id", "top_p").send_keys("0.9")
+        for question in (
+            "Write a Python function that reverses a string.",
+            "How would I test it with pytest?",
+        ):  # minutes on a loaded machine
+            assert _send(browser, question, max_tokens=200, timeout_s=600) in ENDED
         browser.save_screenshot(path)
     finally:
         srv.stop()
