@@ -52,7 +52,7 @@ def shown_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     return formatter._expand_help(action) if action.help else ""
 
 
-@pytest.mark.parametrize("command", ["serve", "generate"])
+@pytest.mark.parametrize("command", ["serve", "generate", "cluster"])
 def test_every_flag_has_help_and_shows_its_default(command):
     parser = subparser(command)
     missing_help, missing_default = [], []
@@ -81,6 +81,8 @@ def test_serve_help_groups_its_flags():
     text = ultrafast("serve", "--help").stdout
     assert text.index("\nmodel:") < text.index("\nserver:") < text.index("\nservice tiers:")
     assert "--port PORT           TCP port (default: 8000)" in text
+    cluster = {g.title: g for g in subparser("cluster")._action_groups}
+    assert {a.dest for a in cluster["cluster"]._group_actions} >= {"replicas", "address"}
 
 
 def test_version():

@@ -23,6 +23,7 @@ log = logging.getLogger("ultrafast.cluster")
 
 
 def add_cluster_parser(sub: Any) -> None:
+    from ultrafast.cli_help import HelpFormatter, group
     from ultrafast.cli_serve import (
         _add_access_args,
         _add_guard_args,
@@ -34,28 +35,33 @@ def add_cluster_parser(sub: Any) -> None:
     from ultrafast.config import ServerConfig
 
     p = sub.add_parser(
-        "cluster", help="N engine replicas on Ray Serve behind one OpenAI endpoint (ultrafast[ray])"
+        "cluster",
+        help="N engine replicas on Ray Serve behind one OpenAI endpoint (ultrafast[ray])",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("model_path", nargs="?", default=None, help="as for `serve`")
-    p.add_argument("--replicas", type=int, default=2, help="engine replicas (each its own process)")
-    p.add_argument(
+    p.add_argument("model_path", nargs="?", default=None, help="as for `serve` (default: as there)")
+    cluster, server = group(p, "cluster"), group(p, "server")
+    cluster.add_argument(
+        "--replicas", type=int, default=2, help="engine replicas (each its own process)"
+    )
+    cluster.add_argument(
         "--address", default=None, help="join this Ray cluster (default: start a local one)"
     )
-    p.add_argument("--replica-cpus", type=float, default=0.5, help="Ray CPUs per replica")
-    p.add_argument(
+    cluster.add_argument("--replica-cpus", type=float, default=0.5, help="Ray CPUs per replica")
+    cluster.add_argument(
         "--limits-store",
         default=None,
         help="redis://... holding tenants' rate limits for all replicas (default: the "
         "session store)",
     )
-    p.add_argument(
+    cluster.add_argument(
         "--limits-fail",
         choices=["open", "closed"],
         default="open",
         help="when the limits' Redis is unreachable: open = each replica limits alone, "
         "closed = refuse rate-limited calls (429)",
     )
-    p.add_argument(
+    cluster.add_argument(
         "--relay",
         choices=["direct", "ray"],
         default="direct",
@@ -63,9 +69,13 @@ def add_cluster_parser(sub: Any) -> None:
         "loopback port (fewer hops), ray = through its Serve handle (other machines' "
         "replicas and WebSockets always use the handle)",
     )
-    p.add_argument("--host", default=ServerConfig.host, help="ingress bind address")
-    p.add_argument("--port", type=int, default=ServerConfig.port)
-    p.add_argument("--served-model-name", default=ServerConfig.served_model_name)
+    server.add_argument("--host", default=ServerConfig.host, help="ingress bind address")
+    server.add_argument("--port", type=int, default=ServerConfig.port, help="ingress TCP port")
+    server.add_argument(
+        "--served-model-name",
+        default=ServerConfig.served_model_name,
+        help="model id clients send (default: the model's directory or file name)",
+    )
     _add_tier_args(p)
     _add_session_args(p)
     _add_access_args(p)
