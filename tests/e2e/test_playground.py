@@ -66,6 +66,7 @@ def test_playground_streams_with_live_stats(server, browser, tier):
     browser.get(server.url + "/")
     Select(browser.find_element("id", "tier")).select_by_value(tier)
     _set_number(browser, "max_tokens", 24)
+    _set_number(browser, "temperature", 0)  # greedy: the demo model runs to max_tokens
     _type_and_send(browser, "def f(x):")
     state = _wait_state(browser, ("done", "length", "error", "stopped"))
     assert state == "length", browser.find_element("id", "output").text  # cut at max_tokens
@@ -138,6 +139,7 @@ def test_two_turns_and_a_stop_keep_one_conversation_on_the_server(chat_server, b
 
     # turn 1: typed with Shift+Enter for the newline, sent with Enter
     _set_number(browser, "max_tokens", 16)
+    _set_number(browser, "temperature", 0)  # greedy: each answer runs to max_tokens
     _type_and_send(browser, turns[0])
     assert _wait_state(browser, ("done", "length", "error", "stopped")) == "length"
     conversation = browser.find_element("id", "conversation").text
@@ -184,6 +186,8 @@ def test_two_turns_and_a_stop_keep_one_conversation_on_the_server(chat_server, b
     sent = [json.loads(body) for body in browser.execute_script("return window.sentBodies")]
     assert [b["messages"] for b in sent] == [[{"role": "user", "content": t}] for t in turns]
     assert {b["session_id"] for b in sent} == {conversation}
+    # sampling fields left empty are left out (the model's defaults), those set are sent
+    assert all(b["temperature"] == 0 and "top_p" not in b for b in sent)
     items = httpx.get(
         f"{server.url}/v1/conversations/{conversation}/items", params={"order": "asc"}
     ).json()["data"]

@@ -39,7 +39,7 @@ def chat_server(tmp_path_factory):
 
 
 def _list_titles(driver) -> list[str]:
-    return [e.text for e in driver.find_elements("css selector", "#conversations .open")]
+    return _texts(driver, "#conversations .open")
 
 
 def _conversation(driver) -> str:
@@ -47,11 +47,17 @@ def _conversation(driver) -> str:
 
 
 def _texts(driver, css: str) -> list[str]:
-    return [e.text for e in driver.find_elements("css selector", css)]
+    """The text of each element `css` selects, read in one go (the page re-renders lists)."""
+    return driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].map((e) => e.innerText)", css
+    )
 
 
 def _send(driver, text: str, max_tokens: int = 8, timeout_s: float = 60) -> str:
+    """Sends `text` greedily (the answer runs to `max_tokens`: "length"); the state it ended in."""
     _set_number(driver, "max_tokens", max_tokens)
+    if not driver.find_element("id", "temperature").get_attribute("value"):
+        _set_number(driver, "temperature", 0)
     _type_and_send(driver, text)
     return _wait_state(driver, ENDED, timeout_s)
 
@@ -179,6 +185,10 @@ def test_phone_layout(chat_server, phone):
     assert not phone.find_element("id", "settings").get_attribute("open")
     phone.find_element("id", "chats_toggle").click()
     _wait_for(phone, lambda d: d.execute_script(right, "sidebar") > 100)
+    phone.execute_script("document.getElementById('output').click()")  # a tap beside it
+    _wait_for(phone, lambda d: d.execute_script(right, "sidebar") <= 0)
+    phone.find_element("id", "chats_toggle").click()
+    _wait_for(phone, lambda d: d.execute_script(right, "sidebar") > 100)
     phone.find_element("id", "new_chat").click()  # closes the drawer
     _wait_for(phone, lambda d: d.execute_script(right, "sidebar") <= 0)
     phone.find_element("css selector", "#settings summary").click()
@@ -248,6 +258,8 @@ def test_screenshot_of_the_default_model(browser):
 
 
 def _wait_for(driver, condition, timeout_s: float = 30):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    WebDriverWait(driver, timeout_s).until(condition)
+    wait = WebDriverWait(driver, timeout_s, ignored_exceptions=[StaleElementReferenceException])
+    wait.until(condition)

@@ -104,10 +104,13 @@ async function createConversation(title, items) {
   return created.id;
 }
 
+const MAX_LISTED = 50;  // older ones stay on the server (until their TTL), off the list
+
 function remember(id, title, replacing = null) {
   const at = conversations.findIndex((c) => c.id === replacing);
   if (at >= 0) conversations[at] = {id, title};
   else conversations.unshift({id, title});
+  conversations = conversations.slice(0, MAX_LISTED);
   saveList();
 }
 

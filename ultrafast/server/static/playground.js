@@ -298,6 +298,9 @@ $("new_chat").addEventListener("click", () => {
   document.body.classList.remove("show-chats");
 });
 $("chats_toggle").addEventListener("click", () => document.body.classList.toggle("show-chats"));
+$("main").addEventListener("click", (e) => {  // a tap beside the open drawer closes it
+  if (!e.target.closest("#chats_toggle")) document.body.classList.remove("show-chats");
+});
 $("model").addEventListener("change", () => writeStore(STORE.model, $("model").value));
 $("change_key").addEventListener("click", () => askForKey("API key for this server:"));
 $("save_key").addEventListener("click", () => {
