@@ -103,10 +103,36 @@ def add_convert_parser(sub: Any) -> None:
     conv.set_defaults(func=cmd_convert)
 
 
+def version_text() -> str:
+    """`ultrafast --version`: ours, and the llama.cpp binding and Python it runs on (for bug
+    reports); from the installed metadata, so nothing heavy is imported."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    ours = installed("ultrafast")
+    if ours == "not installed":  # run from a checkout: its pyproject.toml says
+        import re
+        from pathlib import Path
+
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        found = pyproject.is_file() and re.search(
+            r'(?m)^version = "([^"]+)"', pyproject.read_text(encoding="utf-8")
+        )
+        ours = found.group(1) if found else "(version unknown)"
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"ultrafast {ours} (llama-cpp-python {installed('llama-cpp-python')}, Python {python})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ultrafast.quant.command import add_parsers as add_quant_parsers
 
     parser = argparse.ArgumentParser(prog="ultrafast", description="Low-latency LLM inference.")
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True)
     for add_command in (
         add_generate_parser,

@@ -12,7 +12,9 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from ultrafast.cli_help import LOG_LEVELS, SERVE_GROUPS, HelpFormatter, group
 from ultrafast.config import EXECUTORS, SPEC_METHODS, EngineConfig, ServerConfig
+from ultrafast.server.tenants import api_key_hashes
 from ultrafast.weight_format import AUTO, OUT_TYPES
 
 COMPILE_MODES = ("auto", "inductor", "graphs", "off")
@@ -43,83 +45,106 @@ def add_compile_arg(p: argparse.ArgumentParser, help_text: str | None = None) ->
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    model, engine = group(p, "model"), group(p, "engine")
+    kv, spec = group(p, "KV cache"), group(p, "speculative decoding")
+    model.add_argument(
         "--model",
         default=None,
         help="HF model directory or .gguf file (default: $ULTRAFAST_MODEL, else "
         "SmolLM2-135M-Instruct as fetched by `make setup`, else the bundled demo model)",
     )
-    p.add_argument(
+    engine.add_argument(
         "--executor",
         choices=EXECUTORS,
         default=EngineConfig.executor,
         help="auto = ggml (llama.cpp kernels) on CPU, torch on CUDA; fake = no model, "
         "deterministic word tokens (load and fault tests only)",
     )
-    p.add_argument(
+    engine.add_argument(
         "--fake-step-ms",
         type=float,
         default=1000 * EngineConfig.fake_step_s,
         help=argparse.SUPPRESS,
     )
-    p.add_argument(
+    model.add_argument(
         "--max-model-len",
         type=int,
-        default=EngineConfig.max_model_len,
-        help="positions per KV slot",
+        default=None,
+        help=f"positions per KV slot, prompt and answer together (default: "
+        f"{EngineConfig.max_model_len}, or the model's context when smaller; more than the "
+        "model's context is an error)",
     )
-    p.add_argument(
+    kv.add_argument(
         "--num-slots",
         type=int,
         default=EngineConfig.num_slots,
         help="KV slots (concurrent sequences and cached prefixes); 0 = sized from free memory",
     )
-    p.add_argument(
+    engine.add_argument(
         "--threads",
         type=int,
         default=None,
         help="kernel threads: ggml's, or torch's on CPU (default: all cores; serve with ggml: "
         "timed at start for each pass width, all cores or all but one)",
     )
-    p.add_argument(
+    engine.add_argument(
         "--batch-threads",
         type=int,
         default=None,
         help="ggml threads for passes of more than one token: prefill chunks, draft "
         "verification, several streams' decodes (default: --threads)",
     )
-    p.add_argument(
-        "--spec",
-        choices=SPEC_METHODS,
-        default=EngineConfig.spec,
-        help="speculative decoding: n-gram prompt lookup, a draft model, or auto "
-        "(n-gram, else the draft model); a request's `prediction` is always used",
-    )
-    p.add_argument(
-        "--spec-tiers",
-        default=",".join(EngineConfig.spec_tiers),
-        help="comma-separated tiers that draft (priority, default, flex)",
-    )
-    p.add_argument(
-        "--draft-model",
-        default=None,
-        help="draft model (HF dir or .gguf, same tokenizer; default: the bundled "
-        "demo draft when it fits the model)",
-    )
-    p.add_argument(
-        "--max-draft-tokens",
-        type=int,
-        default=EngineConfig.max_draft_tokens,
-        help="upper bound of the adaptive number of draft tokens per step",
-    )
-    p.add_argument(
+    engine.add_argument(
         "--short-first-window-ms",
         type=float,
         default=EngineConfig.short_first_window_s * 1000,
         help="default/flex requests expected to finish sooner go ahead of longer ones that "
         "arrived up to this long before them (0: first come, first served)",
     )
-    p.add_argument(
+    model.add_argument(
+        "--gguf-type",
+        choices=[AUTO, *OUT_TYPES],
+        default=EngineConfig.gguf_type,
+        help="weight type an HF directory converts to for the ggml executor: auto = bf16 "
+        "where the CPU has AVX-512 BF16, else f16; q8_0 = half of f16's bytes",
+    )
+    engine.add_argument(
+        "--flash-attn",
+        choices=["on", "off"],
+        default="on" if EngineConfig.flash_attn else "off",
+        help="ggml executor: llama.cpp's fused CPU attention (default on: faster decode, "
+        "batches and prefill on SmolLM2 here); off: the plain attention ops",
+    )
+    add_compile_arg(engine)
+    _add_spec_args(spec)
+
+
+def _add_spec_args(spec: Any) -> None:
+    spec.add_argument(
+        "--spec",
+        choices=SPEC_METHODS,
+        default=EngineConfig.spec,
+        help="speculative decoding: n-gram prompt lookup, a draft model, or auto "
+        "(n-gram, else the draft model); a request's `prediction` is always used",
+    )
+    spec.add_argument(
+        "--spec-tiers",
+        default=",".join(EngineConfig.spec_tiers),
+        help="comma-separated tiers that draft (priority, default, flex)",
+    )
+    spec.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft model (HF dir or .gguf, same tokenizer; default: the bundled "
+        "demo draft when it fits the model)",
+    )
+    spec.add_argument(
+        "--max-draft-tokens",
+        type=int,
+        default=EngineConfig.max_draft_tokens,
+        help="upper bound of the adaptive number of draft tokens per step",
+    )
+    spec.add_argument(
         "--spec-costs",
         choices=["measured", "fixed"],
         default="measured",
@@ -127,21 +152,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "(default), or fixed defaults, so the drafts do not depend on the machine's load "
         "(reproducible runs, tests)",
     )
-    p.add_argument(
-        "--gguf-type",
-        choices=[AUTO, *OUT_TYPES],
-        default=EngineConfig.gguf_type,
-        help="weight type an HF directory converts to for the ggml executor: auto = bf16 "
-        "where the CPU has AVX-512 BF16, else f16; q8_0 = half of f16's bytes",
-    )
-    p.add_argument(
-        "--flash-attn",
-        choices=["on", "off"],
-        default="on" if EngineConfig.flash_attn else "off",
-        help="ggml executor: llama.cpp's fused CPU attention (default on: faster decode, "
-        "batches and prefill on SmolLM2 here); off: the plain attention ops",
-    )
-    add_compile_arg(p)
 
 
 def chosen_model(explicit: str | None) -> tuple[str, str | None]:
@@ -162,12 +172,31 @@ def chosen_model(explicit: str | None) -> tuple[str, str | None]:
     return choice.path, choice.served_name
 
 
+def check_max_model_len(model: str, max_model_len: int | None) -> None:
+    """An explicit --max-model-len the model cannot hold is an error that says what fits (the
+    default is capped at the model's context instead). Reads only the model's metadata."""
+    if max_model_len is None:
+        return
+    if max_model_len < 1:
+        raise ValueError(f"--max-model-len {max_model_len}: give a number of positions >= 1")
+    from ultrafast.model_files import resolve_model
+
+    files = resolve_model(model)
+    declared = files.max_position_embeddings
+    if declared and max_model_len > declared:
+        raise ValueError(
+            f"--max-model-len {max_model_len:,} does not fit {files.name}: its context is "
+            f"{declared:,} positions; give --max-model-len {declared} or less (without the "
+            f"flag: {min(declared, EngineConfig.max_model_len)})"
+        )
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig's keyword arguments (all but the model) from the engine flags."""
     tiers = tuple(t.strip() for t in args.spec_tiers.split(",") if t.strip())
     return dict(
         executor=args.executor,
-        max_model_len=args.max_model_len,
+        max_model_len=args.max_model_len or EngineConfig.max_model_len,  # None: the default
         num_slots=args.num_slots,
         max_num_seqs=args.num_slots,
         n_threads=args.threads,
@@ -186,13 +215,17 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_generate_parser(sub: Any) -> None:
-    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    gen = sub.add_parser(
+        "generate",
+        help="generate text for one prompt, streamed to stdout",
+        formatter_class=HelpFormatter,
+    )
     gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
     gen.add_argument("--stats", action="store_true", help="print TTFT and speed to stderr")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -210,6 +243,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     model, _ = chosen_model(args.model)
+    check_max_model_len(model, args.max_model_len)
     llm = LLM(model, **engine_options(args))
     started = time.perf_counter()
     first_s = None
@@ -239,8 +273,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_tier_args(srv: argparse.ArgumentParser) -> None:
+    tiers, server = group(srv, "service tiers"), group(srv, "server")
     priority, default = ServerConfig.priority, ServerConfig.default
-    srv.add_argument(
+    tiers.add_argument(
         "--priority-ttft-ms",
         type=float,
         default=priority.ttft_ms,
@@ -249,45 +284,51 @@ def _add_tier_args(srv: argparse.ArgumentParser) -> None:
         f"at least {priority.ttft_floor_ms:g} ms); a priority call that the work queued ahead "
         "would make miss it is refused (429)",
     )
-    srv.add_argument(
+    tiers.add_argument(
         "--priority-itl-ms",
         type=float,
         default=priority.itl_ms,
         help="priority inter-token target; steps carrying priority work are sized "
         "to it (0 = auto: 1.2x the measured idle inter-token time)",
     )
-    srv.add_argument(
+    tiers.add_argument(
         "--priority-queue",
         type=int,
         default=priority.max_in_flight,
         help="priority calls in flight",
     )
-    srv.add_argument(
+    tiers.add_argument(
         "--default-ttft-ms",
         type=float,
         default=default.ttft_ms,
         help="default tier time-to-first-token target (0 = auto, from the measured speed)",
     )
-    srv.add_argument(
+    tiers.add_argument(
         "--default-itl-ms",
         type=float,
         default=default.itl_ms,
-        help="size steps carrying default-tier decodes to this token gap (0 = off, the default)",
+        help="size steps carrying default-tier decodes to this token gap (0 = off)",
     )
-    srv.add_argument(
+    tiers.add_argument(
         "--default-queue",
         type=int,
         default=default.max_in_flight,
         help="default calls in flight (0 = sized from memory; the predicted wait refuses first)",
     )
-    srv.add_argument(
+    tiers.add_argument(
         "--shaper-window-ms",
         type=float,
         default=ServerConfig.shaper_window_ms,
         help="coalesce default-tier arrivals this long (0 = off)",
     )
-    srv.add_argument("--drain-timeout-s", type=float, default=ServerConfig.drain_timeout_s)
-    srv.add_argument(
+    server.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=ServerConfig.drain_timeout_s,
+        help="on SIGTERM or Ctrl-C, running streams get this long to finish (a second "
+        "signal ends them at once)",
+    )
+    tiers.add_argument(
         "--alert-priority-itl-p99-ms",
         type=float,
         default=ServerConfig.alert_priority_itl_p99_ms,
@@ -297,13 +338,14 @@ def _add_tier_args(srv: argparse.ArgumentParser) -> None:
 
 
 def _add_session_args(srv: argparse.ArgumentParser) -> None:
-    srv.add_argument(
+    sessions = group(srv, "sessions")
+    sessions.add_argument(
         "--session-store",
         default=ServerConfig.session_store,
         help="conversation history: sqlite:///path (default: sessions.db under "
         "the user data dir) or redis://host:port/db",
     )
-    srv.add_argument(
+    sessions.add_argument(
         "--redis-ca-file",
         default=None,
         metavar="FILE",
@@ -311,48 +353,61 @@ def _add_session_args(srv: argparse.ArgumentParser) -> None:
         "--kv-store and a cluster's shared limits (default: the system's CAs); "
         "credentials go in the URL: redis://user:password@host:port/db",
     )
-    srv.add_argument(
+    sessions.add_argument(
         "--session-ttl-s",
         type=float,
         default=ServerConfig.session_ttl_s,
         help="a session expires this long after its last turn",
     )
-    srv.add_argument(
-        "--max-sessions-per-tenant", type=int, default=ServerConfig.max_sessions_per_tenant
+    sessions.add_argument(
+        "--max-sessions-per-tenant",
+        type=int,
+        default=ServerConfig.max_sessions_per_tenant,
+        help="stored conversations one tenant may keep (its oldest expire first)",
     )
 
 
 def _add_access_args(srv: argparse.ArgumentParser) -> None:
-    srv.add_argument(
+    access, limits = group(srv, "authentication"), group(srv, "limits")
+    access.add_argument(
         "--api-keys",
         default=ServerConfig.api_keys_path,
         metavar="FILE",
-        help="tenants and sha256-hashed keys (YAML/JSON, see deploy/); without it "
-        "there is no auth and the server listens on loopback only",
+        help="tenants and sha256-hashed keys (YAML/JSON, see deploy/; default: none). "
+        "Without it or --api-key there is no auth and the server listens on loopback only",
     )
-    srv.add_argument(
+    access.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="accept this bearer key, with every tier (repeatable; beside --api-keys or "
+        "alone; default: none). Other local users can read it in the process list: "
+        "prefer --api-keys on a shared machine",
+    )
+    access.add_argument(
         "--allowed-host",
         action="append",
         default=[],
         metavar="NAME",
-        help="Host header names to accept (repeatable; default on loopback: "
+        help="Host header names to accept (repeatable; default: on loopback "
         "127.0.0.1, localhost, ::1; otherwise any)",
     )
-    srv.add_argument(
+    limits.add_argument(
         "--header-timeout-s",
         type=float,
         default=ServerConfig.header_timeout_s,
         help="close a connection whose request head is not complete in this long "
         "(slowloris; 408 when part of it came; 0 = off)",
     )
-    srv.add_argument(
+    limits.add_argument(
         "--body-timeout-s",
         type=float,
         default=ServerConfig.body_timeout_s,
         help="answer 408 request_timeout when a request body is not complete this "
         "long after its head (a slow body; 0 = off)",
     )
-    srv.add_argument(
+    limits.add_argument(
         "--max-connections-per-ip",
         type=int,
         default=ServerConfig.max_connections_per_ip,
@@ -360,7 +415,7 @@ def _add_access_args(srv: argparse.ArgumentParser) -> None:
         "ones from one client address (0 = no cap; behind a proxy all clients "
         "share its address)",
     )
-    srv.add_argument(
+    limits.add_argument(
         "--write-stall-timeout-s",
         type=float,
         default=ServerConfig.write_stall_timeout_s,
@@ -370,30 +425,35 @@ def _add_access_args(srv: argparse.ArgumentParser) -> None:
 
 
 def _add_guard_args(srv: argparse.ArgumentParser) -> None:
-    srv.add_argument(
+    guard = group(srv, "output guard")
+    guard.add_argument(
         "--guard-pattern",
         action="append",
         default=[],
         metavar="REGEX",
-        help="output safety filter: cut a stream matching REGEX (repeatable)",
+        help="output safety filter: cut a stream matching REGEX (repeatable; default: none)",
     )
-    srv.add_argument(
+    guard.add_argument(
         "--guard-patterns",
         default=ServerConfig.guard_patterns_path,
         metavar="FILE",
-        help='output safety filter patterns, JSON {"patterns": [...]}',
+        help='output safety filter patterns, JSON {"patterns": [...]} (default: none)',
     )
-    srv.add_argument(
+    guard.add_argument(
         "--guard-classifier",
         default=ServerConfig.guard_classifier,
         metavar="MODULE:FUNCTION",
         help="output safety filter: a function text -> score in [0, 1], run off "
-        "the event loop; scores >= --guard-classifier-threshold cut the stream",
+        "the event loop; scores >= --guard-classifier-threshold cut the stream "
+        "(default: none)",
     )
-    srv.add_argument(
-        "--guard-classifier-threshold", type=float, default=ServerConfig.guard_classifier_threshold
+    guard.add_argument(
+        "--guard-classifier-threshold",
+        type=float,
+        default=ServerConfig.guard_classifier_threshold,
+        help="a --guard-classifier score at or above this cuts the stream",
     )
-    srv.add_argument(
+    guard.add_argument(
         "--guard-hold-back-tokens",
         type=int,
         default=ServerConfig.guard_hold_back_tokens,
@@ -402,32 +462,34 @@ def _add_guard_args(srv: argparse.ArgumentParser) -> None:
 
 
 def _add_kv_cache_args(srv: argparse.ArgumentParser) -> None:
-    srv.add_argument(
+    kv = group(srv, "KV cache")
+    kv.add_argument(
         "--kv-host-cache-gb",
         type=float,
         default=EngineConfig.kv_host_cache_gb,
         help="host memory for conversations' KV evicted from the slots (L2, a hard limit; "
         "0 = none): a conversation's next turn restores it instead of recomputing",
     )
-    srv.add_argument(
+    kv.add_argument(
         "--kv-disk-dir",
         default=None,
         help="directory for conversations' KV (L3): written after each turn, so a restart "
-        "(even kill -9) keeps conversations warm",
+        "(even kill -9) keeps conversations warm (default: none)",
     )
-    srv.add_argument(
+    kv.add_argument(
         "--kv-disk-gb",
         type=float,
         default=EngineConfig.kv_disk_gb,
         help="hard limit of --kv-disk-dir (least recently used out)",
     )
-    srv.add_argument(
+    kv.add_argument(
         "--kv-store",
         default=None,
         metavar="redis://HOST:PORT",
-        help="Redis for conversations' KV (L3), shared by every server of the same model",
+        help="Redis for conversations' KV (L3), shared by every server of the same model "
+        "(default: none)",
     )
-    srv.add_argument(
+    kv.add_argument(
         "--kv-secret-file",
         default=None,
         metavar="FILE",
@@ -448,41 +510,44 @@ def kv_cache_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_model_residency_args(srv: argparse.ArgumentParser) -> None:
-    srv.add_argument(
+    models = group(srv, "several models")
+    models.add_argument(
         "--models",
         action="append",
         default=[],
         metavar="NAME=PATH[,NAME=PATH...]",
         help="serve several models, each under its own name (repeatable); the first is the "
-        "default and loads at start, the others load on their first call",
+        "default and loads at start, the others load on their first call (default: one "
+        "model, the positional one or --model)",
     )
-    srv.add_argument(
+    models.add_argument(
         "--max-resident-bytes",
         default="0",
         metavar="BYTES",
         help="with --models: weights + KV of the loaded models stay under this (e.g. 2G); the "
         "least recently used idle model is unloaded to make room (0 = no limit)",
     )
-    srv.add_argument(
+    models.add_argument(
         "--pin",
         action="append",
         default=[],
         metavar="NAME",
-        help="with --models: load this model at start and never unload it (repeatable)",
+        help="with --models: load this model at start and never unload it (repeatable; "
+        "default: none)",
     )
-    srv.add_argument(
+    models.add_argument(
         "--keep-alive",
         default="5m",
         help="with --models: unload a model idle this long (Ollama durations: 30s, 5m, 1h; "
         "-1 = never; 0 = when its calls end); a request's `keep_alive` field overrides it",
     )
-    srv.add_argument(
+    models.add_argument(
         "--model-load-timeout-s",
         type=float,
         default=ServerConfig.model_load_timeout_s,
         help="with --models: a call waits this long for its model to load (then 503)",
     )
-    srv.add_argument(
+    models.add_argument(
         "--no-preload",
         action="store_true",
         help="with --models: do not load a model ahead of its predicted next call",
@@ -527,7 +592,13 @@ def residency_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_serve_parser(sub: Any) -> None:
-    srv = sub.add_parser("serve", help="start the OpenAI-compatible server")
+    srv = sub.add_parser(
+        "serve",
+        help="start the OpenAI-compatible server",
+        description="Serve a model over the OpenAI API (chat completions, completions, "
+        "Responses, Conversations, Realtime), with a browser playground at /.",
+        formatter_class=HelpFormatter,
+    )
     srv.add_argument(
         "model_path",
         nargs="?",
@@ -535,11 +606,9 @@ def add_serve_parser(sub: Any) -> None:
         help="HF model directory or .gguf (default: SmolLM2-135M-Instruct, served as "
         "smollm2-135m-instruct, when `make setup` fetched it; else the bundled demo model)",
     )
-    srv.add_argument("--host", default=ServerConfig.host, help="bind address (loopback by default)")
-    srv.add_argument("--port", type=int, default=ServerConfig.port)
-    srv.add_argument(
-        "--served-model-name", default=ServerConfig.served_model_name, help="model id clients send"
-    )
+    for title in SERVE_GROUPS:  # the order --help shows them in
+        group(srv, title)
+    _add_server_args(group(srv, "server"))
     _add_tier_args(srv)
     _add_session_args(srv)
     _add_access_args(srv)
@@ -548,6 +617,33 @@ def add_serve_parser(sub: Any) -> None:
     add_engine_args(srv)
     _add_kv_cache_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+
+def _add_server_args(server: Any) -> None:
+    server.add_argument(
+        "--host",
+        default=ServerConfig.host,
+        help="bind address; anything but loopback needs --api-keys or --api-key",
+    )
+    server.add_argument("--port", type=int, default=ServerConfig.port, help="TCP port")
+    server.add_argument(
+        "--served-model-name",
+        default=ServerConfig.served_model_name,
+        help="model id clients send (default: the model's directory or file name; "
+        "smollm2-135m-instruct for the default model)",
+    )
+    server.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=ServerConfig.log_level,
+        help="server log verbosity (the access log is at info)",
+    )
+    server.add_argument(
+        "--no-access-log",
+        action="store_true",
+        help="no access-log line per request (method, path, status, tier, prompt and "
+        "completion tokens, TTFT, duration)",
+    )
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -576,6 +672,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         session_ttl_s=args.session_ttl_s,
         max_sessions_per_tenant=args.max_sessions_per_tenant,
         api_keys_path=args.api_keys,
+        api_key_hashes=api_key_hashes(args.api_key),
+        log_level=args.log_level,
+        access_log=not args.no_access_log,
         allowed_hosts=tuple(args.allowed_host),
         guard_patterns=tuple(args.guard_pattern),
         guard_patterns_path=args.guard_patterns,
@@ -606,5 +705,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model, served_name = chosen_model(args.model_path or args.model)
         if args.served_model_name is None:
             config = replace(config, served_model_name=served_name)
+    check_max_model_len(model, args.max_model_len)
     engine = EngineConfig(model=model, **engine_options(args), **kv_cache_options(args))
     return serve(engine, config)

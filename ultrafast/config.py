@@ -227,6 +227,9 @@ class ServerConfig:
     session_commit_grace_s: float = 30.0  # an answer's commit is retried this long (store outage)
     allowed_hosts: tuple[str, ...] = ()  # Host header names; () = loopback names on loopback
     api_keys_path: str | None = None  # tenants + sha256 keys; None = no auth, loopback only
+    api_key_hashes: tuple[str, ...] = ()  # sha256 of each --api-key (tenant `api-key`)
+    log_level: str = "info"  # debug, info, warning, error
+    access_log: bool = True  # one line per request (server/access_log.py)
     guard_patterns: tuple[str, ...] = ()  # output safety filter regexes; () = no filter
     guard_patterns_path: str | None = None  # JSON file of patterns (server/guard.py)
     guard_hold_back_tokens: int = 4  # tokens withheld after a chunk is cleared
@@ -241,3 +244,7 @@ class ServerConfig:
     keep_alive_s: float | None = 300.0  # an idle model unloads after this; None = never
     model_load_timeout_s: float = 120.0  # a call waits this long for its model's load
     preload_models: bool = True  # load a model ahead of its predicted next call
+
+    @property
+    def auth_on(self) -> bool:
+        return self.api_keys_path is not None or bool(self.api_key_hashes)

@@ -2,6 +2,7 @@
 
 import pytest
 
+from tests.e2e.playground_browser import browser, phone  # noqa: F401 (fixtures)
 from ultrafast.bench.server_process import ServerProcess
 
 

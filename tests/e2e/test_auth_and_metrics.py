@@ -200,7 +200,7 @@ def missing_key_refusal(path: str, body: dict) -> bool:
     return body["error"]["code"] == "missing_api_key"
 
 
-def test_s1_route_census_every_route_but_health_needs_a_key(keyed):
+def test_s1_route_census_every_route_but_health_and_the_page_needs_a_key(keyed):
     app, pairs = app_routes()
     assert ("GET", "/metrics") in pairs and ("GET", "/health") in pairs
     assert len(pairs) >= 8
@@ -212,13 +212,14 @@ def test_s1_route_census_every_route_but_health_needs_a_key(keyed):
                 base + path.replace("{", "x").replace("}", ""),
                 json={} if method == "POST" else None,
             )
-            if (method, path) == ("GET", "/health"):
+            if (method, path) in (("GET", "/health"), ("GET", "/")):  # the page asks for a key
                 assert r.status_code == 200
             else:
                 assert r.status_code == 401, (method, path, r.status_code)
                 assert missing_key_refusal(path, r.json()), (path, r.text)
     for extra in ("/docs", "/openapi.json", "/admin", "/ready"):
         assert httpx.get(keyed.url + extra).status_code == 401
+    assert httpx.post(keyed.url + "/").status_code == 401  # only GET / is open
 
 
 def test_metrics_need_the_metrics_scope(keyed):
@@ -409,7 +410,7 @@ def test_s3_stored_chat_completions_of_one_tenant_are_invisible_to_another(keyed
 def test_s2_keys_never_reach_the_logs(keyed):  # stops the server: keep it last but one
     httpx.post(keyed.url + CHAT, headers={"Authorization": "Bearer leaked-in-logs?"}, json=BODY)
     keyed.stop()
-    output = keyed.proc.stdout.read()
+    output = keyed.output()
     assert "auth failed" in output  # failures are logged...
     for key in [*KEYS.values(), "leaked-in-logs"]:
         assert key not in output  # ...without the key

@@ -141,6 +141,4 @@ def test_bad_guard_file_fails_at_start_with_a_clear_error(tmp_path):
 def test_without_keys_the_server_says_it_is_loopback_only(guarded):
     srv = guarded[0]
     srv.stop()
-    assert (
-        "no --api-keys: authentication is off, listening on loopback only" in srv.proc.stdout.read()
-    )
+    assert "no --api-keys: authentication is off, listening on loopback only" in srv.output()

@@ -1,25 +1,26 @@
 """The playground at GET / in headless Chromium: a multi-turn chat kept on the server, a stop
-button that frees the server's slot, per-answer TTFT / tok/s / model / tier, and the Markdown
-renderer's escaping.
-
-Needs Debian's chromium + chromium-driver (`make setup` installs them) and selenium; skipped
-with the reason when they are missing. The driver is given by path, so selenium never tries to
-download one. With ULTRAFAST_PLAYGROUND_SCREENSHOT=path.png the multi-turn test saves a
-screenshot of the page there (docs/playground.png is made that way).
+button that frees the server's slot, per-answer TTFT / tok/s / model / tier / how it ended, and
+the Markdown renderer's escaping. The rest of the page (conversation list, system prompt, model
+picker, keys, phone and dark layouts): test_playground_ui.py.
 """
 
 import json
-import os
-import shutil
+import re
 import time
 
 import httpx
 import pytest
 
+from tests.e2e.playground_browser import (
+    _answers,
+    _field,
+    _model_id,
+    _number,
+    _set_number,
+    _type_and_send,
+    _wait_state,
+)
 from ultrafast.bench.server_process import ServerProcess
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
 
 # wraps the page's fetch to keep every chat completion body it sends, before any click
 RECORD_SENT = """
@@ -49,79 +50,14 @@ def test_playground_page_is_served(server):
     ):
         assert needle in r.text
     assert "<script src" not in r.text and "stylesheet" not in r.text  # one file, nothing else
-
-
-@pytest.fixture
-def browser():
-    webdriver = pytest.importorskip("selenium.webdriver")
-    if not (CHROMIUM and CHROMEDRIVER):
-        pytest.skip("chromium / chromedriver not installed (make setup installs them)")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--disable-extensions",
-        "--no-first-run",
-        "--window-size=1000,800",
-    ):
-        options.add_argument(flag)
-    os.environ.setdefault("SE_OFFLINE", "true")  # selenium manager: never reach the network
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    yield driver
-    driver.quit()
-
-
-def _answers(driver):
-    return driver.find_elements("css selector", ".turn.assistant")
-
-
-def _field(answer, name: str) -> str:
-    return answer.find_element("css selector", "." + name).text
-
-
-def _number(answer, name: str) -> float | None:
-    try:
-        return float(_field(answer, name))
-    except ValueError:
-        return None
-
-
-def _set_number(driver, element_id: str, value: int) -> None:
-    box = driver.find_element("id", element_id)
-    box.clear()
-    box.send_keys(str(value))
-
-
-def _type_and_send(driver, text: str) -> None:
-    """Types `text` (newlines as Shift+Enter) into the prompt box and sends it with Enter."""
-    from selenium.webdriver.common.action_chains import ActionChains
-    from selenium.webdriver.common.keys import Keys
-
-    box = driver.find_element("id", "prompt")
-    box.clear()
-    box.click()
-    actions = ActionChains(driver)
-    for k, line in enumerate(text.split("\n")):
-        if k:
-            actions.key_down(Keys.SHIFT).send_keys(Keys.ENTER).key_up(Keys.SHIFT)
-        actions.send_keys(line)
-    actions.send_keys(Keys.ENTER).perform()
-
-
-def _wait_state(driver, states: tuple[str, ...], timeout_s: float = 60) -> str:
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    WebDriverWait(driver, timeout_s).until(lambda d: d.find_element("id", "status").text in states)
-    return driver.find_element("id", "status").text
-
-
-def _model_id(server) -> str:
-    return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    assert '<meta name="viewport" content="width=device-width, initial-scale=1">' in r.text
+    assert "prefers-color-scheme: dark" in r.text
+    for needle in ('id="system_prompt"', 'id="top_p"', 'id="temperature"', 'id="conversations"'):
+        assert needle in r.text
+    # the message box starts empty, with a placeholder
+    prompt = re.search(r'<textarea id="prompt" placeholder="([^"]+)">(.*?)</', r.text, re.S)
+    assert prompt and prompt.group(1) and prompt.group(2) == ""
+    assert "/*STYLE*/" not in r.text and "/*SCRIPT*/" not in r.text  # everything inlined
 
 
 @pytest.mark.parametrize("tier", ["priority", "default", "flex"])
@@ -131,10 +67,12 @@ def test_playground_streams_with_live_stats(server, browser, tier):
     browser.get(server.url + "/")
     Select(browser.find_element("id", "tier")).select_by_value(tier)
     _set_number(browser, "max_tokens", 24)
-    browser.find_element("id", "send").click()
-    state = _wait_state(browser, ("done", "error", "stopped"))
-    assert state == "done", browser.find_element("id", "output").text
+    _set_number(browser, "temperature", 0)  # greedy: the demo model runs to max_tokens
+    _type_and_send(browser, "def f(x):")
+    state = _wait_state(browser, ("done", "length", "error", "stopped"))
+    assert state == "length", browser.find_element("id", "output").text  # cut at max_tokens
     answer = _answers(browser)[-1]
+    assert _field(answer, "state") == "length"
     assert _field(answer, "body").strip()  # streamed text arrived
     ttft = _number(answer, "ttft")
     tps = _number(answer, "tps")
@@ -143,14 +81,16 @@ def test_playground_streams_with_live_stats(server, browser, tier):
     assert _number(answer, "ntokens") == 24  # usage count shown at the end
     assert _field(answer, "served_tier") == tier
     assert _field(answer, "served_model") == _model_id(server)
-    assert browser.find_element("id", "model").text == _model_id(server)
+    assert Select(browser.find_element("id", "model")).first_selected_option.text == _model_id(
+        server
+    )
 
 
 def test_playground_shows_an_api_error(server, browser):
     browser.get(server.url + "/")
     _set_number(browser, "max_tokens", 0)  # refused by the server with a 400 envelope
-    browser.find_element("id", "send").click()
-    assert _wait_state(browser, ("done", "error")) == "error"
+    _type_and_send(browser, "hello")
+    assert _wait_state(browser, ("done", "length", "error")) == "error"
     answer = _answers(browser)[-1]
     assert "400" in answer.find_element("css selector", ".error").text
     assert _field(answer, "ttft") == "-"
@@ -200,8 +140,9 @@ def test_two_turns_and_a_stop_keep_one_conversation_on_the_server(chat_server, b
 
     # turn 1: typed with Shift+Enter for the newline, sent with Enter
     _set_number(browser, "max_tokens", 16)
+    _set_number(browser, "temperature", 0)  # greedy: each answer runs to max_tokens
     _type_and_send(browser, turns[0])
-    assert _wait_state(browser, ("done", "error", "stopped")) == "done"
+    assert _wait_state(browser, ("done", "length", "error", "stopped")) == "length"
     conversation = browser.find_element("id", "conversation").text
     assert conversation.startswith("conv")
 
@@ -220,7 +161,7 @@ def test_two_turns_and_a_stop_keep_one_conversation_on_the_server(chat_server, b
     # waits for that, so the history keeps its order
     _set_number(browser, "max_tokens", 16)
     browser.execute_script(SEND_NOW, turns[2])
-    assert _wait_state(browser, ("done", "error", "stopped")) == "done"
+    assert _wait_state(browser, ("done", "length", "error", "stopped")) == "length"
     stopped = _answers(browser)[1]
     assert _field(stopped, "state") == "stopped", _field(stopped, "ntokens")
     assert _field(stopped, "body").strip()  # the text that came before the stop stays
@@ -246,6 +187,8 @@ def test_two_turns_and_a_stop_keep_one_conversation_on_the_server(chat_server, b
     sent = [json.loads(body) for body in browser.execute_script("return window.sentBodies")]
     assert [b["messages"] for b in sent] == [[{"role": "user", "content": t}] for t in turns]
     assert {b["session_id"] for b in sent} == {conversation}
+    # sampling fields left empty are left out (the model's defaults), those set are sent
+    assert all(b["temperature"] == 0 and "top_p" not in b for b in sent)
     items = httpx.get(
         f"{server.url}/v1/conversations/{conversation}/items", params={"order": "asc"}
     ).json()["data"]
@@ -253,11 +196,6 @@ def test_two_turns_and_a_stop_keep_one_conversation_on_the_server(chat_server, b
     assert [i["content"][0]["text"] for i in items[0::2]] == turns
     assert [i["status"] for i in items[1::2]] == ["completed", "incomplete", "completed"]
     assert items[3]["content"][0]["text"].strip()  # the stopped answer's text is kept
-
-    path = os.environ.get("ULTRAFAST_PLAYGROUND_SCREENSHOT")
-    if path:
-        browser.set_window_size(1000, 1000)  # room for the three turns
-        browser.save_screenshot(path)
 
 
 NEW_TAB = 'target="_blank" rel="noopener noreferrer"'

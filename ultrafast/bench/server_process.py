@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,6 +74,7 @@ class ServerProcess:
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="ultrafast-serve-", suffix=".log")
         self.proc = spawn_cli(
             [
                 "serve",
@@ -85,14 +87,21 @@ class ServerProcess:
                 str(max_model_len),
                 *args,
             ],
-            subprocess.PIPE,
+            self.log,
         )
         if not wait_healthy(self.proc, self.url, startup_timeout_s, self._output):
             self.stop()
             raise RuntimeError(f"server did not become healthy in {startup_timeout_s} s")
 
+    def output(self) -> str:
+        """Everything the server printed so far (stdout and stderr): a file, not a pipe, so a
+        long run's access log never fills a pipe buffer nobody reads and stalls the server."""
+        self.log.flush()
+        with open(self.log.name, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
     def _output(self) -> str:
-        return (self.proc.stdout.read() if self.proc.stdout else "")[-2000:]
+        return self.output()[-2000:]
 
     def stop(self) -> int:
         return stop_child(self.proc)

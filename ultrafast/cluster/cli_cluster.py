@@ -23,6 +23,7 @@ log = logging.getLogger("ultrafast.cluster")
 
 
 def add_cluster_parser(sub: Any) -> None:
+    from ultrafast.cli_help import HelpFormatter, group
     from ultrafast.cli_serve import (
         _add_access_args,
         _add_guard_args,
@@ -34,28 +35,33 @@ def add_cluster_parser(sub: Any) -> None:
     from ultrafast.config import ServerConfig
 
     p = sub.add_parser(
-        "cluster", help="N engine replicas on Ray Serve behind one OpenAI endpoint (ultrafast[ray])"
+        "cluster",
+        help="N engine replicas on Ray Serve behind one OpenAI endpoint (ultrafast[ray])",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("model_path", nargs="?", default=None, help="as for `serve`")
-    p.add_argument("--replicas", type=int, default=2, help="engine replicas (each its own process)")
-    p.add_argument(
+    p.add_argument("model_path", nargs="?", default=None, help="as for `serve` (default: as there)")
+    cluster, server = group(p, "cluster"), group(p, "server")
+    cluster.add_argument(
+        "--replicas", type=int, default=2, help="engine replicas (each its own process)"
+    )
+    cluster.add_argument(
         "--address", default=None, help="join this Ray cluster (default: start a local one)"
     )
-    p.add_argument("--replica-cpus", type=float, default=0.5, help="Ray CPUs per replica")
-    p.add_argument(
+    cluster.add_argument("--replica-cpus", type=float, default=0.5, help="Ray CPUs per replica")
+    cluster.add_argument(
         "--limits-store",
         default=None,
         help="redis://... holding tenants' rate limits for all replicas (default: the "
         "session store)",
     )
-    p.add_argument(
+    cluster.add_argument(
         "--limits-fail",
         choices=["open", "closed"],
         default="open",
         help="when the limits' Redis is unreachable: open = each replica limits alone, "
         "closed = refuse rate-limited calls (429)",
     )
-    p.add_argument(
+    cluster.add_argument(
         "--relay",
         choices=["direct", "ray"],
         default="direct",
@@ -63,9 +69,13 @@ def add_cluster_parser(sub: Any) -> None:
         "loopback port (fewer hops), ray = through its Serve handle (other machines' "
         "replicas and WebSockets always use the handle)",
     )
-    p.add_argument("--host", default=ServerConfig.host, help="ingress bind address")
-    p.add_argument("--port", type=int, default=ServerConfig.port)
-    p.add_argument("--served-model-name", default=ServerConfig.served_model_name)
+    server.add_argument("--host", default=ServerConfig.host, help="ingress bind address")
+    server.add_argument("--port", type=int, default=ServerConfig.port, help="ingress TCP port")
+    server.add_argument(
+        "--served-model-name",
+        default=ServerConfig.served_model_name,
+        help="model id clients send (default: the model's directory or file name)",
+    )
     _add_tier_args(p)
     _add_session_args(p)
     _add_access_args(p)
@@ -81,6 +91,8 @@ def add_cluster_parser(sub: Any) -> None:
         keep_alive="5m",
         model_load_timeout_s=ServerConfig.model_load_timeout_s,
         no_preload=False,
+        log_level=ServerConfig.log_level,
+        no_access_log=not ServerConfig.access_log,
     )
 
 
@@ -91,7 +103,13 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         raise ValueError(
             "`ultrafast cluster` needs Ray: pip install 'ultrafast[ray]' (ray[serve]==2.60.0)"
         ) from None
-    from ultrafast.cli_serve import chosen_model, engine_options, kv_cache_options, server_config
+    from ultrafast.cli_serve import (
+        check_max_model_len,
+        chosen_model,
+        engine_options,
+        kv_cache_options,
+        server_config,
+    )
     from ultrafast.cluster.app import ReplicaSpec, with_replica_defaults
     from ultrafast.config import EngineConfig
 
@@ -100,13 +118,14 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     if args.threads is None:
         args.threads = 1  # replicas share the machine: one kernel thread each unless told
     model, served_name = chosen_model(args.model_path or args.model)
+    check_max_model_len(model, args.max_model_len)
     if args.served_model_name is None:
         args.served_model_name = served_name
     server = server_config(args)
-    if server.api_keys_path:  # a bad keys file fails here, not in every replica
-        from ultrafast.server.tenants import load_api_keys
+    if server.auth_on:  # a bad keys file fails here, not in every replica
+        from ultrafast.server.tenants import server_api_keys
 
-        load_api_keys(server.api_keys_path)
+        server_api_keys(server.api_keys_path, server.api_key_hashes)
     spec = with_replica_defaults(
         ReplicaSpec(
             engine=EngineConfig(model=model, **engine_options(args), **kv_cache_options(args)),
@@ -235,7 +254,7 @@ def build_cluster_app(backends, spec):
     from ultrafast.cluster.router import Router, RouterConfig
     from ultrafast.server import auth
     from ultrafast.server.errors import APIError
-    from ultrafast.server.tenants import load_api_keys
+    from ultrafast.server.tenants import server_api_keys
 
     server = spec.server
     targets = {t: getattr(server, t).ttft_ms / 1000 or 1e9 for t in ("priority", "default", "flex")}
@@ -285,7 +304,7 @@ def build_cluster_app(backends, spec):
                 await loop.run_in_executor(None, wait_running, [name])
         return JSONResponse({"restarted": backends.names()})
 
-    api_keys = load_api_keys(server.api_keys_path) if server.api_keys_path else None
+    api_keys = server_api_keys(server.api_keys_path, server.api_key_hashes)
     hosts = auth.allowed_hosts_for(server.host, server.allowed_hosts)
     app = build_ingress_app(ingress, metrics, ready, api_keys, hosts)
     from starlette.routing import Route

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ultrafast.server import auth
+from ultrafast.server.access_log import AccessLogMiddleware
 from ultrafast.server.bridge import EngineBridge
 from ultrafast.server.calls import (
     chat_call,
@@ -231,6 +232,8 @@ def build_app(state: ServerState) -> Starlette:
             render=error_response_for,
         ),
     ]
+    if state.config.access_log:  # outermost: refusals before routing are logged too
+        middleware.insert(0, Middleware(AccessLogMiddleware))
     # Starlette calls each handler with an instance of the class it is registered for
     handlers: dict[Any, Callable[..., Awaitable[Response]]] = {
         APIError: on_api_error,

@@ -2,10 +2,11 @@
 
 `AuthMiddleware` is plain ASGI and answers before the router (in the error shape of the
 protocol the path belongs to, server/frontends/), so without a valid key every
-path (known or not, any method) is 401 and routes cannot be enumerated; only `GET /health` is
-open. A valid key puts its `Tenant` in the ASGI scope; `/metrics` also needs the `metrics`
-scope. Without `--api-keys` every call runs as the anonymous tenant with every tier and no
-limits (and the server only listens on loopback).
+path (known or not, any method) is 401 and routes cannot be enumerated; only `GET /health` and
+`GET /` (the playground page, which holds no data and asks the user for a key) are open. A
+valid key puts its `Tenant` in the ASGI scope; `/metrics` also needs the `metrics` scope.
+Without `--api-keys` or `--api-key` every call runs as the anonymous tenant with every tier and
+no limits (and the server only listens on loopback).
 
 A key goes in `Authorization: Bearer <key>` or, as Anthropic's clients send it, `x-api-key`.
 Failed attempts are logged with the reason and a short digest prefix, never the key; the
@@ -29,7 +30,8 @@ from ultrafast.server.tenants import ANONYMOUS, ApiKeys, Tenant, hash_key
 log = logging.getLogger(__name__)
 
 SCOPE_KEY = "ultrafast.tenant"  # where the middleware leaves the caller's Tenant
-OPEN_PATHS = {"/health"}
+# the playground page holds no data (it asks for a key and sends it with each call)
+OPEN_PATHS = {"/health", "/"}
 SCOPED_PATHS = {"/metrics": "metrics"}
 
 
@@ -159,7 +161,7 @@ class HostAllowListMiddleware:
             return await self.app(scope, receive, send)
         error = APIError(
             403,
-            "this Host is not allowed (see --allowed-hosts)",
+            "this Host is not allowed (see --allowed-host)",
             "permission_error",
             "host_not_allowed",
             None,

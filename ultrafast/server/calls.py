@@ -23,6 +23,7 @@ from starlette.types import Scope
 
 from ultrafast.request import SamplingParams, ServiceTier
 from ultrafast.server import auth
+from ultrafast.server.access_log import note_run
 from ultrafast.server.errors import APIError, invalid_value
 from ultrafast.server.generate import GenerationRun, GenerationSpec
 from ultrafast.server.protocol import ChatCompletionRequest, CompletionRequest, Limits
@@ -196,7 +197,9 @@ async def prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Gen
     keep_alive = _keep_alive_seconds(call.keep_alive)
     check_generates(state, call.model)
     if state.residency is None:
-        return await _prepare_call(state, scope, call)
+        run = await _prepare_call(state, scope, call)
+        note_run(scope, run)  # the request's access-log line counts its tokens
+        return run
     check_ready(state)
     view, release = await state.residency.acquire(call.model, keep_alive)
     try:
@@ -205,6 +208,7 @@ async def prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Gen
         release()
         raise
     run.on_finish(lambda _run: release())
+    note_run(scope, run)
     return run
 
 

@@ -52,7 +52,7 @@ from ultrafast.server.residency.loader import attach_residency
 from ultrafast.server.sessions.backends import open_store
 from ultrafast.server.sessions.flow import SessionFlow
 from ultrafast.server.state import ServerState
-from ultrafast.server.tenants import load_api_keys
+from ultrafast.server.tenants import server_api_keys
 from ultrafast.server.unread_body import CloseOnUnreadBody
 
 log = logging.getLogger("ultrafast")
@@ -190,7 +190,7 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
         engine_config, config, embedding_pooling
     )
     if chat_config is None:  # embedding models only
-        api_keys = load_api_keys(config.api_keys_path) if config.api_keys_path else None
+        api_keys = server_api_keys(config.api_keys_path, config.api_key_hashes)
         embedders = start_embedders(embed_models, engine_config.n_threads)
         return embedding_only_state(config, embedders, api_keys)
     state = build_chat_state(chat_config, config)
@@ -199,7 +199,7 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
 
 
 def build_chat_state(engine_config: EngineConfig, config: ServerConfig) -> ServerState:
-    api_keys = load_api_keys(config.api_keys_path) if config.api_keys_path else None
+    api_keys = server_api_keys(config.api_keys_path, config.api_key_hashes)
     guard = build_guard(config)  # bad files fail before the model loads
     core, tokenizer, files = build_engine(
         engine_config,
@@ -291,18 +291,19 @@ def freeze_startup_heap() -> None:
 
 def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     for handler in logging.getLogger().handlers:
         handler.addFilter(RedactingFilter())  # no bearer token reaches a log line
-    if config.api_keys_path is None:
+    if not config.auth_on:
         if config.host not in LOOPBACK_HOSTS:
             raise ValueError(
-                f"refusing to listen on {config.host} without --api-keys: "
+                f"refusing to listen on {config.host} without --api-keys FILE or --api-key KEY: "
                 "without keys the server binds to loopback only"
             )
         print(
-            "ultrafast: no --api-keys: authentication is off, listening on loopback only",
+            "ultrafast: no --api-keys: authentication is off, listening on loopback only "
+            "(--api-key KEY or --api-keys FILE turn it on)",
             flush=True,
         )
     elif config.host not in LOOPBACK_HOSTS:
@@ -312,7 +313,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         CloseOnUnreadBody(build_app(state)),  # an early 413 closes instead of draining
         host=config.host,
         port=config.port,
-        log_level="warning",
+        log_level="error" if config.log_level == "error" else "warning",
         access_log=False,
         timeout_keep_alive=5,
         timeout_graceful_shutdown=3,

@@ -16,6 +16,8 @@ File format (YAML or JSON; example in deploy/api-keys.example.yaml):
             revoked: false                # true: 401 invalid_api_key
 
 Keys are looked up by their sha256 and the stored digest is compared with `hmac.compare_digest`.
+`serve --api-key KEY` (repeatable) is the simple case: its keys belong to one more tenant,
+`api-key`, with every tier and scope, beside the file's tenants or alone (`server_api_keys`).
 """
 
 from __future__ import annotations
@@ -215,3 +217,34 @@ def _parse_tenant(entry, where: str) -> Tenant:
         burst_s=numbers["burst_s"],
         committed_priority_share=numbers["committed_priority_share"],
     )
+
+
+CLI_TENANT = "api-key"  # the tenant of the keys given with --api-key
+
+
+def api_key_hashes(keys: list[str]) -> tuple[str, ...]:
+    """The sha256 of each `--api-key` value (the raw keys go no further than this);
+    ValueError for a key no client could send as `Authorization: Bearer <key>`."""
+    for key in keys:
+        if not key or any(c.isspace() for c in key) or not key.isprintable():
+            raise ValueError("--api-key: a key must be printable, without spaces, not empty")
+    return tuple(dict.fromkeys(hash_key(key) for key in keys))
+
+
+def server_api_keys(path: str | Path | None, key_hashes: tuple[str, ...] = ()) -> ApiKeys | None:
+    """The keys a server checks: the --api-keys file's tenants, plus the `api-key` tenant of the
+    --api-key hashes; None when neither is given (no auth)."""
+    if path is None and not key_hashes:
+        return None
+    keys = load_api_keys(path) if path is not None else ApiKeys({}, {})
+    if not key_hashes:
+        return keys
+    if CLI_TENANT in keys.tenants:
+        raise ValueError(f"{path}: the tenant name {CLI_TENANT!r} is kept for --api-key")
+    tenant = Tenant(CLI_TENANT, tiers=frozenset(ServiceTier), scopes=frozenset(SCOPES))
+    keys.tenants[CLI_TENANT] = tenant
+    for digest in key_hashes:
+        if digest in keys.by_hash:
+            raise ValueError(f"--api-key: a key given there is also in {path}")
+        keys.by_hash[digest] = (digest, tenant, False)
+    return keys
