@@ -95,7 +95,10 @@ def test_version():
 
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
 # flags of other programs that our prose names, with the program
-OTHER_PROGRAMS = {"--dir": "redis-server (bench/redis_server.py)"}
+OTHER_PROGRAMS = {
+    flag: "redis-server (bench/redis_server.py)"
+    for flag in ("--dir", "--requirepass", "--user", "--tls-port")
+}
 
 
 def _prose_strings(tree: ast.AST):
