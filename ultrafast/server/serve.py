@@ -18,7 +18,9 @@ import asyncio
 import gc
 import logging
 import sys
+import threading
 import time
+from typing import cast
 
 import uvicorn
 
@@ -49,6 +51,7 @@ from ultrafast.server.protocol import Limits
 from ultrafast.server.residency.loader import attach_residency
 from ultrafast.server.sessions.backends import open_store
 from ultrafast.server.sessions.flow import SessionFlow
+from ultrafast.server.startup import LoadingApp, bind_listen_socket
 from ultrafast.server.state import ServerState
 from ultrafast.server.tenants import load_api_keys
 
@@ -60,9 +63,12 @@ EXIT_FORCED, EXIT_ENGINE_DEAD = 1, 2
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState):
+    """`state` is None while the model loads (server/startup.py); `attach` brings it."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState | None):
         super().__init__(config)
-        self.state = state
+        self.state = cast(ServerState, state)  # None only until attach()
+        self.loop_ready = threading.Event()
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None  # set in startup()
         self._tasks: set[asyncio.Task] = set()  # drain / abort / engine watch: kept referenced
@@ -71,7 +77,7 @@ class DrainingServer(uvicorn.Server):
         """Runs in the signal handler, on the event loop's thread, between two callbacks."""
         if self.should_exit and self.force_exit:
             return
-        if self._loop is None:  # not serving yet: nothing to drain
+        if self._loop is None or self.state is None:  # not serving yet: nothing to drain
             self.should_exit = True
             return
         second = self.state.draining
@@ -101,6 +107,7 @@ class DrainingServer(uvicorn.Server):
 
     async def _watch_engine(self) -> None:
         while not self.should_exit:
+            follow_idle_speed(self.state)
             if not self.state.engine.alive:
                 log.error("the engine died (%s): exiting", self.state.engine.dead_reason)
                 self.state.draining = True
@@ -120,6 +127,12 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        self.loop_ready.set()
+
+    async def attach(self, state: ServerState, app: LoadingApp, real_app) -> None:
+        """On the serving loop, once the model is in: serve `real_app` from now on."""
+        await app.activate(real_app)
+        self.state = state
         self._spawn(self._watch_engine())
         host, port = self.config.host, self.config.port
         print(
@@ -280,9 +293,38 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         )
     elif config.host not in LOOPBACK_HOSTS:
         log.warning("listening on %s: reachable from other machines", config.host)
-    state = build_state(engine_config, config)
+    sock = bind_listen_socket(config.host, config.port)  # a taken port: reported now
+    print(
+        f"ultrafast: listening on http://{config.host}:{config.port}, loading the model", flush=True
+    )
+    app = LoadingApp()
+    server = DrainingServer(uvicorn_config(app, config), None)
+    loaded: dict = {}
+    loader = threading.Thread(
+        target=_load, args=(engine_config, config, server, app, loaded), name="model-load"
+    )
+    loader.daemon = True  # a signal while loading exits without waiting for it
+    loader.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        loader.join(0 if server.state is None else None)
+        state = loaded.get("state")
+        if "unwatch_gc" in loaded:
+            loaded["unwatch_gc"]()
+        if state is not None and state.residency is not None:
+            state.residency.close()
+        elif state is not None:
+            shutdown_engine(state.engine)
+    if "error" in loaded:
+        raise loaded["error"]
+    return server.exit_code
+
+
+def uvicorn_config(app, config: ServerConfig) -> uvicorn.Config:
     uv_config = uvicorn.Config(
-        build_app(state),
+        app,
         host=config.host,
         port=config.port,
         log_level="warning",
@@ -300,18 +342,41 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         for handler in logging.getLogger(name).handlers:
             handler.addFilter(RedactingFilter())
-    server = DrainingServer(uv_config, state)
-    unwatch_gc = state.metrics.watch_gc()
-    freeze_startup_heap()
+    return uv_config
+
+
+def _load(
+    engine_config: EngineConfig,
+    config: ServerConfig,
+    server: DrainingServer,
+    app: LoadingApp,
+    loaded: dict,
+) -> None:
+    """The model-load thread: build the state, then hand it to the serving loop; a failure
+    stops the server and is raised by `serve` on the main thread."""
     try:
-        server.run()
-    finally:
-        unwatch_gc()
-        if state.residency is not None:
-            state.residency.close()
-        else:
-            shutdown_engine(state.engine)
-    return server.exit_code
+        state = loaded["state"] = build_state(engine_config, config)
+        real_app = build_app(state)
+        loaded["unwatch_gc"] = state.metrics.watch_gc()
+        freeze_startup_heap()
+        server.loop_ready.wait()
+        if server.should_exit or server._loop is None:
+            return
+        asyncio.run_coroutine_threadsafe(server.attach(state, app, real_app), server._loop).result()
+    except BaseException as exc:
+        loaded["error"] = exc
+        server.should_exit = True
+
+
+def follow_idle_speed(state: ServerState) -> None:
+    """The idle speed measured in the background (engine/start_costs.py) reaches admission's
+    auto TTFT targets; logged once each time it changes."""
+    speed = state.engine.snapshot().idle_speed
+    admission = state.admission
+    if speed is None or speed.ttft_s == admission.idle_ttft_s:
+        return
+    admission.update_idle_speed(speed.prompt_tokens, speed.ttft_s)
+    log_tier_targets(admission, speed.decode_s)
 
 
 if __name__ == "__main__":
