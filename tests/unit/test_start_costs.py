@@ -62,6 +62,14 @@ def model(tmp_path, monkeypatch):
     return path
 
 
+def _start(costs, background):
+    costs.before_warmup()  # as EngineCore.warmup: around its warm-up passes
+    costs.at_warmup(background)
+
+
+SAFE = ThreadPlan((1,), (1,))  # every core but one of FakeExecutor's two, until measured
+
+
 def _costs(model, plan=QUIET):
     core = FakeCore(FakeExecutor(model, plan))
     return core, StartCosts(core)
@@ -69,35 +77,35 @@ def _costs(model, plan=QUIET):
 
 def test_nothing_cached_serves_at_once_and_measures_when_idle_then_the_next_start_reuses(model):
     core, costs = _costs(model)
-    costs.at_warmup(background=True)
+    _start(costs, background=True)
     assert core.executor.calibrations == 0 and costs.pending and costs.status == "measuring"
-    assert core.executor.thread_plan is None  # the safe default: every core for every pass
+    assert core.executor.thread_plan == SAFE
     costs.tick(lambda: False)
     assert core.executor.thread_plan == QUIET and core.idle_speed == SPEED
     assert costs.status == "measured" and not costs.pending and core.cost_resets == 1
     assert start_costs.cache_path(costs.identity()).is_file()
 
     again, costs2 = _costs(model)
-    costs2.at_warmup(background=True)
+    _start(costs2, background=True)
     assert again.executor.calibrations == 0 and costs2.status == "cached"
     assert again.executor.thread_plan == QUIET and again.idle_speed == SPEED
 
 
 def test_a_changed_model_file_is_measured_again(model):
     core, costs = _costs(model)
-    costs.at_warmup(background=False)  # offline: measured at once
+    _start(costs, background=False)  # offline: measured at once
     assert core.executor.calibrations == 1 and costs.status == "measured"
     model.write_bytes(b"other weights")
     core2, costs2 = _costs(model)
-    costs2.at_warmup(background=True)
-    assert costs2.pending and core2.executor.thread_plan is None
+    _start(costs2, background=True)
+    assert costs2.pending and core2.executor.thread_plan == SAFE
 
 
 def test_a_request_interrupts_the_measurement_and_it_resumes_later(model):
     core, costs = _costs(model)
-    costs.at_warmup(background=True)
+    _start(costs, background=True)
     costs.tick(lambda: True)  # work waiting
-    assert costs.pending and "paused" in costs.status and core.executor.thread_plan is None
+    assert costs.pending and "paused" in costs.status and core.executor.thread_plan == SAFE
     assert not start_costs.cache_path(costs.identity()).exists()
     costs.tick(lambda: False)
     assert costs.status == "measured" and core.executor.thread_plan == QUIET
@@ -106,7 +114,7 @@ def test_a_request_interrupts_the_measurement_and_it_resumes_later(model):
 def test_a_contended_plan_is_used_but_not_cached_and_measured_again_later(model):
     contended = ThreadPlan((1,), (1,), ((24.0, 1885.0),), (1, 2), contended=True)
     core, costs = _costs(model, contended)
-    costs.at_warmup(background=True)
+    _start(costs, background=True)
     costs.tick(lambda: False)
     assert core.executor.thread_plan == contended and costs.status == "contended"
     assert not start_costs.cache_path(costs.identity()).exists()
@@ -116,7 +124,7 @@ def test_a_contended_plan_is_used_but_not_cached_and_measured_again_later(model)
 def test_lone_decodes_far_slower_than_measured_trigger_a_background_recheck(model, monkeypatch):
     monkeypatch.setattr(start_costs, "MIN_RECHECK_INTERVAL_S", 0.0)
     core, costs = _costs(model)
-    costs.at_warmup(background=False)
+    _start(costs, background=False)
     lone = SimpleNamespace(num_seqs=1, num_tokens=1, num_draft_tokens=0, execute_time_s=0.024)
     for _ in range(start_costs.DRIFT_SAMPLES):
         costs.observe(lone)  # as measured: nothing to do

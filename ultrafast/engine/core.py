@@ -155,10 +155,9 @@ class EngineCore:
     def warmup(
         self, num_prompt_tokens: int = 16, measure_speed: bool = True, background: bool = False
     ) -> None:
-        """Run a short prefill and decode before serving: the first pass of a fresh executor
-        allocates its compute graph and would otherwise land on the first client's TTFT.
-        Then, with `measure_speed`, the start costs (thread plan, idle speed): cached, or
-        measured now, or (`background`) left pending for the engine thread's idle time."""
+        """A short prefill and decode before serving (a fresh executor's first pass allocates
+        its compute graph); with `measure_speed`, the start costs (thread plan, idle speed):
+        cached, or measured now, or (`background`) pending for the engine's idle time."""
         self.measure_on_idle(lambda: self._warmup(num_prompt_tokens, measure_speed, background))
 
     def measure_on_idle(self, measure: Callable[[], None]) -> None:
@@ -177,15 +176,15 @@ class EngineCore:
         self.costs = StepCostModel()
 
     def _warmup(self, num_prompt_tokens: int, measure_speed: bool, background: bool) -> None:
+        if measure_speed:  # cached costs, or a safe thread count (engine/start_costs.py)
+            self.start_costs.before_warmup()
         prompt = [i % self.executor.vocab_size for i in range(1, num_prompt_tokens + 1)]
         self.add_request(
             Request(
                 "warmup",
                 prompt,
-                SamplingParams(  # priority: drafting warms too
-                    temperature=0.0, max_tokens=4, ignore_eos=True
-                ),
-                tier=ServiceTier.PRIORITY,
+                SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                tier=ServiceTier.PRIORITY,  # priority: drafting warms too
             )
         )
         while self.has_work():

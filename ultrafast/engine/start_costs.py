@@ -9,9 +9,10 @@ a start used to wait for them before binding its port. Now:
 - a cached result (`$ULTRAFAST_CACHE_DIR/start-costs/<key>.json`, the key hashing the CPU's
   model, flags and usable cores, the model file's path, size and mtime, and the executor's
   flags) is applied at once;
-- with nothing cached the server serves at once on a safe default (every core for every pass)
-  and measures in the background: only while the engine has been idle, the measurement
-  giving way between two passes to any request that arrives (and starting again later);
+- with nothing cached the server serves at once on a safe default (every core but one for
+  every pass: safe_threads) and measures in the background: only while the engine has been
+  idle, the measurement giving way between two passes to any request that arrives (and
+  starting again later);
 - a plan timed under contention (ggml_threads.py) is used but not cached, and measured again
   after CONTENDED_RECHECK_S;
 - once serving, lone decodes are compared with the plan's timing: when their median over
@@ -53,6 +54,13 @@ DRIFT_FACTOR = 2.0  # ...and this far off (either way) means the plan is measure
 MIN_RECHECK_INTERVAL_S = 300.0  # at most one drift re-check per this long
 CONTENDED_RECHECK_S = 60.0  # a plan timed under contention is measured again after this
 NO_ROOM_RETRY_S = 10.0  # a re-check finding no free consecutive slots tries again after this
+
+
+def safe_threads(cores: int) -> int:
+    """Threads per pass until measured: every core but one. On a machine whose cores another
+    process also uses, a pass on every core waits at each barrier for a thread that is not
+    running (a 128-token prefill took 1.6 s on two threads against 37 ms on one)."""
+    return max(1, cores - 1)
 
 
 def cache_path(identity: dict, root: Path | None = None) -> Path:
@@ -119,8 +127,8 @@ class StartCosts:
             return None
         return {**cpu_identity(), **cost_identity(), "threads_auto": self.calibrates}
 
-    def at_warmup(self, background: bool) -> None:
-        """After the warm-up: apply the cached costs, or measure now, or mark them pending."""
+    def before_warmup(self) -> None:
+        """Before the warm-up passes: the cached costs, else the safe thread count."""
         identity = self.identity()
         cached = load_cached(identity) if identity is not None else None
         if cached is not None and (cached[0] is not None or not self.calibrates):
@@ -129,17 +137,23 @@ class StartCosts:
                 self.executor.thread_plan = plan
                 log.info("threads per pass width (cached): %s", plan.describe())
             self.status, self._recheck = "cached", True
+        elif self.calibrates:
+            self.executor.thread_plan = ThreadPlan((1,), (safe_threads(self.executor.n_threads),))
+
+    def at_warmup(self, background: bool) -> None:
+        """After the warm-up: nothing (cached), or measure now, or mark them pending."""
+        if self.status == "cached":
             return
-        if not background or identity is None:
+        if not background or self.identity() is None:
             self.measure()
             return
         self.pending, self.status = True, "measuring"
-        threads = getattr(self.core.executor, "n_threads", None)
+        plan = getattr(self.executor, "thread_plan", None)
         log.info(
             "start costs not cached for this CPU, model and flags: serving now%s; measuring "
             "threads per pass width and idle TTFT in the background while idle (/ready shows "
             "progress)",
-            f" on {threads} threads per pass" if threads else "",
+            f" on {plan.threads[0]} thread(s) per pass" if plan else "",
         )
 
     def measure(

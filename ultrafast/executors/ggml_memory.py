@@ -11,8 +11,8 @@ comes back page by page as its positions are written. The slot count stays as co
 
 Safety: only mappings new since `snapshot()` and at least MIN_REGION_BYTES long are looked at
 (other threads' small allocations are not), and each chunk is compared with zeros and released
-with the GIL held (ctypes.string_at and a PyDLL madvise), so no Python thread writes between the
-check and the release; the executor's native threads are idle while its constructor runs.
+with the GIL held (memcmp and madvise through ctypes.PyDLL), so no Python thread writes between
+the check and the release; the executor's native threads are idle while its constructor runs.
 """
 
 from __future__ import annotations
@@ -63,18 +63,22 @@ def new_ranges(
     return out
 
 
-def _madvise():
-    libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the GIL stays held during the call
-    fn = libc.madvise
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
+def _libc():
+    """madvise and memcmp called with the GIL held (PyDLL), so no Python thread runs between
+    a chunk's check and its release."""
+    libc = ctypes.PyDLL(None, use_errno=True)
+    madvise, memcmp = libc.madvise, libc.memcmp
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    memcmp.restype = ctypes.c_int
+    return madvise, memcmp
 
 
 def release_zero_pages(ranges: list[tuple[int, int]], min_bytes: int = MIN_REGION_BYTES) -> int:
     """Release every all-zero page of the ranges at least `min_bytes` long; bytes released."""
-    madvise = _madvise()
-    zero_chunk, zero_page = bytes(CHUNK_BYTES), bytes(_PAGE)
+    madvise, memcmp = _libc()
+    zeros = ctypes.create_string_buffer(CHUNK_BYTES)  # compared in place: no copy of a chunk
     released = 0
     for start, end in ranges:
         if end - start < min_bytes:
@@ -82,11 +86,11 @@ def release_zero_pages(ranges: list[tuple[int, int]], min_bytes: int = MIN_REGIO
         start = (start + _PAGE - 1) // _PAGE * _PAGE
         for chunk in range(start, end, CHUNK_BYTES):
             size = min(CHUNK_BYTES, end - chunk)
-            if ctypes.string_at(chunk, size) == zero_chunk[:size]:
+            if memcmp(chunk, zeros, size) == 0:
                 released += size if madvise(chunk, size, MADV_DONTNEED) == 0 else 0
                 continue
             for page in range(chunk, chunk + size - _PAGE + 1, _PAGE):
-                if ctypes.string_at(page, _PAGE) == zero_page:
+                if memcmp(page, zeros, _PAGE) == 0:
                     released += _PAGE if madvise(page, _PAGE, MADV_DONTNEED) == 0 else 0
     return released
 
