@@ -48,8 +48,17 @@ def test_calibration_picks_per_width_from_the_timings():
         overhead = 0.2 if threads == 1 else 0.9  # the second thread's wake-up and spinning
         return overhead + per_token * width
 
-    plan = calibrate(time_pass, (1, 2), max_width=16, margin=0.1, budget_s=float("inf"))
+    told = []
+    plan = calibrate(
+        time_pass,
+        (1, 2),
+        max_width=16,
+        margin=0.1,
+        budget_s=float("inf"),
+        progress=lambda done, total: told.append((done, total)),
+    )
     assert plan.widths == (1, 2, 4, 8, 16)
+    assert told == [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5)]  # /ready's progress
     assert plan.threads == (1, 1, 2, 2, 2)
     assert {w for w, _ in calls} == set(plan.widths)
     # capped at the executor's slots

@@ -350,3 +350,12 @@ def test_every_row_names_the_cpu_and_its_matrix_units():
     assert cpu_cell(cpu) == "Xeon, 2 cores: AMX, AVX512-BF16, VNNI"
     assert table.count("Xeon, 2 cores: AMX, AVX512-BF16, VNNI") == 3  # header, level, burst
     assert "no AMX" in cpu_cell({"cpu_model": "EPYC", "cores": 4})
+
+
+def test_long_prompt_levels_plot_beside_the_short_ones(tmp_path):
+    report = _report()
+    levels = report["servers"]["ours"]["levels"]
+    levels["long 4"] = levels["1"]
+    paths = write_outputs(report, tmp_path / "serve.json")
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| ours | long 4 |" in paths["md"].read_text()

@@ -26,8 +26,10 @@ class FakeExecutor:
         stat = self.model.stat()
         return {"model": str(self.model), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
-    def calibrate_threads(self, should_stop=lambda: False, free_slots=None):
+    def calibrate_threads(self, should_stop=lambda: False, free_slots=None, progress=None):
         self.calibrations += 1
+        if progress is not None:
+            progress(1, 2)
         self.free_slots = free_slots
         if free_slots is not None and len(free_slots) < 2:
             raise CalibrationInterrupted("no room")

@@ -44,6 +44,7 @@ class StartResult:
     idle_pss_mib: float | None
     error: str | None = None
     start_costs: str | None = None  # ours: cached / measured / contended (never cached)
+    cpu_s: float | None = None  # CPU seconds the server used up to its first answer
 
 
 def ours_argv(gguf: Path, port: int) -> list[str]:
@@ -92,6 +93,20 @@ def first_answer_s(url: str, proc: subprocess.Popen, started: float, timeout_s: 
     raise RuntimeError(f"no answer in {timeout_s:.0f} s")
 
 
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process tree has used: on a busy machine, where the wall
+    time to the first answer mostly waits for a core, about what it takes on a quiet one."""
+    total = 0
+    for p in tree_pids(pid):
+        try:
+            with open(f"/proc/{p}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def tree_memory_mib(pid: int) -> tuple[float, float]:
     pids = tree_pids(pid)
     return (
@@ -117,13 +132,14 @@ def one_start(
         url = f"http://127.0.0.1:{port}"
         try:
             ttfa = first_answer_s(url, proc, started, timeout_s)
+            cpu_s = tree_cpu_s(proc.pid)
             time.sleep(SETTLE_S)
             rss, pss = tree_memory_mib(proc.pid)
             costs = None
             if name == "ours":  # the next start is warm only once they are in the cache
                 wait_start_costs(url, timeout_s)
                 costs = httpx.get(url + "/ready", timeout=10).json().get("start_costs")
-            return StartResult(name, start, ttfa, rss, pss, start_costs=costs)
+            return StartResult(name, start, ttfa, rss, pss, start_costs=costs, cpu_s=cpu_s)
         except RuntimeError as exc:
             return StartResult(name, start, None, None, None, str(exc))
         finally:
@@ -191,17 +207,18 @@ def markdown(report: dict) -> str:
         f"model: {report['model']}; CPU: {report['cpu']['cpu_model']}, "
         f"{report['cpu']['cores']} cores",
         "",
-        "| server | start | first answer s | idle RSS MiB | idle PSS MiB | start costs | error |",
-        "|---|---|---|---|---|---|---|",
+        "| server | start | first answer s | CPU s to it | idle RSS MiB | idle PSS MiB "
+        "| start costs | error |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["starts"]:
         lines.append(
-            f"| {r['server']} | {r['start']} | {_f(r['first_answer_s'])} | "
+            f"| {r['server']} | {r['start']} | {_f(r['first_answer_s'])} | {_f(r['cpu_s'])} | "
             f"{_f(r['idle_rss_mib'], 0)} | {_f(r['idle_pss_mib'], 0)} | "
             f"{r.get('start_costs') or '-'} | {r['error'] or ''} |"
         )
     for name, why in report["skipped"].items():
-        lines.append(f"| {name} | skipped | | | | | {why} |")
+        lines.append(f"| {name} | skipped | | | | | | {why} |")
     return "\n".join(lines)
 
 

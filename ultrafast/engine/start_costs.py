@@ -163,21 +163,29 @@ class StartCosts:
         plan was timed under contention. CalibrationInterrupted leaves everything as it was.
         A `recheck` (drift, contention) times the thread plan only, in slots that hold
         nothing, so no conversation's cached prefix is lost to it."""
-        core = self.core
+        core, started_s = self.core, time.monotonic()
         plan = None
         if self.calibrates:
             self.status = "measuring threads per pass width"
             free = [s.slot_id for s in core.pool.slots if s.owner is None and not s.hashes]
             plan = self.executor.calibrate_threads(
-                should_stop=should_stop, **({"free_slots": free} if recheck else {})
+                should_stop=should_stop,
+                progress=self._progress,
+                **({"free_slots": free} if recheck else {}),
             )
-            log.info("threads per pass width (measured): %s %s", plan.describe(), plan.timings_ms)
             core.reset_costs()  # the fit learns from passes on the new plan
         if should_stop():
             raise CalibrationInterrupted
         if not recheck or core.idle_speed is None:
             self.status = "measuring idle TTFT"
             core.idle_speed = measure_idle_speed(core) or core.idle_speed
+        speed = core.idle_speed
+        log.info(
+            "start costs measured in %.1f s: threads per pass width %s%s",
+            time.monotonic() - started_s,
+            f"{plan.describe()} {plan.timings_ms}" if plan else "as configured",
+            f"; idle TTFT {speed.ttft_s * 1000:.1f} ms" if speed else "",
+        )
         contended = plan is not None and plan.contended
         identity = self.identity()
         if identity is not None and not contended:
@@ -188,6 +196,9 @@ class StartCosts:
         self._recheck = True  # from now on only the thread plan, in free slots
         if contended:
             self.pending, self._recheck_at = True, time.monotonic() + CONTENDED_RECHECK_S
+
+    def _progress(self, done: int, total: int) -> None:
+        self.status = f"measuring threads per pass width ({done}/{total} widths)"
 
     def tick(self, should_stop: Callable[[], bool]) -> None:
         """Engine thread, engine idle: measure what is pending, giving way to arriving work."""

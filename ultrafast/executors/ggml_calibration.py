@@ -60,6 +60,7 @@ def calibrate_executor(
     margin: float,
     should_stop: Callable[[], bool],
     free_slots: list[int] | None = None,
+    progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> ThreadPlan:
     """Time decode passes of several widths and one prefill chunk on each candidate thread
     count and keep the plan they imply as `ex.thread_plan`. `should_stop()` is asked between
@@ -105,6 +106,7 @@ def calibrate_executor(
             margin,
             prefill_tokens=chunk if chunk > width else 0,
             should_stop=should_stop,
+            progress=progress,
         )
     finally:
         for slot in range(base, base + width):

@@ -347,11 +347,12 @@ class GgmlExecutor:
         margin: float = THREAD_MARGIN,
         should_stop: Callable[[], bool] = lambda: False,
         free_slots: list[int] | None = None,
+        progress: Callable[[int, int], None] = lambda done, total: None,
     ) -> ThreadPlan:
         """Time passes per width and thread count; keep and return the plan
         (ggml_calibration.py)."""
         return ggml_calibration.calibrate_executor(
-            self, physical_cores(), margin, should_stop, free_slots
+            self, physical_cores(), margin, should_stop, free_slots, progress
         )
 
     def _set_threads(self, single: int, batch: int) -> None:

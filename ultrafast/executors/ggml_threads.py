@@ -171,12 +171,14 @@ def calibrate(
     budget_s: float = CALIBRATION_BUDGET_S,
     prefill_tokens: int = 0,
     should_stop: Callable[[], bool] = lambda: False,
+    progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> ThreadPlan:
     """`time_pass(width, threads)` -> seconds of one pass: `width` sequences' decodes, or, for
     `width == prefill_tokens` (when it is wider than every decode width kept), one sequence's
     prefill chunk of that many tokens. The plan they imply. The lone decode and the prefill
     are timed first, wider decodes while the time budget lasts. `should_stop()` is asked
-    before every pass: True raises CalibrationInterrupted."""
+    before every pass: True raises CalibrationInterrupted; `progress(widths done, widths)`
+    is told after each width."""
     kept = tuple(w for w in widths if w <= max(1, max_width))
     order = list(kept)
     if prefill_tokens > kept[-1]:
@@ -198,6 +200,7 @@ def calibrate(
             choose_threads(medians, margin),
             tuple(round(medians[t] * 1000, 2) for t in candidates),
         )
+        progress(len(measured), len(order))
     timed = sorted(measured)
     return ThreadPlan(
         tuple(timed),
