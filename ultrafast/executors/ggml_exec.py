@@ -214,7 +214,7 @@ class GgmlExecutor:
         )
         params.type_k = params.type_v = _KV_CACHE_DTYPES[kv_cache_dtype]  # f32: exact vs torch
         params.no_perf = True
-        mappings = ggml_memory.snapshot()
+        mappings = ggml_memory.opening(self)
         self._ctx = llama_cpp.llama_init_from_model(self._model, params)
         if not self._ctx:
             errors = self._log.take_errors()
@@ -466,6 +466,7 @@ class GgmlExecutor:
 
     def close(self) -> None:
         """Free the context, then the model. Safe to call more than once."""
+        ggml_memory.closed(self)
         if self._ctx:
             llama_cpp.llama_free(self._ctx)
         if self._model:

@@ -13,12 +13,16 @@ Safety: only mappings new since `snapshot()` and at least MIN_REGION_BYTES long 
 (other threads' small allocations are not), and each chunk is compared with zeros and released
 with the GIL held (memcmp and madvise through ctypes.PyDLL), so no Python thread writes between
 the check and the release; the executor's native threads are idle while its constructor runs.
+Another context already open in this process (a second resident model, a draft model) could
+have its native threads write a mapping it makes meanwhile (llama.cpp grows its logits buffer
+during a decode): then nothing is released (`opening` returns no snapshot).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 MADV_DONTNEED = 4
 MIN_REGION_BYTES = 32 * 2**20  # the KV buffers of interest are far larger
@@ -93,6 +97,24 @@ def release_zero_pages(ranges: list[tuple[int, int]], min_bytes: int = MIN_REGIO
                 if memcmp(page, zeros, _PAGE) == 0:
                     released += _PAGE if madvise(page, _PAGE, MADV_DONTNEED) == 0 else 0
     return released
+
+
+_OPEN: set[int] = set()  # id() of every executor holding a llama.cpp context here
+_OPEN_LOCK = threading.Lock()
+
+
+def opening(owner: object) -> list[tuple[int, int]] | None:
+    """`owner` is about to create a context: the mappings to release against afterwards, or
+    None when another context of this process is open (nothing will be released)."""
+    with _OPEN_LOCK:
+        alone = not _OPEN
+        _OPEN.add(id(owner))
+    return snapshot() if alone else None
+
+
+def closed(owner: object) -> None:
+    with _OPEN_LOCK:
+        _OPEN.discard(id(owner))
 
 
 def snapshot() -> list[tuple[int, int]] | None:
