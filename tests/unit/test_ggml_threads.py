@@ -166,3 +166,13 @@ def test_plan_round_trips_through_json_and_knows_its_timings():
     assert again == plan
     assert again.expected_ms(1) == 6.0 and again.expected_ms(3) == 6.0
     assert ThreadPlan((1,), (1,)).expected_ms(1) is None  # no timings: nothing to expect
+
+
+def test_a_recheck_times_passes_only_in_consecutive_free_slots():
+    pytest.importorskip("llama_cpp")
+    from ultrafast.executors.ggml_calibration import first_run
+
+    assert first_run([0, 1, 2, 3], 4) == 0
+    assert first_run([5, 1, 2, 3, 7, 6, 4], 4) == 1
+    assert first_run([0, 2, 3, 5, 6], 3) is None  # a wide decode over scattered slots is
+    assert first_run([], 1) is None  # several passes in llama.cpp: not the pass to time

@@ -9,7 +9,7 @@ import pytest
 from ultrafast.engine import start_costs
 from ultrafast.engine.idle_speed import IdleSpeed
 from ultrafast.engine.start_costs import StartCosts
-from ultrafast.executors.ggml_threads import CalibrationInterrupted, ThreadPlan
+from ultrafast.executors.ggml_threads import CalibrationInterrupted, NoFreeSlots, ThreadPlan
 
 QUIET = ThreadPlan((1, 16), (1, 2), ((24.0, 30.0), (90.0, 50.0)), (1, 2))
 SPEED = IdleSpeed(prompt_tokens=128, ttft_s=0.05, decode_s=0.02)
@@ -28,11 +28,12 @@ class FakeExecutor:
 
     def calibrate_threads(self, should_stop=lambda: False, free_slots=None, progress=None):
         self.calibrations += 1
+        self.scratch_held = [s.hashes for s in self.pool.slots if s.hashes]
         if progress is not None:
             progress(1, 2)
         self.free_slots = free_slots
         if free_slots is not None and len(free_slots) < 2:
-            raise CalibrationInterrupted("no room")
+            raise NoFreeSlots("no room")
         if should_stop():
             raise CalibrationInterrupted
         self.thread_plan = self.plan
@@ -42,13 +43,16 @@ class FakeExecutor:
 class FakeCore:
     def __init__(self, executor):
         self.executor, self.idle_speed, self.cost_resets = executor, None, 0
-        self.pool = SimpleNamespace(
+        self.pool = executor.pool = SimpleNamespace(
             slots=[SimpleNamespace(slot_id=i, owner=None, hashes=[]) for i in range(3)]
         )
         self.pool_resets = 0
 
     def measure_on_idle(self, measure):
-        self.pool_resets += 1  # the first measurement drops the slots' cached prefixes
+        self.pool_resets += 1  # as EngineCore: the slots' cached prefixes are dropped first
+        for slot in self.pool.slots:
+            if slot.owner is None:
+                slot.hashes = []
         measure()
 
     def reset_costs(self):
@@ -141,18 +145,19 @@ def test_lone_decodes_far_slower_than_measured_trigger_a_background_recheck(mode
     assert costs.pending and costs.wants_tick() and "drift" in costs.status
     speeds = []
     monkeypatch.setattr(start_costs, "measure_idle_speed", lambda core: speeds.append(1))
+    resets = core.pool_resets
     core.pool.slots[0].hashes = [b"a conversation's prefix"]
     core.pool.slots[2].owner = "a running request"
     costs.tick(lambda: False)
     assert core.executor.calibrations == 2 and core.executor.free_slots == [1]
     assert costs.pending and not costs.wants_tick()  # no room: later, nothing dropped
-    assert core.pool.slots[0].hashes and core.pool_resets == 0
+    assert core.pool.slots[0].hashes and core.pool_resets == resets
     core.pool.slots[2].owner = None
     monkeypatch.setattr(start_costs, "NO_ROOM_RETRY_S", 0.0)
     costs._recheck_at = 0.0
     costs.tick(lambda: False)
     assert core.executor.free_slots == [1, 2] and costs.status == "measured"
-    assert not speeds and core.pool_resets == 0  # the plan only: the idle speed stays
+    assert not speeds and core.pool_resets == resets  # the plan only: the idle speed stays
 
 
 def test_an_unreadable_or_foreign_cache_file_is_a_miss(model):
@@ -163,3 +168,15 @@ def test_an_unreadable_or_foreign_cache_file_is_a_miss(model):
     assert start_costs.load_cached(costs.identity()) is None
     path.write_text('{"identity": {"model": "another"}, "thread_plan": null}')
     assert start_costs.load_cached(costs.identity()) is None
+
+
+def test_a_first_measurement_without_free_slots_drops_the_cached_prefixes_before_timing(model):
+    """The plan's passes overwrite their scratch slots: the pool must forget what those slots
+    held first, or a later request would reuse KV that is gone."""
+    core, costs = _costs(model)
+    _start(costs, background=True)
+    for slot in core.pool.slots[:2]:
+        slot.hashes = [b"a cached prefix"]
+    costs.tick(lambda: False)
+    assert core.executor.free_slots is None  # the fallback: the first slots
+    assert core.executor.scratch_held == [] and costs.status == "measured"

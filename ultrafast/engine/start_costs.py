@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from ultrafast.config import cache_dir
 from ultrafast.cpu_info import cpu_identity
 from ultrafast.engine.idle_speed import IdleSpeed, measure_idle_speed
-from ultrafast.executors.ggml_threads import CalibrationInterrupted, ThreadPlan
+from ultrafast.executors.ggml_threads import CalibrationInterrupted, NoFreeSlots, ThreadPlan
 
 if TYPE_CHECKING:
     from ultrafast.engine.core import EngineCore, StepStats
@@ -161,24 +161,25 @@ class StartCosts:
     ) -> None:
         """Time the thread plan and the idle speed on the idle engine; cache them unless the
         plan was timed under contention. CalibrationInterrupted leaves everything as it was.
-        A `recheck` (drift, contention) times the thread plan only, in slots that hold
-        nothing, so no conversation's cached prefix is lost to it."""
+        The plan is timed in consecutive slots that hold nothing, so no conversation's cached
+        prefix is lost to it; a first measurement that finds none drops the cached prefixes
+        (a `recheck`, after a drift or contention, waits instead). The idle speed, timed
+        through the scheduler, drops them too: it is timed once, not at a re-check."""
         core, started_s = self.core, time.monotonic()
         plan = None
         if self.calibrates:
             self.status = "measuring threads per pass width"
-            free = [s.slot_id for s in core.pool.slots if s.owner is None and not s.hashes]
-            plan = self.executor.calibrate_threads(
-                should_stop=should_stop,
-                progress=self._progress,
-                **({"free_slots": free} if recheck else {}),
-            )
+            plan = self._calibrate(should_stop, recheck)
             core.reset_costs()  # the fit learns from passes on the new plan
         if should_stop():
             raise CalibrationInterrupted
         if not recheck or core.idle_speed is None:
             self.status = "measuring idle TTFT"
-            core.idle_speed = measure_idle_speed(core) or core.idle_speed
+
+            def time_idle_speed() -> None:
+                core.idle_speed = measure_idle_speed(core) or core.idle_speed
+
+            core.measure_on_idle(time_idle_speed)
         speed = core.idle_speed
         log.info(
             "start costs measured in %.1f s: threads per pass width %s%s",
@@ -197,6 +198,20 @@ class StartCosts:
         if contended:
             self.pending, self._recheck_at = True, time.monotonic() + CONTENDED_RECHECK_S
 
+    def _calibrate(self, should_stop: Callable[[], bool], recheck: bool) -> ThreadPlan:
+        pool = self.core.pool
+        free = [s.slot_id for s in pool.slots if s.owner is None and not s.hashes]
+        calibrate = self.executor.calibrate_threads
+        try:
+            return calibrate(should_stop=should_stop, progress=self._progress, free_slots=free)
+        except NoFreeSlots:
+            if recheck:
+                raise
+        # first slots as scratch: the pool must first forget the prefixes they hold
+        self.core.measure_on_idle(lambda: None)
+        plan: ThreadPlan = calibrate(should_stop=should_stop, progress=self._progress)
+        return plan
+
     def _progress(self, done: int, total: int) -> None:
         self.status = f"measuring threads per pass width ({done}/{total} widths)"
 
@@ -206,14 +221,12 @@ class StartCosts:
             return
         self.pending = False
         try:
-            if self._recheck:
-                self.measure(should_stop, recheck=True)
-            else:  # the first measurement: the slots' cached prefixes are dropped
-                self.core.measure_on_idle(lambda: self.measure(should_stop))
+            self.measure(should_stop, recheck=self._recheck)
+        except NoFreeSlots:  # a re-check: the slots hold conversations' prefixes
+            self.pending, self.status = True, "re-measuring (waits for free slots)"
+            self._recheck_at = time.monotonic() + NO_ROOM_RETRY_S
         except CalibrationInterrupted:
             self.pending, self.status = True, "measuring (paused for requests)"
-            if not should_stop():  # no room: the slots hold conversations' prefixes
-                self._recheck_at = time.monotonic() + NO_ROOM_RETRY_S
 
     def wants_tick(self) -> bool:
         return self.pending and time.monotonic() >= self._recheck_at

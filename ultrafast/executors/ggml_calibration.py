@@ -21,6 +21,7 @@ from ultrafast.executors.ggml_threads import (
     CALIBRATION_WIDTHS,
     PREFILL_CALIBRATION_TOKENS,
     CalibrationInterrupted,
+    NoFreeSlots,
     ThreadPlan,
     calibrate,
     candidate_thread_counts,
@@ -70,7 +71,7 @@ def calibrate_executor(
     width = min(ex.num_slots, max(CALIBRATION_WIDTHS), ex.max_num_batched_tokens)
     base = 0 if free_slots is None else first_run(free_slots, width)
     if base is None:
-        raise CalibrationInterrupted("no free consecutive slots to time passes in")
+        raise NoFreeSlots(f"no {width} consecutive free slots to time passes in")
     context = min(CALIBRATION_PROMPT_TOKENS, ex.max_model_len - 2)
     chunk = min(PREFILL_CALIBRATION_TOKENS, ex.max_num_batched_tokens, ex.max_model_len)
     greedy = SamplingParams(temperature=0.0, max_tokens=2)

@@ -108,6 +108,10 @@ class CalibrationInterrupted(Exception):
     """`should_stop` said so between two passes (work arrived): nothing is kept."""
 
 
+class NoFreeSlots(CalibrationInterrupted):
+    """No run of consecutive slots holding nothing to time the passes in."""
+
+
 def candidate_thread_counts(cores: int) -> tuple[int, ...]:
     """Every core, and every core but one (the old fixed split), when they differ."""
     return tuple(sorted({max(1, cores - 1), max(1, cores)}))
@@ -168,7 +172,7 @@ def calibrate(
     max_width: int,
     margin: float = THREAD_MARGIN,
     widths: tuple[int, ...] = CALIBRATION_WIDTHS,
-    budget_s: float = CALIBRATION_BUDGET_S,
+    budget_s: float | None = None,  # None: CALIBRATION_BUDGET_S
     prefill_tokens: int = 0,
     should_stop: Callable[[], bool] = lambda: False,
     progress: Callable[[int, int], None] = lambda done, total: None,
@@ -179,6 +183,7 @@ def calibrate(
     are timed first, wider decodes while the time budget lasts. `should_stop()` is asked
     before every pass: True raises CalibrationInterrupted; `progress(widths done, widths)`
     is told after each width."""
+    budget_s = CALIBRATION_BUDGET_S if budget_s is None else budget_s
     kept = tuple(w for w in widths if w <= max(1, max_width))
     order = list(kept)
     if prefill_tokens > kept[-1]:
