@@ -176,8 +176,7 @@ class EngineCore:
         self.costs = StepCostModel()
 
     def _warmup(self, num_prompt_tokens: int, measure_speed: bool, background: bool) -> None:
-        if measure_speed:  # cached costs, or a safe thread count (engine/start_costs.py)
-            self.start_costs.before_warmup()
+        self.start_costs.before_warmup()  # cached costs, else a safe thread count
         prompt = [i % self.executor.vocab_size for i in range(1, num_prompt_tokens + 1)]
         self.add_request(
             Request(
