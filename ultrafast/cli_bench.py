@@ -319,6 +319,28 @@ def _add_gpu(suites: Any) -> None:
     _add_out(p, "runs/bench_gpu.json")
 
 
+def _add_serve_long_levels(p: argparse.ArgumentParser) -> None:
+    """The 1,000-token levels, and the llama.cpp peer's threads."""
+    p.add_argument(
+        "--long-streams",
+        default="4,16",
+        help="concurrent streams of the long-prompt levels, comma-separated ('' for none; "
+        "default 4,16)",
+    )
+    p.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=1000,
+        help="chat prompt length of the long-prompt levels (default 1000)",
+    )
+    p.add_argument(
+        "--llama-threads",
+        type=int,
+        default=0,
+        help="llama.cpp server's threads (default 0: one per usable core, its best on a CPU)",
+    )
+
+
 def _add_serve(suites: Any) -> None:
     p = _suite(
         suites,
@@ -350,24 +372,7 @@ def _add_serve(suites: Any) -> None:
     p.add_argument(
         "--prompt-tokens", type=int, default=102, help="chat prompt length (default 102)"
     )
-    p.add_argument(
-        "--long-streams",
-        default="4,16",
-        help="concurrent streams of the long-prompt levels, comma-separated ('' for none; "
-        "default 4,16)",
-    )
-    p.add_argument(
-        "--long-prompt-tokens",
-        type=int,
-        default=1000,
-        help="chat prompt length of the long-prompt levels (default 1000)",
-    )
-    p.add_argument(
-        "--llama-threads",
-        type=int,
-        default=0,
-        help="llama.cpp server's threads (default 0: one per usable core, its best on a CPU)",
-    )
+    _add_serve_long_levels(p)  # and --llama-threads
     p.add_argument(
         "--burst-short", type=int, default=64, help="one-token requests of the burst (default 64)"
     )

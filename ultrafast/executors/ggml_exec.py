@@ -193,27 +193,10 @@ class GgmlExecutor:
             self.close()
             raise ModelLoadError(f"{gguf_path}: {problem}")
 
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = num_slots * max_model_len
-        params.n_batch = params.n_ubatch = max_num_batched_tokens
-        params.n_seq_max = num_slots
-        # a KV stream per slot: a step attends only to the cells of its own slots. (One unified
-        # pool let seq_cp share cells, but every step then attended over all resident cells,
-        # prefix-cache leftovers of idle slots included: half speed for a lone stream.)
-        params.kv_unified = False
-        # ... and llama.cpp then splits a step into ubatches of equal tokens per sequence: one
-        # forward pass per distinct length (1-token decodes + a 20-token prefill = 2 passes)
+        params = self._context_params(num_slots, max_model_len, max_num_batched_tokens)
+        # a KV stream per slot, and llama.cpp then splits a step into ubatches of equal tokens
+        # per sequence: one forward pass per distinct length (decodes + a prefill = 2 passes)
         self.one_pass_per_length = num_slots > 1
-        # llama.cpp runs a forward pass of one token on n_threads and any larger one (a
-        # prefill chunk, a draft verification, several sequences' decodes) on n_threads_batch
-        params.n_threads, params.n_threads_batch = self.n_threads, self.n_threads_batch
-        params.flash_attn_type = (
-            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if flash_attn
-            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
-        params.type_k = params.type_v = _KV_CACHE_DTYPES[kv_cache_dtype]  # f32: exact vs torch
-        params.no_perf = True
         mappings = ggml_memory.opening(self)
         self._ctx = llama_cpp.llama_init_from_model(self._model, params)
         if not self._ctx:
@@ -235,6 +218,28 @@ class GgmlExecutor:
         self._logits = np.empty((0, self.vocab_size), dtype=np.float32)
         self.last_logits = self._logits  # the last step's sampled rows (a view, valid until next)
         self._alloc_batch(max_num_batched_tokens)
+
+    def _context_params(self, num_slots: int, max_model_len: int, max_batch: int):
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = num_slots * max_model_len
+        params.n_batch = params.n_ubatch = max_batch
+        params.n_seq_max = num_slots
+        # a KV stream per slot: a step attends only to the cells of its own slots. (One unified
+        # pool let seq_cp share cells, but every step then attended over all resident cells,
+        # prefix-cache leftovers of idle slots included: half speed for a lone stream.)
+        params.kv_unified = False
+        # llama.cpp runs a forward pass of one token on n_threads and any larger one (a
+        # prefill chunk, a draft verification, several sequences' decodes) on n_threads_batch
+        params.n_threads, params.n_threads_batch = self.n_threads, self.n_threads_batch
+        params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if self.flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        # f32: exact vs torch
+        params.type_k = params.type_v = _KV_CACHE_DTYPES[self.kv_cache_dtype]
+        params.no_perf = True
+        return params
 
     def _alloc_batch(self, capacity: int) -> None:
         self._tokens = np.zeros(capacity, dtype=np.int32)
