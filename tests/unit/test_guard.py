@@ -113,7 +113,7 @@ def toy_score(text: str) -> float:
 
 def test_serve_builds_patterns_then_classifier():
     from ultrafast.config import ServerConfig
-    from ultrafast.server.serve import build_guard
+    from ultrafast.server.build import build_guard
 
     assert build_guard(ServerConfig()) is None
     config = ServerConfig(

@@ -149,7 +149,7 @@ def test_gc_pauses_are_timed_by_generation_while_watched():
 def test_freezing_the_startup_heap_takes_its_objects_out_of_collections():
     import gc
 
-    from ultrafast.server.serve import freeze_startup_heap
+    from ultrafast.server.build import freeze_startup_heap
 
     survivor = [object() for _ in range(1000)]
     try:

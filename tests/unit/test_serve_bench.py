@@ -11,9 +11,23 @@ import time
 
 import pytest
 
-from ultrafast.bench.serve_bench import burst_schedule, request_body, server_specs, write_outputs
+from ultrafast.bench.serve_bench import (
+    burst_schedule,
+    request_body,
+    server_specs,
+    vllm_reference,
+    write_outputs,
+)
 from ultrafast.bench.serve_client import stream_chat
-from ultrafast.bench.serve_servers import PeakRss, llama_cpp_spec, ours_spec, tree_pids, vllm_spec
+from ultrafast.bench.serve_plan import Level, interleaved, levels_of
+from ultrafast.bench.serve_servers import (
+    PeakRss,
+    cpu_list,
+    llama_cpp_spec,
+    ours_spec,
+    tree_pids,
+    vllm_spec,
+)
 from ultrafast.bench.serve_stats import (
     RequestResult,
     markdown,
@@ -134,6 +148,7 @@ def _report():
         "cpu_count": 2,
         "servers": {
             "ours": {
+                "config": "defaults",
                 "precision": "bf16",
                 "startup_s": 2.5,
                 "peak_rss_mib": 300.0,
@@ -155,7 +170,7 @@ def _report():
 
 def test_report_tables_name_every_server_error_and_skip():
     table = markdown(_report())
-    assert "| ours | bf16 | 2.5 | 300 | 250 |" in table
+    assert "| ours | defaults | bf16 | 2.5 | 300 | 250 |" in table
     assert "| vllm | skipped: .venv-vllm missing" in table
     assert "1 (1x HTTP 503: full)" in table  # the error with its status and message
     assert "| ours | 1 x short + 0 x long |" in table
@@ -230,3 +245,117 @@ def test_client_stamps_crlf_events_and_keeps_a_refusals_status_and_message():
     assert ok.num_tokens == 3 and ok.prompt_tokens == 102 and ok.ttft_s > 0
     assert refused.error == "HTTP 503: the default queue is full"
     assert refused.token_times_s == [] and refused.max_tokens == 128
+
+
+def _fake_vllm_venv(tmp_path):
+    venv = tmp_path / "venv-vllm"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    (venv / "lib").mkdir()
+    (venv / "lib" / "libiomp5.so").write_text("")
+    return venv
+
+
+def test_vllm_runs_bound_and_unbound_with_its_documented_environment(tmp_path, monkeypatch):
+    from ultrafast.bench import serve_servers
+
+    venv = _fake_vllm_venv(tmp_path)
+    monkeypatch.setattr(serve_servers, "tcmalloc_path", lambda: "/lib/libtcmalloc_minimal.so.4")
+    bound = vllm_spec(tmp_path, "bfloat16", 2048, kv_gib=2, venv=venv, bind_cpus=[0, 1])
+    assert bound.name == "vllm-bound"
+    assert bound.env["LD_PRELOAD"] == f"/lib/libtcmalloc_minimal.so.4:{venv}/lib/libiomp5.so"
+    assert bound.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert bound.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert "bound to 0-1" in bound.config and "libiomp5.so" in bound.config
+    unbound = vllm_spec(tmp_path, "bfloat16", 2048, kv_gib=2, venv=venv)
+    assert unbound.name == "vllm-unbound" and unbound.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert unbound.env["LD_PRELOAD"] == bound.env["LD_PRELOAD"]
+    # both come out of `--servers vllm`, on the cores this process may use
+    args = _args(tmp_path, "llama.cpp,vllm")
+    args.vllm_venv = str(venv)
+    specs = server_specs(args, _model(tmp_path))
+    assert list(specs) == ["llama.cpp", "vllm-bound", "vllm-unbound"]
+    cpus = sorted(__import__("os").sched_getaffinity(0))
+    assert specs["vllm-bound"].env["VLLM_CPU_OMP_THREADS_BIND"] == cpu_list(cpus)
+
+
+def _model(tmp_path):
+    from ultrafast.bench.serve_bench import BenchModel
+
+    return BenchModel("m", tmp_path / "m.gguf", tmp_path, "bf16")
+
+
+def test_llama_cpp_runs_a_thread_per_core_with_flash_attention_as_ours(tmp_path):
+    spec = llama_cpp_spec(tmp_path / "m.gguf", "bf16", 2, 2048)
+    argv = spec.argv
+    assert argv[argv.index("--flash_attn") + 1] == "True"
+    assert argv[argv.index("--n_threads") + 1] == argv[argv.index("--n_threads_batch") + 1] == "2"
+    assert "flash attention on" in spec.config and "2 threads" in spec.config
+
+
+def test_cpu_lists_use_the_kernels_range_syntax():
+    assert cpu_list([0, 1]) == "0-1"
+    assert cpu_list([5, 0, 1, 2]) == "0-2,5"
+    assert cpu_list([3]) == "3"
+
+
+def test_levels_interleave_the_servers_and_rotate_who_goes_first():
+    levels = levels_of([1, 16], 102, [4], 1000, burst_requests=72)
+    assert [lv.key for lv in levels] == ["1", "16", "long 4", "burst"]
+    assert levels[2] == Level("long", 4, 1000)
+    order = interleaved(["ours", "llama.cpp", "vllm-bound"], levels, rounds=2)
+    # every level runs on every server before the next level starts
+    first = [(lv.key, name) for _, lv, name in order[:6]]
+    assert first == [
+        ("1", "ours"),
+        ("1", "llama.cpp"),
+        ("1", "vllm-bound"),
+        ("16", "llama.cpp"),
+        ("16", "vllm-bound"),
+        ("16", "ours"),
+    ]
+    keys = [(r, lv.key) for r, lv, _ in order]
+    assert keys == sorted(keys, key=lambda k: (k[0], [x.key for x in levels].index(k[1])))
+    # the burst once (it is its own repetition); the rest once per round
+    assert sum(lv.kind == "burst" for _, lv, _ in order) == 3
+    assert len(order) == 3 * (3 + 3 + 1)
+
+
+def test_the_better_vllm_configuration_is_the_reference():
+    def entry(tok_s):
+        return {"levels": {"1": {"tok_s": 1000.0}, "16": {"tok_s": tok_s}}}
+
+    report = {"servers": {"ours": entry(900), "vllm-bound": entry(630), "vllm-unbound": entry(457)}}
+    assert vllm_reference(report) == "vllm-bound"
+    report["servers"]["vllm-unbound"] = entry(700)
+    assert vllm_reference(report) == "vllm-unbound"
+    assert vllm_reference({"servers": {"vllm-bound": {"skipped": "x"}}}) is None
+
+
+def test_every_row_names_the_cpu_and_its_matrix_units():
+    from ultrafast.bench.serve_stats import cpu_cell
+
+    report = _report()
+    cpu = {
+        "cpu_model": "Xeon",
+        "cores": 2,
+        "cpu_amx": True,
+        "cpu_avx512_bf16": True,
+        "cpu_vnni": True,
+    }
+    report["cpu"] = cpu
+    report["servers"]["ours"]["levels"]["1"]["cpu"] = cpu
+    report["servers"]["ours"]["burst"]["cpu"] = cpu
+    table = markdown(report)
+    assert cpu_cell(cpu) == "Xeon, 2 cores: AMX, AVX512-BF16, VNNI"
+    assert table.count("Xeon, 2 cores: AMX, AVX512-BF16, VNNI") == 3  # header, level, burst
+    assert "no AMX" in cpu_cell({"cpu_model": "EPYC", "cores": 4})
+
+
+def test_long_prompt_levels_plot_beside_the_short_ones(tmp_path):
+    report = _report()
+    levels = report["servers"]["ours"]["levels"]
+    levels["long 4"] = levels["1"]
+    paths = write_outputs(report, tmp_path / "serve.json")
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| ours | long 4 |" in paths["md"].read_text()

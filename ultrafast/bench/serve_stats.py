@@ -131,6 +131,17 @@ def _errors_cell(summary: dict) -> str:
     return f"{summary['errors']} ({kinds})"
 
 
+def cpu_cell(cpu: dict | None) -> str:
+    """ "Intel(R) Xeon(R) Processor, 2 cores: AMX, AVX512-BF16, VNNI" (what a row ran on)."""
+    if not cpu:
+        return "-"
+    names = {"amx": "AMX", "avx512_bf16": "AVX512-BF16", "vnni": "VNNI"}
+    have = [label for key, label in names.items() if cpu.get(f"cpu_{key}")]
+    return f"{cpu.get('cpu_model', '?')}, {cpu.get('cores', '?')} cores: " + (
+        ", ".join(have) or "no AMX, AVX512-BF16 or VNNI"
+    )
+
+
 def markdown(report: dict) -> str:
     """The report's tables: one row per server and level, the burst, startup and memory, and
     the priority probe of ours."""
@@ -138,46 +149,50 @@ def markdown(report: dict) -> str:
     lines = [
         f"model: {report['model']}; prompts ~{report['prompt_tokens']} tokens (chat), "
         f"{report['new_tokens']} new tokens per stream, EOS ignored; "
-        f"{report['rounds']} round(s) per level; {report['cpu_count']} CPUs",
+        f"{report['rounds']} round(s) per level; {report['cpu_count']} CPUs; "
+        f"{report.get('order', 'one server at a time')}",
+        f"CPU: {cpu_cell(report.get('cpu'))}; vLLM reference: "
+        f"{report.get('vllm_reference') or '-'} (the better of its configurations)",
         "",
-        "| server | precision | startup s | peak RSS MiB | peak PSS MiB |",
-        "|---|---|---|---|---|",
+        "| server | configuration | precision | startup s | peak RSS MiB | peak PSS MiB |",
+        "|---|---|---|---|---|---|",
     ]
     for name, s in servers.items():
         if "skipped" in s:
-            lines.append(f"| {name} | skipped: {s['skipped'][:300]} | | | |")
+            lines.append(f"| {name} | skipped: {s['skipped'][:300]} | | | | |")
             continue
         lines.append(
-            f"| {name} | {s['precision']} | {_f(s['startup_s'])} | {_f(s['peak_rss_mib'], 0)} | "
-            f"{_f(s.get('peak_pss_mib'), 0)} |"
+            f"| {name} | {s.get('config', '-')} | {s['precision']} | {_f(s['startup_s'])} | "
+            f"{_f(s['peak_rss_mib'], 0)} | {_f(s.get('peak_pss_mib'), 0)} |"
         )
     lines += [
         "",
         "| server | streams | prompt tokens | tok/s (aggregate) | TTFT p50 ms | TTFT p99 ms "
-        "| ITL p99 ms | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "| ITL p99 ms | errors | CPU |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in servers.items():
         for level, lv in s.get("levels", {}).items():
             lines.append(
                 f"| {name} | {level} | {lv.get('prompt_tokens') or '-'} | {_f(lv['tok_s'])} | "
                 f"{_f(lv['ttft_p50_ms'])} | "
-                f"{_f(lv['ttft_p99_ms'])} | {_f(lv['itl_p99_ms'])} | {_errors_cell(lv)} |"
+                f"{_f(lv['ttft_p99_ms'])} | {_f(lv['itl_p99_ms'])} | {_errors_cell(lv)} | "
+                f"{cpu_cell(lv.get('cpu'))} |"
             )
     bursts = {n: s["burst"] for n, s in servers.items() if s.get("burst")}
     if bursts:
         lines += [
             "",
             "| burst | requests | short p50 ms | short p99 ms | long TTFT p50 ms | "
-            "long ITL p99 ms | errors |",
-            "|---|---|---|---|---|---|---|",
+            "long ITL p99 ms | errors | CPU |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for name, b in bursts.items():
             lines.append(
                 f"| {name} | {b['short_requests']} x short + {b['long_requests']} x long | "
                 f"{_f(b['short_latency_p50_ms'])} | {_f(b['short_latency_p99_ms'])} | "
                 f"{_f(b['long']['ttft_p50_ms'])} | {_f(b['long']['itl_p99_ms'])} | "
-                f"{_errors_cell(b)} |"
+                f"{_errors_cell(b)} | {cpu_cell(b.get('cpu'))} |"
             )
     probe = servers.get("ours", {}).get("priority_probe")
     if probe:

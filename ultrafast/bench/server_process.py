@@ -51,6 +51,22 @@ def wait_healthy(
     return False
 
 
+def wait_start_costs(url: str, timeout_s: float = 300.0) -> None:
+    """Until the server's start costs (thread plan, idle speed: engine/start_costs.py) are
+    cached or measured: a measurement in the background would drop the slots' cached
+    prefixes while a test or benchmark runs. A /ready that needs a key is not waited on."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url + "/ready", timeout=5)
+        except httpx.HTTPError:
+            return
+        status = str(r.json().get("start_costs", "")) if r.status_code == 200 else ""
+        if not status.startswith(("measuring", "re-measuring")):
+            return
+        time.sleep(0.2)
+
+
 def stop_child(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
     """SIGTERM (the server drains), SIGKILL after `grace_s`; the exit code."""
     if proc.poll() is None:
@@ -92,6 +108,7 @@ class ServerProcess:
         if not wait_healthy(self.proc, self.url, startup_timeout_s, self._output):
             self.stop()
             raise RuntimeError(f"server did not become healthy in {startup_timeout_s} s")
+        wait_start_costs(self.url, startup_timeout_s)
 
     def output(self) -> str:
         """Everything the server printed so far (stdout and stderr): a file, not a pipe, so a

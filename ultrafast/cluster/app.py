@@ -56,7 +56,7 @@ class EngineReplica:
     def __init__(self, name: str, spec: ReplicaSpec, generation: int = 0):
         # `generation`: a rolling restart bumps it, which makes Ray replace the replica
         from ultrafast.server.app import build_app
-        from ultrafast.server.serve import build_state
+        from ultrafast.server.build import build_state
 
         logging.basicConfig(level=logging.INFO)
         self.name = name

@@ -10,6 +10,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -24,8 +25,9 @@ from ultrafast.core.types import (
     StepResult,
 )
 from ultrafast.engine import grammar_steps
-from ultrafast.engine.idle_speed import IdleSpeed, measure_idle_speed
+from ultrafast.engine.idle_speed import IdleSpeed
 from ultrafast.engine.speculation import SpecStats, Speculator, best_draft_length
+from ultrafast.engine.start_costs import StartCosts
 from ultrafast.engine.step_costs import StepCostModel
 from ultrafast.executors.base import Executor, KeptSampling
 from ultrafast.kvcache.manager import KVCacheConfig, KVCacheManager
@@ -140,6 +142,7 @@ class EngineCore:
         # (forced tokens available, lone stream) -> calls left that may reuse "none pay"
         self._forced_none_memo: dict[tuple[int, bool], int] = {}
         self.idle_speed: IdleSpeed | None = None  # timed by warmup(measure_speed=True)
+        self.start_costs = StartCosts(self)
         self.kv_cache: KVCacheManager | None = None
         if kv_cache is not None and kv_cache.enabled:
             self.kv_cache = KVCacheManager(kv_cache, executor, self.pool)
@@ -149,43 +152,47 @@ class EngineCore:
         """Drafted / accepted tokens per draft source; None without speculation."""
         return None if self.speculator is None else self.speculator.stats
 
-    def warmup(self, num_prompt_tokens: int = 16, measure_speed: bool = True) -> None:
-        """Run a short prefill and decode before serving: the first pass of a fresh executor
-        allocates its compute graph and would otherwise land on the first client's TTFT.
-        Then, with `measure_speed`, time a typical prompt on the warm engine (`idle_speed`)."""
-        # warm-up's made-up prompts are not conversations: the tiered KV cache stays out of it
+    def warmup(
+        self, num_prompt_tokens: int = 16, measure_speed: bool = True, background: bool = False
+    ) -> None:
+        """A short prefill and decode before serving (a fresh executor's first pass allocates
+        its compute graph); with `measure_speed`, the start costs (thread plan, idle speed):
+        cached, or measured now, or (`background`) pending for the engine's idle time."""
+        self.measure_on_idle(lambda: self._warmup(num_prompt_tokens, measure_speed, background))
+
+    def measure_on_idle(self, measure: Callable[[], None]) -> None:
+        """Run `measure` (made-up prompts) on the idle engine, the slots' cached prefixes
+        dropped first; such prompts are not conversations: the tiered KV cache stays out."""
         kv_cache, self.kv_cache = self.kv_cache, None
         on_evict, self.pool.on_evict = self.pool.on_evict, None
         try:
-            self._warmup(num_prompt_tokens, measure_speed)
+            with self.pool_lock:
+                self.pool.reset_cache()
+            measure()
         finally:
             self.kv_cache, self.pool.on_evict = kv_cache, on_evict
 
-    def _warmup(self, num_prompt_tokens: int, measure_speed: bool) -> None:
+    def reset_costs(self) -> None:
+        self.costs = StepCostModel()
+
+    def _warmup(self, num_prompt_tokens: int, measure_speed: bool, background: bool) -> None:
+        self.start_costs.before_warmup()  # cached costs, else a safe thread count
         prompt = [i % self.executor.vocab_size for i in range(1, num_prompt_tokens + 1)]
         self.add_request(
             Request(
                 "warmup",
                 prompt,
-                SamplingParams(  # priority: drafting warms too
-                    temperature=0.0, max_tokens=4, ignore_eos=True
-                ),
-                tier=ServiceTier.PRIORITY,
+                SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                tier=ServiceTier.PRIORITY,  # priority: drafting warms too
             )
         )
         while self.has_work():
             self.step()
         with self.pool_lock:
             self.pool.reset_cache()
-        # an executor that can time its passes (ggml) and was given no thread counts picks
-        # them per pass width from this machine's timings (executors/ggml_threads.py)
-        calibrate = getattr(self.executor, "calibrate_threads", None)
-        if measure_speed and calibrate and getattr(self.executor, "threads_auto", False):
-            plan = calibrate()
-            log.info("threads per pass width (measured): %s %s", plan.describe(), plan.timings_ms)
         self.costs = StepCostModel()  # learn from warm passes, not from the cold first one
-        if measure_speed:  # its passes are the fit's first points
-            self.idle_speed = measure_idle_speed(self)
+        if measure_speed:  # thread plan and idle speed (engine/start_costs.py)
+            self.start_costs.at_warmup(background)
 
     def add_request(self, request: Request) -> None:
         for token in request.prompt_token_ids:

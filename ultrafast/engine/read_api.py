@@ -68,6 +68,7 @@ class EngineSnapshot:
     max_num_seqs: int = 0
     max_waiting: int = 0
     idle_speed: IdleSpeed | None = None  # a typical prompt timed at start (None: not measured)
+    start_costs: str = "not measured"  # cached | measuring ... | measured | contended
 
     @property
     def num_running(self) -> int:
@@ -120,6 +121,7 @@ def build_snapshot(core: EngineCore, device_kind: str) -> EngineSnapshot:
         max_num_seqs=core.scheduler.config.max_num_seqs,
         max_waiting=core.scheduler.config.max_waiting,
         idle_speed=core.idle_speed,
+        start_costs=core.start_costs.status,
     )
 
 

@@ -46,6 +46,7 @@ class EngineThread(EngineReadAPI):
         self._stopping = threading.Event()
         self._warmup = False
         self._measure_speed = True
+        self._background = False
         self._warmed = threading.Event()
         self.dead_reason: str | None = None
         # read API (engine/read_api.py): the snapshot (the pool lock is the core's)
@@ -54,17 +55,23 @@ class EngineThread(EngineReadAPI):
         self._snapshot_s = time.monotonic()
 
     def start(
-        self, warmup: bool = False, timeout_s: float = 600.0, measure_speed: bool = True
+        self,
+        warmup: bool = False,
+        timeout_s: float = 600.0,
+        measure_speed: bool = True,
+        background: bool = False,
     ) -> EngineThread:
         """Start the thread; with `warmup`, it first runs `core.warmup()` and this returns
         once that is done (`measure_speed` False: without timing the idle speed, e.g. a
-        model reloaded by the residency cache, whose speed was measured at its first load).
+        model reloaded by the residency cache, whose speed was measured at its first load;
+        `background`: start costs not cached are measured later, while the engine is idle).
 
         Warm up here, not on the caller's thread: llama.cpp's CPU threads come from OpenMP,
         and once one thread has run a pass, passes run from any other thread do not get the
         extra threads' speed (they run at the one-thread speed)."""
         self._warmup = warmup
         self._measure_speed = measure_speed
+        self._background = background
         self._warmed.clear()
         self._thread.start()
         if warmup and not self._warmed.wait(timeout_s):
@@ -127,13 +134,17 @@ class EngineThread(EngineReadAPI):
     def _run(self) -> None:
         try:
             if self._warmup:
-                self.core.warmup(measure_speed=self._measure_speed)
+                self.core.warmup(measure_speed=self._measure_speed, background=self._background)
             self._publish(force=True)
             self._warmed.set()
+            start_costs = self.core.start_costs
             while not self._stopping.is_set():
                 handled = self._drain_inbox(block=not self.core.has_work())
                 if not self.core.has_work():
                     if handled:
+                        self._publish(force=True)
+                    elif start_costs.wants_tick():  # idle for a whole inbox wait
+                        start_costs.tick(self._work_waiting)
                         self._publish(force=True)
                     continue
                 self._coalesce()
@@ -147,6 +158,7 @@ class EngineThread(EngineReadAPI):
                         self._deliver(callback, output)
                 if self.on_stats is not None and self.core.last_stats is not None:
                     self.on_stats(self.core.last_stats)
+                start_costs.observe(self.core.last_stats)
         except BaseException as exc:  # fatal: tell every waiter, then die visibly
             self.dead_reason = f"{type(exc).__name__}"
             log.exception("engine thread died")
@@ -159,6 +171,10 @@ class EngineThread(EngineReadAPI):
                     ),
                 )
             self._callbacks.clear()
+
+    def _work_waiting(self) -> bool:
+        """A background measurement gives way: a request (or a stop) is waiting."""
+        return not self._inbox.empty() or self._stopping.is_set()
 
     def _coalesce(self) -> None:
         """Hold a step for the shaper window while only default/flex arrivals are new."""

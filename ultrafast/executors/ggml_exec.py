@@ -21,27 +21,19 @@ import ctypes
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
 
 from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
-from ultrafast.executors import ggml_state
-from ultrafast.executors.ggml_threads import (
-    CALIBRATION_PROMPT_TOKENS,
-    CALIBRATION_WIDTHS,
-    PREFILL_CALIBRATION_TOKENS,
-    THREAD_MARGIN,
-    ThreadPlan,
-    calibrate,
-    candidate_thread_counts,
-)
+from ultrafast.executors import ggml_calibration, ggml_memory, ggml_state
+from ultrafast.executors.ggml_threads import THREAD_MARGIN, ThreadPlan
 from ultrafast.executors.llama_cpp_params import model_params as llama_model_params
 from ultrafast.executors.prompt_scoring import scoring_problem, split_prompt_rows
 from ultrafast.kvcache.fingerprint import file_sha256, kv_fingerprint
 from ultrafast.model.config import ModelLoadError
-from ultrafast.request import SamplingParams
 from ultrafast.sampling.sampler import sample_keeping_deferred, sample_kept_row
 
 _LOG_LEVEL_ERROR = 4  # ggml_log_level: 3 is WARN, 4 ERROR, 5 CONT
@@ -201,27 +193,11 @@ class GgmlExecutor:
             self.close()
             raise ModelLoadError(f"{gguf_path}: {problem}")
 
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = num_slots * max_model_len
-        params.n_batch = params.n_ubatch = max_num_batched_tokens
-        params.n_seq_max = num_slots
-        # a KV stream per slot: a step attends only to the cells of its own slots. (One unified
-        # pool let seq_cp share cells, but every step then attended over all resident cells,
-        # prefix-cache leftovers of idle slots included: half speed for a lone stream.)
-        params.kv_unified = False
-        # ... and llama.cpp then splits a step into ubatches of equal tokens per sequence: one
-        # forward pass per distinct length (1-token decodes + a 20-token prefill = 2 passes)
+        params = self._context_params(num_slots, max_model_len, max_num_batched_tokens)
+        # a KV stream per slot, and llama.cpp then splits a step into ubatches of equal tokens
+        # per sequence: one forward pass per distinct length (decodes + a prefill = 2 passes)
         self.one_pass_per_length = num_slots > 1
-        # llama.cpp runs a forward pass of one token on n_threads and any larger one (a
-        # prefill chunk, a draft verification, several sequences' decodes) on n_threads_batch
-        params.n_threads, params.n_threads_batch = self.n_threads, self.n_threads_batch
-        params.flash_attn_type = (
-            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if flash_attn
-            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
-        params.type_k = params.type_v = _KV_CACHE_DTYPES[kv_cache_dtype]  # f32: exact vs torch
-        params.no_perf = True
+        mappings = ggml_memory.opening(self)
         self._ctx = llama_cpp.llama_init_from_model(self._model, params)
         if not self._ctx:
             errors = self._log.take_errors()
@@ -230,6 +206,8 @@ class GgmlExecutor:
                 f"llama.cpp could not create a context "
                 f"(num_slots={num_slots}, max_model_len={max_model_len}): {errors}"
             )
+        # the KV llama.cpp just zeroed goes back to the kernel until a slot writes it
+        self.released_bytes = ggml_memory.release_new_zero_pages(mappings)
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         # llama.cpp may clamp n_batch (e.g. to n_ctx); plans are checked against what it kept
         self.max_num_batched_tokens = min(
@@ -240,6 +218,28 @@ class GgmlExecutor:
         self._logits = np.empty((0, self.vocab_size), dtype=np.float32)
         self.last_logits = self._logits  # the last step's sampled rows (a view, valid until next)
         self._alloc_batch(max_num_batched_tokens)
+
+    def _context_params(self, num_slots: int, max_model_len: int, max_batch: int):
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = num_slots * max_model_len
+        params.n_batch = params.n_ubatch = max_batch
+        params.n_seq_max = num_slots
+        # a KV stream per slot: a step attends only to the cells of its own slots. (One unified
+        # pool let seq_cp share cells, but every step then attended over all resident cells,
+        # prefix-cache leftovers of idle slots included: half speed for a lone stream.)
+        params.kv_unified = False
+        # llama.cpp runs a forward pass of one token on n_threads and any larger one (a
+        # prefill chunk, a draft verification, several sequences' decodes) on n_threads_batch
+        params.n_threads, params.n_threads_batch = self.n_threads, self.n_threads_batch
+        params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if self.flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        # f32: exact vs torch
+        params.type_k = params.type_v = _KV_CACHE_DTYPES[self.kv_cache_dtype]
+        params.no_perf = True
+        return params
 
     def _alloc_batch(self, capacity: int) -> None:
         self._tokens = np.zeros(capacity, dtype=np.int32)
@@ -343,50 +343,22 @@ class GgmlExecutor:
     def sample_kept(self, seq: ScheduledSeq, kept) -> StepResult:
         return sample_kept_row(seq, kept)
 
-    def calibrate_threads(self, margin: float = THREAD_MARGIN) -> ThreadPlan:
-        """Time decode passes of several widths and one prefill chunk on each candidate thread
-        count and keep the plan they imply (ggml_threads.py). Runs on the idle executor at
-        start: it uses the first slots as scratch and leaves every slot it touched empty."""
-        width = min(self.num_slots, max(CALIBRATION_WIDTHS), self.max_num_batched_tokens)
-        context = min(CALIBRATION_PROMPT_TOKENS, self.max_model_len - 2)
-        chunk = min(PREFILL_CALIBRATION_TOKENS, self.max_num_batched_tokens, self.max_model_len)
-        greedy = SamplingParams(temperature=0.0, max_tokens=2)
-        prompt = [(i * 31 + 7) % self.vocab_size for i in range(max(context, chunk))]
+    def cost_identity(self) -> dict:
+        """What the measured thread plan depends on besides the CPU (ggml_calibration.py)."""
+        return ggml_calibration.cost_identity(self)
 
-        def seq(slot: int, token_ids: list[int], start: int) -> ScheduledSeq:
-            return ScheduledSeq(f"calibration-{slot}", slot, token_ids, start, 1, greedy, 0, 0)
-
-        def time_pass(num_seqs: int, threads: int) -> float:
-            self.thread_plan = ThreadPlan((1,), (threads,))  # every pass on `threads`
-            if num_seqs > width:  # the prefill chunk, in slot 0 (its context is rewritten)
-                plan = StepPlan([seq(0, prompt[:chunk], 0)])
-            else:
-                plan = StepPlan([seq(s, prompt[:1], context) for s in range(num_seqs)])
-            start_s = time.perf_counter()
-            result = self.execute(plan)
-            elapsed_s = time.perf_counter() - start_s
-            if result.errors:
-                raise RuntimeError(f"thread calibration failed: {result.errors}")
-            return elapsed_s
-
-        before = self.thread_plan
-        try:
-            for slot in range(width):
-                self.execute(StepPlan([seq(slot, prompt[:context], 0)]))
-            plan = calibrate(
-                time_pass,
-                candidate_thread_counts(physical_cores()),
-                width,
-                margin,
-                prefill_tokens=chunk if chunk > width else 0,
-            )
-        finally:
-            for slot in range(width):
-                llama_cpp.llama_memory_seq_rm(self._memory, slot, -1, -1)
-                self._slot_lens[slot] = 0
-            self.thread_plan = before
-        self.thread_plan = plan
-        return plan
+    def calibrate_threads(
+        self,
+        margin: float = THREAD_MARGIN,
+        should_stop: Callable[[], bool] = lambda: False,
+        free_slots: list[int] | None = None,
+        progress: Callable[[int, int], None] = lambda done, total: None,
+    ) -> ThreadPlan:
+        """Time passes per width and thread count; keep and return the plan
+        (ggml_calibration.py)."""
+        return ggml_calibration.calibrate_executor(
+            self, physical_cores(), margin, should_stop, free_slots, progress
+        )
 
     def _set_threads(self, single: int, batch: int) -> None:
         if (single, batch) != self._threads_now:
@@ -499,6 +471,7 @@ class GgmlExecutor:
 
     def close(self) -> None:
         """Free the context, then the model. Safe to call more than once."""
+        ggml_memory.closed(self)
         if self._ctx:
             llama_cpp.llama_free(self._ctx)
         if self._model:

@@ -81,15 +81,27 @@ class Admission:
     # tiers whose TTFT target was auto (0) as configured: resolved from the measured speed
     auto_ttft_tiers: frozenset = field(init=False, default=frozenset())
     auto_in_flight_tiers: frozenset = field(init=False, default=frozenset())
+    configured: ServerConfig | None = field(init=False, default=None)  # before resolution
 
     def __post_init__(self) -> None:
-        config = self.config
+        config = self.configured = self.config
         self.auto_ttft_tiers = frozenset(
             t for t in ServiceTier if self._configured(config, t).ttft_auto
         )
         self.auto_in_flight_tiers = frozenset(
             t for t in ServiceTier if self._configured(config, t).max_in_flight == 0
         )
+        self._resolve()
+
+    def update_idle_speed(self, typical_prompt_tokens: int, idle_ttft_s: float | None) -> None:
+        """The idle speed measured after the start (in the background, or again after a
+        drift): the auto TTFT targets follow it."""
+        self.typical_prompt_tokens, self.idle_ttft_s = typical_prompt_tokens, idle_ttft_s
+        self._resolve()
+
+    def _resolve(self) -> None:
+        config = self.configured
+        assert config is not None
 
         def resolved(targets: TierTargets) -> TierTargets:
             targets = targets.resolved(self.idle_ttft_s)

@@ -124,6 +124,8 @@ def build_app(state: ServerState) -> Starlette:
                 # TTFT targets in force (measured from the model's idle speed, or configured)
                 "tier_targets": state.admission.describe_targets(),
                 "idle_speed": _idle_speed(snap.idle_speed),
+                # thread plan and idle speed: cached, or being measured in the background
+                "start_costs": snap.start_costs,
                 "session_store": None
                 if state.sessions is None
                 else "ok"

@@ -68,7 +68,7 @@ def start_engine(
     """The engine thread around a built EngineCore, warmed up on that thread (see
     EngineThread.start): the server holds only the thread and its read API."""
     return EngineThread(core, shaper_window_s=shaper_window_s).start(
-        warmup=True, measure_speed=measure_speed
+        warmup=True, measure_speed=measure_speed, background=True
     )
 
 

@@ -15,45 +15,21 @@ Connections get a request-head timeout and a write-stall timeout (server/http_ti
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import sys
+import threading
 import time
+from typing import TYPE_CHECKING, cast
 
 import uvicorn
 
-from ultrafast.config import EngineConfig, ServerConfig, default_session_store
-from ultrafast.llm import build_embedding_engine, build_engine, embedding_pooling
-from ultrafast.model.kv_budget import available_memory_bytes
-from ultrafast.server.admission import Admission, auto_in_flight
-from ultrafast.server.app import build_app
+from ultrafast.config import EngineConfig, ServerConfig
 from ultrafast.server.auth import RedactingFilter
-from ultrafast.server.bridge import (
-    EmbeddingEngine,
-    EngineSettings,
-    kv_cache_reader,
-    shutdown_engine,
-    start_engine,
-)
-from ultrafast.server.embed_models import embedding_only_state, split_embedding_models
-from ultrafast.server.guard import (
-    AllGuards,
-    ClassifierGuard,
-    GuardConfig,
-    OutputGuard,
-    PatternGuard,
-    load_score_function,
-)
 from ultrafast.server.http_timeouts import protocol_class
-from ultrafast.server.kv_metrics import KVCacheCollector
-from ultrafast.server.metrics import ServerMetrics
-from ultrafast.server.protocol import Limits
-from ultrafast.server.residency.loader import attach_residency
-from ultrafast.server.sessions.backends import open_store
-from ultrafast.server.sessions.flow import SessionFlow
-from ultrafast.server.state import ServerState
-from ultrafast.server.tenants import server_api_keys
-from ultrafast.server.unread_body import CloseOnUnreadBody
+from ultrafast.server.startup import LoadingApp, bind_listen_socket
+
+if TYPE_CHECKING:
+    from ultrafast.server.state import ServerState
 
 log = logging.getLogger("ultrafast")
 
@@ -63,9 +39,12 @@ EXIT_FORCED, EXIT_ENGINE_DEAD = 1, 2
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState):
+    """`state` is None while the model loads (server/startup.py); `attach` brings it."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState | None):
         super().__init__(config)
-        self.state = state
+        self.state = cast("ServerState", state)  # None only until attach()
+        self.loop_ready = threading.Event()
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None  # set in startup()
         self._tasks: set[asyncio.Task] = set()  # drain / abort / engine watch: kept referenced
@@ -74,7 +53,7 @@ class DrainingServer(uvicorn.Server):
         """Runs in the signal handler, on the event loop's thread, between two callbacks."""
         if self.should_exit and self.force_exit:
             return
-        if self._loop is None:  # not serving yet: nothing to drain
+        if self._loop is None or self.state is None:  # not serving yet: nothing to drain
             self.should_exit = True
             return
         second = self.state.draining
@@ -103,7 +82,10 @@ class DrainingServer(uvicorn.Server):
         self.force_exit = self.should_exit = True
 
     async def _watch_engine(self) -> None:
+        from ultrafast.server.build import follow_idle_speed
+
         while not self.should_exit:
+            follow_idle_speed(self.state)
             if not self.state.engine.alive:
                 log.error("the engine died (%s): exiting", self.state.engine.dead_reason)
                 self.state.draining = True
@@ -123,6 +105,12 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        self.loop_ready.set()
+
+    async def attach(self, state: ServerState, app: LoadingApp, real_app) -> None:
+        """On the serving loop, once the model is in: serve `real_app` from now on."""
+        await app.activate(real_app)
+        self.state = state
         self._spawn(self._watch_engine())
         host, port = self.config.host, self.config.port
         print(
@@ -136,157 +124,6 @@ class DrainingServer(uvicorn.Server):
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
-def build_guard(config: ServerConfig) -> GuardConfig | None:
-    patterns = list(config.guard_patterns)
-    guards: list[OutputGuard] = []
-    if config.guard_patterns_path:
-        guards.append(PatternGuard.from_file(config.guard_patterns_path, extra=patterns))
-    elif patterns:
-        guards.append(PatternGuard(patterns))
-    if config.guard_classifier:  # after the patterns: they are cheaper
-        guards.append(
-            ClassifierGuard(
-                load_score_function(config.guard_classifier),
-                threshold=config.guard_classifier_threshold,
-            )
-        )
-    if not guards:
-        return None
-    guard = guards[0] if len(guards) == 1 else AllGuards(guards)
-    return GuardConfig(guard, hold_back_tokens=config.guard_hold_back_tokens)
-
-
-def log_tier_targets(admission: Admission, idle_decode_s: float | None) -> None:
-    """One line: the idle speed measured at start and each tier's TTFT target, with its source."""
-    if admission.idle_ttft_s is None:
-        measured = "idle speed not measured"
-    else:
-        measured = (
-            f"idle TTFT {admission.idle_ttft_s * 1000:.1f} ms for a "
-            f"{admission.typical_prompt_tokens}-token prompt"
-        )
-        if idle_decode_s:
-            measured += f", decode {idle_decode_s * 1000:.1f} ms/token"
-    targets = ", ".join(
-        f"{name} {t['ttft_ms']:.0f} ms ({t['ttft_source']})"
-        for name, t in admission.describe_targets().items()
-    )
-    log.info("%s; TTFT targets: %s", measured, targets)
-
-
-def start_embedders(models, n_threads: int | None) -> dict[str, EmbeddingEngine]:
-    embedders = {name: build_embedding_engine(path, n_threads) for name, path in models}
-    for name, engine in embedders.items():
-        log.info(
-            "embedding model %s: %s pooling, %d dimensions", name, engine.pooling, engine.dimensions
-        )
-    return embedders
-
-
-def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerState:
-    embed_models, chat_config, config = split_embedding_models(
-        engine_config, config, embedding_pooling
-    )
-    if chat_config is None:  # embedding models only
-        api_keys = server_api_keys(config.api_keys_path, config.api_key_hashes)
-        embedders = start_embedders(embed_models, engine_config.n_threads)
-        return embedding_only_state(config, embedders, api_keys)
-    state = build_chat_state(chat_config, config)
-    state.embedders = start_embedders(embed_models, engine_config.n_threads)
-    return state
-
-
-def build_chat_state(engine_config: EngineConfig, config: ServerConfig) -> ServerState:
-    api_keys = server_api_keys(config.api_keys_path, config.api_key_hashes)
-    guard = build_guard(config)  # bad files fail before the model loads
-    core, tokenizer, files = build_engine(
-        engine_config,
-        priority_itl_target_s=config.priority.itl_ms / 1000,
-        default_itl_target_s=config.default.itl_ms / 1000 or None,
-    )
-    # warm up on the engine thread, which then serves: see EngineThread.start. From here the
-    # server sees the engine only through its read API (server/bridge.py).
-    grammar = core.grammar  # thread-safe: the server compiles with it, the engine matches
-    engine = start_engine(core, shaper_window_s=config.shaper_window_ms / 1000)
-    del core
-    snapshot = engine.snapshot()
-    speed = snapshot.idle_speed  # timed after the warm-up: the auto TTFT targets follow it
-    admission = Admission(
-        config,
-        step_costs=lambda: engine.snapshot().step_costs,
-        num_running=lambda: engine.snapshot().num_running,
-        typical_prompt_tokens=speed.prompt_tokens if speed else 0,
-        idle_ttft_s=speed.ttft_s if speed else None,
-        auto_in_flight_limit=auto_in_flight(
-            available_memory_bytes(), snapshot.max_model_len, snapshot.max_waiting
-        ),
-    )
-    config = admission.config  # the TTFT targets resolved
-    log_tier_targets(admission, speed.decode_s if speed else None)
-    if api_keys is not None:  # committed capacity, at both admission and the KV slots
-        admission.priority_reserved = api_keys.priority_seats(config.priority.max_in_flight)
-        engine.configure(
-            EngineSettings(reserved_priority_seats=api_keys.priority_seats(snapshot.max_num_seqs))
-        )
-    device_kind = snapshot.device_kind
-    alert_ms = config.alert_priority_itl_p99_ms
-    if alert_ms is None:
-        alert_ms = 2.0 if device_kind == "gpu" else 0.0
-    metrics = ServerMetrics(
-        tenants=api_keys.tenants if api_keys else (),
-        device_kind=device_kind,
-        alert_priority_itl_p99_s=alert_ms / 1000,
-    )
-    # queues, slots, cache and speculation counters: the engine's published snapshot
-    metrics.set_spec_source(engine.snapshot)
-    metrics.set_occupancy_source(engine.snapshot)
-    kv_cache_stats = kv_cache_reader(engine)
-    if kv_cache_stats is not None:  # the tiered KV cache's series (kvcache/)
-        metrics.registry.register(KVCacheCollector(kv_cache_stats))
-    engine.on_stats = metrics.on_step
-    limits = Limits(
-        vocab_size=tokenizer.vocab_size,
-        max_tokens_cap=config.max_tokens_cap,
-        # response_format and tools need the grammar engine (llguidance, this model's vocab)
-        features=frozenset({"session_id"} | ({"response_format", "tools"} if grammar else set())),
-        sampling_defaults=tuple(sorted(tokenizer.generation_defaults.items())),
-    )
-    store = open_store(
-        config.session_store or default_session_store(),
-        config.session_ttl_s,
-        config.max_sessions_per_tenant,
-        config.redis_ca_file,
-    )
-    state = ServerState(
-        config=config,
-        engine=engine,
-        tokenizer=tokenizer,
-        model_name=config.served_model_name or files.name,
-        max_model_len=snapshot.max_model_len,
-        limits=limits,
-        admission=admission,
-        metrics=metrics,
-        api_keys=api_keys,
-        guard=guard,
-        sessions=SessionFlow(
-            store, config.session_commit_grace_s, config.served_model_name or files.name
-        ),
-        grammar=grammar,
-        model_files=files,
-    )
-    if config.models:  # several models resident by use: the first one is loaded now
-        attach_residency(state, engine_config, config, build_engine)
-    return state
-
-
-def freeze_startup_heap() -> None:
-    """Put every object made so far (modules, torch, the tokenizer, the app: ~190k objects
-    here) out of the cyclic collector's reach. A full collection walked them all: 70-120 ms
-    with every thread stopped, three times in a 30 s benchmark, each one a stalled token."""
-    gc.collect()
-    gc.freeze()
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
@@ -308,9 +145,48 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         )
     elif config.host not in LOOPBACK_HOSTS:
         log.warning("listening on %s: reachable from other machines", config.host)
-    state = build_state(engine_config, config)
+    sock = bind_listen_socket(config.host, config.port)  # a taken port: reported now
+    print(
+        f"ultrafast: listening on http://{config.host}:{config.port}, loading the model", flush=True
+    )
+    app = LoadingApp()
+    server = DrainingServer(uvicorn_config(app, config), None)
+    loaded: dict = {}
+    loader = threading.Thread(
+        target=_load, args=(engine_config, config, server, app, loaded), name="model-load"
+    )
+    loader.daemon = True  # a signal while loading exits without waiting for it
+    loader.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        loader.join(0 if server.state is None else None)
+        state = loaded.get("state")
+        if "unwatch_gc" in loaded:
+            loaded["unwatch_gc"]()
+        _shut_down(state)
+    if "error" in loaded:
+        raise loaded["error"]
+    return server.exit_code
+
+
+def _shut_down(state: ServerState | None) -> None:
+    if state is None:
+        return
+    for embedder in state.embedders.values():
+        embedder.shutdown()
+    if state.residency is not None:
+        state.residency.close()
+    elif state.engine not in state.embedders.values():
+        from ultrafast.server.bridge import shutdown_engine
+
+        shutdown_engine(state.engine)
+
+
+def uvicorn_config(app, config: ServerConfig) -> uvicorn.Config:
     uv_config = uvicorn.Config(
-        CloseOnUnreadBody(build_app(state)),  # an early 413 closes instead of draining
+        app,
         host=config.host,
         port=config.port,
         log_level="error" if config.log_level == "error" else "warning",
@@ -328,20 +204,34 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         for handler in logging.getLogger(name).handlers:
             handler.addFilter(RedactingFilter())
-    server = DrainingServer(uv_config, state)
-    unwatch_gc = state.metrics.watch_gc()
-    freeze_startup_heap()
+    return uv_config
+
+
+def _load(
+    engine_config: EngineConfig,
+    config: ServerConfig,
+    server: DrainingServer,
+    app: LoadingApp,
+    loaded: dict,
+) -> None:
+    """The model-load thread: build the state, then hand it to the serving loop; a failure
+    stops the server and is raised by `serve` on the main thread."""
     try:
-        server.run()
-    finally:
-        unwatch_gc()
-        for embedder in state.embedders.values():
-            embedder.shutdown()
-        if state.residency is not None:
-            state.residency.close()
-        elif state.engine not in state.embedders.values():
-            shutdown_engine(state.engine)
-    return server.exit_code
+        from ultrafast.server.app import build_app
+        from ultrafast.server.build import build_state, freeze_startup_heap
+        from ultrafast.server.unread_body import CloseOnUnreadBody
+
+        state = loaded["state"] = build_state(engine_config, config)
+        real_app = CloseOnUnreadBody(build_app(state))  # an early 413 closes, no draining
+        loaded["unwatch_gc"] = state.metrics.watch_gc()
+        freeze_startup_heap()
+        server.loop_ready.wait()
+        if server.should_exit or server._loop is None:
+            return
+        asyncio.run_coroutine_threadsafe(server.attach(state, app, real_app), server._loop).result()
+    except BaseException as exc:
+        loaded["error"] = exc
+        server.should_exit = True
 
 
 if __name__ == "__main__":

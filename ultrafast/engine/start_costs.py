@@ -1,0 +1,257 @@
+"""Start costs: what the engine measures about this machine before it can serve at its best,
+measured once per (CPU, model file, flags), cached, reused, and re-checked when they drift.
+
+Two figures: the ggml executor's threads per pass width (executors/ggml_threads.py) and the
+idle speed of a typical prompt (engine/idle_speed.py: the auto TTFT targets follow it). Timing
+them took seconds on an idle machine and far longer while other processes used the cores, and
+a start used to wait for them before binding its port. Now:
+
+- a cached result (`$ULTRAFAST_CACHE_DIR/start-costs/<key>.json`, the key hashing the CPU's
+  model, flags and usable cores, the model file's path, size and mtime, and the executor's
+  flags) is applied at once;
+- with nothing cached the server serves at once on a safe default (every core but one for
+  every pass: safe_threads) and measures in the background: only while the engine has been
+  idle, the measurement giving way between two passes to any request that arrives (and
+  starting again later);
+- a plan timed under contention (ggml_threads.py) is used but not cached, and measured again
+  after CONTENDED_RECHECK_S;
+- once serving, lone decodes are compared with the plan's timing: when their median over
+  DRIFT_SAMPLES is DRIFT_FACTOR off either way, the plan is measured again in the background.
+  Such a re-check times the thread plan only, in consecutive slots that hold nothing (a
+  conversation's cached prefix is never dropped for it; without room it waits).
+
+Offline users (LLM, the benchmarks' in-process engine) measure synchronously when nothing is
+cached (`warmup(background=False)`).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ultrafast.config import cache_dir
+from ultrafast.cpu_info import cpu_identity
+from ultrafast.engine.idle_speed import IdleSpeed, measure_idle_speed
+from ultrafast.executors.ggml_threads import CalibrationInterrupted, NoFreeSlots, ThreadPlan
+
+if TYPE_CHECKING:
+    from ultrafast.engine.core import EngineCore, StepStats
+
+log = logging.getLogger("ultrafast")
+
+CACHE_VERSION = 1
+DRIFT_SAMPLES = 32  # lone decodes compared with the plan's timing...
+DRIFT_FACTOR = 2.0  # ...and this far off (either way) means the plan is measured again
+MIN_RECHECK_INTERVAL_S = 300.0  # at most one drift re-check per this long
+CONTENDED_RECHECK_S = 60.0  # a plan timed under contention is measured again after this
+NO_ROOM_RETRY_S = 10.0  # a re-check finding no free consecutive slots tries again after this
+
+
+def safe_threads(cores: int) -> int:
+    """Threads per pass until measured: every core but one. On a machine whose cores another
+    process also uses, a pass on every core waits at each barrier for a thread that is not
+    running (a 128-token prefill took 1.6 s on two threads against 37 ms on one)."""
+    return max(1, cores - 1)
+
+
+def cache_path(identity: dict, root: Path | None = None) -> Path:
+    text = json.dumps({"version": CACHE_VERSION, **identity}, sort_keys=True)
+    key = hashlib.sha256(text.encode()).hexdigest()[:32]
+    return (cache_dir() if root is None else root) / "start-costs" / f"{key}.json"
+
+
+def load_cached(identity: dict) -> tuple[ThreadPlan | None, IdleSpeed | None] | None:
+    """The cached plan and idle speed for this identity, or None (absent, unreadable, stale)."""
+    try:
+        data = json.loads(cache_path(identity).read_text())
+        if data.get("identity") != json.loads(json.dumps(identity)):
+            return None  # a hash collision or an edited file: not ours
+        plan = ThreadPlan.from_json(data["thread_plan"]) if data.get("thread_plan") else None
+        speed = IdleSpeed(**data["idle_speed"]) if data.get("idle_speed") else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return plan, speed
+
+
+def store_cached(identity: dict, plan: ThreadPlan | None, speed: IdleSpeed | None) -> None:
+    path = cache_path(identity)
+    data = {
+        "identity": identity,
+        "thread_plan": plan.to_json() if plan else None,
+        "idle_speed": asdict(speed) if speed else None,
+        "measured_at": time.time(),
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)  # a reader sees the old file or the new one, never half
+    except OSError as exc:
+        log.warning("start costs not cached (%s): the next start measures them again", exc)
+
+
+class StartCosts:
+    """The engine's start costs: from the cache, or measured (at once or in the background)."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.status = "not measured"  # cached | measuring | measured | contended | ...
+        self.pending = False  # measure when the engine is next idle (engine thread)
+        self._recheck_at = 0.0  # monotonic time before which a pending measure waits
+        self._last_check = 0.0
+        self._recheck = False  # a later measurement: the thread plan only, in free slots
+        self._ratios: collections.deque[float] = collections.deque(maxlen=DRIFT_SAMPLES)
+
+    @property
+    def executor(self) -> Any:  # the ggml executor's calibration API (duck-typed)
+        return self.core.executor
+
+    @property
+    def calibrates(self) -> bool:
+        ex = self.core.executor
+        return hasattr(ex, "calibrate_threads") and getattr(ex, "threads_auto", False)
+
+    def identity(self) -> dict | None:
+        """The cache key's fields; None when this executor's costs are not cached."""
+        cost_identity = getattr(self.core.executor, "cost_identity", None)
+        if cost_identity is None:
+            return None
+        return {**cpu_identity(), **cost_identity(), "threads_auto": self.calibrates}
+
+    def before_warmup(self) -> None:
+        """Before the warm-up passes: the cached costs, else the safe thread count."""
+        identity = self.identity()
+        cached = load_cached(identity) if identity is not None else None
+        if cached is not None and (cached[0] is not None or not self.calibrates):
+            plan, self.core.idle_speed = cached
+            if plan is not None and self.calibrates:
+                self.executor.thread_plan = plan
+                log.info("threads per pass width (cached): %s", plan.describe())
+            self.status, self._recheck = "cached", True
+        elif self.calibrates:
+            self.executor.thread_plan = ThreadPlan((1,), (safe_threads(self.executor.n_threads),))
+
+    def at_warmup(self, background: bool) -> None:
+        """After the warm-up: nothing (cached), or measure now, or mark them pending."""
+        if self.status == "cached":
+            return
+        if not background or self.identity() is None:
+            self.measure()
+            return
+        self.pending, self.status = True, "measuring"
+        plan = getattr(self.executor, "thread_plan", None)
+        log.info(
+            "start costs not cached for this CPU, model and flags: serving now%s; measuring "
+            "threads per pass width and idle TTFT in the background while idle (/ready shows "
+            "progress)",
+            f" on {plan.threads[0]} thread(s) per pass" if plan else "",
+        )
+
+    def measure(
+        self, should_stop: Callable[[], bool] = lambda: False, recheck: bool = False
+    ) -> None:
+        """Time the thread plan and the idle speed on the idle engine; cache them unless the
+        plan was timed under contention. CalibrationInterrupted leaves everything as it was.
+        The plan is timed in consecutive slots that hold nothing, so no conversation's cached
+        prefix is lost to it; a first measurement that finds none drops the cached prefixes
+        (a `recheck`, after a drift or contention, waits instead). The idle speed, timed
+        through the scheduler, drops them too: it is timed once, not at a re-check."""
+        core, started_s = self.core, time.monotonic()
+        plan = None
+        if self.calibrates:
+            self.status = "measuring threads per pass width"
+            plan = self._calibrate(should_stop, recheck)
+            core.reset_costs()  # the fit learns from passes on the new plan
+        if should_stop():
+            raise CalibrationInterrupted
+        if not recheck or core.idle_speed is None:
+            self.status = "measuring idle TTFT"
+
+            def time_idle_speed() -> None:
+                core.idle_speed = measure_idle_speed(core) or core.idle_speed
+
+            core.measure_on_idle(time_idle_speed)
+        speed = core.idle_speed
+        log.info(
+            "start costs measured in %.1f s: threads per pass width %s%s",
+            time.monotonic() - started_s,
+            f"{plan.describe()} {plan.timings_ms}" if plan else "as configured",
+            f"; idle TTFT {speed.ttft_s * 1000:.1f} ms" if speed else "",
+        )
+        contended = plan is not None and plan.contended
+        identity = self.identity()
+        if identity is not None and not contended:
+            store_cached(identity, plan, core.idle_speed)
+        self.status = "contended" if contended else "measured"
+        self._ratios.clear()
+        self._last_check = time.monotonic()
+        self._recheck = True  # from now on only the thread plan, in free slots
+        if contended:
+            self.pending, self._recheck_at = True, time.monotonic() + CONTENDED_RECHECK_S
+
+    def _calibrate(self, should_stop: Callable[[], bool], recheck: bool) -> ThreadPlan:
+        pool = self.core.pool
+        free = [s.slot_id for s in pool.slots if s.owner is None and not s.hashes]
+        calibrate = self.executor.calibrate_threads
+        try:
+            return calibrate(should_stop=should_stop, progress=self._progress, free_slots=free)
+        except NoFreeSlots:
+            if recheck:
+                raise
+        # first slots as scratch: the pool must first forget the prefixes they hold
+        self.core.measure_on_idle(lambda: None)
+        plan: ThreadPlan = calibrate(should_stop=should_stop, progress=self._progress)
+        return plan
+
+    def _progress(self, done: int, total: int) -> None:
+        self.status = f"measuring threads per pass width ({done}/{total} widths)"
+
+    def tick(self, should_stop: Callable[[], bool]) -> None:
+        """Engine thread, engine idle: measure what is pending, giving way to arriving work."""
+        if not self.pending or time.monotonic() < self._recheck_at:
+            return
+        self.pending = False
+        try:
+            self.measure(should_stop, recheck=self._recheck)
+        except NoFreeSlots:  # a re-check: the slots hold conversations' prefixes
+            self.pending, self.status = True, "re-measuring (waits for free slots)"
+            self._recheck_at = time.monotonic() + NO_ROOM_RETRY_S
+        except CalibrationInterrupted:
+            self.pending, self.status = True, "measuring (paused for requests)"
+
+    def wants_tick(self) -> bool:
+        return self.pending and time.monotonic() >= self._recheck_at
+
+    def observe(self, stats: StepStats | None) -> None:
+        """After a step: a lone decode's time against the plan's; far off -> measure again."""
+        plan = getattr(self.core.executor, "thread_plan", None)
+        if stats is None or plan is None or self.pending or stats.num_seqs != 1:
+            return
+        if stats.num_tokens != 1 or stats.num_draft_tokens:
+            return
+        expected_ms = plan.expected_ms(1)
+        if not expected_ms:
+            return
+        self._ratios.append(stats.execute_time_s * 1000 / expected_ms)
+        if len(self._ratios) < DRIFT_SAMPLES:
+            return
+        ratio = statistics.median(self._ratios)
+        self._ratios.clear()
+        now = time.monotonic()
+        drifted = ratio > DRIFT_FACTOR or ratio < 1 / DRIFT_FACTOR
+        if drifted and now - self._last_check >= MIN_RECHECK_INTERVAL_S:
+            log.info(
+                "lone decodes take %.2fx the measured time: measuring the thread plan again "
+                "in the background",
+                ratio,
+            )
+            self.pending, self._recheck_at, self.status = True, now, "re-measuring (drift)"
