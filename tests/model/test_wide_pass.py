@@ -225,3 +225,59 @@ def test_perplexity_parity(which):
         got = perplexity(ex, tokens, 128)
     print(f"{which}: perplexity llama.cpp {want:.4f}, wide {got:.4f}")
     assert abs(got / want - 1) <= 0.005, (want, got)
+
+
+def test_crossover_from_two_measured_lengths():
+    from ultrafast.executors.wide_route import crossover_tokens
+
+    # wide cheaper at both lengths: from the short one
+    assert crossover_tokens({32: (0.05, 0.03), 256: (0.4, 0.1)}) == 32
+    # dearer at 32 (fixed cost), cheaper at 256: where the lines cross
+    assert crossover_tokens({32: (0.05, 0.07), 256: (0.4, 0.2)}) == 32 + math.ceil(
+        224 * 0.02 / 0.22
+    )
+    # not cheaper at the long length (an AVX2-only CPU, say): never
+    assert crossover_tokens({32: (0.05, 0.2), 256: (0.4, 0.9)}) is None
+
+
+def test_feature_detection_says_why_and_on_refuses():
+    """A q8_0 KV cache has no float rows to write: auto stays on llama.cpp saying why, on
+    refuses to start."""
+    if _bf16_unavailable():
+        pytest.skip(f"wide pass not available: {_bf16_unavailable()}")
+    from ultrafast.executors.wide_exec import WideGgmlExecutor
+
+    kwargs = dict(num_slots=1, max_model_len=64, kv_cache_dtype="q8_0", flash_attn=True)
+    with WideGgmlExecutor(DEMO_GGUF, wide_pass="auto", **kwargs) as ex:
+        assert ex.wide is None and "KV cache is q8_0" in ex.wide_status
+    with pytest.raises(ValueError, match="not available: the KV cache is q8_0"):
+        WideGgmlExecutor(DEMO_GGUF, wide_pass="on", **kwargs)
+    with WideGgmlExecutor(DEMO_GGUF, wide_pass="off", **kwargs) as ex:
+        assert ex.wide is None and ex.wide_status.startswith("off (--wide-pass off)")
+
+
+def test_auto_routes_by_its_measurement():
+    if _bf16_unavailable():
+        pytest.skip(f"wide pass not available: {_bf16_unavailable()}")
+    from ultrafast.executors.wide_exec import WideGgmlExecutor
+
+    kwargs = dict(num_slots=2, max_model_len=300, flash_attn=True, n_threads=1)
+    with WideGgmlExecutor(DEMO_GGUF, wide_pass="auto", **kwargs) as ex:
+        print(ex.wide_status)
+        if ex.wide is None:
+            assert ex.wide_status.startswith("off (measured not faster")
+        else:
+            assert ex.wide_status.startswith("on (auto)") and 2 <= ex.wide_min_tokens <= 256
+        assert ex._slot_lens == [0, 0]  # the measurement left its scratch slot empty
+
+
+def test_engine_config_off_builds_the_plain_executor():
+    from ultrafast.config import EngineConfig
+    from ultrafast.llm import build_executor
+    from ultrafast.model_files import resolve_model
+
+    config = EngineConfig(str(DEMO_GGUF), num_slots=1, max_model_len=64, wide_pass="off")
+    with build_executor(config, resolve_model(str(DEMO_GGUF))) as ex:
+        assert type(ex) is GgmlExecutor
+    with pytest.raises(ValueError, match="wide_pass"):
+        EngineConfig(str(DEMO_GGUF), wide_pass="sometimes")
