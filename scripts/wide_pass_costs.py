@@ -48,8 +48,7 @@ def measure(ex, wide: bool, repeats: int) -> dict[str, float]:
     vocab = ex.vocab_size
     prompts = [[(i * 131 + j * 7 + 3) % vocab for j in range(102)] for i in range(16)]
     prefill = [
-        StepPlan([seq(i, prompts[i], 0) for i in range(s, min(s + 5, 16))])
-        for s in range(0, 16, 5)
+        StepPlan([seq(i, prompts[i], 0) for i in range(s, min(s + 5, 16))]) for s in range(0, 16, 5)
     ]
     out = {"prefill_16x102_ms": timed(ex, prefill, repeats)}
     ctx = 102  # every slot now holds its 102-token prompt: decodes attend over it
