@@ -281,3 +281,17 @@ def test_engine_config_off_builds_the_plain_executor():
         assert type(ex) is GgmlExecutor
     with pytest.raises(ValueError, match="wide_pass"):
         EngineConfig(str(DEMO_GGUF), wide_pass="sometimes")
+
+
+def test_bad_chunks_fail_alone_with_a_reason():
+    """A chunk starting past its slot's KV, or holding an out-of-vocabulary id, fails alone
+    with the executor's own message; the good chunk beside it runs on the wide path."""
+    kwargs = dict(num_slots=3, max_model_len=64, flash_attn=True, n_threads=1)
+    with wide(DEMO_GGUF, **kwargs) as ex:
+        good = prompts(ex.vocab_size, 1)[0]
+        result = ex.execute(
+            StepPlan([seq(0, good, 0), seq(1, good[:8], 10), seq(2, good[:7] + [ex.vocab_size], 0)])
+        )
+        assert "holds 0 positions, cannot start at 10" in result.errors["r1"]
+        assert "out of range" in result.errors["r2"]
+        assert len(result.sampled_token_ids["r0"]) == 1 and ex._slot_lens[0] == len(good)
