@@ -50,7 +50,9 @@ def measure(ex, wide: bool, repeats: int) -> dict[str, float]:
     prefill = [
         StepPlan([seq(i, prompts[i], 0) for i in range(s, min(s + 5, 16))]) for s in range(0, 16, 5)
     ]
+    path = "wide" if wide else "llama.cpp"
     out = {"prefill_16x102_ms": timed(ex, prefill, repeats)}
+    print(path, out, file=sys.stderr, flush=True)  # as it goes: a loaded machine is slow
     ctx = 102  # every slot now holds its 102-token prompt: decodes attend over it
     mixed = [seq(i, [5], ctx) for i in range(15)] + [seq(15, prompts[15], 0)]
     out["15_decodes_plus_102_prefill_ms"] = timed(ex, [StepPlan(mixed)], repeats)
@@ -58,6 +60,7 @@ def measure(ex, wide: bool, repeats: int) -> dict[str, float]:
         out[f"decode_{width}_ms"] = timed(
             ex, [StepPlan([seq(i, [5], ctx) for i in range(width)])], repeats
         )
+    print(path, out, file=sys.stderr, flush=True)
     return out
 
 
@@ -76,6 +79,7 @@ def main() -> None:
         flash_attn=True,
         wide_pass="on",
     )
+    print(ex.wide_status, file=sys.stderr, flush=True)
     try:
         report = {
             "status": ex.wide_status,
