@@ -97,8 +97,9 @@ def crossover_tokens(timings: dict[int, tuple[float, float]]) -> int | None:
 
 
 def measure_chunk(executor, num_tokens: int) -> tuple[float, float]:
-    """Fastest of a few timings (other load only adds time) of one prefill chunk of `num_tokens` tokens (the last one sampled) in
-    slot 0 on llama.cpp alone and on the wide path; slot 0 is left empty."""
+    """Seconds of one prefill chunk of `num_tokens` tokens (the last one sampled) in slot 0 on
+    llama.cpp alone and on the wide path, the fastest of a few (other load only adds time);
+    slot 0 is left empty."""
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     prompt = [(i * 31 + 7) % executor.vocab_size for i in range(num_tokens)]
     plan = StepPlan([ScheduledSeq("wide-calibration", 0, prompt, 0, 1, greedy, 0, 0)])
