@@ -115,6 +115,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="ggml executor: llama.cpp's fused CPU attention (default on: faster decode, "
         "batches and prefill on SmolLM2 here); off: the plain attention ops",
     )
+    engine.add_argument(
+        "--wide-pass",
+        choices=["auto", "on", "off"],
+        default=EngineConfig.wide_pass,
+        help="ggml executor: long prefill chunks through a bf16 PyTorch (oneDNN) pass on the "
+        "CPU's matrix units; auto = where it measures faster at start, on, off",
+    )
     add_compile_arg(engine)
     _add_spec_args(spec)
 
@@ -209,6 +216,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         spec_measured_costs=args.spec_costs == "measured",
         short_first_window_s=args.short_first_window_ms / 1000,
         flash_attn=args.flash_attn == "on",
+        wide_pass=args.wide_pass,
         compile=args.compile,
         gguf_type=args.gguf_type,
     )

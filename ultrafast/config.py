@@ -109,6 +109,9 @@ class EngineConfig:
     # ggml executor: llama.cpp's fused CPU attention (faster decode, wide batches and prefill
     # on SmolLM2 here: BENCHMARKS.md "Flash attention"); False: the plain attention ops
     flash_attn: bool = True
+    # ggml executor: long prefill chunks' KV computed by a bf16 PyTorch/oneDNN pass (the CPU's
+    # matrix units); auto = where measured faster at start (executors/wide_route.py), on, off
+    wide_pass: str = "auto"
     fake_step_s: float = 0.02  # executor "fake" (load/fault tests only): time per engine step
     # speculative decoding: off, ngram (prompt lookup), draft (model), auto (ngram, else the
     # draft model when one fits the tokenizer). A request's `prediction` is used in any tier.
@@ -133,6 +136,8 @@ class EngineConfig:
             raise ValueError("kv_host_cache_gb must be >= 0 and kv_disk_gb > 0")
         if self.kv_store and not self.kv_store.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("kv_store must be a redis://, rediss:// or unix:// URL")
+        if self.wide_pass not in ("auto", "on", "off"):
+            raise ValueError("wide_pass must be one of auto, on, off")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}")
         if self.spec not in SPEC_METHODS:

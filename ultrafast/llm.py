@@ -10,7 +10,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 from ultrafast.config import DEMO_DRAFT_DIR, EngineConfig, default_model_choice
 from ultrafast.core.scheduler import SchedulerConfig
@@ -68,7 +68,13 @@ def build_executor(config: EngineConfig, files: ModelFiles):
         check_kv_fits(
             gguf_path, None, config.num_slots, config.max_model_len, files.max_position_embeddings
         )  # a clear error before llama.cpp's
-        return GgmlExecutor(
+        executor_class: type[GgmlExecutor] = GgmlExecutor
+        wide: dict[str, Any] = {}
+        if config.wide_pass != "off":  # imports torch: only when asked for
+            from ultrafast.executors.wide_exec import WideGgmlExecutor
+
+            executor_class, wide = WideGgmlExecutor, {"wide_pass": config.wide_pass}
+        return executor_class(
             gguf_path,
             num_slots=config.num_slots,
             max_model_len=config.max_model_len,
@@ -77,6 +83,7 @@ def build_executor(config: EngineConfig, files: ModelFiles):
             threads_auto=config.n_threads is None and config.n_threads_batch is None,
             max_num_batched_tokens=config.max_num_batched_tokens,
             flash_attn=config.flash_attn,
+            **wide,
         )
     from ultrafast.executors.torch_exec import TorchExecutor
 
@@ -218,7 +225,9 @@ def build_speculator(config: EngineConfig, files: ModelFiles) -> Speculator:
     if config.spec in ("draft", "auto"):
         draft_files = _draft_files(config, files)
         if draft_files is not None:  # same executor kind, slots and lengths as the target
-            draft_model = DraftModelProposer(build_executor(config, draft_files))
+            # (a draft model is small and its passes narrow: no wide path, no calibration)
+            draft_config = replace(config, wide_pass="off")
+            draft_model = DraftModelProposer(build_executor(draft_config, draft_files))
     spec = SpecConfig(
         method=config.spec,
         tiers=tuple(ServiceTier.parse(t) for t in config.spec_tiers),

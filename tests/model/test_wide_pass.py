@@ -1,0 +1,297 @@
+"""The wide pass (executors/wide_exec.py): prefill chunks' KV from a bf16 PyTorch forward,
+imported into llama.cpp's slots, must give what llama.cpp's own prefill gives.
+
+- the KV chunk layout round-trips byte for byte (flash attention on and off: V plain/transposed);
+- the wide KV is close to llama.cpp's, layer by layer;
+- greedy tokens: 10 prompts x 32 tokens equal the llama.cpp path's, or diverge only at a
+  near-tie (the margin at the divergence is printed), on the demo model, SmolLM2's bf16 GGUF
+  (scripts/smollm2_formats.py) and its shipped Q4_1; prompts in one step, and in two chunks
+  (the second over KV read back from llama.cpp);
+- perplexity of text scored by llama.cpp over wide-computed context within 0.5%.
+Where oneDNN's bf16 path is not available on this CPU the tests skip saying why.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+from ultrafast.config import DEMO_MODEL_DIR, REPO_ROOT
+from ultrafast.core.types import ScheduledSeq, StepPlan
+from ultrafast.executors import ggml_kv_rows
+from ultrafast.executors.ggml_exec import GgmlExecutor
+from ultrafast.request import SamplingParams
+
+DEMO_GGUF = DEMO_MODEL_DIR / "demo-code-f16.gguf"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+NEAR_TIE = 0.5  # logit margin under which bf16 rounding may flip the greedy choice
+NUM_PROMPTS, NEW_TOKENS = 10, 32
+
+
+def _bf16_unavailable() -> str | None:
+    import torch
+
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch has no oneDNN"
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "oneDNN has no bf16 kernels on this CPU"
+    return None
+
+
+def wide(gguf, **kwargs):
+    why = _bf16_unavailable()
+    if why:
+        pytest.skip(f"wide pass not available: {why}")
+    from ultrafast.executors.wide_exec import WideGgmlExecutor
+
+    ex = WideGgmlExecutor(gguf, wide_pass="on", **kwargs)
+    ex.wide_min_tokens = 2  # every chunk of 2+ tokens takes the wide path
+    return ex
+
+
+def plain(gguf, **kwargs):
+    return GgmlExecutor(gguf, **kwargs)
+
+
+def smollm2_bf16():
+    env = os.environ.get("ULTRAFAST_SMOLLM2_BF16_GGUF")
+    path = (
+        REPO_ROOT / "runs" / "models" / "smollm2" / "SmolLM2-135M-Instruct.bf16.gguf"
+        if not env
+        else __import__("pathlib").Path(env)
+    )
+    if not path.is_file():
+        pytest.skip(f"{path} absent: make it with `python scripts/smollm2_formats.py`")
+    return path
+
+
+def smollm2_q4_1():
+    from tests.model.gguf_files import require_smollm2
+
+    return require_smollm2()
+
+
+def prompts(vocab: int, n: int = NUM_PROMPTS) -> list[list[int]]:
+    """Deterministic random-token prompts of different lengths (20-65 tokens)."""
+    rng = np.random.default_rng(7)
+    return [rng.integers(3, vocab, size=20 + 5 * i).tolist() for i in range(n)]
+
+
+def text_prompts(gguf) -> list[list[int]]:
+    """10 pieces of real text (20-65 tokens) from different places of a held-out document:
+    random tokens leave the model near-undecided at most steps, text does not."""
+    tokens = heldout_tokens(gguf, 400 * NUM_PROMPTS)
+    return [tokens[400 * i : 400 * i + 20 + 5 * i] for i in range(NUM_PROMPTS)]
+
+
+def seq(slot, tokens, start, num_logits=1, full=None, **kw):
+    return ScheduledSeq(
+        f"r{slot}", slot, tokens, start, num_logits, GREEDY, 0, 0,
+        prompt_token_ids=full or [], **kw,
+    )  # fmt: skip
+
+
+def generate(ex, batch: list[list[int]], split: bool = False):
+    """Greedy continuations of every prompt (all in one step; `split`: two chunks each),
+    and per prompt the top-2 logit margins of every sampled position."""
+    if split:
+        ex.execute(StepPlan([seq(i, p[: len(p) // 2], 0, 0) for i, p in enumerate(batch)]))
+        plan = [seq(i, p[len(p) // 2 :], len(p) // 2) for i, p in enumerate(batch)]
+    else:
+        plan = [seq(i, p, 0) for i, p in enumerate(batch)]
+    out: list[list[int]] = [[] for _ in batch]
+    margins: list[list[float]] = [[] for _ in batch]
+    for _ in range(NEW_TOKENS):
+        result = ex.execute(StepPlan(plan))
+        assert not result.errors, result.errors
+        rows = np.sort(ex.last_logits, axis=-1)
+        order = sorted(range(len(plan)), key=lambda j: plan[j].slot_id)  # llama.cpp's row order
+        for row, j in enumerate(order):
+            margins[plan[j].slot_id].append(float(rows[row, -1] - rows[row, -2]))
+        for s in plan:
+            out[s.slot_id] += result.sampled_token_ids[s.request_id]
+        plan = [
+            seq(s.slot_id, [out[s.slot_id][-1]], s.start_position + len(s.token_ids)) for s in plan
+        ]
+    return out, margins
+
+
+def assert_greedy_parity(gguf, split=False):
+    kwargs = dict(num_slots=NUM_PROMPTS, max_model_len=256, flash_attn=True, n_threads=1)
+    batch = text_prompts(gguf)
+    with plain(gguf, **kwargs) as ref:
+        want, margins = generate(ref, batch, split)
+    with wide(gguf, **kwargs) as ex:
+        got, _ = generate(ex, batch, split)
+    diverged = []
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a != b:
+            at = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+            print(f"prompt {i}: diverges at token {at}, llama.cpp margin {margins[i][at]:.3f}")
+            diverged.append(margins[i][at])
+    assert all(m < NEAR_TIE for m in diverged), f"divergence beyond a near-tie: {diverged}"
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_kv_chunk_layout_round_trips(flash_attn):
+    with plain(DEMO_GGUF, num_slots=2, max_model_len=64, flash_attn=flash_attn) as ex:
+        ex.execute(StepPlan([seq(1, prompts(ex.vocab_size, 1)[0][:17], 0)]))
+        chunk = ex.export_slot(1, 17)
+        rows = ggml_kv_rows.parse_chunk(chunk)
+        assert rows.num_cells == 17 and rows.v_trans is (not flash_attn)
+        assert len(rows.k) == ex.n_layer and rows.k[0].dtype == np.float16
+        assert ggml_kv_rows.build_chunk(rows, seq_id=1) == chunk
+        ex.import_slot(0, ggml_kv_rows.build_chunk(rows), 17)  # another slot takes it
+        assert ex.export_slot(0, 17) == ggml_kv_rows.build_chunk(rows, seq_id=0)
+
+
+def test_layout_errors_are_clear():
+    with pytest.raises(ggml_kv_rows.KVLayoutError):
+        ggml_kv_rows.parse_chunk(b"\x02\x00\x00\x00" + b"\x00" * 8)
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_wide_kv_matches_llama_cpp(flash_attn):
+    batch = prompts(4096, 2)
+    kwargs = dict(num_slots=2, max_model_len=128, flash_attn=flash_attn, n_threads=1)
+    with plain(DEMO_GGUF, **kwargs) as ref, wide(DEMO_GGUF, **kwargs) as ex:
+        for e in (ref, ex):  # one prompt whole, one in two chunks
+            e.execute(StepPlan([seq(0, batch[0], 0, 0), seq(1, batch[1][:10], 0, 0)]))
+            e.execute(StepPlan([seq(1, batch[1][10:], 10, 0)]))
+        for slot, p in enumerate(batch):
+            a = ggml_kv_rows.parse_chunk(ref.export_slot(slot, len(p)))
+            b = ggml_kv_rows.parse_chunk(ex.export_slot(slot, len(p)))
+            assert np.array_equal(a.positions, b.positions)
+            for x, y in zip(a.k + a.v, b.k + b.v):
+                x, y = x.astype(np.float32), y.astype(np.float32)
+                assert np.abs(x - y).max() <= 0.05 * np.abs(x).max() + 1e-2
+
+
+def test_demo_greedy_parity():
+    assert_greedy_parity(DEMO_GGUF)
+
+
+def test_demo_greedy_parity_in_two_chunks():
+    assert_greedy_parity(DEMO_GGUF, split=True)
+
+
+@pytest.mark.real_model
+def test_smollm2_bf16_greedy_parity():
+    assert_greedy_parity(smollm2_bf16())
+
+
+@pytest.mark.real_model
+def test_smollm2_q4_1_greedy_parity():
+    assert_greedy_parity(smollm2_q4_1(), split=True)
+
+
+def perplexity(ex, tokens: list[int], window: int) -> float:
+    """Each window: its first half prefilled (the path under test), its second half scored by
+    llama.cpp (prompt logprobs) over that KV."""
+    total, count, half = 0.0, 0, window // 2
+    for start in range(0, len(tokens) - window + 1, window):
+        w = tokens[start : start + window]
+        ex.execute(StepPlan([seq(0, w[:half], 0, 0)]))
+        scoring = seq(0, w[half:], half, 0, full=w, num_prompt_logits=window - half - 1)
+        result = ex.execute(StepPlan([scoring]))
+        scores = result.prompt_logprobs["r0"]
+        total -= sum(s.logprob for s in scores)
+        count += len(scores)
+    return math.exp(total / count)
+
+
+def heldout_tokens(gguf, limit: int) -> list[int]:
+    from ultrafast.model_files import load_tokenizer, resolve_model
+
+    text = (REPO_ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    return load_tokenizer(resolve_model(str(gguf))).encode(text)[:limit]
+
+
+@pytest.mark.parametrize("which", ["demo", "smollm2"])
+def test_perplexity_parity(which):
+    if which == "smollm2":
+        pytest.importorskip("gguf")
+        gguf = smollm2_q4_1()
+    else:
+        gguf = DEMO_GGUF
+    tokens = heldout_tokens(gguf, 768)
+    kwargs = dict(num_slots=1, max_model_len=256, flash_attn=True, n_threads=1)
+    with plain(gguf, **kwargs) as ref:
+        want = perplexity(ref, tokens, 128)
+    with wide(gguf, **kwargs) as ex:
+        got = perplexity(ex, tokens, 128)
+    print(f"{which}: perplexity llama.cpp {want:.4f}, wide {got:.4f}")
+    assert abs(got / want - 1) <= 0.005, (want, got)
+
+
+def test_crossover_from_two_measured_lengths():
+    from ultrafast.executors.wide_route import crossover_tokens
+
+    # wide cheaper at both lengths: from the short one
+    assert crossover_tokens({32: (0.05, 0.03), 256: (0.4, 0.1)}) == 32
+    # dearer at 32 (fixed cost), cheaper at 256: where the lines cross
+    assert crossover_tokens({32: (0.05, 0.07), 256: (0.4, 0.2)}) == 32 + math.ceil(
+        224 * 0.02 / 0.22
+    )
+    # not cheaper at the long length (an AVX2-only CPU, say): never
+    assert crossover_tokens({32: (0.05, 0.2), 256: (0.4, 0.9)}) is None
+
+
+def test_feature_detection_says_why_and_on_refuses():
+    """A q8_0 KV cache has no float rows to write: auto stays on llama.cpp saying why, on
+    refuses to start."""
+    if _bf16_unavailable():
+        pytest.skip(f"wide pass not available: {_bf16_unavailable()}")
+    from ultrafast.executors.wide_exec import WideGgmlExecutor
+
+    kwargs = dict(num_slots=1, max_model_len=64, kv_cache_dtype="q8_0", flash_attn=True)
+    with WideGgmlExecutor(DEMO_GGUF, wide_pass="auto", **kwargs) as ex:
+        assert ex.wide is None and "KV cache is q8_0" in ex.wide_status
+    with pytest.raises(ValueError, match="not available: the KV cache is q8_0"):
+        WideGgmlExecutor(DEMO_GGUF, wide_pass="on", **kwargs)
+    with WideGgmlExecutor(DEMO_GGUF, wide_pass="off", **kwargs) as ex:
+        assert ex.wide is None and ex.wide_status.startswith("off (--wide-pass off)")
+
+
+def test_auto_routes_by_its_measurement():
+    if _bf16_unavailable():
+        pytest.skip(f"wide pass not available: {_bf16_unavailable()}")
+    from ultrafast.executors.wide_exec import WideGgmlExecutor
+
+    kwargs = dict(num_slots=2, max_model_len=300, flash_attn=True, n_threads=1)
+    with WideGgmlExecutor(DEMO_GGUF, wide_pass="auto", **kwargs) as ex:
+        print(ex.wide_status)
+        if ex.wide is None:
+            assert ex.wide_status.startswith("off (measured not faster")
+        else:
+            assert ex.wide_status.startswith("on (auto)") and 2 <= ex.wide_min_tokens <= 256
+        assert ex._slot_lens == [0, 0]  # the measurement left its scratch slot empty
+
+
+def test_engine_config_off_builds_the_plain_executor():
+    from ultrafast.config import EngineConfig
+    from ultrafast.llm import build_executor
+    from ultrafast.model_files import resolve_model
+
+    config = EngineConfig(str(DEMO_GGUF), num_slots=1, max_model_len=64, wide_pass="off")
+    with build_executor(config, resolve_model(str(DEMO_GGUF))) as ex:
+        assert type(ex) is GgmlExecutor
+    with pytest.raises(ValueError, match="wide_pass"):
+        EngineConfig(str(DEMO_GGUF), wide_pass="sometimes")
+
+
+def test_bad_chunks_fail_alone_with_a_reason():
+    """A chunk starting past its slot's KV, or holding an out-of-vocabulary id, fails alone
+    with the executor's own message; the good chunk beside it runs on the wide path."""
+    kwargs = dict(num_slots=3, max_model_len=64, flash_attn=True, n_threads=1)
+    with wide(DEMO_GGUF, **kwargs) as ex:
+        good = prompts(ex.vocab_size, 1)[0]
+        result = ex.execute(
+            StepPlan([seq(0, good, 0), seq(1, good[:8], 10), seq(2, good[:7] + [ex.vocab_size], 0)])
+        )
+        assert "holds 0 positions, cannot start at 10" in result.errors["r1"]
+        assert "out of range" in result.errors["r2"]
+        assert len(result.sampled_token_ids["r0"]) == 1 and ex._slot_lens[0] == len(good)

@@ -1,0 +1,203 @@
+"""The wide pass: a bf16 PyTorch forward of a GGUF's weights that computes prefill chunks' KV.
+
+Why: on CPUs with bf16 matrix units (AMX, AVX512-BF16) oneDNN's bf16 GEMM runs a many-row
+pass several times faster than llama.cpp's kernels (docs/ARCHITECTURE.md "Wide passes"). This
+module only produces KV: the chunk's last token then runs in llama.cpp over that KV (wide_exec.py),
+so logits, sampling and everything after stay llama.cpp's.
+
+Layout: the residual stream is float32, each linear layer takes bf16 activations against bf16
+weights (q/k/v and gate/up fused: one GEMM each), norms and RoPE run in float32, attention is
+one SDPA per sequence and layer over the slot's earlier KV (from llama.cpp) plus the chunk. The
+last layer stops after its K/V: nothing reads its output. Keys come out in llama.cpp's layout
+(interleaved RoPE pairs for the "llama" arch, whose q/k rows converters permute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ultrafast.model.config import ModelConfig
+from ultrafast.model.gguf_meta import read_gguf_metadata
+from ultrafast.model.gguf_weights import GGUF_ARCHITECTURES, gguf_model_config, gguf_tensors
+from ultrafast.model.llama import rope_tables
+
+BF16 = torch.bfloat16
+_F32_EMBEDDING_MAX_BYTES = 512 << 20  # exact f32 rows (as llama.cpp's get_rows) below this
+
+
+@dataclass
+class Layer:
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+@dataclass
+class SeqChunk:
+    """One sequence of a wide pass: its new tokens' rows [start, start + n) of the flat batch,
+    the positions they take, and the slot's earlier KV per layer ([kv_heads, P, head_dim] bf16
+    in HF layout) or None when the chunk starts at position 0."""
+
+    start: int
+    num_tokens: int
+    position: int
+    prior_k: list[torch.Tensor] | None = None
+    prior_v: list[torch.Tensor] | None = None
+
+
+def unsupported(config: ModelConfig) -> str | None:
+    """Why this forward cannot compute the model's KV, or None."""
+    if any(w is not None for w in config.layer_sliding_windows):
+        return "the model has sliding-window layers"
+    if config.o_proj_bias or config.mlp_bias:
+        return "the model has o_proj / MLP biases"
+    return None
+
+
+class WideForward:
+    def __init__(self, gguf_path: str | Path, max_positions: int):
+        meta = read_gguf_metadata(gguf_path)
+        self.config = config = gguf_model_config(meta)
+        why = unsupported(config)
+        if why:
+            raise ValueError(why)
+        self.interleaved = GGUF_ARCHITECTURES[meta.architecture][1]
+        tensors = dict(_weights(meta, config))
+        self.layers = [_layer(tensors, i) for i in range(config.num_hidden_layers)]
+        embed = tensors.pop("model.embed_tokens.weight")
+        small = embed.numel() * 4 <= _F32_EMBEDDING_MAX_BYTES
+        self.embed = embed.float() if small else embed.to(BF16)
+        cos, sin = rope_tables(config, max_positions)
+        self.cos, self.sin = cos, sin  # float32 [positions, head_dim]
+        self.eps = config.rms_norm_eps
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x * weight
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def kv(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqChunk]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """K and V of every token per layer, float32 [T, kv_heads * head_dim], K in the GGUF's
+        own (llama.cpp) layout."""
+        x = self.embed[token_ids].float()
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(x, layer, cos, sin)
+            keys.append(self._to_gguf_keys(k))
+            values.append(v.reshape(v.shape[0], -1))
+            if i == last:  # the last token's pass in llama.cpp reads nothing more from here
+                break
+            attended = self._attend(i, q.to(BF16), k.to(BF16), v.to(BF16), seqs)
+            x = x + F.linear(attended, layer.o).float()
+            h = F.linear(self._norm(x, layer.ffn_norm).to(BF16), layer.gate_up)
+            gate, up = h.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down).float()
+        return keys, values
+
+    def _qkv(self, x: torch.Tensor, layer: Layer, cos: torch.Tensor, sin: torch.Tensor):
+        num_tokens, d = x.shape[0], self.head_dim
+        h = F.linear(self._norm(x, layer.attn_norm).to(BF16), layer.qkv, layer.qkv_bias).float()
+        q_end, k_end = self.heads * d, (self.heads + self.kv_heads) * d
+        q = h[:, :q_end].view(num_tokens, self.heads, d)
+        k = h[:, q_end:k_end].view(num_tokens, self.kv_heads, d)
+        v = h[:, k_end:].view(num_tokens, self.kv_heads, d)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+
+    def _to_gguf_keys(self, k: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:  # halves (x_i, x_{i+d/2}) back to llama.cpp's pairs (x_2i, x_2i+1)
+            k = k.view(k.shape[0], self.kv_heads, 2, self.head_dim // 2).transpose(-1, -2)
+        return k.reshape(k.shape[0], -1)
+
+    def from_gguf_keys(self, k: np.ndarray) -> torch.Tensor:
+        """llama.cpp's K rows [P, kv_heads * head_dim] -> bf16 [kv_heads, P, head_dim] (HF)."""
+        t = torch.from_numpy(np.array(k)).view(-1, self.kv_heads, self.head_dim)  # a writable copy
+        if self.interleaved:
+            t = t.view(-1, self.kv_heads, self.head_dim // 2, 2).transpose(-1, -2)
+            t = t.reshape(-1, self.kv_heads, self.head_dim)
+        return t.to(BF16).transpose(0, 1).contiguous()
+
+    def from_gguf_values(self, v: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.array(v)).view(-1, self.kv_heads, self.head_dim)
+        return t.to(BF16).transpose(0, 1).contiguous()
+
+    def _attend(self, layer: int, q, k, v, seqs: list[SeqChunk]) -> torch.Tensor:
+        """[T, heads * head_dim] bf16: each sequence's queries over its earlier KV + its own."""
+        out = torch.empty(q.shape[0], self.heads * self.head_dim, dtype=BF16)
+        for s in seqs:
+            rows = slice(s.start, s.start + s.num_tokens)
+            qs, ks, vs = q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            if s.prior_k is not None and s.prior_v is not None:
+                prior = s.prior_k[layer].shape[1]
+                ks = torch.cat([s.prior_k[layer], ks], dim=1)
+                vs = torch.cat([s.prior_v[layer], vs], dim=1)
+                visible = torch.arange(prior + s.num_tokens)[None, :]
+                mask = visible <= torch.arange(prior, prior + s.num_tokens)[:, None]
+                a = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+            else:
+                a = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            out[rows] = a.transpose(0, 1).reshape(s.num_tokens, -1)
+        return out
+
+
+def _weights(meta, config: ModelConfig):
+    """HF name -> tensor: matrices bf16, norm weights float32, one dequantized tensor at a time."""
+    for name, tensor in gguf_tensors(meta, config):
+        if name == "lm_head.weight":
+            continue  # logits come from llama.cpp
+        is_matrix = tensor.dim() == 2 and not name.endswith("embed_tokens.weight")
+        yield name, tensor.to(BF16) if is_matrix else tensor
+
+
+def _layer(tensors: dict[str, torch.Tensor], i: int) -> Layer:
+    def take(name: str) -> torch.Tensor:
+        return tensors.pop(f"model.layers.{i}.{name}")
+
+    def maybe(name: str) -> torch.Tensor | None:
+        return tensors.pop(f"model.layers.{i}.{name}", None)
+
+    qkv = torch.cat([take(f"self_attn.{p}_proj.weight") for p in "qkv"]).contiguous()
+    biases = [maybe(f"self_attn.{p}_proj.bias") for p in "qkv"]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b for b in biases if b is not None]).to(BF16)
+    gate_up = torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]).contiguous()
+    return Layer(
+        qkv=qkv,
+        qkv_bias=bias,
+        o=take("self_attn.o_proj.weight"),
+        gate_up=gate_up,
+        down=take("mlp.down_proj.weight"),
+        attn_norm=take("input_layernorm.weight").float(),
+        ffn_norm=take("post_attention_layernorm.weight").float(),
+        q_norm=maybe("self_attn.q_norm.weight"),
+        k_norm=maybe("self_attn.k_norm.weight"),
+    )

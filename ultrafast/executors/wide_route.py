@@ -1,0 +1,122 @@
+"""Whether, and from how many tokens, prefill chunks take the wide path: decided by measuring.
+
+Never by CPU name: feature detection says whether the path can run at all (oneDNN present,
+bf16 supported, a float KV cache, a model the wide forward implements, memory for its bf16
+weights), then both paths time one prefill chunk of a short and of a long length on this
+machine, and the crossover between the two lines is the routing threshold. Where the wide path
+is not faster even on the long chunk (an AVX2-only CPU, say) it stays off; the returned status
+is the one startup log line that says which path runs and why.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ultrafast.core.types import ScheduledSeq, StepPlan
+from ultrafast.model.config import ModelLoadError
+from ultrafast.model.gguf_meta import read_gguf_metadata
+from ultrafast.model.kv_budget import available_memory_bytes
+from ultrafast.request import SamplingParams
+
+WIDE_PASS_MODES = ("auto", "on", "off")
+SHORT_CHUNK, LONG_CHUNK = 32, 256  # the two measured chunk lengths (tokens)
+_REPEATS = 3
+_MEMORY_SHARE = 0.25  # bf16 weights may take at most this share of the available memory
+_ON_MIN_TOKENS = 16  # --wide-pass on where no crossover was measured
+
+
+def unavailable(executor) -> str | None:
+    """Why the wide path cannot run beside this executor, or None (no timing here)."""
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch has no oneDNN"
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "oneDNN has no bf16 kernels for this CPU"
+    if executor.kv_cache_dtype not in ("f16", "f32"):
+        return f"the KV cache is {executor.kv_cache_dtype} (the wide path writes f16/f32 rows)"
+    meta = read_gguf_metadata(executor.gguf_path)
+    bf16_bytes = 2 * sum(math.prod(t.shape) for t in meta.tensors)
+    available = available_memory_bytes()
+    if available is not None and bf16_bytes > available * _MEMORY_SHARE:
+        return (
+            f"its bf16 weights ({bf16_bytes / 2**20:.0f} MiB) would exceed "
+            f"{_MEMORY_SHARE:.0%} of the available memory"
+        )
+    return None
+
+
+def plan_wide_path(executor, mode: str) -> str:
+    """Set executor.wide / wide_min_tokens for `mode`; return the startup status line."""
+    if mode == "off":
+        return "off (--wide-pass off): every pass runs on llama.cpp"
+    why = unavailable(executor)
+    if why is None:
+        from ultrafast.executors.wide_forward import WideForward
+
+        try:
+            executor.wide = WideForward(executor.gguf_path, executor.max_model_len)
+        except (ValueError, ModelLoadError) as exc:
+            why = f"the wide forward cannot run this model: {exc}"
+    if why is not None:
+        if mode == "on":
+            raise ValueError(f"--wide-pass on: not available: {why}")
+        return f"off (not available: {why}): every pass runs on llama.cpp"
+    long_chunk = min(LONG_CHUNK, executor.max_num_batched_tokens, executor.max_model_len - 1)
+    short_chunk = min(SHORT_CHUNK, long_chunk // 2)
+    if short_chunk < 2:
+        executor.wide = None
+        return "off (passes of at most a few tokens): every pass runs on llama.cpp"
+    timings = {n: measure_chunk(executor, n) for n in (short_chunk, long_chunk)}
+    crossover = crossover_tokens(timings)
+    shown = ", ".join(
+        f"{n} tokens {ggml * 1e3:.0f} ms llama.cpp / {wide * 1e3:.0f} ms wide"
+        for n, (ggml, wide) in timings.items()
+    )
+    if crossover is None and mode == "auto":
+        executor.wide = None
+        return f"off (measured not faster: {shown}): every pass runs on llama.cpp"
+    executor.wide_min_tokens = crossover or _ON_MIN_TOKENS
+    return (
+        f"on ({mode}): prefill chunks of >= {executor.wide_min_tokens} tokens run as bf16 "
+        f"PyTorch/oneDNN passes, the rest on llama.cpp (measured: {shown})"
+    )
+
+
+def crossover_tokens(timings: dict[int, tuple[float, float]]) -> int | None:
+    """The chunk length from which the wide path is cheaper, from (llama.cpp, wide) seconds at
+    two lengths joined by straight lines; None when it is not cheaper at the longer one."""
+    (short, (g_s, w_s)), (long, (g_l, w_l)) = sorted(timings.items())
+    if w_l >= g_l:
+        return None
+    if w_s <= g_s:
+        return short
+    gain_s, gain_l = g_s - w_s, g_l - w_l  # negative, then positive
+    return math.ceil(short + (long - short) * -gain_s / (gain_l - gain_s))
+
+
+def measure_chunk(executor, num_tokens: int) -> tuple[float, float]:
+    """Seconds of one prefill chunk of `num_tokens` tokens (the last one sampled) in slot 0 on
+    llama.cpp alone and on the wide path, the fastest of a few (other load only adds time);
+    slot 0 is left empty."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    prompt = [(i * 31 + 7) % executor.vocab_size for i in range(num_tokens)]
+    plan = StepPlan([ScheduledSeq("wide-calibration", 0, prompt, 0, 1, greedy, 0, 0)])
+    saved = executor.wide_min_tokens
+    timings: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for _ in range(_REPEATS + 1):  # the first round warms both paths up
+            for wide in (False, True):  # interleaved: a load change hits both paths
+                executor._wide_paused = not wide
+                executor.wide_min_tokens = 2
+                start_s = time.perf_counter()
+                result = executor.execute(plan)
+                timings[wide].append(time.perf_counter() - start_s)
+                if result.errors:
+                    raise RuntimeError(f"wide-pass calibration failed: {result.errors}")
+    finally:
+        executor._wide_paused = False
+        executor.wide_min_tokens = saved
+        executor._trim_slot(0, 0)
+    return min(timings[False][1:]), min(timings[True][1:])
