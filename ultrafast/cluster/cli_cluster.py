@@ -27,8 +27,10 @@ def add_cluster_parser(sub: Any) -> None:
         _add_access_args,
         _add_guard_args,
         _add_kv_cache_args,
+        _add_sampling_args,
         _add_session_args,
         _add_tier_args,
+        add_chat_template_arg,
         add_engine_args,
     )
     from ultrafast.config import ServerConfig
@@ -66,6 +68,8 @@ def add_cluster_parser(sub: Any) -> None:
     p.add_argument("--host", default=ServerConfig.host, help="ingress bind address")
     p.add_argument("--port", type=int, default=ServerConfig.port)
     p.add_argument("--served-model-name", default=ServerConfig.served_model_name)
+    add_chat_template_arg(p)
+    _add_sampling_args(p)
     _add_tier_args(p)
     _add_session_args(p)
     _add_access_args(p)

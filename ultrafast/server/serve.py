@@ -25,6 +25,7 @@ import uvicorn
 from ultrafast.config import EngineConfig, ServerConfig, default_session_store
 from ultrafast.llm import build_engine
 from ultrafast.model.kv_budget import available_memory_bytes
+from ultrafast.model_defaults import merged_defaults
 from ultrafast.server.admission import Admission, auto_in_flight
 from ultrafast.server.app import build_app
 from ultrafast.server.auth import RedactingFilter
@@ -226,7 +227,7 @@ def build_state(engine_config: EngineConfig, config: ServerConfig) -> ServerStat
         max_tokens_cap=config.max_tokens_cap,
         # response_format and tools need the grammar engine (llguidance, this model's vocab)
         features=frozenset({"session_id"} | ({"response_format", "tools"} if grammar else set())),
-        sampling_defaults=tuple(sorted(tokenizer.generation_defaults.items())),
+        sampling_defaults=merged_defaults(tokenizer.generation_defaults, config.sampling_defaults),
     )
     store = open_store(
         config.session_store or default_session_store(),
