@@ -56,15 +56,15 @@ def readme_blocks() -> list[tuple[str, str]]:
     return BLOCK.findall(README.read_text(encoding="utf-8"))
 
 
-def ask_ten(server, messages) -> list[dict]:
-    """The question at API defaults (no temperature, no max_tokens), seeds 0-9."""
+def ask_ten(server, messages, seeds: int = 10) -> list[dict]:
+    """The question at API defaults (no temperature, no max_tokens), seeds 0..seeds-1."""
 
     def ask(seed: int) -> httpx.Response:
         body = {"model": SMOLLM2_SERVED_NAME, "messages": messages, "seed": seed}
         return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=900)
 
     with ThreadPoolExecutor(4) as pool:  # the server's 4 slots decode them together
-        done = list(pool.map(ask, range(10)))
+        done = list(pool.map(ask, range(seeds)))
     assert all(d.status_code == 200 for d in done), [d.text for d in done]
     return [d.json() for d in done]
 
@@ -85,7 +85,8 @@ def test_paris_at_api_defaults_in_8_of_10_seeds(default_server):
 
 
 def test_no_answer_at_api_defaults_runs_to_the_context(default_server):
-    answers = ask_ten(default_server, QUESTION)
+    # one round of the 4 slots: most of these answers ramble until the cap (1024 tokens each)
+    answers = ask_ten(default_server, QUESTION, seeds=4)
     for answer in answers:  # the default output cap, whatever the model says
         assert answer["usage"]["completion_tokens"] <= ServerConfig.default_max_tokens < CONTEXT
         assert answer["choices"][0]["finish_reason"] in ("stop", "length")
