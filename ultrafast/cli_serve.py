@@ -219,6 +219,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         wide_pass=args.wide_pass,
         compile=args.compile,
         gguf_type=args.gguf_type,
+        chat_template=getattr(args, "chat_template", None),  # serve, chat, cluster
     )
 
 
@@ -252,6 +253,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     model, _ = chosen_model(args.model)
     check_max_model_len(model, args.max_model_len)
+    print(
+        "ultrafast: generate continues the prompt as raw text (no chat template); "
+        "`ultrafast chat` chats with the model",
+        file=sys.stderr,
+    )
     llm = LLM(model, **engine_options(args))
     started = time.perf_counter()
     first_s = None
@@ -342,6 +348,60 @@ def _add_tier_args(srv: argparse.ArgumentParser) -> None:
         default=ServerConfig.alert_priority_itl_p99_ms,
         help="exported threshold of the priority per-token p99 alert "
         "(default 2 on GPU, off on CPU; 0 = off)",
+    )
+
+
+def _add_sampling_args(srv: Any) -> None:
+    """Server-wide defaults for what a request leaves out (as llama-server's flags): a request's
+    own field wins, then these, then the model's defaults, then the API's (model_defaults.py)."""
+    what = "default for requests that leave it out (over the model's own default; API default "
+    srv.add_argument("--temperature", type=float, default=None, help=what + "1.0)")
+    srv.add_argument("--top-p", type=float, default=None, help=what + "1.0)")
+    srv.add_argument("--top-k", type=int, default=None, help=what + "0 = off)")
+    srv.add_argument("--min-p", type=float, default=None, help=what + "0.0)")
+    srv.add_argument(
+        "--repeat-penalty", type=float, default=None, help=what + "1.0; repetition_penalty)"
+    )
+    srv.add_argument(
+        "--max-tokens",
+        type=int,
+        default=ServerConfig.default_max_tokens,
+        help="output cap of a request that sets no max_tokens / max_completion_tokens / "
+        "max_output_tokens (0 = up to the context left)",
+    )
+
+
+def sampling_flag_defaults(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
+    """ServerConfig.sampling_defaults from the flags given (ValueError on a bad range)."""
+    ranges = {
+        "temperature": (args.temperature, 0.0, 2.0),
+        "top_p": (args.top_p, 1e-9, 1.0),
+        "top_k": (args.top_k, 0, 1 << 30),
+        "min_p": (args.min_p, 0.0, 1.0),
+        "repetition_penalty": (args.repeat_penalty, 1e-9, 10.0),
+    }
+    flag = {"repetition_penalty": "repeat-penalty"}
+    out = []
+    for name, (value, low, high) in ranges.items():
+        if value is None:
+            continue
+        if not low <= value <= high:
+            raise ValueError(f"--{flag.get(name, name.replace('_', '-'))} {value} is out of range")
+        out.append((name, value))
+    if args.max_tokens < 0:
+        raise ValueError("--max-tokens must be >= 0 (0 = up to the context left)")
+    return tuple(out)
+
+
+def add_chat_template_arg(p: Any) -> None:
+    from ultrafast.chat_templates import builtin_names
+
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="NAME|FILE",
+        help=f"chat template over the model's own: a built-in ({builtin_names()}) or a "
+        "Jinja file; needed for a model without one (a base model's GGUF)",
     )
 
 
@@ -617,6 +677,8 @@ def add_serve_parser(sub: Any) -> None:
     for title in SERVE_GROUPS:  # the order --help shows them in
         group(srv, title)
     _add_server_args(group(srv, "server"))
+    add_chat_template_arg(group(srv, "model"))
+    _add_sampling_args(group(srv, "sampling"))
     _add_tier_args(srv)
     _add_session_args(srv)
     _add_access_args(srv)
@@ -694,6 +756,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         body_timeout_s=args.body_timeout_s,
         write_stall_timeout_s=args.write_stall_timeout_s,
         max_connections_per_ip=args.max_connections_per_ip,
+        default_max_tokens=args.max_tokens,
+        sampling_defaults=sampling_flag_defaults(args),
         **residency_options(args),
     )
 
@@ -714,5 +778,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.served_model_name is None:
             config = replace(config, served_model_name=served_name)
     check_max_model_len(model, args.max_model_len)
+    if args.chat_template:  # a bad name or file fails here, before the model loads
+        from ultrafast.chat_templates import resolve_chat_template
+
+        resolve_chat_template(args.chat_template)
     engine = EngineConfig(model=model, **engine_options(args), **kv_cache_options(args))
     return serve(engine, config)

@@ -106,6 +106,8 @@ class EngineConfig:
     compile: str = "auto"  # torch executor decode steps: auto (on with CUDA), inductor, graphs, off
     # type an HF directory converts to for the ggml executor; auto: ultrafast/weight_format.py
     gguf_type: str = "auto"
+    # `--chat-template`: a built-in name (chat_templates.py) or a Jinja file; None: the model's
+    chat_template: str | None = None
     # ggml executor: llama.cpp's fused CPU attention (faster decode, wide batches and prefill
     # on SmolLM2 here: BENCHMARKS.md "Flash attention"); False: the plain attention ops
     flash_attn: bool = True
@@ -225,6 +227,11 @@ class ServerConfig:
     max_stream_buffer_events: int = 256  # per stream, before undelivered outputs are merged
     max_body_bytes: int = 4 * 1024 * 1024
     max_tokens_cap: int = 4096  # per-request ceiling on max_tokens
+    # output cap of a call that sets no max_tokens (`--max-tokens`; 0 = the context left, up
+    # to max_tokens_cap): a small model at API defaults may never emit its end token
+    default_max_tokens: int = 1024
+    # `--temperature`, `--top-p`, ...: what a request leaves out, over the model's own defaults
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
     session_store: str = ""  # sqlite:///path or redis://host:port/db; "" = default_session_store()
     redis_ca_file: str | None = None  # verifies rediss:// servers (session store, shared limits)
     session_ttl_s: float = SESSION_TTL_S  # a session expires this long after its last write

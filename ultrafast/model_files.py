@@ -13,9 +13,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from ultrafast.chat_templates import resolve_chat_template
 from ultrafast.config import cache_dir
 from ultrafast.model.config import ModelLoadError
 from ultrafast.model.gguf_meta import read_gguf_metadata
+from ultrafast.model_defaults import read_sidecar
 from ultrafast.tokenizer import Tokenizer
 from ultrafast.weight_format import resolve_outtype
 
@@ -100,7 +102,20 @@ def _log_once(message: str) -> None:
         log.info(message)
 
 
-def load_tokenizer(files: ModelFiles) -> Tokenizer:
+def load_tokenizer(files: ModelFiles, chat_template: str | None = None) -> Tokenizer:
+    """The served tokenizer, with `--chat-template` (a built-in name or a Jinja file) over the
+    model's own template and a GGUF's sampling sidecar over its metadata (model_defaults.py)."""
+    tokenizer = _load_tokenizer(files)
+    if files.gguf_path is not None:
+        tokenizer.generation_defaults.update(read_sidecar(files.gguf_path))
+    if chat_template:
+        template = resolve_chat_template(chat_template)
+        tokenizer.use_chat_template(template.text, template.end_of_turn)
+        _log_once(f"chat template: {template.source}")
+    return tokenizer
+
+
+def _load_tokenizer(files: ModelFiles) -> Tokenizer:
     """The served tokenizer. For a GGUF's own metadata beside a tokenizer.json, the metadata
     wins: it is the vocabulary the weights were made with and gives llama.cpp's ids token for
     token, while a tokenizer.json in the same folder may belong to another file. The

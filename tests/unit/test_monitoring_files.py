@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ultrafast.local_tools import find_tool
 from ultrafast.server.metrics import ServerMetrics, exported_metric_names
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 DASHBOARD = DEPLOY / "grafana" / "ultrafast-dashboard.json"
-PROMTOOL = shutil.which("promtool")
+PROMTOOL = find_tool("promtool")
 GRAFANA_VARS = {"$__rate_interval": "5m", "$instance": ".*", "${datasource}": "x"}
 _NAME = re.compile(r"\b(ultrafast_[a-z0-9_]+)")
 
@@ -116,7 +117,9 @@ def test_dashboard_structure_p99_beside_utilization():
         assert {"x", "y", "w", "h"} <= set(p["gridPos"])
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (make setup installs it)")
+@pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool not in .tools/bin nor on PATH (make setup puts it there)"
+)
 def test_promtool_checks_rules_and_runs_the_alert_unit_test():
     check = subprocess.run(
         [PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True, text=True
@@ -131,7 +134,9 @@ def test_promtool_checks_rules_and_runs_the_alert_unit_test():
     assert unit.returncode == 0, unit.stdout + unit.stderr
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (make setup installs it)")
+@pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool not in .tools/bin nor on PATH (make setup puts it there)"
+)
 def test_promtool_parses_every_dashboard_expression(tmp_path):
     rules = {
         "groups": [
@@ -150,7 +155,9 @@ def test_promtool_parses_every_dashboard_expression(tmp_path):
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (make setup installs it)")
+@pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool not in .tools/bin nor on PATH (make setup puts it there)"
+)
 def test_promtool_checks_the_example_scrape_config(tmp_path):
     config = (ALERTS.parent / "prometheus.yml").read_text()
     key_file = tmp_path / "metrics.key"

@@ -3,7 +3,7 @@
 Never the default port and never the system's data: `--dir` is a temporary directory, AOF with
 `appendfsync always`, so a restart (`restart()`) keeps every acknowledged write, as
 docs/RELIABILITY.md F7/F8 assume. `redis-server` comes from the project's setup (`make setup`
-installs it).
+unpacks it into `.tools/bin`, local_tools.py), else from PATH.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from ultrafast.bench.server_process import free_port
+from ultrafast.local_tools import find_tool
 
 
 class RedisServerMissing(RuntimeError):
@@ -31,10 +32,11 @@ class RedisServer:
     ):
         """`extra_args`: more redis-server options (`--requirepass`, `--user`, `--tls-port`
         ...); the plain port stays open on loopback, so readiness is seen without them."""
-        binary = shutil.which("redis-server")
+        binary = find_tool("redis-server")
         if binary is None:
             raise RedisServerMissing(
-                "redis-server is not installed: run `make setup` (it apt-installs redis-server)"
+                "redis-server is not in .tools/bin nor on PATH: run `make setup` "
+                "(scripts/fetch_tools.sh unpacks it there)"
             )
         self.binary = binary
         self._own_dir = data_dir is None

@@ -28,8 +28,10 @@ def add_cluster_parser(sub: Any) -> None:
         _add_access_args,
         _add_guard_args,
         _add_kv_cache_args,
+        _add_sampling_args,
         _add_session_args,
         _add_tier_args,
+        add_chat_template_arg,
         add_engine_args,
     )
     from ultrafast.config import ServerConfig
@@ -76,6 +78,8 @@ def add_cluster_parser(sub: Any) -> None:
         default=ServerConfig.served_model_name,
         help="model id clients send (default: the model's directory or file name)",
     )
+    add_chat_template_arg(group(p, "model"))
+    _add_sampling_args(group(p, "sampling"))
     _add_tier_args(p)
     _add_session_args(p)
     _add_access_args(p)

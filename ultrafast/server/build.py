@@ -11,6 +11,7 @@ import logging
 from ultrafast.config import EngineConfig, ServerConfig, default_session_store
 from ultrafast.llm import build_embedding_engine, build_engine, embedding_pooling
 from ultrafast.model.kv_budget import available_memory_bytes
+from ultrafast.model_defaults import merged_defaults
 from ultrafast.server.admission import Admission, auto_in_flight
 from ultrafast.server.bridge import (
     EmbeddingEngine,
@@ -152,7 +153,7 @@ def build_chat_state(engine_config: EngineConfig, config: ServerConfig) -> Serve
         max_tokens_cap=config.max_tokens_cap,
         # response_format and tools need the grammar engine (llguidance, this model's vocab)
         features=frozenset({"session_id"} | ({"response_format", "tools"} if grammar else set())),
-        sampling_defaults=tuple(sorted(tokenizer.generation_defaults.items())),
+        sampling_defaults=merged_defaults(tokenizer.generation_defaults, config.sampling_defaults),
     )
     store = open_store(
         config.session_store or default_session_store(),

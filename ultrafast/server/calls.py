@@ -365,8 +365,8 @@ def _resolve_max_tokens(state: ServerState, call: CallInput, num_prompt: int) ->
             "context_length_exceeded",
             call.prompt_param,
         )
-    if call.max_tokens is None:
-        return min(room, state.config.max_tokens_cap)
+    if call.max_tokens is None:  # the server's default output cap (--max-tokens; 0: none)
+        return min(room, state.config.max_tokens_cap, state.config.default_max_tokens or room)
     if call.max_tokens > room:
         raise APIError(
             400,

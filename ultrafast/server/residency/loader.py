@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ultrafast.config import EngineConfig, ServerConfig
+from ultrafast.model_defaults import merged_defaults
 from ultrafast.model_files import load_tokenizer, resolve_model
 from ultrafast.server.admission import Admission
 from ultrafast.server.bridge import EngineSettings, EngineThread, shutdown_engine
@@ -167,11 +168,17 @@ def attach_residency(
         files = resolve_model(path)  # a missing file fails at start, not at the first call
         cfg = configs[name]
         max_len = min(cfg.max_model_len, files.max_position_embeddings or cfg.max_model_len)
-        tokenizer = state.tokenizer if name == state.model_name else load_tokenizer(files)
+        tokenizer = (
+            state.tokenizer
+            if name == state.model_name
+            else load_tokenizer(files, cfg.chat_template)
+        )
         loader.limits[name] = replace(
             state.limits,
             vocab_size=tokenizer.vocab_size,
-            sampling_defaults=tuple(sorted(tokenizer.generation_defaults.items())),
+            sampling_defaults=merged_defaults(
+                tokenizer.generation_defaults, config.sampling_defaults
+            ),
         )
         entries.append(
             ModelEntry(
