@@ -354,7 +354,7 @@ def _add_tier_args(srv: argparse.ArgumentParser) -> None:
 def _add_sampling_args(srv: Any) -> None:
     """Server-wide defaults for what a request leaves out (as llama-server's flags): a request's
     own field wins, then these, then the model's defaults, then the API's (model_defaults.py)."""
-    what = "default for requests that leave it out (over the model's own default; API default "
+    what = "for requests that leave it out (default: the model's own, else the API's "
     srv.add_argument("--temperature", type=float, default=None, help=what + "1.0)")
     srv.add_argument("--top-p", type=float, default=None, help=what + "1.0)")
     srv.add_argument("--top-k", type=int, default=None, help=what + "0 = off)")
@@ -401,7 +401,8 @@ def add_chat_template_arg(p: Any) -> None:
         default=None,
         metavar="NAME|FILE",
         help=f"chat template over the model's own: a built-in ({builtin_names()}) or a "
-        "Jinja file; needed for a model without one (a base model's GGUF)",
+        "Jinja file; needed for a model without one (a base model's GGUF) (default: the "
+        "model's own template)",
     )
 
 
