@@ -16,6 +16,7 @@ from ultrafast.bench.redis_server import RedisServer
 from ultrafast.bench.server_process import free_port
 from ultrafast.cluster.shared_limits import SharedLimits
 from ultrafast.kvcache.redis_tier import RedisTier
+from ultrafast.local_tools import find_tool
 from ultrafast.redis_conn import redacted
 from ultrafast.server.sessions.backends import open_store
 from ultrafast.server.sessions.store import Turn
@@ -24,8 +25,8 @@ PASSWORD = "s3cret-pw"
 
 
 def _redis(*extra: str) -> RedisServer:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (`make setup` installs it)")
+    if find_tool("redis-server") is None:
+        pytest.skip("redis-server is not in .tools/bin nor on PATH (`make tools` unpacks it)")
     return RedisServer(extra_args=extra)
 
 
