@@ -19,6 +19,7 @@ SPEC_TIERS = ("priority", "default", "flex")
 MAX_DRAFT_TOKENS = 8  # bound of the adaptive draft length (engine/speculation.py's SpecConfig too)
 SESSION_TTL_S = 30 * 24 * 3600.0  # OpenAI keeps stored responses 30 days (server/sessions/store.py)
 MAX_SESSIONS_PER_TENANT = 10_000  # live sessions one tenant may hold (server/sessions/store.py)
+MAX_TOOL_CALLS = 8  # parallel tool calls one turn may make; the grammar ends after (tools/grammar.py)
 
 
 def cache_dir() -> Path:
@@ -216,6 +217,7 @@ class ServerConfig:
     max_stream_buffer_events: int = 256  # per stream, before undelivered outputs are merged
     max_body_bytes: int = 4 * 1024 * 1024
     max_tokens_cap: int = 4096  # per-request ceiling on max_tokens
+    max_tool_calls: int = MAX_TOOL_CALLS
     session_store: str = ""  # sqlite:///path or redis://host:port/db; "" = default_session_store()
     session_ttl_s: float = SESSION_TTL_S  # a session expires this long after its last write
     max_sessions_per_tenant: int = MAX_SESSIONS_PER_TENANT
