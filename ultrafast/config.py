@@ -19,7 +19,7 @@ SPEC_TIERS = ("priority", "default", "flex")
 MAX_DRAFT_TOKENS = 8  # bound of the adaptive draft length (engine/speculation.py's SpecConfig too)
 SESSION_TTL_S = 30 * 24 * 3600.0  # OpenAI keeps stored responses 30 days (server/sessions/store.py)
 MAX_SESSIONS_PER_TENANT = 10_000  # live sessions one tenant may hold (server/sessions/store.py)
-MAX_TOOL_CALLS = 8  # parallel tool calls one turn may make; the grammar ends after (tools/grammar.py)
+MAX_TOOL_CALLS = 8  # parallel tool calls a turn may make; its grammar ends after (tools/grammar.py)
 
 
 def cache_dir() -> Path:

@@ -36,7 +36,12 @@ MAX_CALLS = 2
 @pytest.fixture(scope="module")
 def srv():
     server = ServerProcess(
-        "--priority-ttft-ms", "10000", "--max-tool-calls", str(MAX_CALLS), num_slots=4
+        "--priority-ttft-ms",
+        "10000",
+        "--max-tool-calls",
+        str(MAX_CALLS),
+        num_slots=4,
+        max_model_len=1024,
     )
     yield server
     server.stop()
@@ -206,9 +211,11 @@ def test_empty_language_is_400_naming_the_keyword(srv, schema, param):
 
 
 def test_max_properties_is_enforced(client):
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
     schema = {
         "type": "object",
-        "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},
+        "properties": {"a": digit, "b": digit, "c": digit, "d": digit},
+        "additionalProperties": False,
         "minProperties": 1,
         "maxProperties": 2,
     }
@@ -272,7 +279,7 @@ def test_parallel_calls_stop_at_the_cap(client):
         messages=ASK,
         tools=TOOLS,
         tool_choice="required",
-        max_tokens=400,
+        max_tokens=300,
         temperature=0,
     )
     c = r.choices[0]

@@ -77,7 +77,7 @@ def advance(outputs: list[RequestOutput], constrained: dict[str, Request]) -> No
                 "request %s: its grammar (%s) did not reach an accepting state after %d "
                 "tokens (%s); finishing with 'length', not 'stop'",
                 output.request_id,
-                request.sampling_params.grammar.source,
+                getattr(request.sampling_params.grammar, "source", "?"),
                 request.num_output_tokens,
                 matcher.error or "no further token allowed",
             )

@@ -36,6 +36,8 @@ def _same_length(a: str, b: str) -> list[str]:
         return [f"[0-9]{{{n}}}" if n > 1 else "[0-9]"]
     if n == 1:
         return [_digit_range(a, b)]
+    if a[1:] == "0" * (n - 1) and b[1:] == "9" * (n - 1):
+        return [_digit_range(a[0], b[0]) + (f"[0-9]{{{n - 1}}}" if n > 2 else "[0-9]")]
     if a[0] == b[0]:
         return [a[0] + _alt(_same_length(a[1:], b[1:]))]
     rest = n - 1
@@ -50,11 +52,18 @@ def _same_length(a: str, b: str) -> list[str]:
 def _uint_range(lo: int, hi: int) -> list[str]:
     """Alternatives for the integers lo..hi (0 <= lo <= hi), no leading zeros."""
     parts: list[str] = []
+    full: list[int] = []  # lengths (> 1) whose every number is in the range: one part
     for n in range(len(str(lo)), len(str(hi)) + 1):
         a = max(lo, 10 ** (n - 1) if n > 1 else 0)
         b = min(hi, 10**n - 1)
-        if a <= b:
+        if n > 1 and a == 10 ** (n - 1) and b == 10**n - 1:
+            full.append(n)
+        elif a <= b:
             parts += _same_length(str(a), str(b))
+    if full:
+        low, high = full[0] - 1, full[-1] - 1
+        count = f"{{{low}}}" if low == high else f"{{{low},{high}}}"
+        parts.append("[1-9][0-9]" + count)
     return parts
 
 

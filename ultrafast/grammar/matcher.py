@@ -234,9 +234,7 @@ class GrammarRuntime:
         )
 
 
-def first_byte_keys(
-    lltokenizer: llguidance.LLTokenizer, vocab_size: int
-) -> tuple[list[int], int]:
+def first_byte_keys(lltokenizer: llguidance.LLTokenizer, vocab_size: int) -> tuple[list[int], int]:
     """Each token's first byte; 256 + id for a special or empty token (it begins like no
     other token). Two allowed tokens with different keys mean the grammar does not force
     the next byte. A list: the step reads two entries, as Python ints. And the longest

@@ -9,15 +9,16 @@ character, so it never refuses a schema that could fit.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import re
+import sys
 from typing import Any
 
-try:  # Python 3.11+
-    import re._parser as _sre  # type: ignore[import-not-found]
-except ImportError:  # pragma: no cover
-    import sre_parse as _sre  # type: ignore[no-redef]
+# Python's own regex parser (its module was renamed in 3.11)
+_sre: Any = importlib.import_module("re._parser" if sys.version_info >= (3, 11) else "sre_parse")
+
 
 Leaf = tuple[float, str]  # (its characters, its path)
 _SCALAR = {"boolean": 4, "null": 4, "integer": 1, "number": 1}
@@ -50,11 +51,13 @@ def min_chars(schema: Any, path: str = "") -> tuple[float, Leaf]:
     kind = schema.get("type")
     if isinstance(kind, list):
         return min((min_chars({**schema, "type": k}, path) for k in kind), key=lambda f: f[0])
+    if not isinstance(kind, str):
+        kind = "object" if "properties" in schema else ""
     if kind == "string":
         return _string(schema, path)
     if kind == "array":
         return _array(schema, path)
-    if kind == "object" or "properties" in schema:
+    if kind == "object":
         return _object(schema, path)
     return _SCALAR.get(kind, 1), (0, path)
 
@@ -84,8 +87,10 @@ def _array(schema: dict, path: str) -> tuple[float, Leaf]:
 
 
 def _object(schema: dict, path: str) -> tuple[float, Leaf]:
-    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    props = schema.get("properties")
+    props = props if isinstance(props, dict) else {}
+    required = schema.get("required")
+    required = required if isinstance(required, list) else []
     total, best = 2.0, (0.0, path)
     for name in dict.fromkeys(k for k in required if isinstance(k, str)):
         value, leaf = min_chars(props.get(name, True), _at(_at(path, "properties"), name))

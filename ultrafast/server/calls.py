@@ -21,9 +21,9 @@ from typing import Any
 
 from starlette.types import Scope
 
+from ultrafast.grammar.schema_check import SchemaProblem
 from ultrafast.request import SamplingParams, ServiceTier
 from ultrafast.server import auth
-from ultrafast.grammar.schema_check import SchemaProblem
 from ultrafast.server.errors import APIError, bad_request, invalid_value
 from ultrafast.server.generate import GenerationRun, GenerationSpec
 from ultrafast.server.protocol import ChatCompletionRequest, CompletionRequest, Limits
@@ -256,6 +256,8 @@ async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Ge
                 grammar = tool_grammar
                 if call.params.grammar is None:
                     grammar_param = "tools"
+        if plan is None or not plan.calls_allowed:  # before its compile takes a thread
+            _check_answer_fits(state, call, call.max_tokens or state.config.max_tokens_cap)
         # off the event loop and the engine thread, time-capped: it runs while the prompt is
         # tokenized and prefilled, and is awaited before the run is handed back
         compiling = (
