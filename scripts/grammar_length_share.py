@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -64,16 +65,21 @@ def submit(llm: LLM, cases: list[dict], temperatures: list[float], max_tokens: i
 
 def run(model: str, max_tokens: int, temperatures: list[float]) -> dict:
     cases = json.loads(SCHEMAS.read_text())
-    llm = LLM(model, spec="off", num_slots=16, max_num_seqs=16, max_model_len=1024)
+    width = min(64, len(cases) * len(temperatures))  # all at once: fewest steps
+    llm = LLM(model, spec="off", num_slots=width, max_num_seqs=width, max_model_len=1024)
     try:
         requests, refused = submit(llm, cases, temperatures, max_tokens)
         out: dict[str, list[int]] = {rid: [] for rid in requests}
         finish: dict[str, str] = {}
+        steps = 0
         while llm.engine.has_work():
             for o in llm.engine.step():
                 out[o.request_id].extend(o.new_token_ids)
                 if o.finished:
                     finish[o.request_id] = o.finish_reason
+            steps += 1
+            if steps % 64 == 0:
+                print(f"step {steps}: {len(finish)}/{len(out)} done", file=sys.stderr, flush=True)
     finally:
         llm.close()
     schemas = {c["name"]: c["schema"] for c in cases}
