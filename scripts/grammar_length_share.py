@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import jsonschema
@@ -63,7 +64,7 @@ def submit(llm: LLM, cases: list[dict], temperatures: list[float], max_tokens: i
     return requests, refused
 
 
-def run(model: str, max_tokens: int, temperatures: list[float]) -> dict:
+def run(model: str, max_tokens: int, temperatures: list[float], limit_s: float) -> dict:
     cases = json.loads(SCHEMAS.read_text())
     width = min(64, len(cases) * len(temperatures))  # all at once: fewest steps
     llm = LLM(model, spec="off", num_slots=width, max_num_seqs=width, max_model_len=1024)
@@ -71,8 +72,8 @@ def run(model: str, max_tokens: int, temperatures: list[float]) -> dict:
         requests, refused = submit(llm, cases, temperatures, max_tokens)
         out: dict[str, list[int]] = {rid: [] for rid in requests}
         finish: dict[str, str] = {}
-        steps = 0
-        while llm.engine.has_work():
+        steps, start = 0, time.monotonic()
+        while llm.engine.has_work() and time.monotonic() - start < limit_s:
             for o in llm.engine.step():
                 out[o.request_id].extend(o.new_token_ids)
                 if o.finished:
@@ -84,9 +85,13 @@ def run(model: str, max_tokens: int, temperatures: list[float]) -> dict:
         llm.close()
     schemas = {c["name"]: c["schema"] for c in cases}
     counts = {"answers": len(requests), "length": 0, "stop_valid": 0, "stop_invalid": 0}
+    counts["unfinished"] = len(requests) - len(finish)  # still generating at the time limit
     cut = []
     for rid, ids in out.items():
         text = llm.tokenizer.decode(ids)
+        if rid not in finish:
+            cut.append(f"{rid} UNFINISHED after {len(ids)} tokens")
+            continue
         if finish[rid] != "stop":
             counts["length"] += 1
             cut.append(f"{rid}: ...{text[-60:]!r}")
@@ -107,9 +112,12 @@ def main() -> None:
     ap.add_argument("model", nargs="?", default=str(DEMO_MODEL_DIR))
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument(
+        "--time-limit-s", type=float, default=float("inf"), help="stop stepping after this"
+    )
     args = ap.parse_args()
     temps = [float(t) for t in args.temperatures.split(",")]
-    print(json.dumps(run(args.model, args.max_tokens, temps), indent=1))
+    print(json.dumps(run(args.model, args.max_tokens, temps, args.time_limit_s), indent=1))
 
 
 if __name__ == "__main__":
