@@ -491,6 +491,13 @@ def _add_access_args(srv: argparse.ArgumentParser) -> None:
         help="abort a stream whose client reads nothing for this long, freeing "
         "its KV slot (0 = off)",
     )
+    limits.add_argument(
+        "--max-tool-calls",
+        type=int,
+        default=ServerConfig.max_tool_calls,
+        help="the most parallel tool calls one turn may make: the grammar ends the turn "
+        "after this many (a repetitive model otherwise repeats a call to max_tokens)",
+    )
 
 
 def _add_guard_args(srv: argparse.ArgumentParser) -> None:
@@ -759,6 +766,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_connections_per_ip=args.max_connections_per_ip,
         default_max_tokens=args.max_tokens,
         sampling_defaults=sampling_flag_defaults(args),
+        max_tool_calls=max(1, args.max_tool_calls),
         **residency_options(args),
     )
 

@@ -19,6 +19,7 @@ SPEC_TIERS = ("priority", "default", "flex")
 MAX_DRAFT_TOKENS = 8  # bound of the adaptive draft length (engine/speculation.py's SpecConfig too)
 SESSION_TTL_S = 30 * 24 * 3600.0  # OpenAI keeps stored responses 30 days (server/sessions/store.py)
 MAX_SESSIONS_PER_TENANT = 10_000  # live sessions one tenant may hold (server/sessions/store.py)
+MAX_TOOL_CALLS = 8  # parallel tool calls a turn may make; its grammar ends after (tools/grammar.py)
 
 
 def cache_dir() -> Path:
@@ -232,6 +233,7 @@ class ServerConfig:
     default_max_tokens: int = 1024
     # `--temperature`, `--top-p`, ...: what a request leaves out, over the model's own defaults
     sampling_defaults: tuple[tuple[str, float], ...] = ()
+    max_tool_calls: int = MAX_TOOL_CALLS
     session_store: str = ""  # sqlite:///path or redis://host:port/db; "" = default_session_store()
     redis_ca_file: str | None = None  # verifies rediss:// servers (session store, shared limits)
     session_ttl_s: float = SESSION_TTL_S  # a session expires this long after its last write

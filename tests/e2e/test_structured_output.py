@@ -136,11 +136,20 @@ def prop(**schema):
         (prop(type="array", uniqueItems=True), "unsupported_schema", "properties.x.uniqueItems"),
         ({"$ref": "#"}, "invalid_schema", "$ref"),
         (prop(enum=list(range(3000))), "invalid_schema", "properties.x.enum"),
-        ({"type": "object", "minProperties": 2, "properties": {"a": {}}}, "invalid_schema", ""),
+        (
+            {
+                "type": "object",
+                "minProperties": 2,
+                "properties": {"a": {}},
+                "additionalProperties": False,
+            },
+            "invalid_schema",
+            "minProperties",
+        ),
         (
             {**prop(type="string", minLength=9, maxLength=2), "required": ["x"]},
             "invalid_schema",
-            "",
+            "properties.x.minLength",
         ),
     ],
 )

@@ -10,10 +10,13 @@ After the update: matchers advance over the accepted tokens only.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 
 from ultrafast.core.types import Draft, RequestOutput, StepPlan
-from ultrafast.request import Request
+from ultrafast.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 def constrain_drafts(
@@ -60,7 +63,23 @@ def fill_masks(plan: StepPlan, requests: dict[str, Request]) -> dict[str, Reques
 
 
 def advance(outputs: list[RequestOutput], constrained: dict[str, Request]) -> None:
+    """Matchers over the accepted tokens; an answer that ends (`stop`) where its grammar is
+    not complete (the grammar could not go on: an error state, a lexer limit) ends `length`
+    instead, logged: a `stop` promises output the grammar accepts."""
     for output in outputs:
         request = constrained.get(output.request_id)
-        if request is not None and output.new_token_ids:
-            request.grammar_matcher.consume(output.new_token_ids)
+        if request is None or not output.new_token_ids:
+            continue
+        matcher = request.grammar_matcher
+        matcher.consume(output.new_token_ids)
+        if output.finish_reason == RequestStatus.FINISHED_STOPPED.value and not matcher.accepted:
+            log.warning(
+                "request %s: its grammar (%s) did not reach an accepting state after %d "
+                "tokens (%s); finishing with 'length', not 'stop'",
+                output.request_id,
+                getattr(request.sampling_params.grammar, "source", "?"),
+                request.num_output_tokens,
+                matcher.error or "no further token allowed",
+            )
+            output.finish_reason = RequestStatus.FINISHED_LENGTH.value
+            request.status = RequestStatus.FINISHED_LENGTH

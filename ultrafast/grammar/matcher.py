@@ -69,6 +69,11 @@ class GrammarMatcher:
         """Complete: only EOS may follow."""
         return self._m.is_stopped()
 
+    @property
+    def accepted(self) -> bool:
+        """The output so far (its end-of-sequence included) is a complete match."""
+        return self._m.is_stopped() and not self._m.is_error()
+
     def valid_prefix(self, token_ids: list[int]) -> int:
         """How many leading tokens of `token_ids` the grammar accepts from here."""
         return self._m.validate_tokens([self._to_grammar(t) for t in token_ids])
@@ -188,7 +193,7 @@ class GrammarRuntime:
         self.vocab_size = vocab_size
         self.cache = GrammarCache(lltokenizer, **cache_caps)
         self._eos = tuple(lltokenizer.eos_tokens) or (lltokenizer.eos_token,)
-        self._first_keys = first_byte_keys(lltokenizer, vocab_size)
+        self._first_keys, self.max_token_bytes = first_byte_keys(lltokenizer, vocab_size)
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int, **cache_caps) -> GrammarRuntime:
@@ -229,14 +234,17 @@ class GrammarRuntime:
         )
 
 
-def first_byte_keys(lltokenizer: llguidance.LLTokenizer, vocab_size: int) -> list[int]:
+def first_byte_keys(lltokenizer: llguidance.LLTokenizer, vocab_size: int) -> tuple[list[int], int]:
     """Each token's first byte; 256 + id for a special or empty token (it begins like no
     other token). Two allowed tokens with different keys mean the grammar does not force
-    the next byte. A list: the step reads two entries, as Python ints."""
+    the next byte. A list: the step reads two entries, as Python ints. And the longest
+    token's bytes (how much text a token budget can hold at most)."""
     keys = list(range(256, 256 + vocab_size))
+    longest = 1
     for t in range(min(vocab_size, lltokenizer.vocab_size)):
         if not lltokenizer.is_special_token(t):
             data = lltokenizer.decode_bytes([t])
             if data:
                 keys[t] = data[0]
-    return keys
+                longest = max(longest, len(data))
+    return keys, longest

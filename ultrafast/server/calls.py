@@ -21,10 +21,11 @@ from typing import Any
 
 from starlette.types import Scope
 
+from ultrafast.grammar.schema_check import SchemaProblem
 from ultrafast.request import SamplingParams, ServiceTier
 from ultrafast.server import auth
 from ultrafast.server.access_log import note_run
-from ultrafast.server.errors import APIError, invalid_value
+from ultrafast.server.errors import APIError, bad_request, invalid_value
 from ultrafast.server.generate import GenerationRun, GenerationSpec
 from ultrafast.server.protocol import ChatCompletionRequest, CompletionRequest, Limits
 from ultrafast.server.residency.budget import parse_keep_alive
@@ -79,7 +80,10 @@ def chat_call(
         params = replace(
             params,
             grammar=json_format_grammar(
-                fmt.type, schema.schema_ if schema else None, schema.strict if schema else None
+                fmt.type,
+                schema.schema_ if schema else None,
+                schema.strict if schema else None,
+                "response_format.json_schema.schema",
             ),
         )
     return CallInput(
@@ -244,12 +248,21 @@ async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Ge
             else call.tools.for_template(tok.chat_template, tok.special_tokens)
         )
         grammar, grammar_param = call.params.grammar, call.grammar_param
-        # the calls' grammar (tools/grammar.py); `none` bans the call trigger unless a
-        # response_format grammar already shapes the answer
-        tool_grammar = None if plan is None else plan.grammar()
-        if plan is not None and tool_grammar is not None:
-            if plan.calls_allowed or grammar is None:
-                grammar, grammar_param = tool_grammar, "tools"
+        # the calls' grammar (tools/grammar.py): calls OR the response_format's answer (free
+        # text when there is none); `none` bans the call trigger unless a response_format
+        # grammar already shapes the answer
+        if plan is not None:
+            plan = replace(plan, max_calls=state.config.max_tool_calls)
+            try:
+                tool_grammar = plan.grammar(grammar)
+            except SchemaProblem as problem:
+                raise bad_request(problem.code, "tools", str(problem)) from None
+            if tool_grammar is not None and tool_grammar is not grammar:
+                grammar = tool_grammar
+                if call.params.grammar is None:
+                    grammar_param = "tools"
+        if plan is None or not plan.calls_allowed:  # before its compile takes a thread
+            _check_answer_fits(state, call, call.max_tokens or state.config.max_tokens_cap)
         # off the event loop and the engine thread, time-capped: it runs while the prompt is
         # tokenized and prefilled, and is awaited before the run is handed back
         compiling = (
@@ -283,6 +296,8 @@ async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Ge
                 call.prompt_param,
             )
         max_tokens = _resolve_max_tokens(state, call, max(len(p) for p in prompts))
+        if plan is None or not plan.calls_allowed:
+            _check_answer_fits(state, call, max_tokens)
         params = replace(call.params, max_tokens=max_tokens, grammar=grammar)
         num_prompt_tokens = sum(len(p) for p in prompts) * call.n
         num_tokens_taken = auth.take_tokens(
@@ -378,6 +393,26 @@ def _resolve_max_tokens(state: ServerState, call: CallInput, num_prompt: int) ->
             call.max_tokens_param,
         )
     return call.max_tokens
+
+
+def _check_answer_fits(state: ServerState, call: CallInput, max_tokens: int) -> None:
+    """400 naming the schema keyword when the shortest answer the schema allows cannot fit in
+    the token budget even at the vocabulary's longest token: it would only end cut."""
+    spec = call.params.grammar
+    longest = getattr(state.grammar, "max_token_bytes", None)
+    if spec is None or not spec.min_chars or not isinstance(longest, int):
+        return
+    if spec.min_chars > max_tokens * longest:
+        chars = "unbounded" if spec.min_chars == float("inf") else f"{spec.min_chars:.0f}"
+        raise APIError(
+            400,
+            f"the shortest answer this schema allows has {chars} characters "
+            f"(from {spec.min_path or 'the schema'}); {call.max_tokens_param}={max_tokens} "
+            f"tokens hold at most {max_tokens * longest}",
+            "invalid_request_error",
+            "grammar_unsatisfiable",
+            f"{call.grammar_param}.{spec.min_path}" if spec.min_path else call.grammar_param,
+        )
 
 
 def _num_uncached(state: ServerState, prompts: list[list[int]], tenant: str) -> int:

@@ -28,14 +28,22 @@ def check_schema_param(schema: object, param: str) -> None:
         raise bad_request(problem.code, problem.param(param), str(problem)) from None
 
 
-def json_format_grammar(kind: str, schema: object = None, strict: bool | None = None):
-    """GrammarSpec for a format `type` ("text" -> None)."""
+def json_format_grammar(
+    kind: str, schema: object = None, strict: bool | None = None, param: str = "response_format"
+):
+    """GrammarSpec for a format `type` ("text" -> None). A schema no value can match is a
+    400 naming the keyword (`param` + its path) before anything is generated."""
+    from ultrafast.grammar.schema_check import SchemaProblem
+
     if kind == "json_object":
         return GrammarSpec.json_object()
     if kind == "json_schema":
         if not isinstance(schema, dict):
             raise TypeError("json_schema needs a schema object")
-        return GrammarSpec.from_json_schema(schema, bool(strict))
+        try:
+            return GrammarSpec.from_json_schema(schema, bool(strict))
+        except SchemaProblem as problem:
+            raise bad_request(problem.code, problem.param(param), str(problem)) from None
     return None
 
 

@@ -76,7 +76,7 @@ class TextFormat(_Strict):
     strict: bool | None = None
 
     def grammar(self):
-        return json_format_grammar(self.type, self.schema_, self.strict)
+        return json_format_grammar(self.type, self.schema_, self.strict, "text.format.schema")
 
     def echo(self) -> dict:
         """The format as a response body carries it."""

@@ -23,10 +23,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ultrafast.config import MAX_TOOL_CALLS
+from ultrafast.grammar.json_lark import JsonLark
+from ultrafast.grammar.schema_check import SchemaProblem
 from ultrafast.server.tools.formats import ToolFormat
 
-# Pinned JSON spelling inside calls (as the grammar package does): compact, one spelling.
-_JSON_OPTIONS = {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}
+DEFAULT_MAX_CALLS = MAX_TOOL_CALLS  # parallel calls one turn may make (serve --max-tool-calls)
 
 
 @dataclass(frozen=True)
@@ -84,12 +86,12 @@ _OPEN_KEYS = frozenset(
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-def _schema(parameters: dict | None) -> str:
+def _schema(parameters: dict | None, lark: JsonLark) -> str:
+    """The arguments' expression (its rules go into `lark.rules`)."""
     schema: dict[str, Any] = _closed(parameters) if parameters else dict(NO_ARGUMENTS)
     schema.setdefault("type", "object")
-    schema["x-guidance"] = {**_JSON_OPTIONS, **schema.get("x-guidance", {})}
     # properties keep their order: the grammar makes the model write them in it
-    return "%json " + json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    return lark.schema(schema)
 
 
 def tool_call_lark(
@@ -99,10 +101,15 @@ def tool_call_lark(
     required: bool,
     single: bool,
     tokens: Mapping[str, int] | None = None,
+    answer: tuple[str, list[str]] | None = None,
+    max_calls: int = DEFAULT_MAX_CALLS,
 ) -> str:
     """`required`: a call from the first token (else free text first, calls after the
     trigger); `single`: exactly one call, then end-of-sequence. `tokens`: the special tokens
-    (text -> id) the format's texts contain (ToolFormat.special_tokens)."""
+    (text -> id) the format's texts contain (ToolFormat.special_tokens). `answer`: the rule
+    body (and its rules) an answer that is not a call must follow (a `response_format`):
+    then the reply is either that answer or calls, never free text. `max_calls`: the most
+    calls one turn may make (a repetitive model otherwise repeats one call until max_tokens)."""
     tokens = tokens or {}
     lines = ["%llguidance {}"]
     names = []
@@ -110,21 +117,35 @@ def tool_call_lark(
         head = '{"name":' + json.dumps(tool.name) + "," + json.dumps(fmt.args_key) + ":"
         if fmt.trigger_in_call:  # the trigger `{"name":` is already written
             head = head[len(fmt.trigger) :]
-        lines.append(f"call_{i}: {_lit(head)} {_schema(tool.parameters)} " + '"}"')
+        args = JsonLark(prefix=f"t{i}_")
+        try:
+            expr = _schema(tool.parameters, args)
+        except SchemaProblem as problem:  # no arguments can match: the caller's 400
+            where = f" at {problem.path}" if problem.path else ""
+            raise SchemaProblem("", f"tool {tool.name!r}{where}: {problem}") from None
+        lines.append(f"call_{i}: {_lit(head)} {expr} " + '"}"')
+        lines += args.rules
         names.append(f"call_{i}")
     lines.append("call: " + " | ".join(names))
     open_rest = fmt.begin  # after the trigger
     trigger, separator = _lit(fmt.trigger, tokens), _lit(fmt.separator, tokens)
     end = "" if single else _lit(fmt.end, tokens)
+    extra = 0 if single else max(max_calls, 1) - 1  # calls after the first
     if fmt.array:
-        calls = "call" if single else f"call ({separator} call)*"
+        lines += _bounded("more_calls", f"{separator} call", extra)
+        calls = "call more_calls_0" if extra else "call"
         lines.append(f"block_rest: {_lit(open_rest, tokens)} {calls} {end}")
         more = ""
     else:
         lines.append(f"block_rest: {_lit(open_rest, tokens)} call {end}")
-        more = "" if single else f" ({separator} {trigger} block_rest)*"
+        lines += _bounded("more_calls", f"{separator} {trigger} block_rest", extra)
+        more = " more_calls_0" if extra else ""
     if required:
         lines.append(f"start: {trigger} block_rest{more}")
+    elif answer is not None:  # the schema's answer or calls: no free text
+        lines.append(f"answer: {answer[0]}")
+        lines += answer[1]
+        lines.append(f"start: answer | {trigger} block_rest{more}")
     elif trigger == _lit(fmt.trigger):  # a text trigger: a lazy lexeme ends at its first match
         lines.append("TEXT: /(.|\\n)*/")
         lines.append(f"trigger[lazy]: TEXT {trigger}")
@@ -133,6 +154,16 @@ def tool_call_lark(
         lines.append(_text_without(fmt.trigger))
         lines.append(f"start: TEXT | TEXT {trigger} block_rest{more}")
     return "\n".join(lines) + "\n"
+
+
+def _bounded(name: str, item: str, most: int) -> list[str]:
+    """Rules `name_0` .. : at most `most` repeats of `item` (nested optionals, since a
+    Lark `*` has no bound)."""
+    lines = []
+    for k in range(most):
+        tail = f" {name}_{k + 1}" if k + 1 < most else ""
+        lines.append(f"{name}_{k}: ({item}{tail})?")
+    return lines
 
 
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")

@@ -147,19 +147,27 @@ class ToolCallParser:
             self._char(ch)
         return self._take()
 
-    def finish(self) -> list[Event]:
-        """The output ended: what is held becomes content, a started call ends incomplete."""
+    def finish(self, cut: bool = False) -> list[Event]:
+        """The output ended: a started call ends incomplete. `cut`: it ended at max_tokens,
+        so the text held back (a trigger's first chars, a block's markup before its call's
+        name, a call's closing text) is markup that was cut, never content; otherwise what
+        is held becomes content, except a whole call's closing text."""
         call = self.call
         if call is not None and call.started:
             self._args_out(call)
             done = CallDone(call.index, call.id, call.name or "", call.args, complete=False)
             self.calls.append(done)
             self._out.append(done)
-        elif self.mode != "text" and self.raw:
+        elif self.mode != "text" and self.raw and not cut and not self._closing():
             self._content(self.raw)
-        self._content(self.pending)
+        if not cut:
+            self._content(self.pending)
         self.pending, self.raw, self.call, self.mode = "", "", None, "text"
         return self._take()
+
+    def _closing(self) -> bool:
+        """Reading the closing text after a whole call."""
+        return self.mode == "literal" and self.after_literal == "text"
 
     # ---- state machine ----------------------------------------------------------------------
 

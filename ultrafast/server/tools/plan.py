@@ -10,7 +10,12 @@ from typing import Any
 from ultrafast.grammar.spec import GrammarSpec
 from ultrafast.server.sessions.chat_tokens import ChatMessage
 from ultrafast.server.tools.formats import GENERIC, ToolFormat, detect_format
-from ultrafast.server.tools.grammar import ToolSchema, no_call_lark, tool_call_lark
+from ultrafast.server.tools.grammar import (
+    DEFAULT_MAX_CALLS,
+    ToolSchema,
+    no_call_lark,
+    tool_call_lark,
+)
 from ultrafast.server.tools.parse import ToolCallParser
 from ultrafast.server.tools.render import render_generic, render_native
 
@@ -41,6 +46,7 @@ class ToolPlan:
     fmt: ToolFormat = GENERIC  # set from the model's chat template (for_template)
     # the special tokens (text, id) inside the format's texts, in this model's vocabulary
     fmt_tokens: tuple[tuple[str, int], ...] = ()
+    max_calls: int = DEFAULT_MAX_CALLS  # calls one turn may make (serve --max-tool-calls)
 
     def for_template(
         self, chat_template: str | None, special_tokens: Mapping[str, int] | None = None
@@ -77,7 +83,9 @@ class ToolPlan:
             return render_native(messages), variables if shown else {}
         return render_generic(self.fmt, messages, shown), {}
 
-    def grammar_lark(self) -> str | None:
+    def grammar_lark(self, answer: tuple[str, list[str]] | None = None) -> str | None:
+        """`answer`: the rule body (and its rules) a reply that is not a call must follow
+        (the format the client asked for, e.g. a JSON schema); None: free text."""
         if not self.tools:
             return None
         if self.choice == "none":
@@ -89,10 +97,17 @@ class ToolPlan:
             required=self.choice in ("required", "function"),
             single=self.single,
             tokens=dict(self.fmt_tokens),
+            answer=answer,
+            max_calls=self.max_calls,
         )
 
-    def grammar(self) -> GrammarSpec | None:
-        lark = self.grammar_lark()
+    def grammar(self, answer: GrammarSpec | None = None) -> GrammarSpec | None:
+        """The reply's grammar. With `answer` (response_format / text.format) a reply that
+        calls no tool follows it: tool calls OR the schema's JSON. `none` leaves the answer's
+        own grammar (no call can start inside JSON)."""
+        if answer is not None and not self.calls_allowed:
+            return answer
+        lark = self.grammar_lark(None if answer is None else answer.embedding())
         return None if lark is None else GrammarSpec(lark, "tools")
 
     def parser(self) -> ToolCallParser | None:

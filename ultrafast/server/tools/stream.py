@@ -3,7 +3,9 @@ the choice for the final body, and the stream's chunks in OpenAI's shape.
 
 Streamed `tool_calls` deltas: the first for a call carries `index`, `id`, `type` and the
 `name` with `arguments: ""`; later ones carry only `index` and an argument fragment (the
-shape llama.cpp #13800 settled on; concatenated, they equal the non-streamed call). The
+shape llama.cpp #13800 settled on; concatenated, they equal the non-streamed call). A call
+cut by max_tokens streams the deltas it got and the choice ends with `finish_reason:
+"length"`; the non-streamed body lists only whole calls (the cut one is left out). The
 agent fast path: with `stream_options.include_tool_call_done`, each call also goes out whole
 as `event: tool_call.done` the moment its JSON closes, before the stream ends. Opt-in only,
 since openai-python turns any unrequested named event into a malformed chunk.
@@ -50,12 +52,12 @@ class ToolSplitter:
         if finish is None and self.plan.single and any(isinstance(e, CallDone) for e in events):
             finish = "tool_calls"
         if finish is not None:
-            events += parser.finish()
+            events += parser.finish(cut=finish != "stop")
             if finish == "stop" and parser.calls:
                 finish = "tool_calls"
         choice = self.choices[index]
         for e in events:
-            if isinstance(e, CallDone):
+            if isinstance(e, CallDone) and e.complete:  # a cut call: `length` says so
                 choice.tool_calls.append(call_dict(e))
         self.pending[index] += [e for e in events if not isinstance(e, Content)]
         return "".join(e.text for e in events if isinstance(e, Content)), finish
