@@ -2,7 +2,11 @@
 sees, through the server (HTTP, the request checks, the chat template, tokenization, the
 engine).
 
-Each round streams chat completions (`max_tokens` 1) to one server: no schema, a schema the
+Each round streams chat completions to one server, closing each stream at its first content
+delta, with `max_tokens` the room the context leaves (the server refuses a budget that the
+schema's shortest answer cannot fit in, and the 10 KB schema's answer is longer than one
+token): no schema,
+a schema the
 server has never seen, the same schema again (cached; the no-schema call goes first or last,
 alternately), and a long prompt (new to the prefix cache) with another first-seen schema
 beside one without; TTFT is from the send to the first content delta. The server starts
@@ -25,12 +29,12 @@ from ultrafast.bench.report import write_report
 from ultrafast.bench.server_process import ServerProcess
 
 SHORT_PROMPT = "Give the record as JSON."
+SETTLE_S = 0.1  # after a close, for the server to drop the call before the next send
 
 
 def chat_body(prompt: str, schema: dict | None) -> dict:
     body: dict = {
         "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": 1,
         "temperature": 0.0,
         "stream": True,
     }
@@ -42,21 +46,36 @@ def chat_body(prompt: str, schema: dict | None) -> dict:
     return body
 
 
+_ROOM: dict[str, int] = {}
+
+
+def _room(client: httpx.Client, messages: list) -> int:
+    """The tokens the context leaves after the prompt (asked once per prompt, untimed)."""
+    key = json.dumps(messages)
+    if key not in _ROOM:
+        r = client.post("/tokenize", json={"messages": messages})
+        r.raise_for_status()
+        _ROOM[key] = r.json()["max_model_len"] - r.json()["count"]
+    return _ROOM[key]
+
+
 def time_to_first_content(client: httpx.Client, body: dict) -> float:
     """Seconds from the send to the first chunk that carries content (the role-only first
     chunk does not count)."""
+    body = {**body, "max_tokens": _room(client, body["messages"])}
     start = time.perf_counter()
     elapsed = None
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
-        for line in r.iter_lines():  # read to the end: the next call starts on a quiet server
-            if elapsed is not None or not line.startswith("data: ") or line == "data: [DONE]":
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            for choice in json.loads(line[6:]).get("choices", []):
-                if choice.get("delta", {}).get("content"):
-                    elapsed = time.perf_counter() - start
+            if any(c.get("delta", {}).get("content") for c in json.loads(line[6:])["choices"]):
+                elapsed = time.perf_counter() - start
+                break  # closing the stream ends the call
     if elapsed is None:
         raise RuntimeError("the stream ended without content")
+    time.sleep(SETTLE_S)  # the next call starts on a quiet server
     return elapsed
 
 

@@ -34,17 +34,12 @@ class NoEmbeddingMode(ModelLoadError):
 def gguf_pooling(path: str) -> str | None:
     """The pooling a GGUF declares ("mean", "cls", "last"), or None: read from the file's
     metadata alone (no weights loaded), so a server can sort its models before loading."""
-    from gguf import GGUFReader
+    # the project's own header reader: a truncated or broken file is a ModelLoadError that
+    # names it, as the loader would say, not a numpy error from mapping its tensors
+    from ultrafast.model.gguf_meta import read_gguf_metadata
 
-    reader = GGUFReader(path)
-    arch_field = reader.fields.get("general.architecture")
-    if arch_field is None:
-        return None
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-    field = reader.fields.get(f"{arch}.pooling_type")
-    if field is None:
-        return None
-    return POOLING_NAMES.get(int(field.parts[field.data[0]][0]))
+    pooling = read_gguf_metadata(path).arch_value("pooling_type")
+    return None if pooling is None else POOLING_NAMES.get(int(pooling))
 
 
 class EmbeddingExecutor:
