@@ -64,7 +64,11 @@ class SchemaProblem(ValueError):
         return self.message
 
     def param(self, prefix: str) -> str:
-        return f"{prefix}.{self.path}" if self.path else prefix
+        """The request's param: `prefix` then the path (an item index `[1]...` is joined
+        without a dot)."""
+        if not self.path:
+            return prefix
+        return f"{prefix}{self.path}" if self.path.startswith("[") else f"{prefix}.{self.path}"
 
 
 def _join(path: str, key: str | int) -> str:

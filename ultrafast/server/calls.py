@@ -252,11 +252,11 @@ async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Ge
         # text when there is none); `none` bans the call trigger unless a response_format
         # grammar already shapes the answer
         if plan is not None:
-            plan = replace(plan, max_calls=state.config.max_tool_calls)
+            plan = plan.capped(state.config.max_tool_calls)
             try:
                 tool_grammar = plan.grammar(grammar)
-            except SchemaProblem as problem:
-                raise bad_request(problem.code, "tools", str(problem)) from None
+            except SchemaProblem as problem:  # the keyword's path under `tools`
+                raise bad_request(problem.code, problem.param("tools"), str(problem)) from None
             if tool_grammar is not None and tool_grammar is not grammar:
                 grammar = tool_grammar
                 if call.params.grammar is None:
@@ -335,6 +335,7 @@ async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Ge
             tools=plan,
             keep_token_ids=frozenset() if plan is None else plan.keep_token_ids,
             grammar_compile=compiling,
+            grammar_runtime=None if grammar is None else state.grammar,
         )
         run = GenerationRun(state.run_deps(), spec, ticket)
         if num_tokens_taken:

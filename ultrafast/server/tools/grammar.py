@@ -35,6 +35,7 @@ DEFAULT_MAX_CALLS = MAX_TOOL_CALLS  # parallel calls one turn may make (serve --
 class ToolSchema:
     name: str
     parameters: dict | None  # None or {}: no arguments (`{}`)
+    param: str = ""  # where the schema is under the request's `tools` ("[1].parameters")
 
 
 def _lit(text: str, tokens: Mapping[str, int] | None = None) -> str:
@@ -122,7 +123,9 @@ def tool_call_lark(
             expr = _schema(tool.parameters, args)
         except SchemaProblem as problem:  # no arguments can match: the caller's 400
             where = f" at {problem.path}" if problem.path else ""
-            raise SchemaProblem("", f"tool {tool.name!r}{where}: {problem}") from None
+            path = problem.param(tool.param) if tool.param else ""  # under `tools`
+            message = f"tool {tool.name!r}{where}: {problem}"
+            raise SchemaProblem(path, message, problem.code) from None
         lines.append(f"call_{i}: {_lit(head)} {expr} " + '"}"')
         lines += args.rules
         names.append(f"call_{i}")

@@ -26,6 +26,9 @@ class FunctionTool:
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
+    # where its parameters' schema is in the request, under `tools` ("[1].function.parameters"):
+    # a schema no arguments can match is a 400 naming the keyword's exact path
+    param: str = field(default="", compare=False)
 
     def for_prompt(self) -> dict:
         out: dict[str, Any] = {"name": self.name}
@@ -47,6 +50,7 @@ class ToolPlan:
     # the special tokens (text, id) inside the format's texts, in this model's vocabulary
     fmt_tokens: tuple[tuple[str, int], ...] = ()
     max_calls: int = DEFAULT_MAX_CALLS  # calls one turn may make (serve --max-tool-calls)
+    asked_max_calls: int | None = None  # the request's own cap (Responses `max_tool_calls`)
 
     def for_template(
         self, chat_template: str | None, special_tokens: Mapping[str, int] | None = None
@@ -56,6 +60,15 @@ class ToolPlan:
         fmt = detect_format(chat_template)
         found = fmt.special_tokens(special_tokens or {})
         return replace(self, fmt=fmt, fmt_tokens=tuple(sorted(found.items())))
+
+    def capped(self, server_max: int) -> ToolPlan:
+        """The plan under the server's cap (--max-tool-calls) and the request's own, the
+        smaller: at 0 no call can be made (as `none`), at 1 the turn ends at its call."""
+        asked = self.asked_max_calls
+        most = server_max if asked is None else min(server_max, asked)
+        if most <= 0:
+            return replace(self, choice="none", named=None)
+        return replace(self, max_calls=most, parallel=self.parallel and most > 1)
 
     @property
     def keep_token_ids(self) -> frozenset[int]:
@@ -93,7 +106,7 @@ class ToolPlan:
         tools = [t for t in self.tools if self.named is None or t.name == self.named]
         return tool_call_lark(
             self.fmt,
-            [ToolSchema(t.name, t.parameters) for t in tools],
+            [ToolSchema(t.name, t.parameters, t.param) for t in tools],
             required=self.choice in ("required", "function"),
             single=self.single,
             tokens=dict(self.fmt_tokens),
@@ -128,9 +141,13 @@ def chat_tool_plan(req: Any) -> ToolPlan | None:
     return ToolPlan(
         tools=tuple(
             FunctionTool(
-                t.function.name, t.function.description, t.function.parameters, t.function.strict
+                t.function.name,
+                t.function.description,
+                t.function.parameters,
+                t.function.strict,
+                f"[{i}].function.parameters",
             )
-            for t in req.tools
+            for i, t in enumerate(req.tools)
         ),
         choice=choice,
         named=named,

@@ -110,14 +110,24 @@ def plan_from_responses(req: Any, limits: Limits) -> ToolPlan | None:
             check_client_schema(tool.parameters, param, limits, param)
             if tool.parameters.get("type", "object") != "object":
                 raise invalid_value(param, "a tool's parameters must describe a JSON object")
-        tools.append(FunctionTool(tool.name, tool.description, tool.parameters, tool.strict))
+        tools.append(
+            FunctionTool(
+                tool.name, tool.description, tool.parameters, tool.strict, f"[{i}].parameters"
+            )
+        )
     _require_feature("tools", limits)
     choice, named = _choice(req.tool_choice, names)
+    most = getattr(req, "max_tool_calls", None)  # checked >= 0 by the request's own checks
+    if most == 0 and choice in ("required", "function"):
+        raise invalid_value(
+            "max_tool_calls", f"max_tool_calls is 0, but tool_choice {choice!r} needs a call"
+        )
     return ToolPlan(
         tools=tuple(tools),
         choice=choice,
         named=named,
         parallel=req.parallel_tool_calls is not False,
+        asked_max_calls=most,
     )
 
 
