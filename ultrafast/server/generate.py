@@ -16,6 +16,7 @@ A run's life, in the order a front end calls it:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -24,6 +25,7 @@ from typing import Any
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ultrafast.grammar.prefix_check import accepts_text
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.server import openai_format as fmt
 from ultrafast.server.admission import Admission, Ticket
@@ -59,6 +61,8 @@ class GenerationSpec:
     keep_token_ids: frozenset[int] = frozenset()
     # the compile of params.grammar (a concurrent.futures.Future) when it may still be running
     grammar_compile: Any = None
+    # the model's grammar.matcher.GrammarRuntime: is an answer a stop string cut complete?
+    grammar_runtime: Any = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,8 @@ RunEvent = ChoiceDelta | Ping
 CommitHook = Callable[["GenerationRun", str | None], Awaitable[str | None]]
 
 ENGINE_FAILED = "engine_error"
+
+log = logging.getLogger(__name__)
 
 
 def run_error(code: str) -> APIError:
@@ -154,6 +160,8 @@ class GenerationRun:
             for c in range(num_choices)
         ]
         self.matchers = [StopStringMatcher(spec.stops) for _ in range(num_choices)]
+        # each choice's output after stop strings: what a stop inside a grammar's answer cut
+        self.stop_checked = [""] * num_choices if spec.stops and spec.params.grammar else None
         self.num_output_tokens = [0] * num_choices
         self.num_prediction_tokens = [(0, 0)] * num_choices  # (accepted, rejected) per choice
         self.first_token_s: float | None = None
@@ -211,13 +219,43 @@ class GenerationRun:
             delta += self.detoks[index].flush()
         text, stopped = self.matchers[index].push(delta)
         finish = None
+        if self.stop_checked is not None:
+            self.stop_checked[index] += text
         if stopped:
-            finish = "stop"
+            finish = "stop" if self._complete_at_stop(index) else "length"
             self.generation.abort(index)
         elif out.finished:
             text += self.matchers[index].flush()
             finish = out.finish_reason
         return text, out.new_logprobs, finish
+
+    def _complete_at_stop(self, index: int) -> bool:
+        """A stop string matched: True unless it cut a constrained answer short. An answer
+        whose grammar is not in an accepting state there (a JSON value not closed, a tool
+        call cut) ends `length`, never `stop` (issue 29 item 2); logged."""
+        spec = self.spec
+        if self.stop_checked is None or spec.grammar_runtime is None:
+            return True
+        assert spec.params.grammar is not None
+        choice = self.choices[index]
+        if accepts_text(
+            spec.grammar_runtime,
+            spec.params.grammar,
+            choice.token_ids,
+            self.stop_checked[index],
+            spec.keep_token_ids,
+        ):
+            return True
+        log.warning(
+            "%s choice %d: stop string %r cut the %s answer before its grammar was complete "
+            "(%d tokens); finishing with 'length', not 'stop'",
+            spec.request_id,
+            index,
+            self.matchers[index].matched,
+            spec.params.grammar.source,
+            len(choice.token_ids),
+        )
+        return False
 
     def _release(
         self, index: int, text: str, finish: str | None, engine_finished: bool
