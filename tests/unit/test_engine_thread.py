@@ -55,8 +55,7 @@ def test_abort_from_another_thread_frees_the_slot():
     time.sleep(0.05)
     engine.abort("long")
     assert c.done.wait(5) and c.finish == "abort"
-    time.sleep(0.05)
-    assert engine.core.pool.num_running == 0
+    wait_for(lambda: engine.core.pool.num_running == 0)  # not a fixed sleep: load stretches it
     engine.stop()
 
 
@@ -72,7 +71,8 @@ def test_bad_request_gets_an_error_output_not_a_dead_engine():
 
 
 def test_shaper_puts_a_burst_of_default_arrivals_into_one_step():
-    engine, executor = start_engine(shaper_window_s=0.2)
+    # the window is 50 times the arrivals' spread: a loaded machine's late wake-ups fit in it
+    engine, executor = start_engine(shaper_window_s=1.0)
     collectors = [Collector() for _ in range(3)]
     for i, c in enumerate(collectors):
         engine.submit(Request(f"b{i}", [i + 1], SamplingParams(temperature=0, max_tokens=1)), c)
@@ -83,14 +83,14 @@ def test_shaper_puts_a_burst_of_default_arrivals_into_one_step():
 
 
 def test_priority_arrival_skips_the_shaper_wait():
-    engine, executor = start_engine(shaper_window_s=5.0)
+    # a window no test outlasts: the answer coming at all shows it was not waited for (no
+    # elapsed-time bound, which a loaded machine could break)
+    engine, executor = start_engine(shaper_window_s=3600.0)
     c = Collector()
-    started = time.monotonic()
     engine.submit(
         Request("p", [1], SamplingParams(temperature=0, max_tokens=1), tier=ServiceTier.PRIORITY), c
     )
-    assert c.done.wait(2)
-    assert time.monotonic() - started < 2.5  # far below the 5 s window
+    assert c.done.wait(60)
     engine.stop()
 
 

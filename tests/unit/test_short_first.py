@@ -1,10 +1,13 @@
 """Short requests first within the default and flex tiers (SchedulerConfig.short_first_window_s)."""
 
+import time
+
 from tests.unit.engine_driver import prompt, run_all
 from ultrafast.core.kv_pool import KVSlotPool
 from ultrafast.core.scheduler import LASTING_DECODES, Scheduler, SchedulerConfig
 from ultrafast.core.types import StepResult
 from ultrafast.engine.core import EngineCore
+from ultrafast.engine.step_costs import StepCostModel
 from ultrafast.executors.fake_exec import FakeExecutor, reference_tokens
 from ultrafast.request import Request, SamplingParams, ServiceTier
 
@@ -90,6 +93,17 @@ def test_running_prefills_are_ordered_the_same_way():
     assert [s.request_id for s in plan.seqs] == ["short-0"]
 
 
+def fixed_costs(decode_s: float, per_token_s: float) -> StepCostModel:
+    """A cost model fed made-up step times (lone decodes and 8-token prefills), as the
+    engine's own timing would feed it on an idle machine: what it predicts does not depend
+    on the load of the machine running the test."""
+    costs = StepCostModel()
+    for _ in range(8):
+        costs.observe(1, 1, decode_s)
+        costs.observe(1, 8, decode_s + 7 * per_token_s)
+    return costs
+
+
 def test_the_engine_orders_by_measured_costs_and_every_token_stays_exact():
     executor = FakeExecutor(num_slots=8)
     config = SchedulerConfig(
@@ -103,9 +117,15 @@ def test_the_engine_orders_by_measured_costs_and_every_token_stays_exact():
     warm = Request("warm", prompt(9, 8), SamplingParams(temperature=0.0, max_tokens=4))
     run_all(engine, [warm])  # the cost model has timed prefill and decode steps
     assert engine.costs.single_decode_s is not None
+    # the order must not depend on this machine's load: fixed step costs and arrivals (a
+    # measured prefill that ran faster than a decode, or a pause between the two arrivals
+    # longer than their difference in work, once put the long request first)
+    engine.costs = fixed_costs(DECODE_S, DECODE_S / 4)
+    now = time.monotonic()
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (40, 1)]
     requests = [
-        Request("long", prompt(1, 8), SamplingParams(temperature=0.0, max_tokens=40)),
-        Request("short", prompt(2, 8), SamplingParams(temperature=0.0, max_tokens=1)),
+        Request("long", prompt(1, 8), params[0], arrival_time_s=now),
+        Request("short", prompt(2, 8), params[1], arrival_time_s=now + DECODE_S),
     ]
     out, _ = run_all(engine, requests)
     first_seq = {}
