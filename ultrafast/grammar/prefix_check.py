@@ -37,18 +37,17 @@ def accepts_text(
     except ValueError:  # it does not compile (the request would have been refused)
         return False
     lltok = runtime.lltokenizer
-    data, pos = text.encode("utf-8", "surrogatepass"), 0
+    data, pos, ids = text.encode("utf-8", "surrogatepass"), 0, []
     for token in token_ids:
-        special = lltok.is_special_token(token)
-        if special and token not in keep_ids:
+        if lltok.is_special_token(token) and token not in keep_ids:
             continue  # not in the text: EOS, a template token the output skips
         piece = lltok.decode_bytes([token])
         if not piece or not data.startswith(piece, pos):
             break  # the stop string began inside this token, or the text reads otherwise
-        if not matcher.consume_token(token):
-            return False
+        ids.append(token)
         pos += len(piece)
-    rest = list(lltok.tokenize_bytes(data[pos:])) if pos < len(data) else []
-    if rest and not matcher.consume_tokens(rest):
+    if pos < len(data):
+        ids += lltok.tokenize_bytes(data[pos:])
+    if ids and not matcher.consume_tokens(ids):
         return False
     return matcher.is_accepting() and not matcher.is_error()
