@@ -12,24 +12,10 @@ import httpx
 import openai
 import pytest
 
+from tests.e2e.test_agent_path import ANSWER, ASK, FLAT_TOOLS, TOOLS
 from ultrafast.bench.server_process import ServerProcess
 
-LOOKUP = {
-    "type": "object",
-    "properties": {"q": {"type": "string", "maxLength": 20}},
-    "required": ["q"],
-    "additionalProperties": False,
-}
-TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": LOOKUP}}]
-FLAT_TOOLS = [{"type": "function", "name": "lookup", "parameters": LOOKUP}]
-ANSWER = {
-    "type": "object",
-    "properties": {"answer": {"type": "string", "maxLength": 40}},
-    "required": ["answer"],
-    "additionalProperties": False,
-}
 FORMAT = {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": ANSWER}}
-ASK = [{"role": "user", "content": "answer"}]
 MAX_CALLS = 3  # the server's --max-tool-calls
 # the grammar makes every answer begin `{"answer":"`: this stop string always cuts it there
 CUT = '":"'
@@ -56,31 +42,17 @@ def post(srv, path: str, body: dict) -> httpx.Response:
 # ---- a stop string inside a constrained answer ------------------------------------------------
 
 
-def test_a_stop_inside_the_schema_answer_ends_length(client):
-    r = client.chat.completions.create(
-        model="demo-code",
-        messages=ASK,
-        response_format=FORMAT,
-        stop=[CUT],
-        max_tokens=64,
-        temperature=0,
-    )
-    c = r.choices[0]
-    assert (c.finish_reason, c.message.content) == ("length", '{"answer')
-
-
-def test_a_streamed_stop_inside_the_schema_answer_ends_length(client):
-    stream = client.chat.completions.create(
-        model="demo-code",
-        messages=ASK,
-        response_format=FORMAT,
-        stop=[CUT],
-        max_tokens=64,
-        temperature=0,
-        stream=True,
-    )
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_stop_inside_the_schema_answer_ends_length(client, stream):
+    args = {"messages": ASK, "response_format": FORMAT, "stop": [CUT], "max_tokens": 64}
+    if not stream:
+        c = client.chat.completions.create(model="demo-code", temperature=0, **args).choices[0]
+        assert (c.finish_reason, c.message.content) == ("length", '{"answer')
+        return
     content, finish = "", None
-    for chunk in stream:
+    for chunk in client.chat.completions.create(
+        model="demo-code", temperature=0, stream=True, **args
+    ):
         content += chunk.choices[0].delta.content or ""
         finish = chunk.choices[0].finish_reason or finish
     assert (finish, content) == ("length", '{"answer')

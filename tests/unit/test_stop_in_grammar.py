@@ -13,13 +13,12 @@ from dataclasses import replace
 
 import pytest
 
-from ultrafast.config import DEMO_MODEL_DIR
+from tests.unit.test_grammar_engine import runtime as runtime  # noqa: F401 (fixture)
+from tests.unit.test_grammar_engine import tok as tok  # noqa: F401 (fixture)
 from ultrafast.grammar import GrammarSpec
-from ultrafast.grammar.matcher import GrammarRuntime
 from ultrafast.grammar.prefix_check import accepts_text
 from ultrafast.request import SamplingParams
 from ultrafast.server.tools.stream import ToolSplitter
-from ultrafast.tokenizer import Tokenizer
 
 from .test_generation_run import make_run
 from .test_tools_run import PLAN, body_of, feed_tokens, sse_chunks, stream_calls
@@ -32,16 +31,6 @@ SCHEMA = {
 }
 ANSWER = '{"a":"x: y","n":123}'
 CALL = '<tool_call>{"name":"ping","arguments":{}}</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_dir(DEMO_MODEL_DIR)
-
-
-@pytest.fixture(scope="module")
-def runtime(tok):
-    return GrammarRuntime.for_tokenizer(tok, tok.vocab_size)
 
 
 def spec_of(runtime, spec: GrammarSpec) -> GrammarSpec:
