@@ -23,8 +23,7 @@ from tests.model.test_wide_pass import (  # noqa: E402
 )
 from ultrafast.core.types import StepPlan  # noqa: E402
 
-KWARGS = dict(num_slots=4, max_model_len=256, flash_attn=True, n_threads=1)
-LONG = 64  # prompt tokens: above SHORT_CHUNK, so a first pass asks for the wide path
+KWARGS = dict(num_slots=8, max_model_len=256, flash_attn=True, n_threads=1)
 
 
 @pytest.fixture(autouse=True)
@@ -54,12 +53,20 @@ def count_wide_passes(ex, monkeypatch) -> list[int]:
 
 
 def long_prompts(vocab: int) -> list[list[int]]:
-    return [p + p[:LONG] for p in prompts(vocab, 2)]  # 40 and 45 tokens + LONG = 104+
+    """Two prompts of 140 tokens: together (280) a pass that needs the wide path."""
+    return [(p * 8)[:140] for p in prompts(vocab, 2)]
+
+
+def step(ex, chunks: list[list[int]], first_slot: int = 0) -> None:
+    """One pass prefilling each chunk from position 0 in its own slot."""
+    result = ex.execute(StepPlan([seq(first_slot + i, c, 0) for i, c in enumerate(chunks)]))
+    assert not result.errors, result.errors
 
 
 def ready(ex) -> None:
     """Wait for the background load, then time the routing as the idle engine would."""
     ex.wide_lazy.wait_loaded(120)
+    ex._trim_slot(3, 0)  # a slot that holds nothing, as the engine's pool gives
     if ex.wide_lazy.wants_time():
         assert ex.wide_lazy.time_now([3], lambda: False)
 
@@ -82,15 +89,16 @@ def test_the_wide_path_is_used_once_ready_and_its_decision_cached(monkeypatch):
 
     with by_need() as ex:
         batch = long_prompts(ex.vocab_size)
-        ex.execute(StepPlan([seq(0, batch[0][:8], 0)]))  # short: no need
+        step(ex, [batch[0]])  # one 140-token prompt (a long chat question): no need
+        step(ex, [batch[0][:31]] * 8)  # 248 tokens in chunks too short to route: no need
         assert ex.wide_lazy.state == "by need"
-        ex.execute(StepPlan([seq(0, batch[0], 0)]))
+        step(ex, batch)  # 280 tokens in two long chunks: needed
         assert ex.wide_lazy.state == "loading"
         ready(ex)
         assert ex.wide is not None and ex.wide_status.startswith("on (on): prefill chunks of")
         assert ex._slot_lens[3] == 0  # the timing's scratch slot left empty
         wide_passes = count_wide_passes(ex, monkeypatch)
-        ex.execute(StepPlan([seq(1, batch[1], 0)]))
+        step(ex, [batch[1]], first_slot=4)  # once on, any chunk from the threshold takes it
         assert wide_passes == [1]
         identity = ex.wide_lazy.identity()
         assert cost_cache.read_cache(identity)["wide_min_tokens"] == ex.wide_min_tokens
@@ -109,12 +117,12 @@ def test_a_cached_decision_skips_the_timing(monkeypatch):
 
         monkeypatch.setattr(wide_lazy, "time_wide_path", no_timing)
         batch = long_prompts(ex.vocab_size)
-        ex.execute(StepPlan([seq(0, batch[0][:39], 0)]))  # under the cached threshold
+        step(ex, [batch[0][:39]] * 7)  # 273 tokens under the cached threshold: no need
         assert ex.wide_lazy.state == "by need"
-        ex.execute(StepPlan([seq(1, batch[0][:40], 0)]))  # at it: the load starts
+        step(ex, [batch[0][:40]] * 7)  # 280 at it: the load starts
         ex.wide_lazy.wait_loaded(120)
         wide_passes = count_wide_passes(ex, monkeypatch)
-        ex.execute(StepPlan([seq(2, batch[1], 0)]))  # takes the weights, then the path
+        step(ex, [batch[1]], first_slot=7)  # takes the weights, then the path
         assert ex.wide_min_tokens == 40 and wide_passes == [1]
         assert ex.wide_status.startswith("on (on, routing cached)")
 
@@ -128,7 +136,7 @@ def test_a_cached_off_decision_never_loads_the_weights():
         cost_cache.write_cache(identity, {"wide_min_tokens": None, "status": status})
     with by_need("auto") as ex:
         assert ex.wide_status == f"{status} (cached)"
-        ex.execute(StepPlan([seq(0, long_prompts(ex.vocab_size)[0], 0)]))
+        step(ex, long_prompts(ex.vocab_size))
         assert ex.wide_lazy.state == "off" and ex.wide_lazy._loader is None
 
 
@@ -136,7 +144,7 @@ def test_an_arriving_request_interrupts_the_timing():
     from ultrafast.executors.ggml_threads import CalibrationInterrupted
 
     with by_need() as ex:
-        ex.execute(StepPlan([seq(0, long_prompts(ex.vocab_size)[0], 0)]))
+        step(ex, long_prompts(ex.vocab_size))
         ex.wide_lazy.wait_loaded(120)
         assert ex.wide_lazy.wants_time()
         with pytest.raises(CalibrationInterrupted):
@@ -173,9 +181,9 @@ def test_idle_rss_in_a_fresh_process():
         pytest.skip("run by the test above, in its own process")
     with by_need() as ex:
         batch = long_prompts(ex.vocab_size)
-        ex.execute(StepPlan([seq(0, batch[0][:8], 0)]))  # served, short: no need
+        step(ex, [batch[0][:40]])  # served, short: no need
         idle = _rss()
-        ex.execute(StepPlan([seq(1, batch[0], 0)]))  # the first need
+        step(ex, batch, first_slot=2)  # the first need
         ex.wide_lazy.wait_loaded(120)
         ex.wide_lazy.poll()
         forward = ex.wide_lazy._loaded

@@ -7,9 +7,12 @@ the first answer on the default model, for a path only long prompts use. Now:
 - at start, `unavailable()` (oneDNN, bf16, KV type, the model's shape from the GGUF header,
   memory) says whether the path can run at all; a routing decision cached for this CPU,
   model file and flags (`start-costs/`, executors/cost_cache.py) is read;
-- the first pass holding a chunk that would take the path (>= the cached threshold, or >=
-  SHORT_CHUNK tokens when undecided) runs on llama.cpp as every pass does until the path is
-  ready, and starts a background thread that builds the bf16 weights at low CPU priority (a
+- the first pass whose chunks long enough for the path (>= the cached threshold, or >=
+  SHORT_CHUNK tokens when undecided) hold NEED_TOKENS tokens together (the long timing
+  chunk's length: where the path's gain is measured; a chat question of 30-60 tokens is no
+  need, its gain a few ms against ~370 MiB of weights on the default model, while a step of
+  16 such prompts, or one long prompt, is) runs on llama.cpp as every pass does until the
+  path is ready, and starts a background thread that builds the bf16 weights at low CPU priority (a
   thread, not the engine thread: the dequantization takes seconds, and passes keep running
   meanwhile; at nice 10 it yields the cores to the engine's passes);
 - a cached decision applies when the weights are in; otherwise both paths are timed when the
@@ -35,6 +38,7 @@ from ultrafast.core.types import StepPlan
 from ultrafast.cpu_info import cpu_identity
 from ultrafast.executors.cost_cache import read_cache, write_cache
 from ultrafast.executors.wide_route import (
+    LONG_CHUNK,
     OFF_STATUS,
     SHORT_CHUNK,
     plan_wide_path,
@@ -45,6 +49,7 @@ from ultrafast.executors.wide_route import (
 log = logging.getLogger("ultrafast.executors.wide_exec")
 
 LOADER_NICE = 10  # the weight loader's niceness: the engine's passes come first
+NEED_TOKENS = LONG_CHUNK  # routable prefill tokens in one pass that make the path needed
 
 
 class WideLazy:
@@ -96,8 +101,9 @@ class WideLazy:
             else "routing timed when the engine is idle"
         )
         return (
-            f"by need: bf16 weights load at the first prefill chunk of >= {self.threshold} "
-            f"tokens ({routing}); until then every pass runs on llama.cpp"
+            f"by need: bf16 weights load at the first pass with >= {NEED_TOKENS} prompt tokens "
+            f"in chunks of >= {self.threshold} ({routing}); until then every pass runs on "
+            "llama.cpp"
         )
 
     @property
@@ -110,9 +116,10 @@ class WideLazy:
     def on_pass(self, plan: StepPlan) -> None:
         """Start loading at the first chunk that needs the path; take the weights once in."""
         if self.state == "by need" and self.armed:
-            longest = max((len(s.token_ids) for s in plan.seqs), default=0)
-            if longest >= self.threshold:
-                self._start_loading(longest)
+            lengths = (len(s.token_ids) for s in plan.seqs)
+            routable = sum(n for n in lengths if n >= self.threshold)
+            if routable >= NEED_TOKENS:
+                self._start_loading(routable)
         self.poll()
 
     def poll(self) -> None:
@@ -123,7 +130,7 @@ class WideLazy:
     def _start_loading(self, tokens: int) -> None:
         self.state = "loading"
         self.status = "loading bf16 weights in the background; passes run on llama.cpp meanwhile"
-        log.info("wide passes: a %d-token chunk asks for them: %s", tokens, self.status)
+        log.info("wide passes: a pass of %d prompt tokens needs them: %s", tokens, self.status)
         self._loader = threading.Thread(target=self._load, name="wide-weights", daemon=True)
         self._loader.start()
 
