@@ -196,3 +196,19 @@ def test_idle_rss_in_a_fresh_process():
         print(f"bf16 forward {weight_bytes / 2**20:.1f} MiB, RSS grew {grew / 2**20:.1f} MiB")
         assert weight_bytes >= 8 * 2**20  # large enough to tell apart from noise
         assert grew >= 0.6 * weight_bytes  # they were not resident while idle
+
+
+def test_weights_that_fail_to_load_leave_every_pass_on_llama_cpp(monkeypatch):
+    from ultrafast.executors import wide_forward
+
+    def broken(*args, **kwargs):
+        raise OSError("the GGUF went away")
+
+    monkeypatch.setattr(wide_forward, "WideForward", broken)
+    with by_need() as ex:
+        batch = long_prompts(ex.vocab_size)
+        step(ex, batch)
+        ex.wide_lazy.wait_loaded(120)
+        step(ex, batch, first_slot=2)  # takes the outcome: off, and this pass on llama.cpp
+        assert ex.wide is None and not ex.wide_lazy.wants_time()
+        assert ex.wide_status == "off (the bf16 weights did not load: OSError: the GGUF went away)"
