@@ -6,13 +6,12 @@ decision skips the timing; an idle executor does not hold the bf16 weights."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("llama_cpp")
 
+from tests.model.fresh_process import child_only, run_in_fresh_process  # noqa: E402
 from tests.model.test_wide_pass import (  # noqa: E402
     DEMO_GGUF,
     _bf16_unavailable,
@@ -153,22 +152,9 @@ def test_an_arriving_request_interrupts_the_timing():
         assert not ex.wide_lazy.time_now([], lambda: False)  # no free slot: later
 
 
-CHILD = "ULTRAFAST_WIDE_LAZY_RSS_CHILD"
-
-
 def test_idle_rss_holds_no_bf16_weights():
     """In a fresh interpreter (memory freed by earlier tests would blur the figures)."""
-    if os.environ.get(CHILD):
-        pytest.skip("the child runs the check itself")
-    name = "test_idle_rss_in_a_fresh_process"
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{name}"],
-        env={**os.environ, CHILD: "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:]
+    run_in_fresh_process(__file__, "test_idle_rss_in_a_fresh_process")
 
 
 def _rss() -> int:
@@ -177,8 +163,7 @@ def _rss() -> int:
 
 
 def test_idle_rss_in_a_fresh_process():
-    if not os.environ.get(CHILD):
-        pytest.skip("run by the test above, in its own process")
+    child_only()
     with by_need() as ex:
         batch = long_prompts(ex.vocab_size)
         step(ex, [batch[0][:40]])  # served, short: no need
