@@ -181,12 +181,12 @@ class WideLazy:
         return self.state == "untimed"
 
     def time_now(self, free_slots: list[int], should_stop: Callable[[], bool]) -> bool:
-        """Time both paths in a free slot and decide; False when no slot is free. An arriving
-        request interrupts it (CalibrationInterrupted, raised): it is timed again later."""
-        busy = {i for i, n in enumerate(self.ex._slot_lens) if n}
-        slot = next((s for s in free_slots if s not in busy), None)
-        if slot is None:
+        """Time both paths in one of `free_slots` (the pool's: no owner, no cached prefix) and
+        decide; False when there is none. An arriving request interrupts it
+        (CalibrationInterrupted, raised): it is timed again later."""
+        if not free_slots:  # (their stale KV, if any, is the pool's to overwrite)
             return False
+        slot = free_slots[-1]  # the last: the pool hands out the first ones first
         self.ex.wide = self._loaded
         try:
             min_tokens, status = time_wide_path(self.ex, self.mode, slot, should_stop)
