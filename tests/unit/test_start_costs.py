@@ -210,9 +210,7 @@ def test_the_wide_path_is_unarmed_by_made_up_prompts_and_timed_on_an_idle_tick(m
     wide = core.executor.wide_lazy = FakeWide()
     seen = []
     monkeypatch.setattr(start_costs, "measure_idle_speed", lambda c: seen.append(wide.armed))
-    costs.before_warmup()
-    assert not wide.armed  # the warm-up's passes are no need
-    costs.at_warmup(background=True)
+    _start(costs, background=True)
     assert wide.armed and not wide.decided_now and costs.wide_status == "by need"
     assert costs.wants_tick()
     costs.tick(lambda: False)  # the thread plan first, the idle speed unarmed
@@ -231,8 +229,21 @@ def test_an_interrupted_wide_timing_waits_for_the_next_idle_tick(model):
     assert costs.wants_tick() and wide.untimed
 
 
-def test_offline_the_wide_path_is_decided_at_warmup(model):
+def test_offline_the_wide_path_is_decided_at_warmup(model, seen_armed):
     core, costs = _costs(model)
     wide = core.executor.wide_lazy = FakeWide()
     _start(costs, background=False)
     assert wide.decided_now == 1 and wide.armed
+    assert seen_armed == [False]  # its own idle-speed prompts were no need
+
+
+@pytest.fixture
+def seen_armed(monkeypatch):
+    seen: list[bool] = []
+
+    def measure(core):
+        seen.append(core.executor.wide_lazy.armed)
+        return SPEED
+
+    monkeypatch.setattr(start_costs, "measure_idle_speed", measure)
+    return seen

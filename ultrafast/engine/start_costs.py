@@ -120,8 +120,6 @@ class StartCosts:
 
     def before_warmup(self) -> None:
         """Before the warm-up passes: the cached costs, else the safe thread count."""
-        if self.wide is not None:  # made-up prompts are no need for the wide path
-            self.wide.armed = False
         identity = self.identity()
         cached = load_cached(identity) if identity is not None else None
         if cached is not None and (cached[0] is not None or not self.calibrates):
@@ -136,13 +134,9 @@ class StartCosts:
     def at_warmup(self, background: bool) -> None:
         """After the warm-up: nothing (cached), or measure now, or mark them pending; the
         wide path's routing is decided now offline, by need while serving."""
-        try:
-            self._costs_at_warmup(background)
-        finally:
-            if self.wide is not None:
-                if not background:
-                    self.wide.decide_now()
-                self.wide.armed = True
+        self._costs_at_warmup(background)
+        if self.wide is not None and not background:
+            self.wide.decide_now()
 
     def _costs_at_warmup(self, background: bool) -> None:
         if self.status == "cached":
