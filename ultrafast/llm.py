@@ -73,7 +73,8 @@ def build_executor(config: EngineConfig, files: ModelFiles):
         if config.wide_pass != "off":  # imports torch: only when asked for
             from ultrafast.executors.wide_exec import WideGgmlExecutor
 
-            executor_class, wide = WideGgmlExecutor, {"wide_pass": config.wide_pass}
+            executor_class = WideGgmlExecutor
+            wide = {"wide_pass": config.wide_pass, "by_need": True}  # executors/wide_lazy.py
         return executor_class(
             gguf_path,
             num_slots=config.num_slots,

@@ -28,10 +28,13 @@ def test_bench_startup_cold_then_warm_on_ours(tmp_path):
     for start in (cold, warm):
         assert start["error"] is None and start["first_answer_s"] > 0
         assert start["idle_rss_mib"] > 50 and start["cpu_s"] > 0
+        # a short question is no need for the wide path: its weights are not loaded
+        assert start["wide_pass"].startswith(("by need", "off (not available")), start
     assert cold["start_costs"] in ("measured", "contended")
     if cold["start_costs"] == "measured":
         assert warm["start_costs"] == "cached"
-    assert "| ours | cold |" in out.with_suffix(".md").read_text()
+    table = out.with_suffix(".md").read_text()
+    assert "| ours | cold |" in table and "| wide path |" in table
 
 
 def test_the_llama_cpp_peer_runs_through_the_amx_safe_wrapper_on_every_core(tmp_path):

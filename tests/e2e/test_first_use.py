@@ -11,6 +11,7 @@ setup has not fetched it), served as `make run` serves it (`ultrafast serve`, no
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -32,6 +33,9 @@ BLOCK = re.compile(re.escape(MARK) + r"[^\n]*\n```(\w+)\n(.*?)```", re.S)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SHORT = [{"role": "system", "content": "Answer in one short sentence."}, *QUESTION]
 CONTEXT = 2048  # `make run`'s --max-model-len (the default)
+REQUEST_S = 300  # per request, whole (the short answers)
+STALL_S = 120  # per streamed event: a server that stops sending fails within this
+SMALL_CAP = 64  # capped_server's output cap
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +48,11 @@ def default_server():
     with pytest.MonkeyPatch.context() as env:
         env.delenv("ULTRAFAST_MODEL", raising=False)  # the tests' demo default (conftest)
         env.setenv("ULTRAFAST_SMOLLM2_GGUF", str(gguf))
-        # model "": no model argument, as `make run` starts it; fixed threads: a faster start
+        # model "": no model argument, as `make run` starts it; one fixed thread: no
+        # calibration at start, and no pass waiting at a barrier for a descheduled second
+        # thread while other processes use the cores (a 2-thread pass took 40x longer so)
         srv = ServerProcess(
-            "--threads", "2", "--batch-threads", "2", model="", num_slots=4, max_model_len=CONTEXT
+            "--threads", "1", "--batch-threads", "1", model="", num_slots=4, max_model_len=CONTEXT
         )
     yield srv
     srv.stop()
@@ -61,7 +67,7 @@ def ask_ten(server, messages, seeds: int = 10) -> list[dict]:
 
     def ask(seed: int) -> httpx.Response:
         body = {"model": SMOLLM2_SERVED_NAME, "messages": messages, "seed": seed}
-        return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=900)
+        return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=REQUEST_S)
 
     with ThreadPoolExecutor(4) as pool:  # the server's 4 slots decode them together
         done = list(pool.map(ask, range(seeds)))
@@ -84,12 +90,70 @@ def test_paris_at_api_defaults_in_8_of_10_seeds(default_server):
     assert sum(map(paris_in_a_sentence, answers)) >= 8, texts
 
 
-def test_no_answer_at_api_defaults_runs_to_the_context(default_server):
-    # one round of the 4 slots: most of these answers ramble until the cap (1024 tokens each)
-    answers = ask_ten(default_server, QUESTION, seeds=4)
-    for answer in answers:  # the default output cap, whatever the model says
-        assert answer["usage"]["completion_tokens"] <= ServerConfig.default_max_tokens < CONTEXT
-        assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+def stream_at_defaults(server, seed: int) -> tuple[int, str | None]:
+    """The bare question at API defaults, streamed: (completion tokens, finish reason). A
+    stream: the read timeout is per event, so a server that stops sending fails it within
+    STALL_S, while a slow (loaded) machine only takes longer to reach the cap."""
+    body = {
+        "model": SMOLLM2_SERVED_NAME,
+        "messages": QUESTION,
+        "seed": seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    finish, tokens = None, 0
+    url = server.url + "/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, timeout=STALL_S) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[len("data: ") :])
+            for choice in event.get("choices", []):
+                finish = choice.get("finish_reason") or finish
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return tokens, finish
+
+
+@pytest.fixture(scope="module")
+def capped_server():
+    """As default_server, with the default output cap set small by its flag (--max-tokens):
+    the bare question's answers ramble until the cap, and 4 x 1024 tokens took over 25 min
+    while other processes held the cores; the shipped cap is checked against the context by
+    test_the_shipped_cap_is_below_the_context."""
+    from tests.model.gguf_files import require_smollm2
+
+    gguf = require_smollm2()
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("ULTRAFAST_MODEL", raising=False)
+        env.setenv("ULTRAFAST_SMOLLM2_GGUF", str(gguf))
+        srv = ServerProcess(
+            "--threads", "1", "--batch-threads", "1", "--max-tokens", str(SMALL_CAP),
+            model="", num_slots=4, max_model_len=CONTEXT,
+        )  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def test_no_answer_at_api_defaults_runs_to_the_context(capped_server):
+    # one round of the 4 slots: most of these answers ramble until the server's output cap
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda seed: stream_at_defaults(capped_server, seed), range(4)))
+    for tokens, finish in answers:  # the server's output cap, whatever the model says
+        assert 0 < tokens <= SMALL_CAP, answers
+        assert finish in ("stop", "length"), answers
+    assert any(finish == "length" for _, finish in answers), answers  # the cap did the work
+
+
+def test_the_shipped_cap_is_below_the_context():
+    """What `make run` serves: `serve`'s --max-tokens default, below its context."""
+    from ultrafast.cli import build_parser
+    from ultrafast.config import EngineConfig
+
+    args = build_parser().parse_args(["serve"])
+    assert args.max_tokens == ServerConfig.default_max_tokens > 0
+    assert ServerConfig.default_max_tokens < EngineConfig.max_model_len == CONTEXT
 
 
 def test_the_readme_marks_its_first_examples():

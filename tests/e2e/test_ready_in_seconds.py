@@ -65,3 +65,60 @@ def test_start_costs_are_measured_in_the_background_then_cached(tmp_path, monkey
         assert ready["start_costs"] == "cached" and ready["idle_speed"]["ttft_ms"] > 0
     finally:
         again.stop()
+
+
+LONG_CODE = "".join(f"def f{i}(a):\n    return a + {i}\n" for i in range(40))  # ~500 tokens
+LONG_CHAT = {
+    "messages": [{"role": "user", "content": LONG_CODE}],
+    "max_tokens": 4,
+    "temperature": 0,
+}
+
+
+def _wait_ready(url: str, done, timeout_s: float = 300) -> dict:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready = _ready(url)
+        if done(ready):
+            return ready
+        time.sleep(0.5)
+    raise AssertionError(f"/ready never got there: {ready}")
+
+
+def test_the_wide_path_loads_by_need_and_its_routing_is_cached(tmp_path, monkeypatch):
+    """Started at the defaults (--wide-pass auto): nothing of the wide path until a long prompt
+    needs it; that prompt is answered on llama.cpp meanwhile; the routing is timed on the idle
+    engine and cached; the next start knows it without timing."""
+    monkeypatch.setenv("ULTRAFAST_CACHE_DIR", str(tmp_path))
+    args = ("--num-slots", "4", "--max-model-len", "1024", "--threads", "1")
+    srv = ServerProcess(*args, model=DEMO_MODEL_DIR)
+    try:
+        ready = _ready(srv.url)
+        if ready["wide_pass"].startswith("off (not available"):
+            pytest.skip(f"the wide path cannot run here: {ready['wide_pass']}")
+        assert ready["wide_pass"].startswith("by need"), ready
+        chat = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, timeout=60)
+        assert chat.status_code == 200 and _ready(srv.url)["wide_pass"].startswith("by need")
+        url = srv.url + "/v1/chat/completions"
+        first = httpx.post(url, json=LONG_CHAT, timeout=120)
+        assert first.status_code == 200 and first.json()["choices"][0]["message"]["content"]
+        ready = _wait_ready(srv.url, lambda r: r["wide_pass"].startswith(("on", "off")))
+        assert ready["wide_pass"].startswith(("on (auto)", "off (measured not faster")), ready
+        again = httpx.post(url, json=LONG_CHAT, timeout=120)
+        assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"]
+    finally:
+        srv.stop()
+    decided = ready["wide_pass"]
+    records = [json.loads(p.read_text()) for p in (tmp_path / "start-costs").glob("*.json")]
+    assert any(r.get("status") == decided for r in records), records
+    restarted = ServerProcess(*args, model=DEMO_MODEL_DIR)
+    try:
+        ready = _ready(restarted.url)
+        if decided.startswith("on"):
+            assert "routing cached" in ready["wide_pass"], ready
+        else:
+            assert ready["wide_pass"] == f"{decided} (cached)", ready
+    finally:
+        restarted.stop()

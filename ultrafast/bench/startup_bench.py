@@ -45,6 +45,7 @@ class StartResult:
     error: str | None = None
     start_costs: str | None = None  # ours: cached / measured / contended (never cached)
     cpu_s: float | None = None  # CPU seconds the server used up to its first answer
+    wide_pass: str | None = None  # ours: the wide path's state when idle (by need, on, off)
 
 
 def ours_argv(gguf: Path, port: int) -> list[str]:
@@ -135,11 +136,20 @@ def one_start(
             cpu_s = tree_cpu_s(proc.pid)
             time.sleep(SETTLE_S)
             rss, pss = tree_memory_mib(proc.pid)
-            costs = None
+            ready: dict = {}
             if name == "ours":  # the next start is warm only once they are in the cache
                 wait_start_costs(url, timeout_s)
-                costs = httpx.get(url + "/ready", timeout=10).json().get("start_costs")
-            return StartResult(name, start, ttfa, rss, pss, start_costs=costs, cpu_s=cpu_s)
+                ready = httpx.get(url + "/ready", timeout=10).json()
+            return StartResult(
+                name,
+                start,
+                ttfa,
+                rss,
+                pss,
+                start_costs=ready.get("start_costs"),
+                cpu_s=cpu_s,
+                wide_pass=ready.get("wide_pass"),
+            )
         except RuntimeError as exc:
             return StartResult(name, start, None, None, None, str(exc))
         finally:
@@ -202,23 +212,32 @@ def _f(v: float | None, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def _short(wide_pass: str | None) -> str:
+    """The wide path's state without its reason: by need, loading, weights loaded, on, off."""
+    if not wide_pass:
+        return "-"
+    states = ("by need", "loading", "weights loaded", "on", "off")
+    state = next((s for s in states if wide_pass.startswith(s)), wide_pass)
+    return f"{state} (cached)" if "cached" in wide_pass else state
+
+
 def markdown(report: dict) -> str:
     lines = [
         f"model: {report['model']}; CPU: {report['cpu']['cpu_model']}, "
         f"{report['cpu']['cores']} cores",
         "",
         "| server | start | first answer s | CPU s to it | idle RSS MiB | idle PSS MiB "
-        "| start costs | error |",
-        "|---|---|---|---|---|---|---|---|",
+        "| start costs | wide path | error |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["starts"]:
         lines.append(
             f"| {r['server']} | {r['start']} | {_f(r['first_answer_s'])} | {_f(r['cpu_s'])} | "
             f"{_f(r['idle_rss_mib'], 0)} | {_f(r['idle_pss_mib'], 0)} | "
-            f"{r.get('start_costs') or '-'} | {r['error'] or ''} |"
+            f"{r.get('start_costs') or '-'} | {_short(r.get('wide_pass'))} | {r['error'] or ''} |"
         )
     for name, why in report["skipped"].items():
-        lines.append(f"| {name} | skipped | | | | | | {why} |")
+        lines.append(f"| {name} | skipped | | | | | | | {why} |")
     return "\n".join(lines)
 
 

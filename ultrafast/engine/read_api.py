@@ -69,6 +69,7 @@ class EngineSnapshot:
     max_waiting: int = 0
     idle_speed: IdleSpeed | None = None  # a typical prompt timed at start (None: not measured)
     start_costs: str = "not measured"  # cached | measuring ... | measured | contended
+    wide_pass: str | None = None  # the wide path's state (executors/wide_lazy.py); None: none
 
     @property
     def num_running(self) -> int:
@@ -122,6 +123,7 @@ def build_snapshot(core: EngineCore, device_kind: str) -> EngineSnapshot:
         max_waiting=core.scheduler.config.max_waiting,
         idle_speed=core.idle_speed,
         start_costs=core.start_costs.status,
+        wide_pass=core.start_costs.wide_status,
     )
 
 

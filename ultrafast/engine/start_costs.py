@@ -27,20 +27,16 @@ cached (`warmup(background=False)`).
 from __future__ import annotations
 
 import collections
-import hashlib
-import json
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ultrafast.config import cache_dir
 from ultrafast.cpu_info import cpu_identity
 from ultrafast.engine.idle_speed import IdleSpeed, measure_idle_speed
+from ultrafast.executors.cost_cache import read_cache, write_cache
 from ultrafast.executors.ggml_threads import CalibrationInterrupted, NoFreeSlots, ThreadPlan
 
 if TYPE_CHECKING:
@@ -48,7 +44,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ultrafast")
 
-CACHE_VERSION = 1
 DRIFT_SAMPLES = 32  # lone decodes compared with the plan's timing...
 DRIFT_FACTOR = 2.0  # ...and this far off (either way) means the plan is measured again
 MIN_RECHECK_INTERVAL_S = 300.0  # at most one drift re-check per this long
@@ -63,40 +58,27 @@ def safe_threads(cores: int) -> int:
     return max(1, cores - 1)
 
 
-def cache_path(identity: dict, root: Path | None = None) -> Path:
-    text = json.dumps({"version": CACHE_VERSION, **identity}, sort_keys=True)
-    key = hashlib.sha256(text.encode()).hexdigest()[:32]
-    return (cache_dir() if root is None else root) / "start-costs" / f"{key}.json"
-
-
 def load_cached(identity: dict) -> tuple[ThreadPlan | None, IdleSpeed | None] | None:
     """The cached plan and idle speed for this identity, or None (absent, unreadable, stale)."""
+    data = read_cache(identity)
+    if data is None:
+        return None
     try:
-        data = json.loads(cache_path(identity).read_text())
-        if data.get("identity") != json.loads(json.dumps(identity)):
-            return None  # a hash collision or an edited file: not ours
         plan = ThreadPlan.from_json(data["thread_plan"]) if data.get("thread_plan") else None
         speed = IdleSpeed(**data["idle_speed"]) if data.get("idle_speed") else None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None
     return plan, speed
 
 
 def store_cached(identity: dict, plan: ThreadPlan | None, speed: IdleSpeed | None) -> None:
-    path = cache_path(identity)
-    data = {
-        "identity": identity,
-        "thread_plan": plan.to_json() if plan else None,
-        "idle_speed": asdict(speed) if speed else None,
-        "measured_at": time.time(),
-    }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)  # a reader sees the old file or the new one, never half
-    except OSError as exc:
-        log.warning("start costs not cached (%s): the next start measures them again", exc)
+    write_cache(
+        identity,
+        {
+            "thread_plan": plan.to_json() if plan else None,
+            "idle_speed": asdict(speed) if speed else None,
+        },
+    )
 
 
 class StartCosts:
@@ -127,6 +109,15 @@ class StartCosts:
             return None
         return {**cpu_identity(), **cost_identity(), "threads_auto": self.calibrates}
 
+    @property
+    def wide(self) -> Any:
+        """The wide path's by-need state (executors/wide_lazy.py), or None."""
+        return getattr(self.core.executor, "wide_lazy", None)
+
+    @property
+    def wide_status(self) -> str | None:
+        return None if self.wide is None else self.wide.status
+
     def before_warmup(self) -> None:
         """Before the warm-up passes: the cached costs, else the safe thread count."""
         identity = self.identity()
@@ -141,7 +132,13 @@ class StartCosts:
             self.executor.thread_plan = ThreadPlan((1,), (safe_threads(self.executor.n_threads),))
 
     def at_warmup(self, background: bool) -> None:
-        """After the warm-up: nothing (cached), or measure now, or mark them pending."""
+        """After the warm-up: nothing (cached), or measure now, or mark them pending; the
+        wide path's routing is decided now offline, by need while serving."""
+        self._costs_at_warmup(background)
+        if self.wide is not None and not background:
+            self.wide.decide_now()
+
+    def _costs_at_warmup(self, background: bool) -> None:
         if self.status == "cached":
             return
         if not background or self.identity() is None:
@@ -165,6 +162,16 @@ class StartCosts:
         prefix is lost to it; a first measurement that finds none drops the cached prefixes
         (a `recheck`, after a drift or contention, waits instead). The idle speed, timed
         through the scheduler, drops them too: it is timed once, not at a re-check."""
+        armed = self.wide is not None and self.wide.armed
+        if self.wide is not None:  # its made-up prompts are no need for the wide path
+            self.wide.armed = False
+        try:
+            self._measure(should_stop, recheck)
+        finally:
+            if self.wide is not None:
+                self.wide.armed = armed
+
+    def _measure(self, should_stop: Callable[[], bool], recheck: bool) -> None:
         core, started_s = self.core, time.monotonic()
         plan = None
         if self.calibrates:
@@ -218,6 +225,7 @@ class StartCosts:
     def tick(self, should_stop: Callable[[], bool]) -> None:
         """Engine thread, engine idle: measure what is pending, giving way to arriving work."""
         if not self.pending or time.monotonic() < self._recheck_at:
+            self._time_wide_path(should_stop)
             return
         self.pending = False
         try:
@@ -229,7 +237,19 @@ class StartCosts:
             self.pending, self.status = True, "measuring (paused for requests)"
 
     def wants_tick(self) -> bool:
+        if self.wide is not None and self.wide.wants_time():
+            return True
         return self.pending and time.monotonic() >= self._recheck_at
+
+    def _time_wide_path(self, should_stop: Callable[[], bool]) -> None:
+        """The wide path's routing, timed in a slot that holds nothing (wide_lazy.py)."""
+        if self.wide is None or not self.wide.wants_time():
+            return
+        free = [s.slot_id for s in self.core.pool.slots if s.owner is None and not s.hashes]
+        try:
+            self.wide.time_now(free, should_stop)
+        except CalibrationInterrupted:
+            pass  # timed again at the next idle tick
 
     def observe(self, stats: StepStats | None) -> None:
         """After a step: a lone decode's time against the plan's; far off -> measure again."""

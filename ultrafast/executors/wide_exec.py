@@ -24,7 +24,8 @@ from ultrafast.executors import ggml_kv_rows
 from ultrafast.executors.ggml_exec import GgmlExecutor
 from ultrafast.executors.ggml_kv_rows import SlotRows
 from ultrafast.executors.wide_forward import SeqChunk, WideForward
-from ultrafast.executors.wide_route import WIDE_PASS_MODES, plan_wide_path
+from ultrafast.executors.wide_lazy import WideLazy
+from ultrafast.executors.wide_route import WIDE_PASS_MODES
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,11 @@ log = logging.getLogger(__name__)
 class WideGgmlExecutor(GgmlExecutor):
     """GgmlExecutor plus the wide prefill path; `wide_pass` is auto (measured), on or off."""
 
-    def __init__(self, gguf_path: str | Path, *args, wide_pass: str = "auto", **kwargs) -> None:
+    def __init__(
+        self, gguf_path: str | Path, *args, wide_pass: str = "auto", by_need=False, **kwargs
+    ) -> None:
+        """`by_need` (serving): only feature detection now, the rest by need (wide_lazy.py);
+        otherwise the weights load and both paths are timed here."""
         if wide_pass not in WIDE_PASS_MODES:
             raise ValueError(f"wide_pass must be one of {', '.join(WIDE_PASS_MODES)}")
         super().__init__(gguf_path, *args, **kwargs)
@@ -40,11 +45,18 @@ class WideGgmlExecutor(GgmlExecutor):
         self.wide_min_tokens = 0  # chunks of at least this many tokens take the wide path
         self._wide_paused = False
         try:
-            self.wide_status = plan_wide_path(self, wide_pass)
+            self.wide_lazy = WideLazy(self, wide_pass)
+            if not by_need:
+                self.wide_lazy.decide_now(use_cache=False)
         except BaseException:
             self.close()
             raise
-        log.info("wide passes: %s", self.wide_status)
+        if by_need:
+            log.info("wide passes: %s", self.wide_status)
+
+    @property
+    def wide_status(self) -> str:
+        return self.wide_lazy.status
 
     # ---- routing ----
 
@@ -57,6 +69,8 @@ class WideGgmlExecutor(GgmlExecutor):
         )
 
     def execute(self, plan: StepPlan) -> StepResult:
+        if self.wide is None and not self._wide_paused:
+            self.wide_lazy.on_pass(plan)  # loads on first need; takes the weights once in
         if self.wide is None or self._wide_paused:
             return super().execute(plan)
         routed = [s for s in plan.seqs if self._routes(s)]

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
 from ultrafast.core.types import ScheduledSeq, StepPlan
+from ultrafast.executors.ggml_threads import CalibrationInterrupted
+from ultrafast.executors.wide_forward import unsupported
 from ultrafast.model.config import ModelLoadError
 from ultrafast.model.gguf_meta import read_gguf_metadata
+from ultrafast.model.gguf_weights import gguf_model_config
 from ultrafast.model.kv_budget import available_memory_bytes
 from ultrafast.request import SamplingParams
 
@@ -26,6 +30,7 @@ SHORT_CHUNK, LONG_CHUNK = 32, 256  # the two measured chunk lengths (tokens)
 _REPEATS = 3
 _MEMORY_SHARE = 0.25  # bf16 weights may take at most this share of the available memory
 _ON_MIN_TOKENS = 16  # --wide-pass on where no crossover was measured
+OFF_STATUS = "off (--wide-pass off): every pass runs on llama.cpp"
 
 
 def unavailable(executor) -> str | None:
@@ -37,6 +42,12 @@ def unavailable(executor) -> str | None:
     if executor.kv_cache_dtype not in ("f16", "f32"):
         return f"the KV cache is {executor.kv_cache_dtype} (the wide path writes f16/f32 rows)"
     meta = read_gguf_metadata(executor.gguf_path)
+    try:  # the model's shape, from the header alone (the weights load by need)
+        why = unsupported(gguf_model_config(meta))
+    except ModelLoadError as exc:
+        why = str(exc)
+    if why:
+        return f"the wide forward cannot run this model: {why}"
     bf16_bytes = 2 * sum(math.prod(t.shape) for t in meta.tensors)
     available = available_memory_bytes()
     if available is not None and bf16_bytes > available * _MEMORY_SHARE:
@@ -48,9 +59,10 @@ def unavailable(executor) -> str | None:
 
 
 def plan_wide_path(executor, mode: str) -> str:
-    """Set executor.wide / wide_min_tokens for `mode`; return the startup status line."""
+    """Set executor.wide / wide_min_tokens for `mode` at once (weights loaded, both paths
+    timed in slot 0); return the status line. Serving does this by need (wide_lazy.py)."""
     if mode == "off":
-        return "off (--wide-pass off): every pass runs on llama.cpp"
+        return OFF_STATUS
     why = unavailable(executor)
     if why is None:
         from ultrafast.executors.wide_forward import WideForward
@@ -63,23 +75,35 @@ def plan_wide_path(executor, mode: str) -> str:
         if mode == "on":
             raise ValueError(f"--wide-pass on: not available: {why}")
         return f"off (not available: {why}): every pass runs on llama.cpp"
+    min_tokens, status = time_wide_path(executor, mode)
+    if min_tokens is None:
+        executor.wide = None
+    else:
+        executor.wide_min_tokens = min_tokens
+    return status
+
+
+def time_wide_path(
+    executor, mode: str, slot: int = 0, should_stop: Callable[[], bool] = lambda: False
+) -> tuple[int | None, str]:
+    """With executor.wide loaded: time both paths in the empty `slot` and return the routing
+    threshold (None: stay on llama.cpp) and the status line. `should_stop()` is asked between
+    passes: True raises CalibrationInterrupted (the slot left empty)."""
     long_chunk = min(LONG_CHUNK, executor.max_num_batched_tokens, executor.max_model_len - 1)
     short_chunk = min(SHORT_CHUNK, long_chunk // 2)
     if short_chunk < 2:
-        executor.wide = None
-        return "off (passes of at most a few tokens): every pass runs on llama.cpp"
-    timings = {n: measure_chunk(executor, n) for n in (short_chunk, long_chunk)}
+        return None, "off (passes of at most a few tokens): every pass runs on llama.cpp"
+    timings = {n: measure_chunk(executor, n, slot, should_stop) for n in (short_chunk, long_chunk)}
     crossover = crossover_tokens(timings)
     shown = ", ".join(
         f"{n} tokens {ggml * 1e3:.0f} ms llama.cpp / {wide * 1e3:.0f} ms wide"
         for n, (ggml, wide) in timings.items()
     )
     if crossover is None and mode == "auto":
-        executor.wide = None
-        return f"off (measured not faster: {shown}): every pass runs on llama.cpp"
-    executor.wide_min_tokens = crossover or _ON_MIN_TOKENS
-    return (
-        f"on ({mode}): prefill chunks of >= {executor.wide_min_tokens} tokens run as bf16 "
+        return None, f"off (measured not faster: {shown}): every pass runs on llama.cpp"
+    min_tokens = crossover or _ON_MIN_TOKENS
+    return min_tokens, (
+        f"on ({mode}): prefill chunks of >= {min_tokens} tokens run as bf16 "
         f"PyTorch/oneDNN passes, the rest on llama.cpp (measured: {shown})"
     )
 
@@ -96,18 +120,22 @@ def crossover_tokens(timings: dict[int, tuple[float, float]]) -> int | None:
     return math.ceil(short + (long - short) * -gain_s / (gain_l - gain_s))
 
 
-def measure_chunk(executor, num_tokens: int) -> tuple[float, float]:
-    """Seconds of one prefill chunk of `num_tokens` tokens (the last one sampled) in slot 0 on
+def measure_chunk(
+    executor, num_tokens: int, slot: int = 0, should_stop: Callable[[], bool] = lambda: False
+) -> tuple[float, float]:
+    """Seconds of one prefill chunk of `num_tokens` tokens (the last one sampled) in `slot` on
     llama.cpp alone and on the wide path, the fastest of a few (other load only adds time);
-    slot 0 is left empty."""
+    the slot is left empty."""
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     prompt = [(i * 31 + 7) % executor.vocab_size for i in range(num_tokens)]
-    plan = StepPlan([ScheduledSeq("wide-calibration", 0, prompt, 0, 1, greedy, 0, 0)])
+    plan = StepPlan([ScheduledSeq("wide-calibration", slot, prompt, 0, 1, greedy, 0, 0)])
     saved = executor.wide_min_tokens
     timings: dict[bool, list[float]] = {False: [], True: []}
     try:
         for _ in range(_REPEATS + 1):  # the first round warms both paths up
             for wide in (False, True):  # interleaved: a load change hits both paths
+                if should_stop():
+                    raise CalibrationInterrupted
                 executor._wide_paused = not wide
                 executor.wide_min_tokens = 2
                 start_s = time.perf_counter()
@@ -118,5 +146,5 @@ def measure_chunk(executor, num_tokens: int) -> tuple[float, float]:
     finally:
         executor._wide_paused = False
         executor.wide_min_tokens = saved
-        executor._trim_slot(0, 0)
+        executor._trim_slot(slot, 0)
     return min(timings[False][1:]), min(timings[True][1:])

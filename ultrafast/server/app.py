@@ -126,6 +126,8 @@ def build_app(state: ServerState) -> Starlette:
                 "idle_speed": _idle_speed(snap.idle_speed),
                 # thread plan and idle speed: cached, or being measured in the background
                 "start_costs": snap.start_costs,
+                # the wide prefill path: by need, loading, untimed, on or off (and why)
+                "wide_pass": snap.wide_pass,
                 "session_store": None
                 if state.sessions is None
                 else "ok"

@@ -1,0 +1,200 @@
+"""The wide path by need (executors/wide_lazy.py) on the demo model: nothing of it at start but
+feature detection; a pass before it is ready runs on llama.cpp and gives llama.cpp's tokens
+exactly; once its weights are in and its routing decided, long chunks take it; a cached
+decision skips the timing; an idle executor does not hold the bf16 weights."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+from tests.model.fresh_process import child_only, run_in_fresh_process  # noqa: E402
+from tests.model.test_wide_pass import (  # noqa: E402
+    DEMO_GGUF,
+    _bf16_unavailable,
+    generate,
+    plain,
+    prompts,
+    seq,
+)
+from ultrafast.core.types import StepPlan  # noqa: E402
+
+KWARGS = dict(num_slots=8, max_model_len=256, flash_attn=True, n_threads=1)
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    why = _bf16_unavailable()
+    if why:
+        pytest.skip(f"wide pass not available: {why}")
+    monkeypatch.setenv("ULTRAFAST_CACHE_DIR", str(tmp_path))
+
+
+def by_need(mode="on"):
+    from ultrafast.executors.wide_exec import WideGgmlExecutor
+
+    return WideGgmlExecutor(DEMO_GGUF, wide_pass=mode, by_need=True, **KWARGS)
+
+
+def count_wide_passes(ex, monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = ex._wide_prefill
+
+    def spy(seqs, spare_threads=0):
+        calls.append(len(seqs))
+        return real(seqs, spare_threads)
+
+    monkeypatch.setattr(ex, "_wide_prefill", spy)
+    return calls
+
+
+def long_prompts(vocab: int) -> list[list[int]]:
+    """Two prompts of 140 tokens: together (280) a pass that needs the wide path."""
+    return [(p * 8)[:140] for p in prompts(vocab, 2)]
+
+
+def step(ex, chunks: list[list[int]], first_slot: int = 0) -> None:
+    """One pass prefilling each chunk from position 0 in its own slot."""
+    result = ex.execute(StepPlan([seq(first_slot + i, c, 0) for i, c in enumerate(chunks)]))
+    assert not result.errors, result.errors
+
+
+def ready(ex) -> None:
+    """Wait for the background load, then time the routing as the idle engine would, in slot
+    3: free in the pool's eyes, though llama.cpp may still hold a finished request's KV."""
+    ex.wide_lazy.wait_loaded(120)
+    if ex.wide_lazy.wants_time():
+        assert ex.wide_lazy.time_now([3], lambda: False)
+
+
+def test_start_loads_nothing_and_a_pass_before_ready_is_exact(monkeypatch):
+    with plain(DEMO_GGUF, **KWARGS) as ref:
+        batch = long_prompts(ref.vocab_size)
+        want, _ = generate(ref, batch)
+    with by_need() as ex:
+        assert ex.wide is None and ex.wide_lazy.state == "by need"
+        assert ex.wide_status.startswith("by need: bf16 weights load at the first")
+        wide_passes = count_wide_passes(ex, monkeypatch)
+        got, _ = generate(ex, batch)  # the first pass starts the load; all run on llama.cpp
+        assert got == want and not wide_passes
+        assert ex.wide_lazy.state in ("loading", "untimed")
+
+
+def test_the_wide_path_is_used_once_ready_and_its_decision_cached(monkeypatch):
+    from ultrafast.executors import cost_cache
+
+    with by_need() as ex:
+        batch = long_prompts(ex.vocab_size)
+        step(ex, [batch[0]])  # one 140-token prompt (a long chat question): no need
+        step(ex, [batch[0][:31]] * 8)  # 248 tokens in chunks too short to route: no need
+        assert ex._slot_lens[3] == 31  # (finished: the timing may overwrite it)
+        assert ex.wide_lazy.state == "by need"
+        step(ex, batch)  # 280 tokens in two long chunks: needed
+        assert ex.wide_lazy.state == "loading"
+        ready(ex)
+        assert ex.wide is not None and ex.wide_status.startswith("on (on): prefill chunks of")
+        assert ex._slot_lens[3] == 0  # the timing's scratch slot left empty
+        wide_passes = count_wide_passes(ex, monkeypatch)
+        step(ex, [batch[1]], first_slot=4)  # once on, any chunk from the threshold takes it
+        assert wide_passes == [1]
+        identity = ex.wide_lazy.identity()
+        assert cost_cache.read_cache(identity)["wide_min_tokens"] == ex.wide_min_tokens
+
+
+def test_a_cached_decision_skips_the_timing(monkeypatch):
+    from ultrafast.executors import cost_cache, wide_lazy
+
+    with by_need() as ex:  # the decision another start made on this CPU, file and flags
+        cost_cache.write_cache(ex.wide_lazy.identity(), {"wide_min_tokens": 40, "status": "x"})
+    with by_need() as ex:
+        assert "routing cached: chunks of >= 40 tokens" in ex.wide_status
+
+        def no_timing(*args, **kwargs):
+            raise AssertionError("timed although the decision was cached")
+
+        monkeypatch.setattr(wide_lazy, "time_wide_path", no_timing)
+        batch = long_prompts(ex.vocab_size)
+        step(ex, [batch[0][:39]] * 7)  # 273 tokens under the cached threshold: no need
+        assert ex.wide_lazy.state == "by need"
+        step(ex, [batch[0][:40]] * 7)  # 280 at it: the load starts
+        ex.wide_lazy.wait_loaded(120)
+        wide_passes = count_wide_passes(ex, monkeypatch)
+        step(ex, [batch[1]], first_slot=7)  # takes the weights, then the path
+        assert ex.wide_min_tokens == 40 and wide_passes == [1]
+        assert ex.wide_status.startswith("on (on, routing cached)")
+
+
+def test_a_cached_off_decision_never_loads_the_weights():
+    from ultrafast.executors import cost_cache
+
+    with by_need("auto") as ex:
+        status = "off (measured not faster: ...): every pass runs on llama.cpp"
+        identity = ex.wide_lazy.identity()
+        cost_cache.write_cache(identity, {"wide_min_tokens": None, "status": status})
+    with by_need("auto") as ex:
+        assert ex.wide_status == f"{status} (cached)"
+        step(ex, long_prompts(ex.vocab_size))
+        assert ex.wide_lazy.state == "off" and ex.wide_lazy._loader is None
+
+
+def test_an_arriving_request_interrupts_the_timing():
+    from ultrafast.executors.ggml_threads import CalibrationInterrupted
+
+    with by_need() as ex:
+        step(ex, long_prompts(ex.vocab_size))
+        ex.wide_lazy.wait_loaded(120)
+        assert ex.wide_lazy.wants_time()
+        with pytest.raises(CalibrationInterrupted):
+            ex.wide_lazy.time_now([2], lambda: True)
+        assert ex.wide is None and ex.wide_lazy.wants_time() and ex._slot_lens[2] == 0
+        assert not ex.wide_lazy.time_now([], lambda: False)  # no free slot: later
+
+
+def test_idle_rss_holds_no_bf16_weights():
+    """In a fresh interpreter (memory freed by earlier tests would blur the figures)."""
+    run_in_fresh_process(__file__, "test_idle_rss_in_a_fresh_process")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_idle_rss_in_a_fresh_process():
+    child_only()
+    with by_need() as ex:
+        batch = long_prompts(ex.vocab_size)
+        step(ex, [batch[0][:40]])  # served, short: no need
+        idle = _rss()
+        step(ex, batch, first_slot=2)  # the first need
+        ex.wide_lazy.wait_loaded(120)
+        ex.wide_lazy.poll()
+        forward = ex.wide_lazy._loaded
+        assert forward is not None and ex.wide is None
+        tensors = [forward.embed] + [
+            t for layer in forward.layers for t in vars(layer).values() if t is not None
+        ]
+        weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        grew = _rss() - idle
+        print(f"bf16 forward {weight_bytes / 2**20:.1f} MiB, RSS grew {grew / 2**20:.1f} MiB")
+        assert weight_bytes >= 8 * 2**20  # large enough to tell apart from noise
+        assert grew >= 0.6 * weight_bytes  # they were not resident while idle
+
+
+def test_weights_that_fail_to_load_leave_every_pass_on_llama_cpp(monkeypatch):
+    from ultrafast.executors import wide_forward
+
+    def broken(*args, **kwargs):
+        raise OSError("the GGUF went away")
+
+    monkeypatch.setattr(wide_forward, "WideForward", broken)
+    with by_need() as ex:
+        batch = long_prompts(ex.vocab_size)
+        step(ex, batch)
+        ex.wide_lazy.wait_loaded(120)
+        step(ex, batch, first_slot=2)  # takes the outcome: off, and this pass on llama.cpp
+        assert ex.wide is None and not ex.wide_lazy.wants_time()
+        assert ex.wide_status == "off (the bf16 weights did not load: OSError: the GGUF went away)"

@@ -1,0 +1,221 @@
+"""The wide path by need: nothing of it at start but feature detection, its bf16 weights loaded
+on the first prefill chunk long enough to use it, its routing timed while the engine is idle.
+
+Why: loading the bf16 copy of the weights and timing both paths took ~7 s and ~370 MiB before
+the first answer on the default model, for a path only long prompts use. Now:
+
+- at start, `unavailable()` (oneDNN, bf16, KV type, the model's shape from the GGUF header,
+  memory) says whether the path can run at all; a routing decision cached for this CPU,
+  model file and flags (`start-costs/`, executors/cost_cache.py) is read;
+- the first pass whose chunks long enough for the path (>= the cached threshold, or >=
+  SHORT_CHUNK tokens when undecided) hold NEED_TOKENS tokens together (the long timing
+  chunk's length: where the path's gain is measured; a chat question of 30-60 tokens is no
+  need, its gain a few ms against ~370 MiB of weights on the default model, while a step of
+  16 such prompts, or one long prompt, is) runs on llama.cpp as every pass does until the
+  path is ready, and starts a background thread that builds the bf16 weights at low CPU priority (a
+  thread, not the engine thread: the dequantization takes seconds, and passes keep running
+  meanwhile; at nice 10 it yields the cores to the engine's passes);
+- a cached decision applies when the weights are in; otherwise both paths are timed when the
+  engine is next idle (engine/start_costs.py's idle tick), in a slot that holds nothing,
+  giving way to any request that arrives; the decision is cached, and where the wide path is
+  not faster its weights are dropped again.
+
+Offline users (LLM, in-process benchmarks) decide at once (`decide_now`) unless cached.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ultrafast.core.types import StepPlan
+from ultrafast.cpu_info import cpu_identity
+from ultrafast.executors.cost_cache import read_cache, write_cache
+from ultrafast.executors.wide_route import (
+    LONG_CHUNK,
+    OFF_STATUS,
+    SHORT_CHUNK,
+    plan_wide_path,
+    time_wide_path,
+    unavailable,
+)
+
+log = logging.getLogger("ultrafast.executors.wide_exec")
+
+LOADER_NICE = 10  # the weight loader's niceness: the engine's passes come first
+NEED_TOKENS = LONG_CHUNK  # routable prefill tokens in one pass that make the path needed
+
+
+class WideLazy:
+    """The wide path's state beside one WideGgmlExecutor: off, by need (weights not loaded),
+    loading, untimed (waits for an idle engine), or on."""
+
+    def __init__(self, executor: Any, mode: str) -> None:
+        self.ex, self.mode = executor, mode
+        self.state = "off"
+        self.status = OFF_STATUS
+        self.armed = True  # False while the engine times its own start costs
+        self.min_tokens: int | None = None  # the cached routing threshold, if any
+        self._loader: threading.Thread | None = None
+        self._loaded: Any = None  # the WideForward, once built
+        self._load_error: str | None = None
+        if mode == "off":
+            return
+        why = unavailable(executor)
+        if why is not None:
+            if mode == "on":
+                raise ValueError(f"--wide-pass on: not available: {why}")
+            self.status = f"off (not available: {why}): every pass runs on llama.cpp"
+            return
+        self.state = "by need"
+        cached = read_cache(self.identity())
+        if cached is not None and "wide_min_tokens" in cached:
+            self.min_tokens = cached["wide_min_tokens"]
+            if self.min_tokens is None:
+                self.state = "off"
+                self.status = f"{cached.get('status', 'off')} (cached)"
+                return
+        self.status = self._by_need_status(cached is not None)
+
+    def identity(self) -> dict:
+        ex = self.ex
+        return {
+            "cache": "wide_pass",
+            "mode": self.mode,
+            "torch": torch.__version__,
+            "threads": [ex.n_threads, ex.n_threads_batch, getattr(ex, "threads_auto", False)],
+            **cpu_identity(),
+            **ex.cost_identity(),
+        }
+
+    def _by_need_status(self, cached: bool) -> str:
+        routing = (
+            f"routing cached: chunks of >= {self.min_tokens} tokens"
+            if cached
+            else "routing timed when the engine is idle"
+        )
+        return (
+            f"by need: bf16 weights load at the first pass with >= {NEED_TOKENS} prompt tokens "
+            f"in chunks of >= {self.threshold} ({routing}); until then every pass runs on "
+            "llama.cpp"
+        )
+
+    @property
+    def threshold(self) -> int:
+        """The chunk length from which a pass needs the wide path."""
+        return self.min_tokens if self.min_tokens is not None else SHORT_CHUNK
+
+    # ---- on the engine thread, before a pass on llama.cpp ----
+
+    def on_pass(self, plan: StepPlan) -> None:
+        """Start loading at the first chunk that needs the path; take the weights once in."""
+        if self.state == "by need" and self.armed:
+            lengths = (len(s.token_ids) for s in plan.seqs)
+            routable = sum(n for n in lengths if n >= self.threshold)
+            if routable >= NEED_TOKENS:
+                self._start_loading(routable)
+        self.poll()
+
+    def poll(self) -> None:
+        """Take the weights once the loader is done (engine thread: passes or idle ticks)."""
+        if self.state == "loading" and self._loader is not None and not self._loader.is_alive():
+            self._take_loaded()
+
+    def _start_loading(self, tokens: int) -> None:
+        self.state = "loading"
+        self.status = "loading bf16 weights in the background; passes run on llama.cpp meanwhile"
+        log.info("wide passes: a pass of %d prompt tokens needs them: %s", tokens, self.status)
+        self._loader = threading.Thread(target=self._load, name="wide-weights", daemon=True)
+        self._loader.start()
+
+    def _load(self) -> None:
+        from ultrafast.executors.wide_forward import WideForward
+
+        try:  # a thread's own niceness on Linux; torch's pool threads made here inherit it
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICE)
+        except (OSError, AttributeError):
+            pass
+        started = time.monotonic()
+        try:
+            self._loaded = WideForward(self.ex.gguf_path, self.ex.max_model_len)
+        except Exception as exc:  # noqa: BLE001 - any failure leaves llama.cpp serving
+            self._load_error = f"{type(exc).__name__}: {exc}"
+            return
+        log.info("wide passes: bf16 weights built in %.1f s", time.monotonic() - started)
+
+    def _take_loaded(self) -> None:
+        self._loader = None
+        if self._loaded is None:
+            self.state = "off"
+            self.status = f"off (the bf16 weights did not load: {self._load_error})"
+            log.warning("wide passes: %s: every pass runs on llama.cpp", self.status)
+            return
+        if self.min_tokens is not None:  # decided before: no timing
+            self._turn_on(self._loaded, self.min_tokens, f"{self._cached_on_status()}")
+        else:
+            self.state = "untimed"
+            self.status = "weights loaded; timing both paths when the engine is next idle"
+            log.info("wide passes: %s", self.status)
+
+    def _cached_on_status(self) -> str:
+        return (
+            f"on ({self.mode}, routing cached): prefill chunks of >= {self.min_tokens} tokens "
+            "run as bf16 PyTorch/oneDNN passes, the rest on llama.cpp"
+        )
+
+    def _turn_on(self, forward: Any, min_tokens: int, status: str) -> None:
+        self.ex.wide, self.ex.wide_min_tokens = forward, min_tokens
+        self._loaded, self.state, self.status = None, "on", status
+        log.info("wide passes: %s", status)
+
+    # ---- on the engine thread, while it is idle ----
+
+    def wants_time(self) -> bool:
+        self.poll()
+        return self.state == "untimed"
+
+    def time_now(self, free_slots: list[int], should_stop: Callable[[], bool]) -> bool:
+        """Time both paths in one of `free_slots` (the pool's: no owner, no cached prefix) and
+        decide; False when there is none. An arriving request interrupts it
+        (CalibrationInterrupted, raised): it is timed again later."""
+        if not free_slots:  # (their stale KV, if any, is the pool's to overwrite)
+            return False
+        slot = free_slots[-1]  # the last: the pool hands out the first ones first
+        self.ex.wide = self._loaded
+        try:
+            min_tokens, status = time_wide_path(self.ex, self.mode, slot, should_stop)
+        finally:
+            self.ex.wide = None
+        write_cache(self.identity(), {"wide_min_tokens": min_tokens, "status": status})
+        if min_tokens is None:  # not faster here: the weights go again
+            self._loaded, self.state, self.status = None, "off", status
+            log.info("wide passes: %s", status)
+        else:
+            self._turn_on(self._loaded, min_tokens, status)
+        return True
+
+    # ---- offline (no idle engine thread to time on) ----
+
+    def decide_now(self, use_cache: bool = True) -> None:
+        """Load and time at once (in slot 0, on an executor that serves nothing yet) where no
+        decision is cached or `use_cache` is False; a cached decision still loads by need."""
+        if self.state != "by need" or (use_cache and self.min_tokens is not None):
+            return
+        self.status = plan_wide_path(self.ex, self.mode)
+        self.state = "on" if self.ex.wide is not None else "off"
+        if self.ex.wide is not None:
+            self.min_tokens = self.ex.wide_min_tokens
+        min_tokens = self.min_tokens if self.ex.wide is not None else None
+        write_cache(self.identity(), {"wide_min_tokens": min_tokens, "status": self.status})
+        log.info("wide passes: %s", self.status)
+
+    def wait_loaded(self, timeout_s: float | None = None) -> None:
+        """Block until a background load started by on_pass ends (tests, benchmarks)."""
+        if self._loader is not None:
+            self._loader.join(timeout_s)
