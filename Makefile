@@ -58,7 +58,7 @@ generate: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy ultrafast
+	$(BIN)/mypy ultrafast ultrafast_harness
 
 # rewrite what the linter can fix and the formatter owns; review the diff before committing
 format: setup

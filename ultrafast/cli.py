@@ -39,7 +39,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
-    from ultrafast.loadtest.runner import main as loadtest_main
+    from ultrafast_harness.loadtest.runner import main as loadtest_main
 
     return loadtest_main(args)
 

@@ -100,7 +100,7 @@ def _add_harness(suites: Any) -> None:
     p = _suite(
         suites,
         DEFAULT_SUITE,
-        "ultrafast.bench.harness_report",
+        "ultrafast_harness.bench.harness_report",
         "ours (engine + HTTP server) vs llama.cpp and transformers at several "
         "concurrencies; JSON + Markdown + PNG",
         aliases=("run",),
@@ -141,7 +141,7 @@ def _add_decode(suites: Any) -> None:
     p = _suite(
         suites,
         "decode",
-        "ultrafast.bench.decode",
+        "ultrafast_harness.bench.decode",
         "batch-1 decode speed: ours vs llama.cpp vs transformers",
     )
     _add_model(p, "HF model directory or .gguf file (a GGUF alone skips transformers)")
@@ -179,7 +179,7 @@ def _add_tiers(suites: Any) -> None:
     p = _suite(
         suites,
         "tiers",
-        "ultrafast.bench.tiers",
+        "ultrafast_harness.bench.tiers",
         "priority-tier latency on an idle vs a loaded server, and the HTTP streaming overhead",
     )
     _add_model(p)
@@ -194,7 +194,7 @@ def _add_sessions(suites: Any) -> None:
     p = _suite(
         suites,
         "sessions",
-        "ultrafast.bench.sessions",
+        "ultrafast_harness.bench.sessions",
         "time to first token by conversation turn, and exactly-once turns across a Redis restart",
     )
     _add_model(p)
@@ -274,7 +274,7 @@ def _add_guard(suites: Any) -> None:
     p = _suite(
         suites,
         "guard",
-        "ultrafast.bench.guard",
+        "ultrafast_harness.bench.guard",
         "time to first token and tokens/s with and without the output safety filter",
     )
     _add_model(p)
@@ -301,7 +301,7 @@ def _add_gpu(suites: Any) -> None:
     p = _suite(
         suites,
         "gpu",
-        "ultrafast.bench.gpu_check",
+        "ultrafast_harness.bench.gpu_check",
         "Llama-3.2-1B-shaped bf16 decode on CUDA: eager vs CUDA graphs vs the roofline, "
         "then tests/gpu",
     )
@@ -345,7 +345,7 @@ def _add_serve(suites: Any) -> None:
     p = _suite(
         suites,
         "serve",
-        "ultrafast.bench.serve_bench",
+        "ultrafast_harness.bench.serve_bench",
         "servers side by side (ours, llama.cpp's server, vLLM's CPU backend bound and unbound), "
         "each in its best configuration, interleaved per level on the same weights: concurrent "
         "streams, long prompts, the burst, startup, memory; JSON + Markdown + PNG",
@@ -426,7 +426,7 @@ def _add_models(suites: Any) -> None:
     p = _suite(
         suites,
         "models",
-        "ultrafast.bench.models",
+        "ultrafast_harness.bench.models",
         "several models in one server with a budget for one: swap cost vs load time, and "
         "cold loads of a periodic trace with and without preloading",
     )
@@ -462,7 +462,7 @@ def _add_tools(suites: Any) -> None:
     p = _suite(
         suites,
         "tools",
-        "ultrafast.bench.tool_dispatch",
+        "ultrafast_harness.bench.tool_dispatch",
         "agent fast path: first tool call dispatchable vs response finished, two-call turns",
     )
     _add_model(p)
@@ -475,7 +475,7 @@ def _add_grammar(suites: Any) -> None:
     p = _suite(
         suites,
         "grammar",
-        "ultrafast.bench.grammar",
+        "ultrafast_harness.bench.grammar",
         "constrained decoding: time per token vs unconstrained, schema compile and TTFT",
     )
     _add_model(p, "HF model directory or .gguf file")
@@ -497,7 +497,7 @@ def _add_startup(suites: Any) -> None:
     p = _suite(
         suites,
         "startup",
-        "ultrafast.bench.startup_bench",
+        "ultrafast_harness.bench.startup_bench",
         "time to first answer and idle RSS of a fresh server, cold and warm, ours beside "
         "llama-cpp-python's server on the same GGUF",
     )

@@ -1,7 +1,7 @@
 """The cluster router (cluster/router.py) and the fleet simulation (cluster/simulate.py)."""
 
 from ultrafast.cluster.router import Router, RouterConfig, RouteRequest, block_hashes, rendezvous
-from ultrafast.cluster.simulate import SimConfig, Simulation, replicas_needed
+from ultrafast_harness.cluster.simulate import SimConfig, Simulation, replicas_needed
 
 SYSTEM = "You are a careful assistant. " * 20
 

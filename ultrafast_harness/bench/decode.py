@@ -17,9 +17,9 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ultrafast.bench.report import write_report
 from ultrafast.model_files import gguf_for, load_tokenizer, resolve_model
 from ultrafast.progress import Progress
+from ultrafast_harness.bench.report import write_report
 
 if TYPE_CHECKING:  # the engine brings torch: imported only when our runner is built
     from ultrafast.engine.core import EngineCore

@@ -130,7 +130,7 @@ def _transformers_rate(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ultrafast.bench.peers import _StampStreamer
+    from ultrafast_harness.bench.peers import _StampStreamer
 
     config = LlamaConfig(
         **{k: v for k, v in shape.items() if k not in ("architectures", "torch_dtype")}
@@ -165,13 +165,13 @@ def _transformers_rate(
 
 
 def _roofline(prompt_len: int, num_decode: int) -> dict:
-    from ultrafast.bench.roofline import (
+    from ultrafast.model.config import ModelConfig
+    from ultrafast_harness.bench.roofline import (
         count_weight_params,
         kv_bytes_per_position,
         measure_bandwidth_gb_s,
         roofline,
     )
-    from ultrafast.model.config import ModelConfig
 
     config = ModelConfig.from_hf(LLAMA_1B_SHAPE)
     line = roofline(

@@ -20,9 +20,9 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ultrafast.bench.report import write_report
 from ultrafast.grammar import GrammarSpec
 from ultrafast.request import Request, SamplingParams
+from ultrafast_harness.bench.report import write_report
 
 PROMPT = "Numbers as JSON:\n"
 # more items than any run's tokens: the grammar never completes, so no request ends early
@@ -172,7 +172,7 @@ def markdown(report: dict) -> str:
 
 def main(args) -> int:
     if args.served:  # the same TTFT figures through the server: bench/grammar_served.py
-        from ultrafast.bench import grammar_served
+        from ultrafast_harness.bench import grammar_served
 
         return grammar_served.main(args)
     from ultrafast.llm import LLM

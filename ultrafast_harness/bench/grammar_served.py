@@ -24,9 +24,9 @@ import time
 
 import httpx
 
-from ultrafast.bench.grammar import big_schema, long_prompt
-from ultrafast.bench.report import write_report
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.grammar import big_schema, long_prompt
+from ultrafast_harness.bench.report import write_report
+from ultrafast_harness.bench.server_process import ServerProcess
 
 SHORT_PROMPT = "Give the record as JSON."
 SETTLE_S = 0.1  # after a close, for the server to drop the call before the next send

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import httpx
 
-from ultrafast.bench.report import write_report
-from ultrafast.bench.server_process import ServerProcess
-from ultrafast.bench.tiers import PROMPT, percentile, stream_once
 from ultrafast.engine.core import StepStats
 from ultrafast.request import ServiceTier
 from ultrafast.server.guard import GuardConfig, GuardedChoice, PatternGuard
 from ultrafast.server.metrics import ServerMetrics
+from ultrafast_harness.bench.report import write_report
+from ultrafast_harness.bench.server_process import ServerProcess
+from ultrafast_harness.bench.tiers import PROMPT, percentile, stream_once
 
 EXAMPLE_PATTERNS = Path(__file__).resolve().parents[2] / "deploy" / "guard-patterns.example.json"
 

@@ -22,7 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ultrafast.bench.peers import (
+from ultrafast.cli_serve import serve_default_threads
+from ultrafast.model_files import gguf_for, load_tokenizer, resolve_model
+from ultrafast_harness.bench.peers import (
     Batch,
     EngineRunner,
     LlamaCppRunner,
@@ -30,8 +32,6 @@ from ultrafast.bench.peers import (
     TransformersRunner,
     VllmRunner,
 )
-from ultrafast.cli_serve import serve_default_threads
-from ultrafast.model_files import gguf_for, load_tokenizer, resolve_model
 
 PROMPT_TEXT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
 OURS = ("ours-engine", "ours-engine-torch", "ours-server")
@@ -200,7 +200,7 @@ def measure(
 
 def _decode_profile(name: str, executor: str, cuda: bool, gguf_type: str) -> tuple:
     """(device, bytes per weight, bytes per KV value) of a runner's decode."""
-    from ultrafast.bench.roofline import GGUF_BYTES_PER_WEIGHT
+    from ultrafast_harness.bench.roofline import GGUF_BYTES_PER_WEIGHT
 
     if executor == "auto":
         executor = "torch" if cuda else "ggml"
@@ -213,13 +213,13 @@ def _decode_profile(name: str, executor: str, cuda: bool, gguf_type: str) -> tup
 
 
 def _add_roofline(report: dict, files, gguf_type: str, cuda: bool) -> None:
-    from ultrafast.bench.roofline import (
+    from ultrafast.model.loader import read_config
+    from ultrafast_harness.bench.roofline import (
         count_weight_params,
         kv_bytes_per_position,
         measure_bandwidth_gb_s,
         roofline,
     )
-    from ultrafast.model.loader import read_config
 
     config = read_config(files.hf_dir)
     num_params = count_weight_params(config)

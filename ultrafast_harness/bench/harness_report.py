@@ -77,7 +77,7 @@ def markdown(report: dict) -> str:
 
 def write_outputs(report: dict, out_json: str | Path) -> dict[str, Path]:
     """JSON (latency samples split off into the plot), Markdown beside it, PNG beside it."""
-    from ultrafast.bench.latency_plot import plot_latencies
+    from ultrafast_harness.bench.latency_plot import plot_latencies
 
     out_json = Path(out_json)
     out_json.parent.mkdir(parents=True, exist_ok=True)
@@ -103,7 +103,7 @@ def write_outputs(report: dict, out_json: str | Path) -> dict[str, Path]:
 
 
 def main(args) -> int:
-    from ultrafast.bench.harness import run_harness
+    from ultrafast_harness.bench.harness import run_harness
 
     concurrency = tuple(int(c) for c in args.concurrency.split(",") if c.strip())
     if not concurrency or min(concurrency) < 1:

@@ -1,4 +1,4 @@
-"""`python -m ultrafast.bench.llama_server_peer ARGS...`: llama-cpp-python's OpenAI server
+"""`python -m ultrafast_harness.bench.llama_server_peer ARGS...`: llama-cpp-python's OpenAI server
 (`python -m llama_cpp.server ARGS...`), its model loaded the way every llama.cpp model here is
 (executors/llama_cpp_params.py): without llama.cpp's AMX extra buffer types where they crash.
 On an AMX Xeon the plain server dies with SIGILL at its first decode of a quantized GGUF (the

@@ -22,7 +22,7 @@ import time
 
 import httpx
 
-from ultrafast.bench.report import write_report
+from ultrafast_harness.bench.report import write_report
 
 PROMPT = "def fibonacci(n):"
 
@@ -59,7 +59,7 @@ def counter(client: httpx.Client, name: str) -> float:
 
 
 def start_server(models: str, budget: int, args, *extra: str):
-    from ultrafast.bench.server_process import ServerProcess
+    from ultrafast_harness.bench.server_process import ServerProcess
 
     return ServerProcess(
         "--models",

@@ -23,8 +23,8 @@ import time
 
 import httpx
 
-from ultrafast.bench.server_process import ServerProcess
-from ultrafast.bench.sse_client import completion_token_stamps
+from ultrafast_harness.bench.server_process import ServerProcess
+from ultrafast_harness.bench.sse_client import completion_token_stamps
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
 

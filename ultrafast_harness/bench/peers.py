@@ -127,7 +127,7 @@ class ServerRunner:
         threads: int,
         compile: str = "auto",
     ):
-        from ultrafast.bench.server_process import ServerProcess
+        from ultrafast_harness.bench.server_process import ServerProcess
 
         self.name = name
         # default tier with a loose TTFT target: a benchmark wants every stream served and

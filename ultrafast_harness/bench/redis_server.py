@@ -15,8 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ultrafast.bench.server_process import free_port
 from ultrafast.local_tools import find_tool
+from ultrafast_harness.bench.server_process import free_port
 
 
 class RedisServerMissing(RuntimeError):

@@ -25,10 +25,13 @@ from pathlib import Path
 
 import httpx
 
-from ultrafast.bench.latency_plot import plot_latencies
-from ultrafast.bench.serve_client import stream_chat
-from ultrafast.bench.serve_plan import Level, interleaved, levels_of
-from ultrafast.bench.serve_servers import (
+from ultrafast.config import DEMO_MODEL_DIR, REPO_ROOT
+from ultrafast.cpu_info import describe_cpu
+from ultrafast.weight_format import cpu_flags, resolve_outtype
+from ultrafast_harness.bench.latency_plot import plot_latencies
+from ultrafast_harness.bench.serve_client import stream_chat
+from ultrafast_harness.bench.serve_plan import Level, interleaved, levels_of
+from ultrafast_harness.bench.serve_servers import (
     SERVED_NAME,
     RunningServer,
     ServerSpec,
@@ -36,7 +39,7 @@ from ultrafast.bench.serve_servers import (
     ours_spec,
     vllm_spec,
 )
-from ultrafast.bench.serve_stats import (
+from ultrafast_harness.bench.serve_stats import (
     RequestResult,
     markdown,
     merge_rounds,
@@ -45,10 +48,7 @@ from ultrafast.bench.serve_stats import (
     summarize,
     summarize_burst,
 )
-from ultrafast.bench.server_process import wait_start_costs
-from ultrafast.config import DEMO_MODEL_DIR, REPO_ROOT
-from ultrafast.cpu_info import describe_cpu
-from ultrafast.weight_format import cpu_flags, resolve_outtype
+from ultrafast_harness.bench.server_process import wait_start_costs
 
 SERVERS = ("ours", "llama.cpp", "vllm")  # vllm runs as vllm-bound and vllm-unbound
 SMOLLM2_DIR = REPO_ROOT / "runs" / "models" / "smollm2"

@@ -13,8 +13,8 @@ import time
 
 import orjson
 
-from ultrafast.bench.serve_stats import RequestResult
-from ultrafast.bench.sse_client import _chunks, _read_head
+from ultrafast_harness.bench.serve_stats import RequestResult
+from ultrafast_harness.bench.sse_client import _chunks, _read_head
 
 
 def _error_message(status: int, body: bytes) -> str:

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import httpx
 
-from ultrafast.bench.server_process import free_port
 from ultrafast.config import REPO_ROOT
 from ultrafast.executors.llama_cpp_params import extra_buffers_safe
+from ultrafast_harness.bench.server_process import free_port
 
 SERVED_NAME = "bench"  # every server answers to this model name
 VLLM_VENV = REPO_ROOT / ".venv-vllm"
@@ -73,7 +73,7 @@ def llama_cpp_spec(
 ) -> ServerSpec:
     """llama.cpp's server at its documented best on a CPU: a thread per usable core for both
     the lone-token and the batch passes, and flash attention as ours runs it (on by default)."""
-    argv = [sys.executable, "-m", "ultrafast.bench.llama_server_peer", "--model", str(gguf)]
+    argv = [sys.executable, "-m", "ultrafast_harness.bench.llama_server_peer", "--model", str(gguf)]
     argv += ["--host", "127.0.0.1", "--model_alias", SERVED_NAME, "--n_ctx", str(n_ctx)]
     argv += ["--n_threads", str(threads), "--n_threads_batch", str(threads)]
     argv += ["--flash_attn", str(flash_attn), "--interrupt_requests", "False"]

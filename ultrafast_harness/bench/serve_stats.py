@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ultrafast.bench.harness import percentiles_ms
+from ultrafast_harness.bench.harness import percentiles_ms
 
 
 @dataclass

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from ultrafast.bench.report import write_report
+from ultrafast_harness.bench.report import write_report
 
 CODE_WORDS = (
     "def load_config(path): with open(path) as f: return json.load(f) "
@@ -339,13 +339,13 @@ def _oversub_server_args(args) -> tuple[str, ...]:
 
 
 def main(args) -> int:
-    from ultrafast.bench.redis_server import RedisServer
-    from ultrafast.bench.server_process import DEMO_MODEL_DIR, ServerProcess
     from ultrafast.cli_serve import serve_default_threads
     from ultrafast.model_files import gguf_for, resolve_model
+    from ultrafast_harness.bench.redis_server import RedisServer
+    from ultrafast_harness.bench.server_process import DEMO_MODEL_DIR, ServerProcess
 
     if getattr(args, "oversubscribed", False):  # more conversations than slots (issue 20)
-        from ultrafast.bench import sessions_oversub
+        from ultrafast_harness.bench import sessions_oversub
 
         return sessions_oversub.main(args, _oversub_server_args(args))
     redis = RedisServer()

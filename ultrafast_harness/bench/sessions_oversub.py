@@ -23,8 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from ultrafast.bench.report import write_report
-from ultrafast.bench.sessions import _stream_chat, user_text
+from ultrafast_harness.bench.report import write_report
+from ultrafast_harness.bench.sessions import _stream_chat, user_text
 
 
 class Conversation:
@@ -94,7 +94,7 @@ def _median_ms(values: list[float]) -> float:
 
 
 def measure(args, server_args: tuple[str, ...], tiered: bool, disk_dir: str) -> dict:
-    from ultrafast.bench.server_process import DEMO_MODEL_DIR, ServerProcess
+    from ultrafast_harness.bench.server_process import DEMO_MODEL_DIR, ServerProcess
 
     tier_args = _tier_args(args, disk_dir) if tiered else ()
 
@@ -166,7 +166,7 @@ SETUPS = {
 def throughput(args, server_args: tuple[str, ...], disk_dir: str) -> dict:
     """Turns/s of each setup of SETUPS, `--throughput-rounds` interleaved rounds, with
     fresh conversations every round (so no round finds another's KV)."""
-    from ultrafast.bench.server_process import DEMO_MODEL_DIR, ServerProcess
+    from ultrafast_harness.bench.server_process import DEMO_MODEL_DIR, ServerProcess
 
     many, slots = args.throughput_conversations, args.num_slots
     server_shapes = {

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import httpx
 
-from ultrafast.bench.serve_servers import pss_bytes, rss_bytes, tree_pids
-from ultrafast.bench.server_process import free_port, wait_start_costs
 from ultrafast.cpu_info import describe_cpu
+from ultrafast_harness.bench.serve_servers import pss_bytes, rss_bytes, tree_pids
+from ultrafast_harness.bench.server_process import free_port, wait_start_costs
 
 POLL_S = 0.05
 SETTLE_S = 2.0
@@ -56,7 +56,7 @@ def llama_cpp_argv(gguf: Path, port: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "ultrafast.bench.llama_server_peer",  # llama_cpp.server, AMX buffers off as ours
+        "ultrafast_harness.bench.llama_server_peer",  # llama_cpp.server, AMX buffers off as ours
         "--model",
         str(gguf),
         "--host",

@@ -14,12 +14,12 @@ import time
 
 import httpx
 
-from ultrafast.bench.overhead import markdown as overhead_markdown
-from ultrafast.bench.overhead import run_overhead_bench
-from ultrafast.bench.report import write_report
-from ultrafast.bench.server_process import ServerProcess
 from ultrafast.cli_serve import serve_default_threads
 from ultrafast.progress import Progress
+from ultrafast_harness.bench.overhead import markdown as overhead_markdown
+from ultrafast_harness.bench.overhead import run_overhead_bench
+from ultrafast_harness.bench.report import write_report
+from ultrafast_harness.bench.server_process import ServerProcess
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 
-from ultrafast.bench.report import write_report
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.report import write_report
+from ultrafast_harness.bench.server_process import ServerProcess
 
 TOOLS = [
     {

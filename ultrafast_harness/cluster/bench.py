@@ -6,7 +6,7 @@
 3. session continuation TTFT after a replica kill vs the same sessions' warm TTFT; the
    replicas share a Redis KV tier (--kv-store), so moved sessions restore their KV.
 
-    python -m ultrafast.cluster.bench --duration-s 20 --out runs/cluster-bench.json
+    python -m ultrafast_harness.cluster.bench --duration-s 20 --out runs/cluster-bench.json
 
 Tiny settings (`--duration-s 3 --sessions 4`) run in about three minutes on 2 cores.
 """
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from ultrafast.bench.redis_server import RedisServer
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.redis_server import RedisServer
+from ultrafast_harness.bench.server_process import ServerProcess
 
 COMMON = ("--threads", "1", "--num-slots", "4", "--max-model-len", "2048")
 
@@ -157,7 +157,7 @@ async def _l3_hits(client: httpx.AsyncClient) -> float:
 
 
 def run(args) -> dict:
-    from ultrafast.cluster.process import ClusterProcess
+    from ultrafast_harness.cluster.process import ClusterProcess
 
     results: dict = {"settings": vars(args)}
     redis = RedisServer()

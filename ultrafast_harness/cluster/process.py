@@ -9,8 +9,8 @@ import tempfile
 
 import httpx
 
-from ultrafast.bench.server_process import free_port, spawn_cli, stop_child, wait_healthy
 from ultrafast.config import DEMO_MODEL_DIR
+from ultrafast_harness.bench.server_process import free_port, spawn_cli, stop_child, wait_healthy
 
 
 class ClusterProcess:

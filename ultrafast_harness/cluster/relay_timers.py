@@ -6,7 +6,7 @@ first content chunk and their end, through each path the ingress can take to one
 - the replica's loopback port (`--relay direct`, direct_http.py);
 plus the ingress's own work per call (JSON parse, route_request, Router.choose).
 
-    python -m ultrafast.cluster.relay_timers --calls 30
+    python -m ultrafast_harness.cluster.relay_timers --calls 30
 
 Needs ultrafast[ray] and redis-server; loopback only.
 """
@@ -22,8 +22,8 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 
-from ultrafast.bench.redis_server import RedisServer
 from ultrafast.config import DEMO_MODEL_DIR
+from ultrafast_harness.bench.redis_server import RedisServer
 
 BODY = {
     "messages": [{"role": "user", "content": "def probe(x):"}],

@@ -12,7 +12,7 @@ requests want 1 output token, some 64 (the stress test's irregular pattern); som
 conversations whose prompt grows by each turn, the rest share one of a few system prompts.
 Policies: `ultrafast` (cluster/router.py), `random`, `round_robin`.
 
-    python -m ultrafast.cluster.simulate --rate 10000 --replicas 64 --duration-s 10
+    python -m ultrafast_harness.cluster.simulate --rate 10000 --replicas 64 --duration-s 10
 """
 
 from __future__ import annotations

@@ -17,13 +17,13 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ultrafast.bench.server_process import free_port, stop_child, wait_healthy
 from ultrafast.config import DEMO_MODEL_DIR
 from ultrafast.executors.fake_exec import plain_word_tokens, reference_tokens
-from ultrafast.loadtest.client import plain_call
-from ultrafast.loadtest.invariants import num_fds
 from ultrafast.progress import Progress
 from ultrafast.tokenizer import Tokenizer
+from ultrafast_harness.bench.server_process import free_port, stop_child, wait_healthy
+from ultrafast_harness.loadtest.client import plain_call
+from ultrafast_harness.loadtest.invariants import num_fds
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from ultrafast.loadtest.client import CallRecord
+from ultrafast_harness.loadtest.client import CallRecord
 
 
 def check_terminal(

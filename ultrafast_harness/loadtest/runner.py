@@ -15,16 +15,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ultrafast.loadtest import scenarios_client as c
-from ultrafast.loadtest import scenarios_cluster as cl
-from ultrafast.loadtest import scenarios_fault as f
-from ultrafast.loadtest import scenarios_kv as kv
-from ultrafast.loadtest import scenarios_load as s
-from ultrafast.loadtest import scenarios_models as md
-from ultrafast.loadtest import scenarios_redis as rd
-from ultrafast.loadtest import scenarios_state as st
-from ultrafast.loadtest.harness import Context, Result
-from ultrafast.loadtest.invariants import check_fds_back
+from ultrafast_harness.loadtest import scenarios_client as c
+from ultrafast_harness.loadtest import scenarios_cluster as cl
+from ultrafast_harness.loadtest import scenarios_fault as f
+from ultrafast_harness.loadtest import scenarios_kv as kv
+from ultrafast_harness.loadtest import scenarios_load as s
+from ultrafast_harness.loadtest import scenarios_models as md
+from ultrafast_harness.loadtest import scenarios_redis as rd
+from ultrafast_harness.loadtest import scenarios_state as st
+from ultrafast_harness.loadtest.harness import Context, Result
+from ultrafast_harness.loadtest.invariants import check_fds_back
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from ultrafast.loadtest.client import http_request_bytes, open_raw, parse_raw_sse
-from ultrafast.loadtest.harness import Context, Result, ServerSpec
-from ultrafast.loadtest.invariants import check_content, check_terminal
-from ultrafast.loadtest.scenarios_fault import FAULT_SERVER, with_canaries
-from ultrafast.loadtest.scenarios_load import client_for, fake_body, finish_checks
+from ultrafast_harness.loadtest.client import http_request_bytes, open_raw, parse_raw_sse
+from ultrafast_harness.loadtest.harness import Context, Result, ServerSpec
+from ultrafast_harness.loadtest.invariants import check_content, check_terminal
+from ultrafast_harness.loadtest.scenarios_fault import FAULT_SERVER, with_canaries
+from ultrafast_harness.loadtest.scenarios_load import client_for, fake_body, finish_checks
 
 
 async def f12_slow_reader(ctx: Context, result: Result) -> None:

@@ -14,12 +14,12 @@ import hashlib
 import json
 import tempfile
 
-from ultrafast.bench.redis_server import RedisServer
-from ultrafast.loadtest.client import CallRecord, plain_call, stream_call
-from ultrafast.loadtest.harness import Context, Result
-from ultrafast.loadtest.invariants import check_terminal
-from ultrafast.loadtest.scenarios_load import client_for
-from ultrafast.loadtest.scenarios_state import CHAT, exactly_once, session_turn
+from ultrafast_harness.bench.redis_server import RedisServer
+from ultrafast_harness.loadtest.client import CallRecord, plain_call, stream_call
+from ultrafast_harness.loadtest.harness import Context, Result
+from ultrafast_harness.loadtest.invariants import check_terminal
+from ultrafast_harness.loadtest.scenarios_load import client_for
+from ultrafast_harness.loadtest.scenarios_state import CHAT, exactly_once, session_turn
 
 FAKE = (
     *("--executor", "fake", "--fake-step-ms", "20", "--num-slots", "8"),
@@ -28,7 +28,7 @@ FAKE = (
 
 
 async def _cluster(redis: RedisServer, *extra: str):
-    from ultrafast.cluster.process import ClusterProcess
+    from ultrafast_harness.cluster.process import ClusterProcess
 
     return await asyncio.to_thread(ClusterProcess, *FAKE, "--session-store", redis.url, *extra)
 

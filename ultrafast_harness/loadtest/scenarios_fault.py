@@ -14,7 +14,7 @@ import subprocess
 import time
 
 from ultrafast.executors.fake_exec import FAULT_FATAL, FAULT_REQUEST, FAULT_STEP, fault_prompt
-from ultrafast.loadtest.client import (
+from ultrafast_harness.loadtest.client import (
     http_request_bytes,
     metric_total,
     open_raw,
@@ -22,14 +22,14 @@ from ultrafast.loadtest.client import (
     raw_call_then_leave,
     stream_call,
 )
-from ultrafast.loadtest.harness import Context, Result, ServerSpec
-from ultrafast.loadtest.invariants import (
+from ultrafast_harness.loadtest.harness import Context, Result, ServerSpec
+from ultrafast_harness.loadtest.invariants import (
     check_content,
     check_rejection,
     check_terminal,
     percentiles_ms,
 )
-from ultrafast.loadtest.scenarios_load import (
+from ultrafast_harness.loadtest.scenarios_load import (
     checked_stream,
     client_for,
     fake_body,

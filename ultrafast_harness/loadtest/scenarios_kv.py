@@ -16,12 +16,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ultrafast.bench.redis_server import RedisServer
 from ultrafast.executors.fake_exec import reference_tokens
-from ultrafast.loadtest.client import plain_call
-from ultrafast.loadtest.harness import Context, Result, ServerSpec
-from ultrafast.loadtest.scenarios_load import client_for, finish_checks
-from ultrafast.loadtest.scenarios_state import start_server
+from ultrafast_harness.bench.redis_server import RedisServer
+from ultrafast_harness.loadtest.client import plain_call
+from ultrafast_harness.loadtest.harness import Context, Result, ServerSpec
+from ultrafast_harness.loadtest.scenarios_load import client_for, finish_checks
+from ultrafast_harness.loadtest.scenarios_state import start_server
 
 TURN_TOKENS = 8
 

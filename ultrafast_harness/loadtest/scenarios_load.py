@@ -13,9 +13,9 @@ import random
 
 import httpx
 
-from ultrafast.loadtest.client import CallRecord, stream_call
-from ultrafast.loadtest.harness import Context, Result, ServerSpec
-from ultrafast.loadtest.invariants import (
+from ultrafast_harness.loadtest.client import CallRecord, stream_call
+from ultrafast_harness.loadtest.harness import Context, Result, ServerSpec
+from ultrafast_harness.loadtest.invariants import (
     MemoryWatch,
     check_content,
     check_rejection,

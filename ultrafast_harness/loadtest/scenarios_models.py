@@ -22,12 +22,12 @@ from pathlib import Path
 
 from ultrafast.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from ultrafast.executors.fake_exec import FAULT_FATAL, fault_prompt
-from ultrafast.loadtest.client import CallRecord, metric_total, plain_call, stream_call
-from ultrafast.loadtest.harness import Context, Result, ServerSpec
-from ultrafast.loadtest.invariants import check_content, check_rejection, check_terminal
-from ultrafast.loadtest.scenarios_load import client_for, fake_body, finish_checks
 from ultrafast.model_files import resolve_model
 from ultrafast.server.residency.budget import resident_bytes
+from ultrafast_harness.loadtest.client import CallRecord, metric_total, plain_call, stream_call
+from ultrafast_harness.loadtest.harness import Context, Result, ServerSpec
+from ultrafast_harness.loadtest.invariants import check_content, check_rejection, check_terminal
+from ultrafast_harness.loadtest.scenarios_load import client_for, fake_body, finish_checks
 
 NUM_SLOTS, MAX_LEN = 4, 512
 PROMPT = "def fibonacci(n):\n"

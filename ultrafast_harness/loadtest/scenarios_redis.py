@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from ultrafast.bench.redis_server import RedisServer
-from ultrafast.loadtest.harness import Context, Result
-from ultrafast.loadtest.invariants import check_rejection, percentiles_ms
-from ultrafast.loadtest.scenarios_load import checked_stream, client_for, finish_checks
-from ultrafast.loadtest.scenarios_state import (
+from ultrafast_harness.bench.redis_server import RedisServer
+from ultrafast_harness.loadtest.harness import Context, Result
+from ultrafast_harness.loadtest.invariants import check_rejection, percentiles_ms
+from ultrafast_harness.loadtest.scenarios_load import checked_stream, client_for, finish_checks
+from ultrafast_harness.loadtest.scenarios_state import (
     CHAT,
     STORE_TIMEOUT_S,
     exactly_once,
@@ -27,7 +27,7 @@ from ultrafast.loadtest.scenarios_state import (
     turn_body,
     until_ok,
 )
-from ultrafast.loadtest.tcp_proxy import TcpProxy
+from ultrafast_harness.loadtest.tcp_proxy import TcpProxy
 
 # ---- F6: Redis down before a session request --------------------------------------------------
 

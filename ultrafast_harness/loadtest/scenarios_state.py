@@ -18,13 +18,18 @@ from pathlib import Path
 
 import httpx
 
-from ultrafast.bench.redis_server import RedisServer
-from ultrafast.bench.sessions import ConversationRun, check_exactly_once, run_conversations
-from ultrafast.loadtest.client import CallRecord, metric_total, plain_call, stream_call
-from ultrafast.loadtest.harness import Context, Result, ServerSpec
-from ultrafast.loadtest.invariants import check_rejection, check_terminal, percentiles_ms
-from ultrafast.loadtest.scenarios_load import LIMITS, checked_stream, client_for, finish_checks
 from ultrafast.server.tenants import hash_key
+from ultrafast_harness.bench.redis_server import RedisServer
+from ultrafast_harness.bench.sessions import ConversationRun, check_exactly_once, run_conversations
+from ultrafast_harness.loadtest.client import CallRecord, metric_total, plain_call, stream_call
+from ultrafast_harness.loadtest.harness import Context, Result, ServerSpec
+from ultrafast_harness.loadtest.invariants import check_rejection, check_terminal, percentiles_ms
+from ultrafast_harness.loadtest.scenarios_load import (
+    LIMITS,
+    checked_stream,
+    client_for,
+    finish_checks,
+)
 
 CHAT = "/v1/chat/completions"
 STORE_TIMEOUT_S = 2.0  # the store's per-call timeout (StoreConfig.timeout_s)

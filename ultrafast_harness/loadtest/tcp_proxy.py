@@ -12,7 +12,7 @@ import socket
 import struct
 import time
 
-from ultrafast.bench.server_process import free_port
+from ultrafast_harness.bench.server_process import free_port
 
 
 class TcpProxy:
