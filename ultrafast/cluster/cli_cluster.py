@@ -254,7 +254,8 @@ def build_cluster_app(backends, spec):
 
     from ultrafast.cluster.app import deploy_replica
     from ultrafast.cluster.health import ReplicaPoller, merge_metrics
-    from ultrafast.cluster.ingress import ClusterIngress, build_ingress_app
+    from ultrafast.cluster.ingress import ClusterIngress
+    from ultrafast.cluster.ingress_app import build_ingress_app
     from ultrafast.cluster.router import Router, RouterConfig
     from ultrafast.server import auth
     from ultrafast.server.errors import APIError

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ultrafast.grammar import GrammarSpec
 from ultrafast.request import Request, SamplingParams
+from ultrafast_harness.bench.grammar_inputs import big_schema, long_prompt
 from ultrafast_harness.bench.report import write_report
 
 PROMPT = "Numbers as JSON:\n"
@@ -32,21 +33,6 @@ ENDLESS = GrammarSpec.from_json_schema(
 
 
 _COMPILE_THREAD = ThreadPoolExecutor(1, thread_name_prefix="bench-grammar-compile")
-
-
-def big_schema(salt: int, target_bytes: int = 10_000) -> dict:
-    """A ~10 KB object schema; `salt` makes each one new to the compile cache."""
-    props: dict = {}
-    i = 0
-    while len(json.dumps(props)) < target_bytes - 200:
-        props[f"field_{salt}_{i}"] = [
-            {"type": "string", "maxLength": 20},
-            {"type": "integer", "minimum": 0, "maximum": 10_000},
-            {"enum": ["alpha", "beta", "gamma", "delta"]},
-            {"type": "array", "items": {"type": "boolean"}, "maxItems": 4},
-        ][i % 4]
-        i += 1
-    return {"type": "object", "properties": props, "required": list(props)[:4]}
 
 
 def _decode_tpot(llm, num_requests: int, new_tokens: int, grammar) -> float:
@@ -71,11 +57,6 @@ def _decode_tpot(llm, num_requests: int, new_tokens: int, grammar) -> float:
                 counts[o.request_id] = counts.get(o.request_id, 0) + len(o.new_token_ids)
     per = [(last[r] - first[r]) / max(1, counts[r] - 1) for r in first]
     return statistics.mean(per)
-
-
-def long_prompt() -> str:
-    """An agent-sized prompt (a few hundred tokens), new to the prefix cache each call."""
-    return f"Log {time.monotonic_ns()}:\n" + "GET /health returned 200 in 3 ms.\n" * 40
 
 
 def _ttft(llm, grammar, prompt: str = PROMPT) -> float:

@@ -24,7 +24,7 @@ import time
 
 import httpx
 
-from ultrafast_harness.bench.grammar import big_schema, long_prompt
+from ultrafast_harness.bench.grammar_inputs import big_schema, long_prompt
 from ultrafast_harness.bench.report import write_report
 from ultrafast_harness.bench.server_process import ServerProcess
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from ultrafast_harness.bench.report import write_report
-from ultrafast_harness.bench.sessions import _stream_chat, user_text
+from ultrafast_harness.bench.session_chat import _stream_chat, user_text
 
 
 class Conversation:
