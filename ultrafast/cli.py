@@ -12,8 +12,8 @@ from typing import Any
 
 from ultrafast.cli_bench import add_bench_parser, with_default_bench_suite
 from ultrafast.cli_chat import add_chat_parser
+from ultrafast.cli_cluster import add_cluster_parser
 from ultrafast.cli_serve import add_generate_parser, add_serve_parser
-from ultrafast.cluster.cli_cluster import add_cluster_parser
 from ultrafast.weight_format import AUTO, OUT_TYPES
 
 

@@ -97,7 +97,7 @@ def run(calls: int) -> dict:
     from ray import serve
 
     from ultrafast.cluster.app import EngineReplica, RayBackends, app_name, deploy_replica
-    from ultrafast.cluster.cli_cluster import start_ray, wait_running
+    from ultrafast.cluster.run import start_ray, wait_running
 
     out: dict = {"ingress_work_us_per_call": _ingress_work_us()}
     redis = RedisServer()
