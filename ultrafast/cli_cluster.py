@@ -16,18 +16,9 @@ from typing import Any
 
 
 def add_cluster_parser(sub: Any) -> None:
-    from ultrafast.cli_help import HelpFormatter, group
-    from ultrafast.cli_serve import (
-        _add_access_args,
-        _add_guard_args,
-        _add_kv_cache_args,
-        _add_sampling_args,
-        _add_session_args,
-        _add_tier_args,
-        add_chat_template_arg,
-        add_engine_args,
-    )
-    from ultrafast.config import ServerConfig
+    from ultrafast.cli_help import SERVE_GROUPS, HelpFormatter, group
+    from ultrafast.config import EngineConfig, ServerConfig
+    from ultrafast.config_flags import add_flags
 
     p = sub.add_parser(
         "cluster",
@@ -35,7 +26,7 @@ def add_cluster_parser(sub: Any) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("model_path", nargs="?", default=None, help="as for `serve` (default: as there)")
-    cluster, server = group(p, "cluster"), group(p, "server")
+    cluster = group(p, "cluster")
     cluster.add_argument(
         "--replicas", type=int, default=2, help="engine replicas (each its own process)"
     )
@@ -64,33 +55,13 @@ def add_cluster_parser(sub: Any) -> None:
         "loopback port (fewer hops), ray = through its Serve handle (other machines' "
         "replicas and WebSockets always use the handle)",
     )
-    server.add_argument("--host", default=ServerConfig.host, help="ingress bind address")
-    server.add_argument("--port", type=int, default=ServerConfig.port, help="ingress TCP port")
-    server.add_argument(
-        "--served-model-name",
-        default=ServerConfig.served_model_name,
-        help="model id clients send (default: the model's directory or file name)",
-    )
-    add_chat_template_arg(group(p, "model"))
-    _add_sampling_args(group(p, "sampling"))
-    _add_tier_args(p)
-    _add_session_args(p)
-    _add_access_args(p)
-    _add_guard_args(p)
-    _add_kv_cache_args(p)  # a Redis KV tier lets a moved conversation restore instead of recompute
-    add_engine_args(p)
-    # one model per replica: serve's --models flags are not offered, their defaults stand
-    p.set_defaults(
-        func=cmd_cluster,
-        models=[],
-        pin=[],
-        max_resident_bytes="0",
-        keep_alive="5m",
-        model_load_timeout_s=ServerConfig.model_load_timeout_s,
-        no_preload=False,
-        log_level=ServerConfig.log_level,
-        no_access_log=not ServerConfig.access_log,
-    )
+    for title in SERVE_GROUPS:
+        group(p, title)
+    # serve's flags but its log flags and several models (one model per replica; those fields
+    # keep their defaults); a Redis KV tier lets a moved conversation restore, not recompute
+    add_flags(p, ServerConfig, ("listen", "main"), group)
+    add_flags(p, EngineConfig, None, group)
+    p.set_defaults(func=cmd_cluster)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -104,7 +75,6 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         check_max_model_len,
         chosen_model,
         engine_options,
-        kv_cache_options,
         server_config,
     )
     from ultrafast.cluster.app import ReplicaSpec, with_replica_defaults
@@ -125,7 +95,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         server_api_keys(server.api_keys_path, server.api_key_hashes)
     spec = with_replica_defaults(
         ReplicaSpec(
-            engine=EngineConfig(model=model, **engine_options(args), **kv_cache_options(args)),
+            engine=EngineConfig(model=model, **engine_options(args)),
             server=server,
             limits_store=args.limits_store or server.session_store,
             limits_fail=args.limits_fail,

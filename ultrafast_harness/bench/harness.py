@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ultrafast.cli_serve import serve_default_threads
 from ultrafast.model_files import gguf_for, load_tokenizer, resolve_model
 from ultrafast_harness.bench.peers import (
     Batch,
@@ -32,6 +31,7 @@ from ultrafast_harness.bench.peers import (
     TransformersRunner,
     VllmRunner,
 )
+from ultrafast_harness.bench.server_process import serve_default_threads
 
 PROMPT_TEXT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
 OURS = ("ours-engine", "ours-engine-torch", "ours-server")

@@ -133,9 +133,9 @@ def _cut(without: float, with_: float) -> float | None:
 
 
 def main(args) -> int:
-    from ultrafast.cli_serve import parse_models_arg
     from ultrafast.model_files import resolve_model
     from ultrafast.server.residency.budget import resident_bytes
+    from ultrafast.server_config import parse_models_arg
 
     models = args.models or default_models()
     pairs = parse_models_arg([models])

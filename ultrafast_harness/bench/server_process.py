@@ -16,6 +16,16 @@ import httpx
 from ultrafast.config import DEMO_MODEL_DIR
 
 
+def serve_default_threads() -> int:
+    """Every core but one: the benchmarks' fixed split for a server they start (serve itself
+    measures its thread counts per pass width at start instead)."""
+    from ultrafast.executors.ggml_exec import physical_cores
+
+    # one core stays with the event loop, tokenizer and clients: kernels on every core compete
+    # with them and slow streaming over HTTP on a small machine
+    return max(1, physical_cores() - 1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

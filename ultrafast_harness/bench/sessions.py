@@ -296,10 +296,13 @@ def _oversub_server_args(args) -> tuple[str, ...]:
 
 
 def main(args) -> int:
-    from ultrafast.cli_serve import serve_default_threads
     from ultrafast.model_files import gguf_for, resolve_model
     from ultrafast_harness.bench.redis_server import RedisServer
-    from ultrafast_harness.bench.server_process import DEMO_MODEL_DIR, ServerProcess
+    from ultrafast_harness.bench.server_process import (
+        DEMO_MODEL_DIR,
+        ServerProcess,
+        serve_default_threads,
+    )
 
     if getattr(args, "oversubscribed", False):  # more conversations than slots (issue 20)
         from ultrafast_harness.bench import sessions_oversub

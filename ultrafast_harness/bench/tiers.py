@@ -14,12 +14,11 @@ import time
 
 import httpx
 
-from ultrafast.cli_serve import serve_default_threads
 from ultrafast.progress import Progress
 from ultrafast_harness.bench.overhead import markdown as overhead_markdown
 from ultrafast_harness.bench.overhead import run_overhead_bench
 from ultrafast_harness.bench.report import write_report
-from ultrafast_harness.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess, serve_default_threads
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
 
