@@ -88,6 +88,35 @@ def switch_off() -> dict[str, Any]:
     return {"action": "store_true", "shown": lambda v: not v, "to_field": lambda v: not v}
 
 
+def parse_models_arg(values: list[str]) -> tuple[tuple[str, str], ...]:
+    """`--models a=/p/a.gguf,b=/p/b` (repeatable) -> ((name, path), ...); a bare path is
+    named after its file stem. ValueError on a duplicate or empty name."""
+    from pathlib import Path
+
+    models: list[tuple[str, str]] = []
+    for value in values:
+        for item in filter(None, (part.strip() for part in value.split(","))):
+            name, sep, path = item.partition("=")
+            if not sep:
+                name, path = Path(item).stem, item
+            if not name or not path:
+                raise ValueError(f"--models: {item!r} is not NAME=PATH")
+            if name in dict(models):
+                raise ValueError(f"--models: the name {name!r} is given twice")
+            models.append((name, path))
+    return tuple(models)
+
+
+def duration_text(seconds: float | None) -> str:
+    """300.0 -> "5m", None (never) -> "-1": a keep-alive as `--keep-alive` takes it."""
+    if seconds is None:
+        return "-1"
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
 def _converter(fn: Callable[[Any], Any] | str | None) -> Callable[[Any], Any] | None:
     if isinstance(fn, str):
         module, _, name = fn.partition(":")
@@ -166,11 +195,11 @@ def _field_value(field: dataclasses.Field, declared: tuple[Flag, ...], args: Any
             return NOT_SET
         convert = _converter(declared[0].to_field)
         return convert(value) if convert is not None else value
-    members = {}
+    members: dict[str, Any] = {}
     for d in present:
         value = _checked(d, getattr(args, d.dest))
         convert = _converter(d.to_field)
-        members[d.attr] = convert(value) if convert and value is not None else value
+        members[d.attr or d.dest] = convert(value) if convert and value is not None else value
     if dataclasses.is_dataclass(field.default):  # a nested config: only the flagged members
         return dataclasses.replace(field.default, **members)  # type: ignore[type-var]
     return tuple((k, v) for k, v in members.items() if v is not None)  # pairs: those given

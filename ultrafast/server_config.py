@@ -6,42 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ultrafast.config_flags import Flag, flag, flags, switch_off
+from ultrafast.config_flags import Flag, duration_text, flag, flags, parse_models_arg, switch_off
 
 # Defaults that modules outside this file also state: they import these names instead.
 SESSION_TTL_S = 30 * 24 * 3600.0  # OpenAI keeps stored responses 30 days (server/sessions/store.py)
 MAX_SESSIONS_PER_TENANT = 10_000  # live sessions one tenant may hold (server/sessions/store.py)
 MAX_TOOL_CALLS = 8  # parallel tool calls a turn may make; its grammar ends after (tools/grammar.py)
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-def parse_models_arg(values: list[str]) -> tuple[tuple[str, str], ...]:
-    """`--models a=/p/a.gguf,b=/p/b` (repeatable) -> ((name, path), ...); a bare path is
-    named after its file stem. ValueError on a duplicate or empty name."""
-    from pathlib import Path
-
-    models: list[tuple[str, str]] = []
-    for value in values:
-        for item in filter(None, (part.strip() for part in value.split(","))):
-            name, sep, path = item.partition("=")
-            if not sep:
-                name, path = Path(item).stem, item
-            if not name or not path:
-                raise ValueError(f"--models: {item!r} is not NAME=PATH")
-            if name in dict(models):
-                raise ValueError(f"--models: the name {name!r} is given twice")
-            models.append((name, path))
-    return tuple(models)
-
-
-def duration_text(seconds: float | None) -> str:
-    """300.0 -> "5m", None (never) -> "-1": a keep-alive as `--keep-alive` takes it."""
-    if seconds is None:
-        return "-1"
-    for unit, size in (("h", 3600), ("m", 60)):
-        if seconds and seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    return f"{seconds:g}s"
 
 
 def _tier_flags(tier: str, ttft_help: str, itl_help: str, queue_help: str) -> dict:

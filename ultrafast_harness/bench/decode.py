@@ -8,6 +8,7 @@ prefill (time from first to last token).
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import time
@@ -20,6 +21,14 @@ from typing import TYPE_CHECKING
 from ultrafast.model_files import gguf_for, load_tokenizer, resolve_model
 from ultrafast.progress import Progress
 from ultrafast_harness.bench.report import write_report
+from ultrafast_harness.bench.suite_args import (
+    add_model,
+    add_new_tokens,
+    add_out,
+    add_rounds,
+    add_threads,
+    fraction,
+)
 
 if TYPE_CHECKING:  # the engine brings torch: imported only when our runner is built
     from ultrafast.engine.core import EngineCore
@@ -374,3 +383,36 @@ def main(args) -> int:
         prediction_edit_rate=args.prediction_edit_rate,
     )
     return write_report(report, args.out, markdown(report))
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """This suite's options (`ultrafast bench decode --help`)."""
+    add_model(p, "HF model directory or .gguf file (a GGUF alone skips transformers)")
+    add_new_tokens(p, "tokens decoded per round")
+    add_rounds(p, 3)
+    add_threads(p, "kernel threads (default: all cores)")
+    p.add_argument("--gguf-type", default="f16", help="GGUF type for both ggml runners")
+    p.add_argument(
+        "--gguf",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="compare these GGUF files instead (repeatable), ours vs llama.cpp on "
+        "each, e.g. f16 vs q8_0 vs hybrid",
+    )
+    p.add_argument(
+        "--spec",
+        default="ngram,draft",
+        help="speculative variants of our ggml runner to add, comma-separated from "
+        "ngram, draft, auto, prediction (empty: none; default ngram,draft); prediction: "
+        "predicted outputs made from the plain greedy output, see --prediction-edit-rate",
+    )
+    p.add_argument(
+        "--prediction-edit-rate",
+        type=fraction,
+        default=0.1,
+        metavar="RATE",
+        help="fraction of the plain greedy tokens replaced (seeded) to make the prediction "
+        "of --spec prediction (default 0.1)",
+    )
+    add_out(p, "runs/bench_decode.json")

@@ -11,6 +11,7 @@ overrun the time budget are skipped and say so; a machine without torch or CUDA 
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -18,6 +19,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from ultrafast_harness.bench.suite_args import add_compile, add_out, add_rounds
 
 LLAMA_1B_SHAPE = {
     "architectures": ["LlamaForCausalLM"],
@@ -297,3 +300,19 @@ def main(args) -> int:
     tests_ok = report.get("tests", {"rc": 0})["rc"] == 0
     modes_ok = all("error" not in r for r in report["modes"].values())
     return 0 if tests_ok and modes_ok else 1
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """This suite's options (`ultrafast bench gpu_check --help`)."""
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default 128)")
+    p.add_argument(
+        "--decode-tokens", type=int, default=256, help="decode steps timed per mode (default 256)"
+    )
+    add_compile(
+        p,
+        "decode modes timed beside eager: auto = CUDA graphs and inductor; "
+        "inductor or graphs = that one only",
+    )
+    add_rounds(p, 3)
+    p.add_argument("--skip-tests", action="store_true", help="do not run tests/gpu")
+    add_out(p, "runs/bench_gpu.json")

@@ -15,6 +15,7 @@ Run it on a quiet machine: the figures are small differences of step times.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -24,6 +25,13 @@ from ultrafast.grammar import GrammarSpec
 from ultrafast.request import Request, SamplingParams
 from ultrafast_harness.bench.grammar_inputs import big_schema, long_prompt
 from ultrafast_harness.bench.report import write_report
+from ultrafast_harness.bench.suite_args import (
+    add_model,
+    add_new_tokens,
+    add_out,
+    add_rounds,
+    add_threads,
+)
 
 PROMPT = "Numbers as JSON:\n"
 # more items than any run's tokens: the grammar never completes, so no request ends early
@@ -171,3 +179,20 @@ def main(args) -> int:
         llm.close()
     report["model"] = str(args.model)
     return write_report(report, args.out, markdown(report))
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """This suite's options (`ultrafast bench grammar --help`)."""
+    add_model(p, "HF model directory or .gguf file")
+    add_new_tokens(p, "tokens per request")
+    add_rounds(p, 3)
+    add_threads(p, "kernel threads (default: all cores)")
+    p.add_argument(
+        "--concurrency", type=int, default=16, help="requests per batch, 2nd row (default 16)"
+    )
+    p.add_argument(
+        "--served",
+        action="store_true",
+        help="first-seen / cached schema TTFT through a server instead (streamed chat calls)",
+    )
+    add_out(p, "runs/bench_grammar.json")

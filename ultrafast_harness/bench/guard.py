@@ -8,6 +8,7 @@ spreads over all configurations.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import statistics
@@ -22,6 +23,13 @@ from ultrafast.server.guard import GuardConfig, GuardedChoice, PatternGuard
 from ultrafast.server.metrics import ServerMetrics
 from ultrafast_harness.bench.report import write_report
 from ultrafast_harness.bench.server_process import ServerProcess
+from ultrafast_harness.bench.suite_args import (
+    add_model,
+    add_new_tokens,
+    add_out,
+    add_rounds,
+    add_server_slots,
+)
 from ultrafast_harness.bench.tiers import PROMPT, percentile, stream_once
 
 EXAMPLE_PATTERNS = Path(__file__).resolve().parents[2] / "deploy" / "guard-patterns.example.json"
@@ -179,3 +187,25 @@ def main(args) -> int:
 
 if __name__ == "__main__":
     print(json.dumps({"guard_cpu_us_per_token": guard_cpu_cost_us(EXAMPLE_PATTERNS)}))
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """This suite's options (`ultrafast bench guard --help`)."""
+    add_model(p)
+    add_server_slots(p)
+    p.add_argument("--probes", type=int, default=8, help="priority requests per round (default 8)")
+    add_new_tokens(p, "tokens generated per probe")
+    add_rounds(p, 3)
+    p.add_argument(
+        "--guard-patterns",
+        default=None,
+        metavar="FILE",
+        help="patterns file (default deploy/guard-patterns.example.json)",
+    )
+    p.add_argument(
+        "--hold-back-tokens",
+        type=int,
+        default=4,
+        help="the server's --guard-hold-back-tokens (default 4)",
+    )
+    add_out(p, "runs/bench_guard.json")

@@ -3,8 +3,19 @@ plus the command's entry point."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+
+from ultrafast_harness.bench.suite_args import (
+    add_compile,
+    add_executor,
+    add_model,
+    add_new_tokens,
+    add_out,
+    add_rounds,
+    add_threads,
+)
 
 
 def _f(value, digits: int = 1, suffix: str = "") -> str:
@@ -124,3 +135,37 @@ def main(args) -> int:
     )
     write_outputs(report, args.out)
     return 0
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """This suite's options (`ultrafast bench harness_report --help`)."""
+    add_model(p)
+    add_new_tokens(p, "tokens generated per stream")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (default 32)")
+    p.add_argument(
+        "--concurrency",
+        default="1,4,16",
+        help="concurrent streams per level, comma-separated (default 1,4,16)",
+    )
+    p.add_argument(
+        "--peers",
+        default=None,
+        help="comma-separated runners (default: ours-engine, ours-server, llama.cpp, "
+        "transformers; on CUDA also vllm or transformers-cuda; ours-engine-torch "
+        "adds our torch executor)",
+    )
+    p.add_argument(
+        "--roofline",
+        action="store_true",
+        help="batch-1 decode as a fraction of bytes-per-token / measured memory bandwidth",
+    )
+    add_executor(p)
+    add_compile(p)
+    add_rounds(p, 3)
+    add_threads(
+        p,
+        "kernel threads of every runner (default: the serve default for our "
+        "server, all cores for the others)",
+    )
+    p.add_argument("--gguf-type", default="f16", help="GGUF type for both ggml runners")
+    add_out(p, "runs/bench.json")

@@ -16,6 +16,7 @@ fits the larger one but not both, so every switch of model is an eviction and a 
 
 from __future__ import annotations
 
+import argparse
 import re
 import statistics
 import time
@@ -23,6 +24,7 @@ import time
 import httpx
 
 from ultrafast_harness.bench.report import write_report
+from ultrafast_harness.bench.suite_args import add_out, add_server_slots, add_threads
 
 PROMPT = "def fibonacci(n):"
 
@@ -133,9 +135,9 @@ def _cut(without: float, with_: float) -> float | None:
 
 
 def main(args) -> int:
+    from ultrafast.config_flags import parse_models_arg
     from ultrafast.model_files import resolve_model
     from ultrafast.server.residency.budget import resident_bytes
-    from ultrafast.server_config import parse_models_arg
 
     models = args.models or default_models()
     pairs = parse_models_arg([models])
@@ -203,3 +205,33 @@ def main(args) -> int:
         f"{'n/a' if steady is None else f'{steady:.0%}'} after warm-up (target >= 80%)"
     )
     return write_report(report, args.out, "\n".join(lines))
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """This suite's options (`ultrafast bench models --help`)."""
+    p.add_argument(
+        "--models",
+        default=None,
+        metavar="A=PATH,B=PATH",
+        help="the two models (default: the demo model and SmolLM2 when fetched, else the "
+        "demo draft)",
+    )
+    add_server_slots(p)
+    p.add_argument("--max-model-len", type=int, default=512, help="positions per slot")
+    add_threads(p, "the server's --threads (default: the serve default)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per call (default 8)")
+    p.add_argument("--swaps", type=int, default=8, help="model switches timed (default 8)")
+    p.add_argument("--cycles", type=int, default=20, help="periodic trace cycles (default 20)")
+    p.add_argument(
+        "--warmup-cycles",
+        type=int,
+        default=4,
+        help="cycles before the steady state is counted (the predictor learns; default 4)",
+    )
+    p.add_argument(
+        "--period-s",
+        type=float,
+        default=0.0,
+        help="trace period (0 = 4x the slowest switching call, at least 1 s)",
+    )
+    add_out(p, "runs/bench_models.json")

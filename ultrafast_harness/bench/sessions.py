@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import threading
 import time
@@ -24,6 +25,14 @@ import httpx
 
 from ultrafast_harness.bench.report import write_report
 from ultrafast_harness.bench.session_chat import _stream_chat, user_text
+from ultrafast_harness.bench.suite_args import (
+    add_executor,
+    add_model,
+    add_out,
+    add_rounds,
+    add_server_slots,
+    add_threads,
+)
 
 
 def prefill_shape(usage: dict) -> tuple[int, int]:
@@ -444,3 +453,78 @@ def markdown(report: dict, num_turns: int) -> str:
         f" {e['elapsed_s']:.0f} s"
     )
     return "\n".join(rows)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """This suite's options (`ultrafast bench sessions --help`)."""
+    add_model(p)
+    add_executor(p)
+    add_server_slots(p)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=4096,
+        help="server positions per slot, capped by the model (default 4096)",
+    )
+    add_rounds(p, 3, "conversations timed per mode")
+    add_threads(p, "the server's --threads (default: the serve default)")
+    p.add_argument("--batch-threads", type=int, default=None, help="the server's --batch-threads")
+    p.add_argument("--turns", type=int, default=20, help="turns per conversation (default 20)")
+    p.add_argument("--turn-tokens", type=int, default=50, help="user turn size (default 50)")
+    p.add_argument(
+        "--reply-tokens",
+        type=int,
+        default=40,
+        help="answer size (default 40: turns of ~100 tokens in all, so 20 of them "
+        "fit the demo model's 2048 positions)",
+    )
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=200,
+        help="conversations of the exactly-once run (0: time to first token only)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=16,
+        help="conversations at once in the exactly-once run (default 16)",
+    )
+    p.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=16,
+        help="answer size in the exactly-once run (default 16)",
+    )
+    add_oversubscribed_args(p)
+    add_out(p, "runs/bench_sessions.json")
+
+
+def add_oversubscribed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--oversubscribed",
+        action="store_true",
+        help="instead: more conversations than slots, round-robin, with and without the "
+        "tiered KV cache (next-turn vs warm-slot TTFT, after kill -9 + restart, turns/s)",
+    )
+    p.add_argument("--oversub-conversations", type=int, default=12, help="(default 12)")
+    p.add_argument("--oversub-turns", type=int, default=6, help="(default 6)")
+    p.add_argument(
+        "--throughput-conversations",
+        type=int,
+        default=16,
+        help="conversations at once for turns/s (default 16)",
+    )
+    p.add_argument(
+        "--throughput-rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of the turns/s setups (no tiers, tiers, the two ceilings; "
+        "default 3)",
+    )
+    p.add_argument(
+        "--kv-host-cache-gb",
+        type=float,
+        default=1.0,
+        help="the tiered server's L2 budget (its L3 is a temporary directory)",
+    )

@@ -15,6 +15,7 @@ only by the OS page cache, as ours do.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -29,6 +30,7 @@ import httpx
 from ultrafast.cpu_info import describe_cpu
 from ultrafast_harness.bench.serve_servers import pss_bytes, rss_bytes, tree_pids
 from ultrafast_harness.bench.server_process import free_port, wait_start_costs
+from ultrafast_harness.bench.suite_args import add_out
 
 POLL_S = 0.05
 SETTLE_S = 2.0
@@ -238,3 +240,24 @@ def main(args) -> int:
     print(text)
     print(f"\nwrote {out}, {out.with_suffix('.md')}")
     return 0
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """This suite's options (`ultrafast bench startup_bench --help`)."""
+    p.add_argument(
+        "--gguf",
+        default=None,
+        help="the GGUF file both serve (default: the default chat model, SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--servers",
+        default="ours,llama.cpp",
+        help="comma-separated from ours, llama.cpp (default both)",
+    )
+    p.add_argument(
+        "--starts", type=int, default=3, help="starts per server: 1 cold, then warm (default 3)"
+    )
+    p.add_argument(
+        "--timeout-s", type=float, default=300.0, help="per start, to the first answer (300)"
+    )
+    add_out(p, "runs/bench_startup.json")

@@ -8,6 +8,7 @@ Everything runs on this machine against 127.0.0.1 only, bounded in count and tim
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import time
@@ -19,6 +20,13 @@ from ultrafast_harness.bench.overhead import markdown as overhead_markdown
 from ultrafast_harness.bench.overhead import run_overhead_bench
 from ultrafast_harness.bench.report import write_report
 from ultrafast_harness.bench.server_process import ServerProcess, serve_default_threads
+from ultrafast_harness.bench.suite_args import (
+    add_model,
+    add_out,
+    add_rounds,
+    add_server_slots,
+    add_threads,
+)
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
 
@@ -217,3 +225,13 @@ def main(args) -> int:
         threads=args.threads,
     )
     return write_report(report, args.out, markdown(report))
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """This suite's options (`ultrafast bench tiers --help`)."""
+    add_model(p)
+    add_server_slots(p)
+    p.add_argument("--probes", type=int, default=8, help="priority requests per phase (default 8)")
+    add_rounds(p, 10, "streaming-overhead rounds")
+    add_threads(p, "the server's kernel threads (default: the serve default)")
+    add_out(p, "runs/bench_tiers.json")

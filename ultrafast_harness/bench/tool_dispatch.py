@@ -9,6 +9,7 @@ are reported and left out of the ratio (a small model does not always make the s
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -18,6 +19,7 @@ import httpx
 
 from ultrafast_harness.bench.report import write_report
 from ultrafast_harness.bench.server_process import ServerProcess
+from ultrafast_harness.bench.suite_args import add_model, add_out, add_rounds
 
 TOOLS = [
     {
@@ -148,3 +150,11 @@ def main(args) -> int:
     Path(args.out).with_suffix(".md").parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).with_suffix(".md").write_text(table + "\n")
     return write_report(report, args.out, table)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """This suite's options (`ultrafast bench tool_dispatch --help`)."""
+    add_model(p)
+    add_rounds(p, 10, "streamed agent turns per API")
+    p.add_argument("--max-tokens", type=int, default=200, help="output cap per turn (default 200)")
+    add_out(p, "runs/bench_tools.json")
