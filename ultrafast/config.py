@@ -1,4 +1,5 @@
-"""Configuration: frozen dataclasses, one per concern. The only module that reads os.environ."""
+"""Configuration: frozen dataclasses, one per concern, each flag declared on its field
+(config_flags.py). Reads the environment's locations: cache and data dirs, the default model."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ inside functions included, is read with `ast`):
 - server/build.py may also import `ultrafast.llm` (it builds the engine: `build_engine`).
 - every other server module may import ultrafast.server.*, ultrafast.request (the request
   contract every layer shares), ultrafast.config, ultrafast.tokenizer and third-party
-  packages, but nothing from ultrafast.core, ultrafast.runtime, ultrafast.engine,
-  ultrafast.executors, ultrafast.sampling or ultrafast.llm.
+  packages, but nothing from ultrafast.core, ultrafast.engine, ultrafast.executors,
+  ultrafast.sampling or ultrafast.llm.
 Everything else under `ultrafast.` not named above is allowed too (e.g. ultrafast.progress):
 the rule is about the engine's packages.
 """
@@ -22,7 +22,6 @@ import ultrafast.server
 SERVER_DIR = Path(ultrafast.server.__file__).parent
 ENGINE_PACKAGES = (
     "ultrafast.core",
-    "ultrafast.runtime",
     "ultrafast.engine",
     "ultrafast.executors",
     "ultrafast.sampling",
@@ -78,18 +77,18 @@ def test_no_server_module_but_the_bridge_imports_the_engine():
 def test_the_checker_catches_plain_from_lazy_and_relative_imports():
     source = (
         "import ultrafast.core.scheduler\n"
-        "from ultrafast.runtime.engine import EngineThread\n"
+        "from ultrafast.engine.thread import EngineThread\n"
         "def f():\n    from ultrafast.executors import fake_exec\n"
         "from ...sampling import sampler\n"
         "from ultrafast import llm\n"
     )
     assert boundary_violations(source, "ultrafast.server.sessions") == [
         "ultrafast.core.scheduler",
+        "ultrafast.engine.thread",
+        "ultrafast.engine.thread.EngineThread",
         "ultrafast.executors",
         "ultrafast.executors.fake_exec",
         "ultrafast.llm",
-        "ultrafast.runtime.engine",
-        "ultrafast.runtime.engine.EngineThread",
         "ultrafast.sampling",
         "ultrafast.sampling.sampler",
     ]

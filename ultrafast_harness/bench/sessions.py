@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from ultrafast_harness.bench import sessions_oversub
 from ultrafast_harness.bench.report import write_report
 from ultrafast_harness.bench.session_chat import _stream_chat, user_text
 from ultrafast_harness.bench.suite_args import (
@@ -314,8 +315,6 @@ def main(args) -> int:
     )
 
     if getattr(args, "oversubscribed", False):  # more conversations than slots (issue 20)
-        from ultrafast_harness.bench import sessions_oversub
-
         return sessions_oversub.main(args, _oversub_server_args(args))
     redis = RedisServer()
     torch_executor = args.executor == "torch"
@@ -496,35 +495,5 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=16,
         help="answer size in the exactly-once run (default 16)",
     )
-    add_oversubscribed_args(p)
+    sessions_oversub.add_oversubscribed_args(p)
     add_out(p, "runs/bench_sessions.json")
-
-
-def add_oversubscribed_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--oversubscribed",
-        action="store_true",
-        help="instead: more conversations than slots, round-robin, with and without the "
-        "tiered KV cache (next-turn vs warm-slot TTFT, after kill -9 + restart, turns/s)",
-    )
-    p.add_argument("--oversub-conversations", type=int, default=12, help="(default 12)")
-    p.add_argument("--oversub-turns", type=int, default=6, help="(default 6)")
-    p.add_argument(
-        "--throughput-conversations",
-        type=int,
-        default=16,
-        help="conversations at once for turns/s (default 16)",
-    )
-    p.add_argument(
-        "--throughput-rounds",
-        type=int,
-        default=3,
-        help="interleaved rounds of the turns/s setups (no tiers, tiers, the two ceilings; "
-        "default 3)",
-    )
-    p.add_argument(
-        "--kv-host-cache-gb",
-        type=float,
-        default=1.0,
-        help="the tiered server's L2 budget (its L3 is a temporary directory)",
-    )

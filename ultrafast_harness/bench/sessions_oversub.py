@@ -14,6 +14,7 @@ configuration (no tiers; L2 host memory + L3 disk):
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import statistics
 import tempfile
@@ -278,3 +279,33 @@ def markdown(report: dict) -> str:
             f"{rounds} | {r['next_turn_ttft_ms']:.1f} | {r['turns_per_s'] / base:.2f}x |"
         )
     return "\n".join(rows)
+
+
+def add_oversubscribed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--oversubscribed",
+        action="store_true",
+        help="instead: more conversations than slots, round-robin, with and without the "
+        "tiered KV cache (next-turn vs warm-slot TTFT, after kill -9 + restart, turns/s)",
+    )
+    p.add_argument("--oversub-conversations", type=int, default=12, help="(default 12)")
+    p.add_argument("--oversub-turns", type=int, default=6, help="(default 6)")
+    p.add_argument(
+        "--throughput-conversations",
+        type=int,
+        default=16,
+        help="conversations at once for turns/s (default 16)",
+    )
+    p.add_argument(
+        "--throughput-rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of the turns/s setups (no tiers, tiers, the two ceilings; "
+        "default 3)",
+    )
+    p.add_argument(
+        "--kv-host-cache-gb",
+        type=float,
+        default=1.0,
+        help="the tiered server's L2 budget (its L3 is a temporary directory)",
+    )

@@ -46,16 +46,20 @@ def _request() -> dict:
 
 
 def _spec(redis_url: str):
-    from ultrafast.cli import build_parser
-    from ultrafast.cli_serve import chosen_model, engine_options, kv_cache_options, server_config
-    from ultrafast.cluster.app import ReplicaSpec, with_replica_defaults
-    from ultrafast.config import EngineConfig
+    import argparse
 
-    argv = ["cluster", str(DEMO_MODEL_DIR), "--session-store", redis_url, "--threads", "1"]
-    args = build_parser().parse_args([*argv, "--num-slots", "4", "--max-model-len", "2048"])
-    model, args.served_model_name = chosen_model(args.model_path)
-    engine = EngineConfig(model=model, **engine_options(args), **kv_cache_options(args))
-    return with_replica_defaults(ReplicaSpec(engine=engine, server=server_config(args)))
+    from ultrafast.cluster.app import ReplicaSpec, with_replica_defaults
+    from ultrafast.config import EngineConfig, ServerConfig
+    from ultrafast.config_flags import add_flags, read_config
+
+    parser = argparse.ArgumentParser()  # the cluster's serve flags, as `ultrafast cluster`
+    add_flags(parser, ServerConfig, ("listen", "main"))
+    add_flags(parser, EngineConfig)
+    argv = ["--session-store", redis_url, "--threads", "1", "--num-slots", "4"]
+    args = parser.parse_args([*argv, "--max-model-len", "2048"])
+    engine = EngineConfig(**{**read_config(EngineConfig, args), "model": str(DEMO_MODEL_DIR)})
+    server = ServerConfig(**read_config(ServerConfig, args))
+    return with_replica_defaults(ReplicaSpec(engine=engine, server=server))
 
 
 async def _timed(calls: int, forward: Callable[[], AsyncIterator]) -> dict:
