@@ -14,10 +14,10 @@ the rule is about the engine's packages.
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import ultrafast.server
+from tests.import_graph import imported_names
 
 SERVER_DIR = Path(ultrafast.server.__file__).parent
 ENGINE_PACKAGES = (
@@ -33,19 +33,7 @@ EXTRA_ALLOWED = {"bridge.py": ENGINE_PACKAGES, "build.py": ("ultrafast.llm",)}
 def imported_modules(source: str, package: str) -> list[str]:
     """Absolute names of every module an import statement in `source` names; `package` is
     the importing module's package, for relative imports."""
-    names = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                parts = parts[: len(parts) - node.level + 1]
-                base = ".".join(parts + ([base] if base else []))
-            names.append(base)
-            names += [f"{base}.{alias.name}" for alias in node.names]  # `from x import mod`
-    return names
+    return imported_names(source, package, is_package=True)
 
 
 def boundary_violations(source: str, package: str, allowed: tuple[str, ...] = ()) -> list[str]:
