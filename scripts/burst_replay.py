@@ -18,9 +18,9 @@ import collections
 import random
 import time
 
-from ultrafast.bench.serve_bench import burst_schedule, resolve_bench_model
 from ultrafast.llm import LLM
 from ultrafast.request import Request, SamplingParams
+from ultrafast_harness.bench.serve_bench import burst_schedule, resolve_bench_model
 
 
 def decode_runs(slots: list[int]) -> int:

@@ -32,9 +32,9 @@ def _timed_decode(ctx, batch):
 # both our executor and llama-cpp-python look the function up on these modules at call time
 llama_cpp_lib.llama_decode = llama_cpp.llama_decode = _timed_decode
 
-from ultrafast.bench.decode import _llama_cpp, _ours  # noqa: E402
-from ultrafast.bench.server_process import DEMO_MODEL_DIR  # noqa: E402
 from ultrafast.model_files import resolve_model  # noqa: E402
+from ultrafast_harness.bench.decode import _llama_cpp, _ours  # noqa: E402
+from ultrafast_harness.bench.server_process import DEMO_MODEL_DIR  # noqa: E402
 
 
 def main() -> None:

@@ -21,12 +21,12 @@ import time
 
 import numpy as np
 
-from ultrafast.bench.grammar import ENDLESS, PROMPT
 from ultrafast.engine import grammar_steps
 from ultrafast.grammar import GrammarSpec
 from ultrafast.llm import LLM
 from ultrafast.request import Request, SamplingParams
 from ultrafast.sampling import sampler
+from ultrafast_harness.bench.grammar import ENDLESS, PROMPT
 
 ANY = GrammarSpec("%llguidance {}\nstart: TEXT\nTEXT: /(.|\\n)*/\n")
 

@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import llama_cpp  # noqa: E402
 import llama_cpp.llama_cpp as llama_cpp_lib  # noqa: E402
 
-from ultrafast.bench.decode import _ours  # noqa: E402
-from ultrafast.bench.server_process import DEMO_MODEL_DIR  # noqa: E402
 from ultrafast.model_files import resolve_model  # noqa: E402
+from ultrafast_harness.bench.decode import _ours  # noqa: E402
+from ultrafast_harness.bench.server_process import DEMO_MODEL_DIR  # noqa: E402
 
 NUM_STEPS = 512
 

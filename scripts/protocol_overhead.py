@@ -18,8 +18,8 @@ import time
 
 import httpx
 
-from ultrafast.bench.server_process import ServerProcess
 from ultrafast.config import DEMO_MODEL_DIR
+from ultrafast_harness.bench.server_process import ServerProcess
 
 PROTOCOLS = ("chat", "anthropic", "ollama")
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ultrafast.bench.server_process import DEMO_MODEL_DIR  # noqa: E402
 from ultrafast.config import EngineConfig  # noqa: E402
 from ultrafast.llm import build_engine  # noqa: E402
 from ultrafast.request import Request, SamplingParams, ServiceTier  # noqa: E402
+from ultrafast_harness.bench.server_process import DEMO_MODEL_DIR  # noqa: E402
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ultrafast.bench.redis_server import RedisServer, RedisServerMissing
+from ultrafast_harness.bench.redis_server import RedisServer, RedisServerMissing
 
 
 @pytest.fixture(scope="module")

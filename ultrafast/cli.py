@@ -10,10 +10,10 @@ import argparse
 import sys
 from typing import Any
 
-from ultrafast.cli_bench import add_bench_parser, with_default_bench_suite
+from ultrafast.cli_bench import add_bench_parser, suites_to_build, with_default_bench_suite
 from ultrafast.cli_chat import add_chat_parser
+from ultrafast.cli_cluster import add_cluster_parser
 from ultrafast.cli_serve import add_generate_parser, add_serve_parser
-from ultrafast.cluster.cli_cluster import add_cluster_parser
 from ultrafast.weight_format import AUTO, OUT_TYPES
 
 
@@ -39,7 +39,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
-    from ultrafast.loadtest.runner import main as loadtest_main
+    from ultrafast_harness.loadtest.runner import main as loadtest_main
 
     return loadtest_main(args)
 
@@ -129,7 +129,11 @@ def version_text() -> str:
     return f"ultrafast {ours} (llama-cpp-python {installed('llama-cpp-python')}, Python {python})"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; with `argv`, only the bench suite it names gets its options
+    (a suite's module is heavy to import: `serve` never imports one)."""
+    from functools import partial
+
     from ultrafast.quant.command import add_parsers as add_quant_parsers
 
     parser = argparse.ArgumentParser(prog="ultrafast", description="Low-latency LLM inference.")
@@ -140,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_chat_parser,
         add_serve_parser,
         add_cluster_parser,
-        add_bench_parser,
+        partial(add_bench_parser, with_args=suites_to_build(argv)),
         add_loadtest_parser,
         add_keys_parser,
         add_convert_parser,
@@ -151,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return build_parser().parse_args(with_default_bench_suite(argv))
+    argv = with_default_bench_suite(list(sys.argv[1:] if argv is None else argv))
+    return build_parser(argv).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,15 @@
-"""Configuration: frozen dataclasses, one per concern. The only module that reads os.environ."""
+"""Configuration: frozen dataclasses, one per concern, each flag declared on its field
+(config_flags.py). Reads the environment's locations: cache and data dirs, the default model."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from ultrafast import server_config as _server
+from ultrafast.config_flags import flag, on_off, reads, scaled
+from ultrafast.weight_format import AUTO, OUT_TYPES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_MODEL_DIR = REPO_ROOT / "models" / "demo-code"
@@ -15,11 +20,17 @@ EXECUTORS = ("auto", "ggml", "torch", "fake")
 SPEC_METHODS = ("off", "ngram", "draft", "auto")
 SPEC_TIERS = ("priority", "default", "flex")
 
+COMPILE_MODES = ("auto", "inductor", "graphs", "off")
+
+# ServerConfig and its tiers' TierTargets are declared in server_config.py, imported from here
+ServerConfig = _server.ServerConfig
+TierTargets = _server.TierTargets
+
 # Defaults that modules outside this file also state: they import these names instead.
+SESSION_TTL_S = _server.SESSION_TTL_S
+MAX_SESSIONS_PER_TENANT = _server.MAX_SESSIONS_PER_TENANT
+MAX_TOOL_CALLS = _server.MAX_TOOL_CALLS
 MAX_DRAFT_TOKENS = 8  # bound of the adaptive draft length (engine/speculation.py's SpecConfig too)
-SESSION_TTL_S = 30 * 24 * 3600.0  # OpenAI keeps stored responses 30 days (server/sessions/store.py)
-MAX_SESSIONS_PER_TENANT = 10_000  # live sessions one tenant may hold (server/sessions/store.py)
-MAX_TOOL_CALLS = 8  # parallel tool calls a turn may make; its grammar ends after (tools/grammar.py)
 
 
 def cache_dir() -> Path:
@@ -83,15 +94,66 @@ def benchmark_model() -> str:
     return os.environ.get("ULTRAFAST_MODEL", str(DEMO_MODEL_DIR))
 
 
+def _chat_template_help() -> str:
+    from ultrafast.chat_templates import builtin_names
+
+    return (
+        f"chat template over the model's own: a built-in ({builtin_names()}) or a "
+        "Jinja file; needed for a model without one (a base model's GGUF) (default: the "
+        "model's own template)"
+    )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # HF model directory, or a .gguf file (its metadata holds the tokenizer)
-    executor: str = "auto"  # auto (ggml on CPU, torch on CUDA), ggml, torch, fake (tests only)
+    """The engine's configuration. Fields with a flag are options of `generate`, `chat`,
+    `serve` and `cluster` (parts: "main" all four; "chat_template" not generate; "kv" the
+    KV tiers, serve and cluster); config_flags.py makes the parser from them."""
+
+    model: str = field(  # HF model directory, or a .gguf file (its metadata holds the tokenizer)
+        metadata=flag(
+            "--model",
+            "model",
+            "HF model directory or .gguf file (default: $ULTRAFAST_MODEL, else "
+            "SmolLM2-135M-Instruct as fetched by `make setup`, else the bundled demo model)",
+            default=None,
+        )
+    )
+    executor: str = field(
+        default="auto",
+        metadata=flag(
+            "--executor",
+            "engine",
+            "auto = ggml (llama.cpp kernels) on CPU, torch on CUDA; fake = no model, "
+            "deterministic word tokens (load and fault tests only)",
+            choices=EXECUTORS,
+        ),
+    )
     # KV slots: concurrent sequences plus cached prefixes. 0 = sized from free memory and the
     # model's KV bytes per slot (model/kv_budget.py auto_num_slots)
-    num_slots: int = 0
-    max_model_len: int = 2048  # positions per slot (capped by the model's own limit)
-    max_num_seqs: int = 0  # running at once; 0 = every slot
+    num_slots: int = field(
+        default=0,
+        metadata=flag(
+            "--num-slots",
+            "KV cache",
+            "KV slots (concurrent sequences and cached prefixes); 0 = sized from free memory",
+            type=int,
+        ),
+    )
+    max_model_len: int = field(  # positions per slot (capped by the model's own limit)
+        default=2048,
+        metadata=flag(
+            "--max-model-len",
+            "model",
+            "positions per KV slot, prompt and answer together (default: 2048, or the model's "
+            "context when smaller; more than the model's context is an error)",
+            type=int,
+            default=None,  # None: the field's default, capped (an explicit value is checked)
+        ),
+    )
+    # sequences running at once (the scheduler's cap), at most num_slots; 0 = every slot.
+    # `--num-slots N` sets it to N too: every slot may run (a slot not running holds a prefix)
+    max_num_seqs: int = field(default=0, metadata=reads("num_slots"))
     max_num_batched_tokens: int = 512  # token budget per step
     max_prefill_chunk_tokens: int = 256  # chunked prefill size
     # queued requests over all tiers: a waiting request holds only its token ids, so this is a
@@ -99,38 +161,211 @@ class EngineConfig:
     max_waiting: int = 4096
     # shortest first within the default and flex tiers: a request goes ahead of longer ones
     # that arrived at most this much earlier (SchedulerConfig.short_first_window_s); 0 = FIFO
-    short_first_window_s: float = 2.0
-    n_threads: int | None = None  # kernel threads, ggml or torch on CPU (default: every core)
-    n_threads_batch: int | None = None  # ggml threads for multi-token passes (default n_threads)
+    short_first_window_s: float = field(
+        default=2.0,
+        metadata=flag(
+            "--short-first-window-ms",
+            "engine",
+            "default/flex requests expected to finish sooner go ahead of longer ones that "
+            "arrived up to this long before them (0: first come, first served)",
+            type=float,
+            **scaled(1000),
+        ),
+    )
+    n_threads: int | None = field(  # kernel threads, ggml or torch on CPU (default: every core)
+        default=None,
+        metadata=flag(
+            "--threads",
+            "engine",
+            "kernel threads: ggml's, or torch's on CPU (default: all cores; serve with ggml: "
+            "timed at start for each pass width, all cores or all but one)",
+            type=int,
+        ),
+    )
+    n_threads_batch: int | None = field(  # ggml threads for multi-token passes
+        default=None,
+        metadata=flag(
+            "--batch-threads",
+            "engine",
+            "ggml threads for passes of more than one token: prefill chunks, draft "
+            "verification, several streams' decodes (default: --threads)",
+            type=int,
+        ),
+    )
     device: str | None = None  # torch executor: cpu / cuda
     dtype: str | None = None  # torch executor: float32 / float16 / bfloat16
-    compile: str = "auto"  # torch executor decode steps: auto (on with CUDA), inductor, graphs, off
+    compile: str = field(  # torch executor decode steps
+        default="auto",
+        metadata=flag(
+            "--compile",
+            "engine",
+            "torch executor decode steps: torch.compile (inductor) and, on CUDA, CUDA graphs; "
+            "graphs = CUDA graphs of eager kernels; auto = on with CUDA (bare --compile = "
+            "inductor)",
+            nargs="?",
+            const="inductor",
+            choices=COMPILE_MODES,
+        ),
+    )
     # type an HF directory converts to for the ggml executor; auto: ultrafast/weight_format.py
-    gguf_type: str = "auto"
-    # `--chat-template`: a built-in name (chat_templates.py) or a Jinja file; None: the model's
-    chat_template: str | None = None
+    gguf_type: str = field(
+        default=AUTO,
+        metadata=flag(
+            "--gguf-type",
+            "model",
+            "weight type an HF directory converts to for the ggml executor: auto = bf16 "
+            "where the CPU has AVX-512 BF16, else f16; q8_0 = half of f16's bytes",
+            choices=(AUTO, *OUT_TYPES),
+        ),
+    )
+    chat_template: str | None = field(  # a built-in name (chat_templates.py) or a Jinja file
+        default=None,
+        metadata=flag(
+            "--chat-template",
+            "model",
+            _chat_template_help,
+            metavar="NAME|FILE",
+            part="chat_template",
+        ),
+    )
     # ggml executor: llama.cpp's fused CPU attention (faster decode, wide batches and prefill
     # on SmolLM2 here: BENCHMARKS.md "Flash attention"); False: the plain attention ops
-    flash_attn: bool = True
+    flash_attn: bool = field(
+        default=True,
+        metadata=flag(
+            "--flash-attn",
+            "engine",
+            "ggml executor: llama.cpp's fused CPU attention (default on: faster decode, "
+            "batches and prefill on SmolLM2 here); off: the plain attention ops",
+            **on_off(),
+        ),
+    )
     # ggml executor: long prefill chunks' KV computed by a bf16 PyTorch/oneDNN pass (the CPU's
     # matrix units); auto = where measured faster at start (executors/wide_route.py), on, off
-    wide_pass: str = "auto"
-    fake_step_s: float = 0.02  # executor "fake" (load/fault tests only): time per engine step
+    wide_pass: str = field(
+        default="auto",
+        metadata=flag(
+            "--wide-pass",
+            "engine",
+            "ggml executor: long prefill chunks through a bf16 PyTorch (oneDNN) pass on the "
+            "CPU's matrix units; auto = where it measures faster at start, on, off",
+            choices=("auto", "on", "off"),
+        ),
+    )
+    fake_step_s: float = field(  # executor "fake" (load/fault tests only): time per step
+        default=0.02,
+        metadata=flag("--fake-step-ms", "engine", "", type=float, hidden=True, **scaled(1000)),
+    )
     # speculative decoding: off, ngram (prompt lookup), draft (model), auto (ngram, else the
     # draft model when one fits the tokenizer). A request's `prediction` is used in any tier.
-    spec: str = "auto"
-    spec_tiers: tuple[str, ...] = ("priority",)  # tiers that draft (flex never by default)
-    draft_model: str | None = None  # HF dir or .gguf; None = the bundled demo draft if it fits
-    max_draft_tokens: int = MAX_DRAFT_TOKENS
+    spec: str = field(
+        default="auto",
+        metadata=flag(
+            "--spec",
+            "speculative decoding",
+            "speculative decoding: n-gram prompt lookup, a draft model, or auto "
+            "(n-gram, else the draft model); a request's `prediction` is always used",
+            choices=SPEC_METHODS,
+        ),
+    )
+    spec_tiers: tuple[str, ...] = field(  # tiers that draft (flex never by default)
+        default=("priority",),
+        metadata=flag(
+            "--spec-tiers",
+            "speculative decoding",
+            "comma-separated tiers that draft (priority, default, flex)",
+            shown=",".join,
+            to_field=lambda text: tuple(t.strip() for t in text.split(",") if t.strip()),
+        ),
+    )
+    draft_model: str | None = field(  # HF dir or .gguf; None = the bundled demo draft if it fits
+        default=None,
+        metadata=flag(
+            "--draft-model",
+            "speculative decoding",
+            "draft model (HF dir or .gguf, same tokenizer; default: the bundled "
+            "demo draft when it fits the model)",
+        ),
+    )
+    max_draft_tokens: int = field(
+        default=MAX_DRAFT_TOKENS,
+        metadata=flag(
+            "--max-draft-tokens",
+            "speculative decoding",
+            "upper bound of the adaptive number of draft tokens per step",
+            type=int,
+        ),
+    )
     # size k from this machine's measured step costs; False: the fixed defaults (tests)
-    spec_measured_costs: bool = True
+    spec_measured_costs: bool = field(
+        default=True,
+        metadata=flag(
+            "--spec-costs",
+            "speculative decoding",
+            "step costs that size the number of draft tokens: measured on this machine "
+            "(default), or fixed defaults, so the drafts do not depend on the machine's load "
+            "(reproducible runs, tests)",
+            choices=("measured", "fixed"),
+            shown=lambda measured: "measured" if measured else "fixed",
+            to_field=lambda v: v == "measured",
+        ),
+    )
     # the tiered KV cache under the slots (kvcache/): L2 host memory, L3 disk and/or Redis
-    kv_host_cache_gb: float = 0.0  # 0 = none (a small staging area when an L3 tier is set)
-    kv_disk_dir: str | None = None
-    kv_disk_gb: float = 10.0  # hard limit of the disk tier
-    kv_store: str | None = None  # redis://host:port[/db]: conversations' KV shared by replicas
-    kv_redis_ca_file: str | None = None  # verifies a rediss:// kv_store (--redis-ca-file)
-    kv_secret_file: str | None = None  # signs KV blobs (kvcache/secret.py); None: the data dir's
+    kv_host_cache_gb: float = field(  # 0 = none (a small staging area when an L3 tier is set)
+        default=0.0,
+        metadata=flag(
+            "--kv-host-cache-gb",
+            "KV cache",
+            "host memory for conversations' KV evicted from the slots (L2, a hard limit; "
+            "0 = none): a conversation's next turn restores it instead of recomputing",
+            type=float,
+            part="kv",
+        ),
+    )
+    kv_disk_dir: str | None = field(
+        default=None,
+        metadata=flag(
+            "--kv-disk-dir",
+            "KV cache",
+            "directory for conversations' KV (L3): written after each turn, so a restart "
+            "(even kill -9) keeps conversations warm (default: none)",
+            part="kv",
+        ),
+    )
+    kv_disk_gb: float = field(
+        default=10.0,
+        metadata=flag(
+            "--kv-disk-gb",
+            "KV cache",
+            "hard limit of --kv-disk-dir (least recently used out)",
+            type=float,
+            part="kv",
+        ),
+    )
+    kv_store: str | None = field(  # redis://host:port[/db]: conversations' KV shared by replicas
+        default=None,
+        metadata=flag(
+            "--kv-store",
+            "KV cache",
+            "Redis for conversations' KV (L3), shared by every server of the same model "
+            "(default: none)",
+            metavar="redis://HOST:PORT",
+            part="kv",
+        ),
+    )
+    # verifies a rediss:// kv_store: ServerConfig's --redis-ca-file (one CA for every Redis)
+    kv_redis_ca_file: str | None = field(default=None, metadata=reads("redis_ca_file"))
+    kv_secret_file: str | None = field(  # signs KV blobs (kvcache/secret.py); None: the data dir's
+        default=None,
+        metadata=flag(
+            "--kv-secret-file",
+            "KV cache",
+            "the secret that signs KV blobs (HMAC-SHA256; created 0600 on first start; "
+            "default: kv-secret in the data dir): replicas sharing KV must share this file",
+            metavar="FILE",
+            part="kv",
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.short_first_window_s < 0:
@@ -154,111 +389,3 @@ class EngineConfig:
             raise ValueError("num_slots and max_num_seqs must be >= 0 (0 = auto)")
         if self.num_slots and self.max_num_seqs > self.num_slots:
             raise ValueError("max_num_seqs cannot exceed num_slots")
-
-
-@dataclass(frozen=True)
-class TierTargets:
-    """Latency objectives of one service tier; admission refuses what cannot meet them.
-
-    A TTFT target of 0 is set at start from the model's measured speed (engine/idle_speed.py):
-    `ttft_speed_factor` times the idle time to first token of a typical prompt, never below
-    `ttft_floor_ms`, so a slower model gets a looser target. A target given explicitly wins.
-    """
-
-    ttft_ms: float  # time to first token; 0 = auto (see `resolved`)
-    itl_ms: float  # inter-token latency
-    max_in_flight: int  # admitted (running + queued) requests of this tier; 0 = auto
-    ttft_floor_ms: float = 250.0  # auto TTFT: at least this
-    ttft_speed_factor: float = 3.0  # auto TTFT: this many idle TTFTs of a typical prompt
-
-    def __post_init__(self) -> None:
-        if self.max_in_flight < 0:
-            raise ValueError("max_in_flight must be >= 0 (0 = sized from memory)")
-        for name in ("ttft_ms", "itl_ms", "ttft_floor_ms", "ttft_speed_factor"):
-            if not getattr(self, name) >= 0:  # NaN too
-                raise ValueError(f"tier target {name} must be >= 0, got {getattr(self, name)}")
-
-    @property
-    def ttft_auto(self) -> bool:
-        return self.ttft_ms == 0
-
-    def resolved(self, idle_ttft_s: float | None) -> TierTargets:
-        """The auto TTFT target made concrete from the measured idle TTFT of a typical prompt
-        (None: not measured, the floor stands in); an explicit target is kept as it is."""
-        if not self.ttft_auto:
-            return self
-        measured_ms = 0.0 if idle_ttft_s is None else self.ttft_speed_factor * idle_ttft_s * 1000
-        return replace(self, ttft_ms=max(self.ttft_floor_ms, measured_ms))
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"  # loopback by default; 0.0.0.0 needs an explicit --host
-    port: int = 8000
-    served_model_name: str | None = None  # default: the model directory name
-    # ttft_ms 0 = auto: from the model's speed measured at start (TierTargets.resolved);
-    # itl_ms 0 = auto: 1.2x the measured idle inter-token time
-    # default itl_ms 0 = its steps are not sized to a token gap (--default-itl-ms N does):
-    # capped, a burst's prefill took more steps and its one-token calls waited 20-35% longer
-    # while the 16-stream ITL p99 did not drop (BENCHMARKS.md, "Serving under load")
-    # max_in_flight 0 = auto: sized from memory (server/admission.py auto_in_flight); the
-    # default and flex tiers are then limited by their predicted wait, not by a count
-    priority: TierTargets = TierTargets(
-        ttft_ms=0.0, itl_ms=0.0, max_in_flight=8, ttft_floor_ms=250.0, ttft_speed_factor=3.0
-    )
-    default: TierTargets = TierTargets(
-        ttft_ms=0.0, itl_ms=0.0, max_in_flight=0, ttft_floor_ms=30000.0, ttft_speed_factor=100.0
-    )
-    flex: TierTargets = TierTargets(
-        ttft_ms=0.0,
-        itl_ms=2000.0,
-        max_in_flight=0,
-        ttft_floor_ms=120000.0,
-        ttft_speed_factor=400.0,
-    )
-    shaper_window_ms: float = 2.0  # default-tier arrivals coalesce this long; 0 = off
-    drain_timeout_s: float = 10.0  # SIGTERM: running streams get this long to finish
-    sse_ping_interval_s: float = 15.0  # keeps proxies from cutting idle streams
-    header_timeout_s: float = 10.0  # a request head must arrive this fast (slowloris); 0 = off
-    body_timeout_s: float = 30.0  # and its body this long after the head; 0 = off
-    # open connections from one client address (0 = no cap): far above a 64-call burst from one
-    # client, far below what exhausts the server's file descriptors
-    max_connections_per_ip: int = 256
-    write_stall_timeout_s: float = 30.0  # a client reading nothing this long is cut; 0 = off
-    max_stream_buffer_events: int = 256  # per stream, before undelivered outputs are merged
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_tokens_cap: int = 4096  # per-request ceiling on max_tokens
-    # output cap of a call that sets no max_tokens (`--max-tokens`; 0 = the context left, up
-    # to max_tokens_cap): a small model at API defaults may never emit its end token
-    default_max_tokens: int = 1024
-    # `--temperature`, `--top-p`, ...: what a request leaves out, over the model's own defaults
-    sampling_defaults: tuple[tuple[str, float], ...] = ()
-    max_tool_calls: int = MAX_TOOL_CALLS
-    session_store: str = ""  # sqlite:///path or redis://host:port/db; "" = default_session_store()
-    redis_ca_file: str | None = None  # verifies rediss:// servers (session store, shared limits)
-    session_ttl_s: float = SESSION_TTL_S  # a session expires this long after its last write
-    max_sessions_per_tenant: int = MAX_SESSIONS_PER_TENANT
-    session_commit_grace_s: float = 30.0  # an answer's commit is retried this long (store outage)
-    allowed_hosts: tuple[str, ...] = ()  # Host header names; () = loopback names on loopback
-    api_keys_path: str | None = None  # tenants + sha256 keys; None = no auth, loopback only
-    api_key_hashes: tuple[str, ...] = ()  # sha256 of each --api-key (tenant `api-key`)
-    log_level: str = "info"  # debug, info, warning, error
-    access_log: bool = True  # one line per request (server/access_log.py)
-    guard_patterns: tuple[str, ...] = ()  # output safety filter regexes; () = no filter
-    guard_patterns_path: str | None = None  # JSON file of patterns (server/guard.py)
-    guard_hold_back_tokens: int = 4  # tokens withheld after a chunk is cleared
-    guard_classifier: str | None = None  # module:function scoring text in [0, 1]
-    guard_classifier_threshold: float = 0.5
-    # per-token p99 alert threshold for the priority tier; None = 2 ms on GPU, off on CPU
-    alert_priority_itl_p99_ms: float | None = None
-    # several models resident by use (server/residency/); () = the one engine model
-    models: tuple[tuple[str, str], ...] = ()  # (served name, path); the first is the default
-    max_resident_bytes: int = 0  # weights + KV of loaded models; 0 = no limit
-    pinned_models: tuple[str, ...] = ()  # loaded at start, never evicted
-    keep_alive_s: float | None = 300.0  # an idle model unloads after this; None = never
-    model_load_timeout_s: float = 120.0  # a call waits this long for its model's load
-    preload_models: bool = True  # load a model ahead of its predicted next call
-
-    @property
-    def auth_on(self) -> bool:
-        return self.api_keys_path is not None or bool(self.api_key_hashes)

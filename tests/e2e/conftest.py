@@ -3,7 +3,7 @@
 import pytest
 
 from tests.e2e.playground_browser import browser, phone  # noqa: F401 (fixtures)
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 
 @pytest.fixture(scope="session")

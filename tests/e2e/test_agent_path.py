@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 LOOKUP = {
     "type": "object",

@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 
 class Report(BaseModel):

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import pytest
 
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 anthropic = pytest.importorskip("anthropic", reason="the anthropic SDK is in the test extras")
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.model.arch_ggufs import ARCHS, write_arch_gguf
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 PROMPT = "def fibonacci(n):"  # gpt2's random weights loop from here: n-gram drafts get accepted
 MESSAGES = [{"role": "user", "content": "def add(a, b):"}]

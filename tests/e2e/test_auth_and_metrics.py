@@ -16,11 +16,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from ultrafast.bench.server_process import ServerProcess
 from ultrafast.config import ServerConfig
 from ultrafast.server.admission import Admission
 from ultrafast.server.app import ServerState, build_app
 from ultrafast.server.tenants import hash_key, parse_api_keys
+from ultrafast_harness.bench.server_process import ServerProcess
 
 KEYS = {
     "acme": "e2e-acme-key",

@@ -5,8 +5,8 @@ import asyncio
 import httpx
 import pytest
 
-from ultrafast.bench.overhead import lean_round
-from ultrafast.bench.sse_client import StreamError, completion_token_stamps, stream_events
+from ultrafast_harness.bench.overhead import lean_round
+from ultrafast_harness.bench.sse_client import StreamError, completion_token_stamps, stream_events
 
 BODY = {"prompt": "def add(a, b):\n", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
@@ -52,10 +52,10 @@ def test_lean_client_reports_http_errors(server):
 
 
 def test_handoff_rounds_deliver_every_token_both_ways():
-    from ultrafast.bench.overhead import handoff_rounds
     from ultrafast.core.scheduler import SchedulerConfig
     from ultrafast.engine.core import EngineCore
     from ultrafast.executors.fake_exec import FakeExecutor
+    from ultrafast_harness.bench.overhead import handoff_rounds
 
     core = EngineCore(FakeExecutor(num_slots=2), SchedulerConfig(max_num_seqs=2, max_model_len=64))
     kept, handed = handoff_rounds(core, [1, 2, 3], max_tokens=8, rounds=2)

@@ -7,8 +7,8 @@ import json
 import subprocess
 import sys
 
-from ultrafast.bench.startup_bench import llama_cpp_argv, markdown
 from ultrafast.config import DEMO_MODEL_DIR
+from ultrafast_harness.bench.startup_bench import llama_cpp_argv, markdown
 
 
 def test_bench_startup_cold_then_warm_on_ours(tmp_path):
@@ -39,7 +39,7 @@ def test_bench_startup_cold_then_warm_on_ours(tmp_path):
 
 def test_the_llama_cpp_peer_runs_through_the_amx_safe_wrapper_on_every_core(tmp_path):
     argv = llama_cpp_argv(tmp_path / "m.gguf", 1234)
-    assert argv[1:3] == ["-m", "ultrafast.bench.llama_server_peer"]
+    assert argv[1:3] == ["-m", "ultrafast_harness.bench.llama_server_peer"]
     assert argv[argv.index("--n_threads") + 1] == argv[argv.index("--n_threads_batch") + 1]
     table = markdown(
         {

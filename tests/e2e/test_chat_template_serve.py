@@ -12,8 +12,8 @@ import shutil
 import httpx
 import pytest
 
-from ultrafast.bench.server_process import ServerProcess
 from ultrafast.config import DEMO_MODEL_DIR
+from ultrafast_harness.bench.server_process import ServerProcess
 
 QUESTION = [{"role": "user", "content": "def fibonacci(n):"}]
 FAST_START = ("--threads", "1", "--batch-threads", "1", "--priority-ttft-ms", "10000")

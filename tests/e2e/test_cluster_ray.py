@@ -22,7 +22,7 @@ from websockets.sync.client import connect
 pytest.importorskip("ray", reason="ray is not installed: `pip install 'ultrafast[ray]'`")
 
 from tests.e2e.test_sessions_redis_realtime import _events_until  # noqa: E402
-from ultrafast.cluster.process import ClusterProcess  # noqa: E402
+from ultrafast_harness.cluster.process import ClusterProcess  # noqa: E402
 
 MAIN_KEY, LIMITED_KEY = "uf-test-cluster-main", "uf-test-cluster-limited"
 LIMITED_BURST = 4

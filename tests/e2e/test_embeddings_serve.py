@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from tests.embed_model import minilm
-from ultrafast.bench.server_process import ServerProcess
 from ultrafast.config import DEMO_MODEL_DIR
 from ultrafast.executors.ggml_embed import EmbeddingExecutor
+from ultrafast_harness.bench.server_process import ServerProcess
 
 openai = pytest.importorskip("openai")
 

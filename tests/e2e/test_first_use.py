@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ultrafast.bench.server_process import ServerProcess
 from ultrafast.config import SMOLLM2_SERVED_NAME, ServerConfig
+from ultrafast_harness.bench.server_process import ServerProcess
 
 pytestmark = pytest.mark.real_model
 

@@ -12,7 +12,7 @@ import random
 import httpx
 import pytest
 
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 MODEL = "demo-code"
 USER = {"role": "user", "content": "def f():"}

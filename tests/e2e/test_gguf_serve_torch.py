@@ -11,8 +11,8 @@ import sys
 import httpx
 
 from tests.model.gguf_files import write_vocab_gguf
-from ultrafast.bench.server_process import ServerProcess
 from ultrafast.config import DEMO_MODEL_DIR
+from ultrafast_harness.bench.server_process import ServerProcess
 
 PROMPT = "def fibonacci(n):"
 

@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 HIT_PROMPT, MISS_PROMPT = "def fibonacci(n):", "import os\n"
 GREEDY = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}

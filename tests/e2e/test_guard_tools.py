@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 SECRET = "zebra-secret-42"  # the grammar forces it into the arguments: no luck involved
 

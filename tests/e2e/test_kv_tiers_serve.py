@@ -10,7 +10,7 @@ import httpx
 import pytest
 import redis
 
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 COMMON = ("--priority-ttft-ms", "10000", "--threads", "1")
 USER_1 = "def load_config(path):\n    " + " ".join(f"value_{i} = {i}" for i in range(40))

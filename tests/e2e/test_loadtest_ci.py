@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from ultrafast.loadtest.harness import Context
-from ultrafast.loadtest.runner import BY_NAME, run_one, select
+from ultrafast_harness.loadtest.harness import Context
+from ultrafast_harness.loadtest.runner import BY_NAME, run_one, select
 
 CI_SCENARIOS = [sc.name for sc in select("ci")]
 
@@ -40,7 +40,7 @@ def test_selection_and_loopback_guard():
     assert len(select("all")) >= 23
     with pytest.raises(ValueError):
         select("L1,X9")
-    from ultrafast.loadtest.harness import require_loopback
+    from ultrafast_harness.loadtest.harness import require_loopback
 
     assert require_loopback("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
     assert require_loopback("http://localhost:1") == "http://localhost:1"

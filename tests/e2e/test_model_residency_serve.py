@@ -12,10 +12,10 @@ import time
 import httpx
 import pytest
 
-from ultrafast.bench.server_process import ServerProcess
 from ultrafast.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from ultrafast.model_files import resolve_model
 from ultrafast.server.residency.budget import resident_bytes
+from ultrafast_harness.bench.server_process import ServerProcess
 
 NUM_SLOTS, MAX_LEN = 2, 512
 

@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 ollama = pytest.importorskip("ollama", reason="the ollama client is in the test extras")
 

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from ultrafast.bench.server_process import ServerProcess
 from ultrafast.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
+from ultrafast_harness.bench.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")

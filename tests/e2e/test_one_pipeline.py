@@ -9,8 +9,8 @@ import httpx
 import pytest
 import yaml
 
-from ultrafast.bench.server_process import ServerProcess
 from ultrafast.server.tenants import hash_key
+from ultrafast_harness.bench.server_process import ServerProcess
 
 KEYS = {"acme": "pipe-acme-key", "beta": "pipe-beta-key", "gamma": "pipe-gamma-key"}
 MODEL = "demo-code"

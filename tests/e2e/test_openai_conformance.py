@@ -15,8 +15,8 @@ import openai
 import pytest
 import torch
 
-from ultrafast.bench.server_process import ServerProcess
 from ultrafast.config import DEMO_MODEL_DIR
+from ultrafast_harness.bench.server_process import ServerProcess
 
 PROMPT = (
     "import os\nimport sys\n\n\ndef main(argv):\n    for arg in argv[1:]:\n        print(arg)\n"

@@ -20,7 +20,7 @@ from tests.e2e.playground_browser import (
     _type_and_send,
     _wait_state,
 )
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 # wraps the page's fetch to keep every chat completion body it sends, before any click
 RECORD_SENT = """

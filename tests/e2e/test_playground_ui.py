@@ -19,8 +19,8 @@ from tests.e2e.playground_browser import (
     _type_and_send,
     _wait_state,
 )
-from ultrafast.bench.server_process import ServerProcess
 from ultrafast.config import DEMO_MODEL_DIR
+from ultrafast_harness.bench.server_process import ServerProcess
 
 ENDED = ("done", "length", "error", "stopped")
 # records what the page copies (headless Chromium has no clipboard to read back)

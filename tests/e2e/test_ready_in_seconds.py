@@ -12,8 +12,8 @@ import sys
 import httpx
 import pytest
 
-from ultrafast.bench.server_process import ServerProcess
 from ultrafast.config import DEMO_MODEL_DIR
+from ultrafast_harness.bench.server_process import ServerProcess
 
 CHAT = {"messages": [{"role": "user", "content": "def add(a, b):"}], "max_tokens": 4}
 

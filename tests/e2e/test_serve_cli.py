@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 CHAT = "/v1/chat/completions"
 BODY = {"messages": [{"role": "user", "content": "def f(x):"}], "max_tokens": 6}

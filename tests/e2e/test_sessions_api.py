@@ -10,7 +10,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 MODEL = "demo-code"
 

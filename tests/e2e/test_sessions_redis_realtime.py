@@ -10,8 +10,8 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from ultrafast.bench.server_process import ServerProcess
-from ultrafast.bench.sessions import (
+from ultrafast_harness.bench.server_process import ServerProcess
+from ultrafast_harness.bench.sessions import (
     check_exactly_once,
     llama_cpp_floor,
     run_conversations,
@@ -113,8 +113,8 @@ def test_session_turns_prefill_only_their_new_tokens(srv):
 
 
 def test_llama_cpp_floor_times_the_given_prefills():
-    from ultrafast.bench.server_process import DEMO_MODEL_DIR
     from ultrafast.model_files import gguf_for, resolve_model
+    from ultrafast_harness.bench.server_process import DEMO_MODEL_DIR
 
     gguf = str(gguf_for(resolve_model(DEMO_MODEL_DIR)))
     floor = llama_cpp_floor(
@@ -126,8 +126,8 @@ def test_llama_cpp_floor_times_the_given_prefills():
 def test_torch_floor_times_the_given_prefills():
     import torch
 
-    from ultrafast.bench.server_process import DEMO_MODEL_DIR
-    from ultrafast.bench.sessions import torch_floor
+    from ultrafast_harness.bench.server_process import DEMO_MODEL_DIR
+    from ultrafast_harness.bench.sessions import torch_floor
 
     threads = torch.get_num_threads()
     try:

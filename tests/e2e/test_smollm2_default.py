@@ -14,7 +14,7 @@ import re
 import httpx
 import pytest
 
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 pytestmark = pytest.mark.real_model
 

@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from ultrafast.bench.server_process import ServerProcess
 from ultrafast.config import ServerConfig
 from ultrafast.engine.idle_speed import TYPICAL_PROMPT_TOKENS
+from ultrafast_harness.bench.server_process import ServerProcess
 
 WORDS = ("apple", "river", "stone", "cloud", "green", "seven", "table", "light", "north", "paper")
 

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 BODY = {"messages": [{"role": "user", "content": "def fibonacci(n):"}], "max_tokens": 4}
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 from websockets.sync.client import connect
 
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 WEATHER = {
     "type": "object",

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.special_token_model import TRIGGER, make_model_dir
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 WEATHER = {
     "type": "object",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ultrafast.bench.decode import edit_prediction, markdown, run_decode_bench
 from ultrafast.config import DEMO_MODEL_DIR
 from ultrafast.convert import convert_hf_to_gguf
+from ultrafast_harness.bench.decode import edit_prediction, markdown, run_decode_bench
 
 
 def test_edit_prediction_replaces_the_seeded_fraction_and_keeps_the_rest():

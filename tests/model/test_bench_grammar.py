@@ -3,8 +3,8 @@
 import argparse
 import json
 
-from ultrafast.bench import grammar
 from ultrafast.config import DEMO_MODEL_DIR
+from ultrafast_harness.bench import grammar
 
 
 def test_bench_grammar_writes_its_report(tmp_path):

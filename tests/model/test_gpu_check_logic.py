@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from ultrafast.bench import gpu_check
 from ultrafast.model.config import ModelConfig
 from ultrafast.model.loader import build_dummy_model
+from ultrafast_harness.bench import gpu_check
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -59,7 +59,7 @@ def test_decode_rate_on_a_tiny_cpu_model():
 
 
 def test_llama_1b_shape_is_1b():
-    from ultrafast.bench.roofline import count_weight_params
+    from ultrafast_harness.bench.roofline import count_weight_params
 
     num_params = count_weight_params(ModelConfig.from_hf(gpu_check.LLAMA_1B_SHAPE))
     assert 1.2e9 < num_params < 1.25e9  # Llama-3.2-1B: 1.24B with tied embeddings

@@ -102,7 +102,7 @@ def test_quantizing_a_quantized_dir_is_refused(tiny_llama_dir, tmp_path, capsys)
 
 
 def test_bench_markdown_compares_each_gguf_with_llama_cpp_on_the_same_file():
-    from ultrafast.bench.decode import markdown
+    from ultrafast_harness.bench.decode import markdown
 
     results = {
         name: {"decode_tok_s": tok_s, "ttft_ms": 1.0}

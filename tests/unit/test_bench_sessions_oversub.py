@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from ultrafast.bench import sessions_oversub as so
+from ultrafast_harness.bench import sessions_oversub as so
 
 
 def _report(rates: dict[str, float]) -> dict:

@@ -3,9 +3,9 @@ count (checked against a real model's parameters)."""
 
 import pytest
 
-from ultrafast.bench.harness import make_prompts, percentiles_ms, ratios, summarize
-from ultrafast.bench.peers import Batch, Stream
-from ultrafast.bench.roofline import count_weight_params, kv_bytes_per_position, roofline
+from ultrafast_harness.bench.harness import make_prompts, percentiles_ms, ratios, summarize
+from ultrafast_harness.bench.peers import Batch, Stream
+from ultrafast_harness.bench.roofline import count_weight_params, kv_bytes_per_position, roofline
 
 
 def test_percentiles_nearest_rank():

@@ -109,8 +109,8 @@ def test_a_suite_refuses_another_suites_options(argv, refused, capsys):
     ],
 )
 def test_bench_without_a_suite_is_the_harness(argv):
-    from ultrafast.bench import harness_report
     from ultrafast.cli import parse_args
+    from ultrafast_harness.bench import harness_report
 
     args = parse_args(argv)
     assert args.suite == "harness" and args.func.module == harness_report.__name__

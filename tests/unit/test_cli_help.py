@@ -18,6 +18,7 @@ from ultrafast.cli_serve import check_max_model_len
 from ultrafast.config import DEMO_MODEL_DIR, ServerConfig
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ultrafast"
+HARNESS = PACKAGE.parent / "ultrafast_harness"
 
 
 def ultrafast(*args):
@@ -123,7 +124,8 @@ def _declared_flags(tree: ast.AST) -> set[str]:
 
 
 def test_every_flag_a_message_names_exists():
-    trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in PACKAGE.rglob("*.py")}
+    paths = [*PACKAGE.rglob("*.py"), *HARNESS.rglob("*.py")]  # the bench suites' messages too
+    trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in paths}
     flags = all_flags() | set(OTHER_PROGRAMS)
     for tree in trees.values():
         flags |= _declared_flags(tree)

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from ultrafast.cluster.bench import _replaced
+from ultrafast_harness.cluster.bench import _replaced
 
 
 class Cluster:

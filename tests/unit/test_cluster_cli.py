@@ -2,8 +2,8 @@
 
 import argparse
 
+from ultrafast.cli_cluster import add_cluster_parser
 from ultrafast.cli_serve import kv_cache_options, server_config
-from ultrafast.cluster.cli_cluster import add_cluster_parser
 
 
 def parse(*argv: str) -> argparse.Namespace:

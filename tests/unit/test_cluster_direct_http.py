@@ -13,9 +13,9 @@ from starlette.applications import Starlette
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-from ultrafast.bench.server_process import free_port
 from ultrafast.cluster.direct_http import DirectHTTP, serve_on_loopback
 from ultrafast.cluster.ingress import ReplicaFailed
+from ultrafast_harness.bench.server_process import free_port
 
 
 async def _events(request):

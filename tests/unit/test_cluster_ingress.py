@@ -8,7 +8,8 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import PlainTextResponse
 
 from ultrafast.cluster.health import DeathWatch, ReplicaPoller, merge_metrics
-from ultrafast.cluster.ingress import ClusterIngress, ReplicaFailed, build_ingress_app
+from ultrafast.cluster.ingress import ClusterIngress, ReplicaFailed
+from ultrafast.cluster.ingress_app import build_ingress_app
 from ultrafast.cluster.router import Router, RouterConfig, rendezvous
 
 SSE = ("content-type", "text/event-stream")

@@ -14,7 +14,8 @@ from starlette.testclient import TestClient
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ultrafast.cluster.asgi_websocket import WebSocketCalls
-from ultrafast.cluster.ingress import ClusterIngress, ReplicaFailed, build_ingress_app
+from ultrafast.cluster.ingress import ClusterIngress, ReplicaFailed
+from ultrafast.cluster.ingress_app import build_ingress_app
 from ultrafast.cluster.router import Router, rendezvous
 
 

@@ -1,7 +1,7 @@
 """The cluster router (cluster/router.py) and the fleet simulation (cluster/simulate.py)."""
 
 from ultrafast.cluster.router import Router, RouterConfig, RouteRequest, block_hashes, rendezvous
-from ultrafast.cluster.simulate import SimConfig, Simulation, replicas_needed
+from ultrafast_harness.cluster.simulate import SimConfig, Simulation, replicas_needed
 
 SYSTEM = "You are a careful assistant. " * 20
 
@@ -118,7 +118,7 @@ def test_plain_serve_never_imports_ray():
     import sys
 
     code = (
-        "import sys, ultrafast.cli, ultrafast.server.serve, ultrafast.cluster.cli_cluster;"
+        "import sys, ultrafast.cli, ultrafast.server.serve, ultrafast.cli_cluster;"
         "ultrafast.cli.build_parser();"
         "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]"
     )

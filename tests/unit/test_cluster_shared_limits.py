@@ -4,9 +4,9 @@ import uuid
 
 import pytest
 
-from ultrafast.bench.redis_server import RedisServer
 from ultrafast.cluster.shared_limits import SharedLimits, share_buckets
 from ultrafast.server.tenants import parse_api_keys
+from ultrafast_harness.bench.redis_server import RedisServer
 
 KEYS = {
     "tenants": [

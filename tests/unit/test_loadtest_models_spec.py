@@ -3,9 +3,9 @@ with a budget, and the budgets make the scenarios mean what they say (code + one
 not code + two; the small pair fits, code never does)."""
 
 from ultrafast.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
-from ultrafast.loadtest.harness import ServerSpec
-from ultrafast.loadtest.runner import select
-from ultrafast.loadtest.scenarios_models import (
+from ultrafast_harness.loadtest.harness import ServerSpec
+from ultrafast_harness.loadtest.runner import select
+from ultrafast_harness.loadtest.scenarios_models import (
     engine_death_spec,
     fault_spec,
     model_bytes,

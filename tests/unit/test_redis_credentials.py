@@ -12,14 +12,14 @@ import sys
 
 import pytest
 
-from ultrafast.bench.redis_server import RedisServer
-from ultrafast.bench.server_process import free_port
 from ultrafast.cluster.shared_limits import SharedLimits
 from ultrafast.kvcache.redis_tier import RedisTier
 from ultrafast.local_tools import find_tool
 from ultrafast.redis_conn import redacted
 from ultrafast.server.sessions.backends import open_store
 from ultrafast.server.sessions.store import Turn
+from ultrafast_harness.bench.redis_server import RedisServer
+from ultrafast_harness.bench.server_process import free_port
 
 PASSWORD = "s3cret-pw"
 

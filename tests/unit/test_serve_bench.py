@@ -11,16 +11,16 @@ import time
 
 import pytest
 
-from ultrafast.bench.serve_bench import (
+from ultrafast_harness.bench.serve_bench import (
     burst_schedule,
     request_body,
     server_specs,
     vllm_reference,
     write_outputs,
 )
-from ultrafast.bench.serve_client import stream_chat
-from ultrafast.bench.serve_plan import Level, interleaved, levels_of
-from ultrafast.bench.serve_servers import (
+from ultrafast_harness.bench.serve_client import stream_chat
+from ultrafast_harness.bench.serve_plan import Level, interleaved, levels_of
+from ultrafast_harness.bench.serve_servers import (
     PeakRss,
     cpu_list,
     llama_cpp_spec,
@@ -28,7 +28,7 @@ from ultrafast.bench.serve_servers import (
     tree_pids,
     vllm_spec,
 )
-from ultrafast.bench.serve_stats import (
+from ultrafast_harness.bench.serve_stats import (
     RequestResult,
     markdown,
     merge_rounds,
@@ -124,7 +124,7 @@ def _args(tmp_path, servers):
 
 
 def test_server_choice_says_why_vllm_is_skipped(tmp_path):
-    from ultrafast.bench.serve_bench import BenchModel
+    from ultrafast_harness.bench.serve_bench import BenchModel
 
     model = BenchModel("m", tmp_path / "m.gguf", tmp_path, "bf16")
     specs = server_specs(_args(tmp_path, "ours,vllm"), model)
@@ -257,7 +257,7 @@ def _fake_vllm_venv(tmp_path):
 
 
 def test_vllm_runs_bound_and_unbound_with_its_documented_environment(tmp_path, monkeypatch):
-    from ultrafast.bench import serve_servers
+    from ultrafast_harness.bench import serve_servers
 
     venv = _fake_vllm_venv(tmp_path)
     monkeypatch.setattr(serve_servers, "tcmalloc_path", lambda: "/lib/libtcmalloc_minimal.so.4")
@@ -280,7 +280,7 @@ def test_vllm_runs_bound_and_unbound_with_its_documented_environment(tmp_path, m
 
 
 def _model(tmp_path):
-    from ultrafast.bench.serve_bench import BenchModel
+    from ultrafast_harness.bench.serve_bench import BenchModel
 
     return BenchModel("m", tmp_path / "m.gguf", tmp_path, "bf16")
 
@@ -333,7 +333,7 @@ def test_the_better_vllm_configuration_is_the_reference():
 
 
 def test_every_row_names_the_cpu_and_its_matrix_units():
-    from ultrafast.bench.serve_stats import cpu_cell
+    from ultrafast_harness.bench.serve_stats import cpu_cell
 
     report = _report()
     cpu = {

@@ -6,23 +6,22 @@ inside functions included, is read with `ast`):
 - server/build.py may also import `ultrafast.llm` (it builds the engine: `build_engine`).
 - every other server module may import ultrafast.server.*, ultrafast.request (the request
   contract every layer shares), ultrafast.config, ultrafast.tokenizer and third-party
-  packages, but nothing from ultrafast.core, ultrafast.runtime, ultrafast.engine,
-  ultrafast.executors, ultrafast.sampling or ultrafast.llm.
+  packages, but nothing from ultrafast.core, ultrafast.engine, ultrafast.executors,
+  ultrafast.sampling or ultrafast.llm.
 Everything else under `ultrafast.` not named above is allowed too (e.g. ultrafast.progress):
 the rule is about the engine's packages.
 """
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import ultrafast.server
+from tests.import_graph import imported_names
 
 SERVER_DIR = Path(ultrafast.server.__file__).parent
 ENGINE_PACKAGES = (
     "ultrafast.core",
-    "ultrafast.runtime",
     "ultrafast.engine",
     "ultrafast.executors",
     "ultrafast.sampling",
@@ -34,19 +33,7 @@ EXTRA_ALLOWED = {"bridge.py": ENGINE_PACKAGES, "build.py": ("ultrafast.llm",)}
 def imported_modules(source: str, package: str) -> list[str]:
     """Absolute names of every module an import statement in `source` names; `package` is
     the importing module's package, for relative imports."""
-    names = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                parts = parts[: len(parts) - node.level + 1]
-                base = ".".join(parts + ([base] if base else []))
-            names.append(base)
-            names += [f"{base}.{alias.name}" for alias in node.names]  # `from x import mod`
-    return names
+    return imported_names(source, package, is_package=True)
 
 
 def boundary_violations(source: str, package: str, allowed: tuple[str, ...] = ()) -> list[str]:
@@ -78,18 +65,18 @@ def test_no_server_module_but_the_bridge_imports_the_engine():
 def test_the_checker_catches_plain_from_lazy_and_relative_imports():
     source = (
         "import ultrafast.core.scheduler\n"
-        "from ultrafast.runtime.engine import EngineThread\n"
+        "from ultrafast.engine.thread import EngineThread\n"
         "def f():\n    from ultrafast.executors import fake_exec\n"
         "from ...sampling import sampler\n"
         "from ultrafast import llm\n"
     )
     assert boundary_violations(source, "ultrafast.server.sessions") == [
         "ultrafast.core.scheduler",
+        "ultrafast.engine.thread",
+        "ultrafast.engine.thread.EngineThread",
         "ultrafast.executors",
         "ultrafast.executors.fake_exec",
         "ultrafast.llm",
-        "ultrafast.runtime.engine",
-        "ultrafast.runtime.engine.EngineThread",
         "ultrafast.sampling",
         "ultrafast.sampling.sampler",
     ]

@@ -1,6 +1,7 @@
 """Scale-out: N engine replicas behind one OpenAI ingress (`ultrafast cluster`, on Ray Serve).
 
-router.py, shared_limits.py and simulate.py are plain Python (no Ray): the ingress and the
-simulation share the router. app.py and cli_cluster.py need the optional extra
-`ultrafast[ray]`; nothing under ultrafast/server imports this package.
+router.py, ingress.py, ingress_app.py and shared_limits.py are plain Python (no Ray); the
+fleet simulator (ultrafast_harness/cluster/simulate.py) shares the router. app.py and run.py
+need the optional extra `ultrafast[ray]`; its flags are ultrafast/cli_cluster.py. Nothing
+under ultrafast/server imports this package.
 """

@@ -2,7 +2,7 @@
 
 A call through a Serve handle pays Ray's hops (the handle's router, the actor call, each
 streamed chunk as an object) on every request; on the loopback a plain HTTP connection to the
-replica's own socket is cheaper (`python -m ultrafast.cluster.relay_timers` times both; see
+replica's own socket is cheaper (`python -m ultrafast_harness.cluster.relay_timers` times both; see
 docs/ARCHITECTURE.md "Cluster"). Ray keeps placement, health
 checks and restarts: each replica serves the single server's app on a 127.0.0.1 port it
 reports in its routing stats, and the ingress uses it only for a replica on its own Ray node

@@ -20,21 +20,15 @@ import logging
 import re
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route, WebSocketRoute
-from starlette.websockets import WebSocket
 
 from ultrafast.cluster.router import Router, RouteRequest
-from ultrafast.server import auth
 from ultrafast.server.errors import APIError
 from ultrafast.server.openai_format import error_event
-from ultrafast.server.tenants import ApiKeys
 
 log = logging.getLogger(__name__)
 
@@ -326,42 +320,3 @@ def _refusal(decision) -> Response:
         status_code=error.status,
         headers={**error.headers, "x-request-id": uuid.uuid4().hex},
     )
-
-
-def build_ingress_app(
-    ingress: ClusterIngress,
-    metrics_route,
-    ready_route,
-    api_keys: ApiKeys | None = None,
-    allowed_hosts: tuple = (),
-) -> Starlette:
-    async def health(http: HTTPRequest) -> Response:
-        return JSONResponse({"status": "ok"})
-
-    async def on_api_error(http: HTTPRequest, exc: APIError) -> Response:
-        return JSONResponse(
-            exc.to_dict(),
-            status_code=exc.status,
-            headers={**exc.headers, "x-request-id": uuid.uuid4().hex},
-        )
-
-    async def realtime(ws: WebSocket) -> None:
-        from ultrafast.cluster.realtime_relay import relay_realtime
-
-        await relay_realtime(ingress, ws)
-
-    methods = ["GET", "POST", "DELETE", "PUT", "PATCH"]
-    routes = [
-        WebSocketRoute("/v1/realtime", realtime),
-        Route("/health", health, methods=["GET"]),
-        Route("/ready", ready_route, methods=["GET"]),
-        Route("/metrics", metrics_route, methods=["GET"]),
-        Route("/{path:path}", ingress.handle, methods=methods),
-    ]
-    refused: dict = {}
-    middleware = [
-        Middleware(auth.HostAllowListMiddleware, allowed_hosts=allowed_hosts),
-        Middleware(auth.AuthMiddleware, keys=api_keys, refused=refused),
-    ]
-    handlers: dict[Any, Callable[..., Awaitable[Response]]] = {APIError: on_api_error}
-    return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)

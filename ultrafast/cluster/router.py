@@ -2,9 +2,9 @@
 the least loaded; a priority request only where its predicted TTFT meets the tier's target.
 
 Pure Python and Ray-free: the cluster ingress (cluster/ingress.py) and the simulation
-(cluster/simulate.py) both route with `Router.choose`. Ray's own request routers cannot do
-this (docs/ARCHITECTURE.md, "Cluster"): they see headers only, never the body's session,
-conversation or prompt, and they queue FIFO across tiers.
+(ultrafast_harness/cluster/simulate.py) both route with `Router.choose`. Ray's own request
+routers cannot do this (docs/ARCHITECTURE.md, "Cluster"): they see headers only, never the
+body's session, conversation or prompt, and they queue FIFO across tiers.
 
 Time to first token on a replica is predicted the way its own admission does
 (server/admission.py): the prefill queued ahead of the request's tier plus its own uncached

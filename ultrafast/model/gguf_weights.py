@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ultrafast.model.config import ModelConfig, ModelLoadError
+from ultrafast.model.dtypes import resolve_dtype
 from ultrafast.model.gguf_meta import GgufMetadata, TensorInfo, read_gguf_metadata, tensor_nbytes
 from ultrafast.model.llama import LlamaForCausalLM
 
@@ -234,8 +235,6 @@ def load_gguf_model(
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The GGUF's model dequantized, in eval mode on `device`; dtype None = float32 on CPU,
     bfloat16 elsewhere ("auto": float16/bfloat16 for such files, else float32)."""
-    from ultrafast.model.loader import resolve_dtype
-
     meta = read_gguf_metadata(path)  # truncated or corrupt files are refused here
     config = gguf_model_config(meta)
     device = torch.device(device)

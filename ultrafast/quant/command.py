@@ -317,7 +317,7 @@ def cmd_eval_ppl(args) -> int:
 def _print_parity(paths: dict[str, Path], ids: list[int], args) -> int:
     from dataclasses import asdict
 
-    from ultrafast.bench.perplexity import parity_markdown, perplexity_parity
+    from ultrafast.quant.perplexity import parity_markdown, perplexity_parity
 
     results = {
         label: perplexity_parity(path, ids, args.seq_len, args.eval_tokens or None, args.threads)

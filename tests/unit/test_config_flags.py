@@ -1,0 +1,109 @@
+"""Flags from the config (config_flags.py): every `serve` option is declared on the config
+field it sets, its shown default is that field's default in the flag's units, and the
+dataclasses are read back from the parsed flags (nested tiers, pairs, switches, bounds)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+import pytest
+
+from ultrafast.config import EngineConfig, ServerConfig
+from ultrafast.config_flags import (
+    Flag,
+    add_flags,
+    config_flags,
+    duration_text,
+    flag,
+    flags,
+    read_config,
+    reads,
+    scaled,
+    switch_off,
+)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    from ultrafast.cli import build_parser
+
+    for action in build_parser(["serve"])._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices["serve"]
+    raise AssertionError("no subcommands")
+
+
+def test_every_serve_option_is_declared_on_a_config_field():
+    declared = {d.dest for cls in (EngineConfig, ServerConfig) for _, d in config_flags(cls)}
+    options = {
+        action.dest
+        for action in _serve_parser()._actions
+        if action.option_strings and not isinstance(action, argparse._HelpAction)
+    }
+    assert len(options) > 50 and options == declared
+
+
+def test_shown_defaults_come_from_the_fields_in_the_flags_units():
+    parser = _serve_parser()
+    defaults = {a.dest: a.default for a in parser._actions}
+    assert defaults["keep_alive"] == duration_text(ServerConfig.keep_alive_s) == "5m"
+    assert defaults["short_first_window_ms"] == EngineConfig.short_first_window_s * 1000
+    assert defaults["priority_queue"] == ServerConfig.priority.max_in_flight
+    assert defaults["flash_attn"] == ("on" if EngineConfig.flash_attn else "off")
+    assert defaults["spec_tiers"] == ",".join(EngineConfig.spec_tiers)
+    assert duration_text(None) == "-1" and duration_text(90.0) == "90s"
+
+
+@dataclass(frozen=True)
+class Inner:
+    a: int = 1
+    b: int = 2
+
+
+@dataclass(frozen=True)
+class Probe:
+    window_s: float = field(
+        default=2.0, metadata=flag("--window-ms", "g", "w", type=float, **scaled(1000))
+    )
+    inner: Inner = field(
+        default=Inner(),
+        metadata=flags(Flag("--inner-a", "g", "a", type=int, attr="a")),
+    )
+    pairs: tuple = field(
+        default=(),
+        metadata=flags(
+            Flag("--x", "g", "x", type=float, attr="x", bounds=(0.0, 1.0)),
+            Flag("--y", "g", "y", type=float, attr="y"),
+        ),
+    )
+    enabled: bool = field(default=True, metadata=flag("--no-enabled", "g", "e", **switch_off()))
+    same: int = field(default=1, metadata=reads("inner_a"))  # as max_num_seqs: --num-slots
+    tags: tuple = field(
+        default=(), metadata=flag("--tag", "g", "t", action="append", to_field=tuple)
+    )
+
+
+def _probe(*argv: str) -> dict:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Probe)
+    return read_config(Probe, parser.parse_args(list(argv)))
+
+
+def test_read_back_units_nested_members_pairs_switches_and_shared_flags():
+    assert Probe(**_probe()) == Probe()
+    got = Probe(**_probe("--window-ms", "500", "--inner-a", "7", "--y", "0.5", "--no-enabled"))
+    assert got.window_s == 0.5 and got.inner == Inner(a=7, b=2)
+    assert got.pairs == (("y", 0.5),) and got.enabled is False and got.same == 7
+    assert Probe(**_probe("--tag", "a", "--tag", "b")).tags == ("a", "b")
+
+
+def test_a_value_out_of_its_bounds_names_the_flag():
+    with pytest.raises(ValueError, match="--x 2.0 is out of range"):
+        _probe("--x", "2")
+
+
+def test_a_command_without_a_fields_flags_keeps_its_default():
+    parser = argparse.ArgumentParser()
+    add_flags(parser, ServerConfig, ("listen",))
+    args = parser.parse_args(["--port", "9"])
+    assert ServerConfig(**read_config(ServerConfig, args)) == ServerConfig(port=9)
