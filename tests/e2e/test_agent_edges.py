@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.e2e.test_agent_path import ANSWER, ASK, FLAT_TOOLS, TOOLS
-from ultrafast.bench.server_process import ServerProcess
+from ultrafast_harness.bench.server_process import ServerProcess
 
 FORMAT = {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": ANSWER}}
 MAX_CALLS = 3  # the server's --max-tool-calls
