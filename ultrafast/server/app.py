@@ -34,20 +34,20 @@ from ultrafast.server.calls import (
 from ultrafast.server.errors import APIError
 from ultrafast.server.frontends import error_response_for, frontend_routes
 from ultrafast.server.frontends.embeddings import embedding_routes
+from ultrafast.server.frontends.realtime import realtime_routes
+from ultrafast.server.frontends.replay import replay_response
+from ultrafast.server.frontends.responses import responses_routes
+from ultrafast.server.frontends.stored_chat import store_chat_completion, stored_chat_routes
 from ultrafast.server.models_api import model_routes
 from ultrafast.server.playground import playground_routes
+from ultrafast.server.prompt import encode_chat
 from ultrafast.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     parse_chat_request,
     parse_completion_request,
 )
-from ultrafast.server.sessions.chat_tokens import encode_chat
 from ultrafast.server.sessions.flow import ChatSession
-from ultrafast.server.sessions.realtime import realtime_routes
-from ultrafast.server.sessions.replay import replay_response
-from ultrafast.server.sessions.responses import responses_routes
-from ultrafast.server.sessions.stored_chat import store_chat_completion, stored_chat_routes
 from ultrafast.server.state import ServerState, check_model, check_ready, read_json
 from ultrafast.tokenizer import ChatTemplateError
 

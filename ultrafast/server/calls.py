@@ -27,10 +27,10 @@ from ultrafast.server import auth
 from ultrafast.server.access_log import note_run
 from ultrafast.server.errors import APIError, bad_request, invalid_value
 from ultrafast.server.generate import GenerationRun, GenerationSpec
+from ultrafast.server.prompt import ChatMessage, encode_chat
 from ultrafast.server.protocol import ChatCompletionRequest, CompletionRequest, Limits
 from ultrafast.server.residency.budget import parse_keep_alive
 from ultrafast.server.residency.views import view_with_bridge
-from ultrafast.server.sessions.chat_tokens import ChatMessage, encode_chat
 from ultrafast.server.state import ServerState, check_generates, check_model, check_ready
 from ultrafast.server.structured import json_format_grammar, start_compile, wait_compiled
 from ultrafast.server.tools.plan import ToolPlan, chat_tool_plan

@@ -13,14 +13,14 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Discriminator, Tag, ValidationError
+from pydantic import Discriminator, Tag
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ultrafast.server.errors import from_validation_error, invalid_value
+from ultrafast.server.errors import invalid_value
+from ultrafast.server.prompt import ChatMessage
 from ultrafast.server.protocol_models import (
-    _UNION_TAGS,
     BY_JSON_TYPE,
     JSON_ARRAY,
     JSON_STRING,
@@ -29,21 +29,18 @@ from ultrafast.server.protocol_models import (
     MAX_METADATA_VALUE,
     NAME_RE,
     _Strict,
+    validate_input,
 )
-from ultrafast.server.sessions.chat_tokens import ChatMessage
 from ultrafast.server.sessions.flow import not_found, tenant_of
 from ultrafast.server.sessions.store import Turn
 from ultrafast.server.state import ServerState, read_json
 from ultrafast.server.tools.responses_api import (
-    ITEM_TAGS,
     FunctionCallItem,
     FunctionCallOutputItem,
     call_item,
     function_items_to_messages,
     item_type,
 )
-
-MAX_ITEMS_PER_CALL = 1024
 
 
 class TextPart(_Strict):
@@ -89,19 +86,6 @@ class UpdateConversation(_Strict):
 
 class AddItems(_Strict):
     items: list[AnyInputItem]
-
-
-def validate(model: type[BaseModel], body: object):
-    if not isinstance(body, dict):
-        raise invalid_value(None, "the body must be a JSON object")
-    body = {k: v for k, v in body.items() if v is not None}
-    for name in ("items", "input"):
-        if isinstance(body.get(name), list) and len(body[name]) > MAX_ITEMS_PER_CALL:
-            raise invalid_value(name, f"{name} has at most {MAX_ITEMS_PER_CALL} entries")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:  # union members are tagged by JSON type: exact item paths
-        raise from_validation_error(exc, body, _UNION_TAGS | ITEM_TAGS) from None
 
 
 def check_metadata(metadata: dict | None) -> dict:
@@ -178,7 +162,7 @@ def conversations_routes(state: ServerState) -> list[Route]:
     assert flow is not None
 
     async def create(http: HTTPRequest) -> Response:
-        req = validate(CreateConversation, await read_json(http, state))
+        req = validate_input(CreateConversation, await read_json(http, state))
         tenant, conversation_id = tenant_of(http), new_conversation_id()
         info = await flow.create(tenant, conversation_id, check_metadata(req.metadata))
         if req.items:
@@ -207,7 +191,7 @@ def conversations_routes(state: ServerState) -> list[Route]:
 
     async def update(http: HTTPRequest) -> Response:
         conversation_id = _path_id(http)
-        req = validate(UpdateConversation, await read_json(http, state))
+        req = validate_input(UpdateConversation, await read_json(http, state))
         info = await flow.set_metadata(
             tenant_of(http), conversation_id, check_metadata(req.metadata)
         )
@@ -245,7 +229,7 @@ def conversations_routes(state: ServerState) -> list[Route]:
 
     async def add_items(http: HTTPRequest) -> Response:
         conversation_id, tenant = _path_id(http), tenant_of(http)
-        req = validate(AddItems, await read_json(http, state))
+        req = validate_input(AddItems, await read_json(http, state))
         if await flow.get(tenant, conversation_id) is None:
             raise not_found("conversation", None)
         key = http.headers.get("idempotency-key") or uuid.uuid4().hex
@@ -273,4 +257,4 @@ def conversations_routes(state: ServerState) -> list[Route]:
     ]
 
 
-__all__ = ["conversations_routes", "InputItem", "items_to_messages", "validate"]
+__all__ = ["conversations_routes", "InputItem", "items_to_messages"]

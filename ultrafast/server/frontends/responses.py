@@ -29,9 +29,17 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ultrafast.server.calls import CallInput, check_options, plain_params, prepare_call
+from ultrafast.server.client_schema import check_client_schema
 from ultrafast.server.errors import APIError, invalid_value, too_large, unsupported_parameter
+from ultrafast.server.frontends.conversations import (
+    AnyInputItem,
+    check_metadata,
+    conversations_routes,
+    new_conversation_id,
+)
+from ultrafast.server.frontends.responses_stream import final_status, stream_response
 from ultrafast.server.generate import GenerationRun
-from ultrafast.server.protocol import check_client_schema
+from ultrafast.server.prompt import ChatMessage
 from ultrafast.server.protocol_models import (
     BY_JSON_TYPE,
     JSON_ARRAY,
@@ -39,17 +47,9 @@ from ultrafast.server.protocol_models import (
     JSON_STRING,
     NAME_RE,
     _Strict,
-)
-from ultrafast.server.sessions.chat_tokens import ChatMessage
-from ultrafast.server.sessions.conversations import (
-    AnyInputItem,
-    check_metadata,
-    conversations_routes,
-    new_conversation_id,
-    validate,
+    validate_input,
 )
 from ultrafast.server.sessions.flow import SessionFlow, not_found, tenant_of, turns_to_messages
-from ultrafast.server.sessions.responses_stream import final_status, stream_response
 from ultrafast.server.sessions.store import RESPONSE, SeqConflict, StoredObject, Turn
 from ultrafast.server.state import ServerState, read_json
 from ultrafast.server.structured import json_format_grammar
@@ -435,7 +435,7 @@ def responses_routes(state: ServerState) -> list[Route]:
     assert flow is not None
 
     async def create(http: HTTPRequest) -> Response:
-        req = validate(ResponsesRequest, await read_json(http, state))
+        req = validate_input(ResponsesRequest, await read_json(http, state))
         check_request(req, state)
         tenant = tenant_of(http)
         key = http.headers.get("idempotency-key")
