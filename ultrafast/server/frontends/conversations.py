@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ultrafast.server.errors import invalid_value
+from ultrafast.server.openai_format import list_object, list_page
 from ultrafast.server.prompt import ChatMessage
 from ultrafast.server.protocol_models import (
     BY_JSON_TYPE,
@@ -31,7 +32,7 @@ from ultrafast.server.protocol_models import (
     _Strict,
     validate_input,
 )
-from ultrafast.server.sessions.flow import not_found, tenant_of
+from ultrafast.server.sessions.flow import SessionFlow, not_found, tenant_of
 from ultrafast.server.sessions.store import Turn
 from ultrafast.server.state import ServerState, read_json
 from ultrafast.server.tools.responses_api import (
@@ -160,6 +161,11 @@ def _path_id(http: HTTPRequest) -> str:
 def conversations_routes(state: ServerState) -> list[Route]:
     flow = state.sessions
     assert flow is not None
+    return [*_conversation_routes(state, flow), *_item_routes(state, flow)]
+
+
+def _conversation_routes(state: ServerState, flow: SessionFlow) -> list[Route]:
+    """Create, read, update and delete a conversation."""
 
     async def create(http: HTTPRequest) -> Response:
         req = validate_input(CreateConversation, await read_json(http, state))
@@ -199,33 +205,23 @@ def conversations_routes(state: ServerState) -> list[Route]:
             raise not_found("conversation", None)
         return JSONResponse(conversation_object(conversation_id, info.created_s, info.metadata))
 
+    return [
+        Route("/v1/conversations", create, methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}", get, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}", update, methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}", delete, methods=["DELETE"]),
+    ]
+
+
+def _item_routes(state: ServerState, flow: SessionFlow) -> list[Route]:
+    """A conversation's items: listed a page at a time, or appended."""
+
     async def list_items(http: HTTPRequest) -> Response:
         conversation_id, tenant = _path_id(http), tenant_of(http)
         if await flow.get(tenant, conversation_id) is None:
             raise not_found("conversation", None)
-        order = http.query_params.get("order", "desc")
-        limit_text = http.query_params.get("limit", "20")
-        if order not in ("asc", "desc"):
-            raise invalid_value("order", "order must be asc or desc")
-        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
-            raise invalid_value("limit", "limit must be an integer in [1, 100]")
         items = [i for t in await flow.turns(tenant, conversation_id) for i in turn_to_items(t)]
-        if order == "desc":
-            items.reverse()
-        after = http.query_params.get("after")
-        if after is not None:
-            ids = [item["id"] for item in items]
-            items = items[ids.index(after) + 1 :] if after in ids else []
-        page = items[: int(limit_text)]
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": page,
-                "first_id": page[0]["id"] if page else "",
-                "last_id": page[-1]["id"] if page else "",
-                "has_more": len(items) > len(page),
-            }
-        )
+        return JSONResponse(list_page(http.query_params, items, "desc"))
 
     async def add_items(http: HTTPRequest) -> Response:
         conversation_id, tenant = _path_id(http), tenant_of(http)
@@ -236,22 +232,9 @@ def conversations_routes(state: ServerState) -> list[Route]:
         turns = await flow.append_turns(
             tenant, conversation_id, function_items_to_messages(req.items), f"items-{key}"[:80]
         )
-        page = [i for t in turns for i in turn_to_items(t)]
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": page,
-                "first_id": page[0]["id"] if page else "",
-                "last_id": page[-1]["id"] if page else "",
-                "has_more": False,
-            }
-        )
+        return JSONResponse(list_object([i for t in turns for i in turn_to_items(t)], False))
 
     return [
-        Route("/v1/conversations", create, methods=["POST"]),
-        Route("/v1/conversations/{conversation_id}", get, methods=["GET"]),
-        Route("/v1/conversations/{conversation_id}", update, methods=["POST"]),
-        Route("/v1/conversations/{conversation_id}", delete, methods=["DELETE"]),
         Route("/v1/conversations/{conversation_id}/items", list_items, methods=["GET"]),
         Route("/v1/conversations/{conversation_id}/items", add_items, methods=["POST"]),
     ]
