@@ -9,6 +9,7 @@ from ultrafast.server.errors import APIError
 from ultrafast.server.openai_format import list_object, list_page
 
 ITEMS = [{"id": f"i{k}"} for k in range(5)]  # oldest first
+EMPTY = {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
 
 
 def ids(page: dict) -> list[str]:
@@ -32,13 +33,7 @@ def test_an_empty_page_has_null_ids():
         list_page({"after": "unknown"}, ITEMS, "desc"),
         list_object([], False),
     ):
-        assert page == {
-            "object": "list",
-            "data": [],
-            "first_id": None,
-            "last_id": None,
-            "has_more": False,
-        }
+        assert page == EMPTY
 
 
 @pytest.mark.parametrize(
