@@ -7,6 +7,7 @@ model or an `APIError` whose `param` is an OpenAI-style path (`messages[0].role`
    refused by name, never imported, evaluated or unpickled; client chat templates included,
    B37/B38). A top-level `null` means "not sent", as in OpenAI's API.
 2. `_check_*` functions apply ranges and the S7 limits of RELIABILITY.md, one refusal each.
+   A client's JSON Schema (`response_format`, a tool's `parameters`) is client_schema.py's.
 
 Choices where the spec left room (also asserted in tests/unit/test_protocol.py):
 - `n_probs` (B19) and `prompt_logprobs` (B20) are `unknown_parameter`: we do not offer them.
