@@ -260,7 +260,7 @@ class Tokenizer:
     def encode_literal(self, text: str) -> list[int]:
         """Ids of `text` with special-token text spelled out as plain text (llama.cpp's
         parse_special=false; user-defined added tokens are still matched): how a chat message's
-        client text is tokenized (server/sessions/client_text.py)."""
+        client text is tokenized (server/prompt/client_text.py)."""
         if self._encode_literal_fn is not None:
             return self._encode_literal_fn(text)
         if self._literal_tok is None:

@@ -216,6 +216,31 @@ def test_stored_chat_completions_get_list_messages_delete(client, srv):
     assert error_of(r) == (400, "invalid_value", "limit")
 
 
+def test_an_empty_page_is_the_same_on_both_list_routes(client, srv):
+    """Conversation items and stored chat completions page alike: an empty page has
+    `first_id`/`last_id` null (as OpenAI answers), and the same query checks."""
+    conv = client.conversations.create()
+    empty = [
+        httpx.get(srv.url + f"/v1/conversations/{conv.id}/items", timeout=30).json(),
+        httpx.get(
+            srv.url + "/v1/chat/completions", params={"metadata[run]": "none"}, timeout=30
+        ).json(),
+    ]
+    for page in empty:
+        assert page == {
+            "object": "list",
+            "data": [],
+            "first_id": None,
+            "last_id": None,
+            "has_more": False,
+        }
+    for path in (f"/v1/conversations/{conv.id}/items", "/v1/chat/completions"):
+        r = httpx.get(srv.url + path, params={"order": "up"}, timeout=30)
+        assert error_of(r) == (400, "invalid_value", "order")
+        r = httpx.get(srv.url + path, params={"limit": 101}, timeout=30)
+        assert error_of(r) == (400, "invalid_value", "limit")
+
+
 def test_stored_chat_completions_belong_to_their_tenant_only_by_id(srv):
     r = httpx.get(srv.url + "/v1/chat/completions/chatcmpl-nope", timeout=30)
     assert error_of(r) == (404, "chat_completion_not_found", None)

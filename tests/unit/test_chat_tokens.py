@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from ultrafast.config import DEMO_MODEL_DIR
-from ultrafast.server.sessions.chat_tokens import ChatMessage as M
-from ultrafast.server.sessions.chat_tokens import answer_token_ids, encode_chat, encode_plain
+from ultrafast.server.prompt.chat_tokens import ChatMessage as M
+from ultrafast.server.prompt.chat_tokens import answer_token_ids, encode_chat, encode_plain
 from ultrafast.tokenizer import Tokenizer
 
 

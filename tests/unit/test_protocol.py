@@ -312,7 +312,7 @@ def test_schema_meta_validation_never_fetches_and_never_crashes(monkeypatch):
     caller other than the HTTP parser could hand over, is a 400 before the native code."""
     import jsonschema_rs
 
-    from ultrafast.server import protocol
+    from ultrafast.server import client_schema as protocol
 
     seen = []
     real = jsonschema_rs.meta.validate
@@ -340,7 +340,7 @@ def test_schema_meta_validation_never_fetches_and_never_crashes(monkeypatch):
 def test_a_schema_that_passed_is_not_checked_again_and_a_bad_one_always_is(monkeypatch):
     import jsonschema_rs
 
-    from ultrafast.server import protocol
+    from ultrafast.server import client_schema as protocol
 
     calls = []
     real = jsonschema_rs.meta.validate

@@ -3,7 +3,7 @@
 import pytest
 
 from ultrafast.server.errors import APIError
-from ultrafast.server.sessions.responses import response_id_for
+from ultrafast.server.frontends.responses import response_id_for
 
 
 def test_a_keyed_call_keeps_its_id_and_an_unkeyed_one_gets_a_new_one():

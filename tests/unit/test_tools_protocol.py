@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from ultrafast.server.prompt.chat_tokens import ChatMessage
 from ultrafast.server.protocol import parse_chat_request
-from ultrafast.server.sessions.chat_tokens import ChatMessage
 from ultrafast.server.tools.formats import GENERIC, HERMES, LLAMA3_JSON, MISTRAL, detect_format
 from ultrafast.server.tools.plan import chat_tool_plan
 from ultrafast.tokenizer import Tokenizer

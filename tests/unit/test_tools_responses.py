@@ -13,9 +13,10 @@ import pytest
 
 from ultrafast.config import DEMO_MODEL_DIR
 from ultrafast.server.errors import APIError
-from ultrafast.server.sessions.conversations import validate
-from ultrafast.server.sessions.responses import ResponseBuilder, ResponsesRequest
-from ultrafast.server.sessions.responses_stream import stream_response
+from ultrafast.server.frontends.responses import ResponseBuilder
+from ultrafast.server.frontends.responses_models import ResponsesRequest
+from ultrafast.server.frontends.responses_stream import stream_response
+from ultrafast.server.protocol_models import validate_input as validate
 from ultrafast.server.tools.responses_api import plan_from_responses
 from ultrafast.server.tools.stream import ToolSplitter
 from ultrafast.tokenizer import Tokenizer

@@ -1,8 +1,11 @@
 """HTTP routes of the OpenAI-compatible server, and the OpenAI error envelope for every failure.
 
-Each route only translates its wire format: chat completions and completions into a
-`CallInput` here, the Responses, Conversations and Realtime APIs in sessions/; the call itself
+Each API's routes come from its front end in frontends/ (chat completions and completions in
+frontends/chat.py, the Responses, Conversations, Realtime, stored chat, Anthropic and Ollama
+APIs beside it), each only translating its wire format into a `CallInput`; the call itself
 runs through server/calls.py (checks, tokenize, admission) and server/generate.py (the run).
+Here: the app's assembly, the service routes (health, ready, metrics, tokenize) and the
+error handlers.
 """
 
 from __future__ import annotations
@@ -24,86 +27,59 @@ from starlette.routing import Route
 from ultrafast.server import auth
 from ultrafast.server.access_log import AccessLogMiddleware
 from ultrafast.server.bridge import EngineBridge
-from ultrafast.server.calls import (
-    chat_call,
-    chat_messages,
-    completion_call,
-    prepare_call,
-    template_error,
-)
+from ultrafast.server.calls import chat_messages, template_error
 from ultrafast.server.errors import APIError
 from ultrafast.server.frontends import error_response_for, frontend_routes
+from ultrafast.server.frontends.chat import chat_routes
 from ultrafast.server.frontends.embeddings import embedding_routes
+from ultrafast.server.frontends.realtime import realtime_routes
+from ultrafast.server.frontends.responses import responses_routes
+from ultrafast.server.frontends.stored_chat import stored_chat_routes
 from ultrafast.server.models_api import model_routes
 from ultrafast.server.playground import playground_routes
-from ultrafast.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_chat_request,
-    parse_completion_request,
-)
-from ultrafast.server.sessions.chat_tokens import encode_chat
-from ultrafast.server.sessions.flow import ChatSession
-from ultrafast.server.sessions.realtime import realtime_routes
-from ultrafast.server.sessions.replay import replay_response
-from ultrafast.server.sessions.responses import responses_routes
-from ultrafast.server.sessions.stored_chat import store_chat_completion, stored_chat_routes
-from ultrafast.server.state import ServerState, check_model, check_ready, read_json
+from ultrafast.server.prompt import encode_chat
+from ultrafast.server.protocol import parse_chat_request
+from ultrafast.server.state import ServerState, read_json
 from ultrafast.tokenizer import ChatTemplateError
 
 log = logging.getLogger(__name__)
 
 
-async def _chat(http: HTTPRequest, state: ServerState, req: ChatCompletionRequest) -> Response:
-    session = None
-    if req.session_id is not None:  # history from the store, joined with the new turn
-        check_model(state, req.model)
-        check_ready(state)
-        assert state.sessions is not None  # session_id is refused unless sessions are wired
-        session = await ChatSession.open(state.sessions, http, req, chat_messages(req))
-        if session.replay is not None:
-            return replay_response(state.model_name, state.tokenizer, req, session.replay)
-    try:
-        run = await prepare_call(
-            state,
-            http.scope,
-            chat_call(req, state.limits_for(req.model), session.messages if session else None),
-        )
-    except BaseException:
-        if session is not None:
-            session.release()
-        raise
-    if session is not None:
-        try:
-            await session.start(run)  # from here the session commit frees the key
-        except BaseException:
-            session.release()
-            run.finish()
-            raise
-    elif req.store and state.sessions is not None:
-        store_chat_completion(state.sessions, http, req, run)
-    if run.spec.stream:
-        return await run.respond_stream()
-    return await run.respond_json(http)
-
-
-async def _completion(http: HTTPRequest, state: ServerState, req: CompletionRequest) -> Response:
-    run = await prepare_call(state, http.scope, completion_call(req, state.limits_for(req.model)))
-    if run.spec.stream:
-        return await run.respond_stream()
-    return await run.respond_json(http)
-
-
 def build_app(state: ServerState) -> Starlette:
-    async def chat_completions(http: HTTPRequest) -> Response:
-        body = await read_json(http, state)
-        limits = state.limits_for(body.get("model"))  # the named model's vocabulary
-        return await _chat(http, state, parse_chat_request(body, limits))
+    routes = [
+        *chat_routes(state),
+        *model_routes(state),
+        *embedding_routes(state),
+        *_service_routes(state),
+        *frontend_routes(state),  # Anthropic's and Ollama's APIs (before the playground's /)
+        *playground_routes(),
+        *conversation_routes(state),
+    ]
+    state.metrics.add_refusal_source(lambda: state.admission.refused)
+    state.metrics.add_refusal_source(lambda: state.auth_refused)
+    state.metrics.set_in_flight_source(state.in_flight_by_tier)
+    hosts = auth.allowed_hosts_for(state.config.host, state.config.allowed_hosts)
+    middleware = [
+        Middleware(auth.HostAllowListMiddleware, allowed_hosts=hosts),
+        Middleware(
+            auth.AuthMiddleware,
+            keys=state.api_keys,
+            refused=state.auth_refused,
+            render=error_response_for,
+        ),
+    ]
+    if state.config.access_log:  # outermost: refusals before routing are logged too
+        middleware.insert(0, Middleware(AccessLogMiddleware))
+    return Starlette(
+        routes=routes,
+        lifespan=_lifespan(state),
+        middleware=middleware,
+        exception_handlers=_exception_handlers(),
+    )
 
-    async def completions(http: HTTPRequest) -> Response:
-        body = await read_json(http, state)
-        limits = state.limits_for(body.get("model"))
-        return await _completion(http, state, parse_completion_request(body, limits))
+
+def _service_routes(state: ServerState) -> list[Route]:
+    """Health, readiness, metrics, and the tokenizer's own routes."""
 
     async def health(http: HTTPRequest) -> Response:
         return JSONResponse({"status": "ok"})
@@ -165,20 +141,17 @@ def build_app(state: ServerState) -> Starlette:
             )
         return JSONResponse({"prompt": state.tokenizer.decode(tokens)})
 
-    routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        *model_routes(state),
-        *embedding_routes(state),
+    return [
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
-        *frontend_routes(state),  # Anthropic's and Ollama's APIs (before the playground's /)
-        *playground_routes(),
-        *conversation_routes(state),
     ]
+
+
+def _exception_handlers() -> dict[Any, Callable[..., Awaitable[Response]]]:
+    """Every failure in the OpenAI envelope, or in the shape of the protocol its path is."""
 
     async def on_api_error(http: HTTPRequest, exc: APIError) -> Response:
         rid = http.headers.get("x-request-id") or uuid.uuid4().hex
@@ -212,6 +185,11 @@ def build_app(state: ServerState) -> Starlette:
             uuid.uuid4().hex,
         )
 
+    # Starlette calls each handler with an instance of the class it is registered for
+    return {APIError: on_api_error, HTTPException: on_http_error, Exception: on_crash}
+
+
+def _lifespan(state: ServerState):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state.bridge = EngineBridge(
@@ -223,33 +201,7 @@ def build_app(state: ServerState) -> Starlette:
         if state.sessions is not None:
             await state.sessions.store.close()
 
-    state.metrics.add_refusal_source(lambda: state.admission.refused)
-    state.metrics.add_refusal_source(lambda: state.auth_refused)
-    state.metrics.set_in_flight_source(state.in_flight_by_tier)
-    hosts = auth.allowed_hosts_for(state.config.host, state.config.allowed_hosts)
-    middleware = [
-        Middleware(auth.HostAllowListMiddleware, allowed_hosts=hosts),
-        Middleware(
-            auth.AuthMiddleware,
-            keys=state.api_keys,
-            refused=state.auth_refused,
-            render=error_response_for,
-        ),
-    ]
-    if state.config.access_log:  # outermost: refusals before routing are logged too
-        middleware.insert(0, Middleware(AccessLogMiddleware))
-    # Starlette calls each handler with an instance of the class it is registered for
-    handlers: dict[Any, Callable[..., Awaitable[Response]]] = {
-        APIError: on_api_error,
-        HTTPException: on_http_error,
-        Exception: on_crash,
-    }
-    return Starlette(
-        routes=routes,
-        lifespan=lifespan,
-        middleware=middleware,
-        exception_handlers=handlers,
-    )
+    return lifespan
 
 
 def conversation_routes(state: ServerState) -> list:

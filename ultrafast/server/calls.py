@@ -2,11 +2,11 @@
 
 Each front end only translates its own wire format into a `CallInput`: chat completions and
 completions (`chat_call`, `completion_call`, from the validated protocol models), the Responses
-API and the Realtime WebSocket (sessions/responses.py, sessions/realtime.py, which build it
+API and the Realtime WebSocket (frontends/responses.py, frontends/realtime.py, which build it
 from their own fields and join the stored history into `messages` first). From here the work
 is the same for all, in this order: model and readiness checks, tier entitlement, the
 tenant's request budget, tier capacity (503 before any tokenizing), template + tokenize off
-the event loop (a stored answer keeps its own ids, chat_tokens.py), the context check,
+the event loop (a stored answer keeps its own ids, prompt/chat_tokens.py), the context check,
 the tenant's token budget, SLO admission from the tokens left to prefill (429 for a priority
 call that would miss its target), then the run (generate.py), not yet started.
 """
@@ -27,10 +27,10 @@ from ultrafast.server import auth
 from ultrafast.server.access_log import note_run
 from ultrafast.server.errors import APIError, bad_request, invalid_value
 from ultrafast.server.generate import GenerationRun, GenerationSpec
+from ultrafast.server.prompt import ChatMessage, encode_chat
 from ultrafast.server.protocol import ChatCompletionRequest, CompletionRequest, Limits
 from ultrafast.server.residency.budget import parse_keep_alive
 from ultrafast.server.residency.views import view_with_bridge
-from ultrafast.server.sessions.chat_tokens import ChatMessage, encode_chat
 from ultrafast.server.state import ServerState, check_generates, check_model, check_ready
 from ultrafast.server.structured import json_format_grammar, start_compile, wait_compiled
 from ultrafast.server.tools.plan import ToolPlan, chat_tool_plan

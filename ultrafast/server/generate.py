@@ -406,17 +406,25 @@ class GenerationRun:
         async for _ in self.events():
             pass
 
-    # ---- chat / completions responses --------------------------------------------------------
-
-    async def respond_json(self, http: HTTPRequest) -> Response:
+    async def run_to_end(self, http: HTTPRequest) -> bool:
+        """A non-streamed call, for every front end: run to the end, commit, finish (always);
+        False if the client left first (answer 499), the call's error raised if it failed.
+        Then `choices` and `usage()` hold the answer to shape."""
         try:
             if not await self.collect(http):
-                return Response(status_code=499)
+                return False
             error = await self.conclude()
         finally:
             self.finish()
         if error is not None:
             raise error
+        return True
+
+    # ---- chat / completions responses --------------------------------------------------------
+
+    async def respond_json(self, http: HTTPRequest) -> Response:
+        if not await self.run_to_end(http):
+            return Response(status_code=499)
         build = fmt.chat_response if self.spec.chat else fmt.completion_response
         body = build(
             self.spec.request_id,

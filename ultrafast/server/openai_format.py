@@ -1,17 +1,20 @@
-"""OpenAI response shapes: chat completions, text completions, their stream chunks, usage, logprobs.
+"""OpenAI response shapes: chat completions, text completions, their stream chunks, usage,
+logprobs, and the cursor-paged list every stored-object API answers with.
 
-Pure functions from plain values to dicts; app.py does the I/O. Field names follow the OpenAI
-API reference so official clients parse them unchanged.
+Pure functions from plain values to dicts; the front ends do the I/O. Field names follow the
+OpenAI API reference so official clients parse them unchanged.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import orjson
 
 from ultrafast.server.bridge import TokenLogprobs
+from ultrafast.server.errors import invalid_value
 
 SYSTEM_FINGERPRINT = "ultrafast-0.1"
 
@@ -290,3 +293,35 @@ class ChunkWriter:
 
 def error_event(message: str, err_type: str = "server_error", code: str | None = None) -> bytes:
     return sse({"error": {"message": message, "type": err_type, "param": None, "code": code}})
+
+
+def list_object(page: list[dict], has_more: bool) -> dict:
+    """OpenAI's list envelope. An empty page has `first_id`/`last_id` null, as OpenAI's API
+    answers (its clients type them `Optional` and stop paging at a null `last_id`)."""
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": has_more,
+    }
+
+
+def list_page(query: Mapping[str, str], items: list[dict], default_order: str) -> dict:
+    """The page of `items` (oldest first, each with an `id`) the query's `order`
+    (asc/desc), `after` (an id: the items following it; an unknown id gives an empty page)
+    and `limit` (1-100, default 20) ask for."""
+    order = query.get("order", default_order)
+    if order not in ("asc", "desc"):
+        raise invalid_value("order", "order must be asc or desc")
+    limit_text = query.get("limit", "20")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+        raise invalid_value("limit", "limit must be an integer in [1, 100]")
+    if order == "desc":
+        items = items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        items = items[ids.index(after) + 1 :] if after in ids else []
+    page = items[: int(limit_text)]
+    return list_object(page, len(items) > len(page))

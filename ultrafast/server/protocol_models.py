@@ -9,9 +9,18 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+)
 
 from ultrafast.request import SamplingParams, ServiceTier
+from ultrafast.server.errors import from_validation_error, invalid_value
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # always fullmatch: `$` would accept a final \n
 _TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # canonical, so "1" and "01" cannot both appear
@@ -86,6 +95,26 @@ BY_JSON_TYPE = Discriminator(_json_type)
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# the Responses API's input items are told apart by `type` (tools/responses_api.py item_type)
+ITEM_TAGS = frozenset({"message", "function_call", "function_call_output"})
+MAX_ITEMS_PER_CALL = 1024
+
+
+def validate_input(model: type[BaseModel], body: object):
+    """A Responses, Conversations or Realtime body (or item) as `model`: a 400 names the exact
+    item path (`input[2].content[0].text`); `items`/`input` hold at most MAX_ITEMS_PER_CALL."""
+    if not isinstance(body, dict):
+        raise invalid_value(None, "the body must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None}
+    for name in ("items", "input"):
+        if isinstance(body.get(name), list) and len(body[name]) > MAX_ITEMS_PER_CALL:
+            raise invalid_value(name, f"{name} has at most {MAX_ITEMS_PER_CALL} entries")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:  # union members are tagged by JSON type: exact item paths
+        raise from_validation_error(exc, body, _UNION_TAGS | ITEM_TAGS) from None
 
 
 def _integral_float_to_int(value: Any) -> Any:

@@ -1,6 +1,6 @@
 """The server's shared state and the checks every route makes first (body, model, readiness).
 
-Below the routes (app.py) and the front ends (chat/completions, sessions/), so each of them
+Below the routes (app.py) and the front ends (frontends/), so each of them
 imports it plainly: nothing here imports a front end.
 """
 

@@ -1,9 +1,16 @@
-"""Front ends for other clients' protocols, each over the one call pipeline (server/calls.py).
+"""Front ends, one per API, each over the one call pipeline (server/calls.py).
 
-One module per protocol: `anthropic.py` (+ `anthropic_stream.py`) speaks Anthropic's Messages
-API, `ollama.py` (+ `ollama_models.py`) Ollama's. Each only translates its wire format into a
-`CallInput` and the run's output back into its own shapes; tiers, admission, the prefix
-cache, grammar, tools, the output guard, metrics, keys and tenants are the pipeline's.
+One module per protocol (with its helpers beside it):
+- OpenAI's: `chat.py` (chat completions, completions), `responses.py` (+ `responses_models.py`,
+  `responses_stream.py`), `conversations.py`, `realtime.py` (WebSocket), `stored_chat.py`
+  (`store: true` completions), `replay.py` (a chat call retried with its Idempotency-Key),
+  `embeddings.py`;
+- `anthropic.py` (+ `anthropic_stream.py`) speaks Anthropic's Messages API, `ollama.py`
+  (+ `ollama_models.py`) Ollama's.
+Each only translates its wire format into a `CallInput` and the run's output back into its
+own shapes; tiers, admission, the prefix cache, grammar, tools, the output guard, metrics,
+keys and tenants are the pipeline's, and stored history is server/sessions/. Only app.py
+imports a front end (tests/unit/test_server_floors.py).
 
 `error_body` picks the error shape by path, for the refusals the auth middleware gives before
 any route runs (a 401 to an Anthropic client is still in Anthropic's shape).

@@ -163,14 +163,8 @@ def anthropic_routes(state: ServerState) -> list[Route]:
 
 
 async def _respond_json(http: HTTPRequest, run: GenerationRun, builder: MessageBuilder) -> Response:
-    try:
-        if not await run.collect(http):
-            return Response(status_code=499)
-        error = await run.conclude()
-    finally:
-        run.finish()
-    if error is not None:
-        raise error
+    if not await run.run_to_end(http):
+        return Response(status_code=499)
     headers = {**run.timing_headers(), "request-id": builder.message_id}
     return JSONResponse(builder.final(run), headers=headers)
 

@@ -17,11 +17,12 @@ from pydantic import Field
 
 from ultrafast.request import ServiceTier
 from ultrafast.server.calls import CallInput, check_options, plain_params
+from ultrafast.server.client_schema import check_client_schema
 from ultrafast.server.errors import invalid_value, too_large, unsupported_content
 from ultrafast.server.frontends.common import ToolSpec, tool_plan, validated
-from ultrafast.server.protocol import Limits, _require_feature, check_client_schema
+from ultrafast.server.prompt import ChatMessage
+from ultrafast.server.protocol import Limits, _require_feature
 from ultrafast.server.protocol_models import BY_JSON_TYPE, JSON_ARRAY, JSON_STRING, _Strict
-from ultrafast.server.sessions.chat_tokens import ChatMessage
 from ultrafast.server.structured import json_format_grammar
 from ultrafast.server.tools.plan import ToolPlan
 

@@ -12,10 +12,11 @@ from pydantic import BaseModel, ValidationError
 from ultrafast.request import ServiceTier
 from ultrafast.server import auth
 from ultrafast.server.calls import template_error
+from ultrafast.server.client_schema import check_client_schema
 from ultrafast.server.errors import from_validation_error, invalid_value
-from ultrafast.server.protocol import Limits, _require_feature, check_client_schema
+from ultrafast.server.prompt import ChatMessage, encode_chat
+from ultrafast.server.protocol import Limits, _require_feature
 from ultrafast.server.protocol_models import NAME_RE
-from ultrafast.server.sessions.chat_tokens import ChatMessage, encode_chat
 from ultrafast.server.tools.plan import FunctionTool, ToolPlan
 from ultrafast.tokenizer import ChatTemplateError
 

@@ -159,14 +159,8 @@ def ollama_routes(state: ServerState) -> list[Route]:
 
 
 async def _respond_json(http: HTTPRequest, run: GenerationRun, reply: Reply) -> Response:
-    try:
-        if not await run.collect(http):
-            return Response(status_code=499)
-        error = await run.conclude()
-    finally:
-        run.finish()
-    if error is not None:
-        raise error
+    if not await run.run_to_end(http):
+        return Response(status_code=499)
     choice = run.choices[0]
     body = reply.final(run, choice.text, ollama_calls(tuple(choice.tool_calls)))
     return JSONResponse(body, headers=run.timing_headers())

@@ -18,11 +18,12 @@ from typing import Any, Literal
 
 from ultrafast.request import SamplingParams, ServiceTier
 from ultrafast.server.calls import CallInput, plain_params
+from ultrafast.server.client_schema import check_client_schema
 from ultrafast.server.errors import invalid_type, invalid_value, unsupported_content
 from ultrafast.server.frontends.common import ToolSpec, tool_plan, validated
-from ultrafast.server.protocol import Limits, _require_feature, check_client_schema
+from ultrafast.server.prompt import ChatMessage
+from ultrafast.server.protocol import Limits, _require_feature
 from ultrafast.server.protocol_models import _Strict
-from ultrafast.server.sessions.chat_tokens import ChatMessage
 from ultrafast.server.structured import json_format_grammar
 
 FLOAT_OPTIONS = (

@@ -24,9 +24,9 @@ from starlette.requests import HTTPConnection
 from ultrafast.server import auth
 from ultrafast.server.errors import APIError
 from ultrafast.server.generate import GenerationRun
+from ultrafast.server.prompt import ChatMessage, answer_token_ids
 from ultrafast.server.protocol import ChatCompletionRequest
 from ultrafast.server.protocol_models import NAME_RE
-from ultrafast.server.sessions.chat_tokens import ChatMessage, answer_token_ids
 from ultrafast.server.sessions.store import (
     SessionInfo,
     SessionStore,

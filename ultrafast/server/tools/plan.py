@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ultrafast.grammar.spec import GrammarSpec
-from ultrafast.server.sessions.chat_tokens import ChatMessage
+from ultrafast.server.prompt import ChatMessage
 from ultrafast.server.tools.formats import GENERIC, ToolFormat, detect_format
 from ultrafast.server.tools.grammar import (
     DEFAULT_MAX_CALLS,

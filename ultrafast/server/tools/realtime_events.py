@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ultrafast.server.protocol import Limits
-from ultrafast.server.sessions.conversations import validate
+from ultrafast.server.protocol_models import validate_input
 from ultrafast.server.sessions.store import Turn
 from ultrafast.server.tools.parse import CallArgs, CallDone, CallStart
 from ultrafast.server.tools.plan import ToolPlan
@@ -42,7 +42,7 @@ def function_item_turn(item: Any, turn_id: str) -> Turn | None:
     item types (messages keep their own path)."""
     kind = item.get("type") if isinstance(item, dict) else None
     if kind == "function_call":
-        call = validate(FunctionCallItem, item)
+        call = validate_input(FunctionCallItem, item)
         tool_call = {
             "id": call.call_id,
             "type": "function",
@@ -50,7 +50,7 @@ def function_item_turn(item: Any, turn_id: str) -> Turn | None:
         }
         return Turn(turn_id, "assistant", "", tool_calls=[tool_call])
     if kind == "function_call_output":
-        result = validate(FunctionCallOutputItem, item)
+        result = validate_input(FunctionCallOutputItem, item)
         return Turn(turn_id, "tool", result.text(), tool_call_id=result.call_id)
     return None
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from ultrafast.server.sessions.chat_tokens import ChatMessage
+from ultrafast.server.prompt import ChatMessage
 from ultrafast.server.tools.formats import ToolFormat
 
 

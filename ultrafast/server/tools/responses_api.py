@@ -13,15 +13,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Tag
 
+from ultrafast.server.client_schema import check_client_schema
 from ultrafast.server.errors import invalid_value, quote
+from ultrafast.server.prompt import ChatMessage
 from ultrafast.server.protocol import (
     Limits,
     _check_call_arguments,
     _require_feature,
-    check_client_schema,
 )
-from ultrafast.server.protocol_models import NAME_RE, _Strict
-from ultrafast.server.sessions.chat_tokens import ChatMessage
+from ultrafast.server.protocol_models import ITEM_TAGS, NAME_RE, _Strict
 from ultrafast.server.tools.parse import CallArgs, CallDone, CallStart
 from ultrafast.server.tools.plan import FunctionTool, ToolPlan
 
@@ -71,9 +71,6 @@ class FunctionCallOutputItem(_Strict):
         if isinstance(self.output, str):
             return self.output
         return "".join(p.text for p in self.output)
-
-
-ITEM_TAGS = frozenset({"message", "function_call", "function_call_output"})
 
 
 def item_type(value: Any) -> str:

@@ -30,11 +30,11 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ultrafast.server.calls import CallInput, check_options, plain_params, prepare_call
 from ultrafast.server.errors import APIError, invalid_type
+from ultrafast.server.frontends.conversations import InputItem
 from ultrafast.server.generate import ChoiceDelta, GenerationRun
 from ultrafast.server.json_body import nesting_ok
-from ultrafast.server.protocol_models import NAME_RE
-from ultrafast.server.sessions.chat_tokens import ChatMessage
-from ultrafast.server.sessions.conversations import InputItem, validate
+from ultrafast.server.prompt import ChatMessage
+from ultrafast.server.protocol_models import NAME_RE, validate_input
 from ultrafast.server.sessions.flow import SessionFlow, assistant_turn, tenant_of, turns_to_messages
 from ultrafast.server.sessions.store import Turn
 from ultrafast.server.state import ServerState
@@ -98,7 +98,7 @@ class RealtimeConnection:
                 stored_call = await self.flow.append(self.tenant, self.session_id, call_turn)
                 await self.send(function_item_created(stored_call))
                 return
-            item = validate(InputItem, event.get("item"))
+            item = validate_input(InputItem, event.get("item"))
             turn = Turn(event.get("event_id") or uuid.uuid4().hex, item.role, item.text())
             turn.turn_id = "rt-" + str(turn.turn_id)[:64]
             stored = await self.flow.append(self.tenant, self.session_id, turn)

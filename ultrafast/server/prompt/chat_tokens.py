@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ultrafast.server.sessions import client_text
+from ultrafast.server.prompt import client_text
 
 _SENTINEL = "\ue000{}\ue001"  # private-use code points: never in a template's own text
 _SPLIT = re.compile("\ue000([0-9]+)\ue001")

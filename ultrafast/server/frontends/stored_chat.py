@@ -67,33 +67,6 @@ def store_chat_completion(
     run.set_commit(commit)
 
 
-def _page(http: HTTPRequest, items: list[dict], default_order: str) -> JSONResponse:
-    """OpenAI's cursor page over `items` (oldest first): order, after, limit."""
-    query = http.query_params
-    order = query.get("order", default_order)
-    if order not in ("asc", "desc"):
-        raise invalid_value("order", "order must be asc or desc")
-    limit_text = query.get("limit", "20")
-    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
-        raise invalid_value("limit", "limit must be an integer in [1, 100]")
-    if order == "desc":
-        items = items[::-1]
-    after = query.get("after")
-    if after is not None:
-        ids = [item["id"] for item in items]
-        items = items[ids.index(after) + 1 :] if after in ids else []
-    page = items[: int(limit_text)]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": len(items) > len(page),
-        }
-    )
-
-
 def stored_chat_routes(state: ServerState) -> list[Route]:
     flow = state.sessions
     assert flow is not None
@@ -122,7 +95,7 @@ def stored_chat_routes(state: ServerState) -> list[Route]:
             if all(o.metadata.get(k) == v for k, v in wanted.items())
             and (model is None or o.body.get("model") == model)
         ]
-        return _page(http, items, "asc")
+        return JSONResponse(fmt.list_page(http.query_params, items, "asc"))
 
     async def get(http: HTTPRequest) -> Response:
         return JSONResponse((await find(http)).body)
@@ -133,7 +106,7 @@ def stored_chat_routes(state: ServerState) -> list[Route]:
         items = [
             {"id": f"{completion_id}-{i}", "content": None, **m} for i, m in enumerate(obj.messages)
         ]
-        return _page(http, items, "asc")
+        return JSONResponse(fmt.list_page(http.query_params, items, "asc"))
 
     async def delete(http: HTTPRequest) -> Response:
         completion_id = http.path_params["completion_id"]

@@ -13,14 +13,15 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Discriminator, Tag, ValidationError
+from pydantic import Discriminator, Tag
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ultrafast.server.errors import from_validation_error, invalid_value
+from ultrafast.server.errors import invalid_value
+from ultrafast.server.openai_format import list_object, list_page
+from ultrafast.server.prompt import ChatMessage
 from ultrafast.server.protocol_models import (
-    _UNION_TAGS,
     BY_JSON_TYPE,
     JSON_ARRAY,
     JSON_STRING,
@@ -29,21 +30,18 @@ from ultrafast.server.protocol_models import (
     MAX_METADATA_VALUE,
     NAME_RE,
     _Strict,
+    validate_input,
 )
-from ultrafast.server.sessions.chat_tokens import ChatMessage
-from ultrafast.server.sessions.flow import not_found, tenant_of
+from ultrafast.server.sessions.flow import SessionFlow, not_found, tenant_of
 from ultrafast.server.sessions.store import Turn
 from ultrafast.server.state import ServerState, read_json
 from ultrafast.server.tools.responses_api import (
-    ITEM_TAGS,
     FunctionCallItem,
     FunctionCallOutputItem,
     call_item,
     function_items_to_messages,
     item_type,
 )
-
-MAX_ITEMS_PER_CALL = 1024
 
 
 class TextPart(_Strict):
@@ -89,19 +87,6 @@ class UpdateConversation(_Strict):
 
 class AddItems(_Strict):
     items: list[AnyInputItem]
-
-
-def validate(model: type[BaseModel], body: object):
-    if not isinstance(body, dict):
-        raise invalid_value(None, "the body must be a JSON object")
-    body = {k: v for k, v in body.items() if v is not None}
-    for name in ("items", "input"):
-        if isinstance(body.get(name), list) and len(body[name]) > MAX_ITEMS_PER_CALL:
-            raise invalid_value(name, f"{name} has at most {MAX_ITEMS_PER_CALL} entries")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:  # union members are tagged by JSON type: exact item paths
-        raise from_validation_error(exc, body, _UNION_TAGS | ITEM_TAGS) from None
 
 
 def check_metadata(metadata: dict | None) -> dict:
@@ -176,9 +161,14 @@ def _path_id(http: HTTPRequest) -> str:
 def conversations_routes(state: ServerState) -> list[Route]:
     flow = state.sessions
     assert flow is not None
+    return [*_conversation_routes(state, flow), *_item_routes(state, flow)]
+
+
+def _conversation_routes(state: ServerState, flow: SessionFlow) -> list[Route]:
+    """Create, read, update and delete a conversation."""
 
     async def create(http: HTTPRequest) -> Response:
-        req = validate(CreateConversation, await read_json(http, state))
+        req = validate_input(CreateConversation, await read_json(http, state))
         tenant, conversation_id = tenant_of(http), new_conversation_id()
         info = await flow.create(tenant, conversation_id, check_metadata(req.metadata))
         if req.items:
@@ -207,7 +197,7 @@ def conversations_routes(state: ServerState) -> list[Route]:
 
     async def update(http: HTTPRequest) -> Response:
         conversation_id = _path_id(http)
-        req = validate(UpdateConversation, await read_json(http, state))
+        req = validate_input(UpdateConversation, await read_json(http, state))
         info = await flow.set_metadata(
             tenant_of(http), conversation_id, check_metadata(req.metadata)
         )
@@ -215,62 +205,39 @@ def conversations_routes(state: ServerState) -> list[Route]:
             raise not_found("conversation", None)
         return JSONResponse(conversation_object(conversation_id, info.created_s, info.metadata))
 
+    return [
+        Route("/v1/conversations", create, methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}", get, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}", update, methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}", delete, methods=["DELETE"]),
+    ]
+
+
+def _item_routes(state: ServerState, flow: SessionFlow) -> list[Route]:
+    """A conversation's items: listed a page at a time, or appended."""
+
     async def list_items(http: HTTPRequest) -> Response:
         conversation_id, tenant = _path_id(http), tenant_of(http)
         if await flow.get(tenant, conversation_id) is None:
             raise not_found("conversation", None)
-        order = http.query_params.get("order", "desc")
-        limit_text = http.query_params.get("limit", "20")
-        if order not in ("asc", "desc"):
-            raise invalid_value("order", "order must be asc or desc")
-        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
-            raise invalid_value("limit", "limit must be an integer in [1, 100]")
         items = [i for t in await flow.turns(tenant, conversation_id) for i in turn_to_items(t)]
-        if order == "desc":
-            items.reverse()
-        after = http.query_params.get("after")
-        if after is not None:
-            ids = [item["id"] for item in items]
-            items = items[ids.index(after) + 1 :] if after in ids else []
-        page = items[: int(limit_text)]
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": page,
-                "first_id": page[0]["id"] if page else "",
-                "last_id": page[-1]["id"] if page else "",
-                "has_more": len(items) > len(page),
-            }
-        )
+        return JSONResponse(list_page(http.query_params, items, "desc"))
 
     async def add_items(http: HTTPRequest) -> Response:
         conversation_id, tenant = _path_id(http), tenant_of(http)
-        req = validate(AddItems, await read_json(http, state))
+        req = validate_input(AddItems, await read_json(http, state))
         if await flow.get(tenant, conversation_id) is None:
             raise not_found("conversation", None)
         key = http.headers.get("idempotency-key") or uuid.uuid4().hex
         turns = await flow.append_turns(
             tenant, conversation_id, function_items_to_messages(req.items), f"items-{key}"[:80]
         )
-        page = [i for t in turns for i in turn_to_items(t)]
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": page,
-                "first_id": page[0]["id"] if page else "",
-                "last_id": page[-1]["id"] if page else "",
-                "has_more": False,
-            }
-        )
+        return JSONResponse(list_object([i for t in turns for i in turn_to_items(t)], False))
 
     return [
-        Route("/v1/conversations", create, methods=["POST"]),
-        Route("/v1/conversations/{conversation_id}", get, methods=["GET"]),
-        Route("/v1/conversations/{conversation_id}", update, methods=["POST"]),
-        Route("/v1/conversations/{conversation_id}", delete, methods=["DELETE"]),
         Route("/v1/conversations/{conversation_id}/items", list_items, methods=["GET"]),
         Route("/v1/conversations/{conversation_id}/items", add_items, methods=["POST"]),
     ]
 
 
-__all__ = ["conversations_routes", "InputItem", "items_to_messages", "validate"]
+__all__ = ["conversations_routes", "InputItem", "items_to_messages"]
