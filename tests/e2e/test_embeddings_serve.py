@@ -116,3 +116,31 @@ def test_chat_model_asked_for_embeddings_is_a_400(beside):
     assert r.json()["error"]["param"] == "model"
     r = httpx.post(beside.url + "/api/embed", json={"model": "code", "input": "x"}, timeout=30)
     assert r.status_code == 400 and "no embedding mode" in r.json()["error"]
+
+
+def test_ollama_client_lists_shows_and_ps_the_embedding_model(beside):
+    ollama = pytest.importorskip("ollama", reason="the official ollama client (test extra)")
+    client = ollama.Client(host=beside.url)
+    listed = {m.model: m for m in client.list().models}
+    assert set(listed) == {"code:latest", "minilm:latest"}
+    assert listed["minilm:latest"].details.family == "bert"
+    assert listed["minilm:latest"].size == minilm()[1].stat().st_size
+    shown = client.show("minilm")
+    assert shown.capabilities == ["embedding"]
+    assert shown.details.family == "bert" and shown.details.format == "gguf"
+    assert shown.modelinfo["bert.pooling_type"] == 1  # mean, as the GGUF declares
+    assert shown.modelinfo["bert.embedding_length"] == 384
+    assert "embedding" not in client.show("code").capabilities
+    running = {m.model: m for m in client.ps().models}
+    assert set(running) == {"code:latest", "minilm:latest"}
+    assert running["minilm:latest"].context_length == 512
+    assert running["minilm:latest"].details.family == "bert"
+
+
+def test_ollama_chat_with_the_embedding_model_is_refused_in_ollamas_shape(beside):
+    r = httpx.post(
+        beside.url + "/api/chat",
+        json={"model": "minilm", "messages": [{"role": "user", "content": "hi"}]},
+        timeout=30,
+    )
+    assert r.status_code == 400 and "embedding model" in r.json()["error"]

@@ -143,6 +143,7 @@ class TorchEmbeddingExecutor:
 
     def __init__(self, ggml: Any, dtype: torch.dtype = torch.bfloat16):
         self.ggml = ggml
+        self.gguf_path = ggml.gguf_path
         self.dtype = dtype
         self.path_name = f"torch-{DTYPE_NAMES[dtype]}"
         self.weights = BertWeights(read_gguf_metadata(ggml.gguf_path), dtype)
