@@ -115,3 +115,17 @@ def test_a_chat_gguf_has_no_embedding_mode(tmp_path):
     assert gguf_pooling(str(chat)) is None
     with pytest.raises(NoEmbeddingMode, match="no embedding mode"):
         EmbeddingExecutor(str(chat))
+
+
+def test_auto_measures_and_keeps_one_path_saying_which(files, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="ultrafast.executors.embed_choice"):
+        ex = open_embedding_executor(str(files[1]), n_threads=1, path="auto")
+    try:
+        assert ex.path_name in PATHS
+        lines = [r.getMessage() for r in caplog.records if "embedding passes" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].startswith(f"embedding passes: {ex.path_name} (")
+        assert all(f"{name} " in lines[0] for name in PATHS)  # every path was timed
+    finally:
+        ex.close()

@@ -33,8 +33,11 @@ class Path(FakeEmbedExecutor):
 
 @pytest.fixture
 def timed(monkeypatch):
-    """Each path's calibration time is its `seconds` (no clock in the test)."""
-    monkeypatch.setattr(embed_choice, "_time_batch", lambda executor, inputs: executor.seconds)
+    """Each path's calibration CPU time is its `seconds`, its wall time 1 s: CPU time decides
+    (no clock in the test)."""
+    monkeypatch.setattr(
+        embed_choice, "_time_batch", lambda executor, inputs: (executor.seconds, 1.0)
+    )
 
 
 def test_the_fastest_path_wins_and_one_line_says_so(timed, caplog):
@@ -45,7 +48,7 @@ def test_the_fastest_path_wins_and_one_line_says_so(timed, caplog):
     assert chosen is paths["torch-bf16"]
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and lines[0].startswith("embedding passes: torch-bf16")
-    assert "ggml 300.0 ms" in lines[0] and "torch-bf16 80.0 ms" in lines[0]
+    assert "ggml 300 ms CPU / 1000 ms" in lines[0] and "torch-bf16 80 ms CPU" in lines[0]
 
 
 def test_ggml_stays_where_torch_is_not_clearly_faster(timed):

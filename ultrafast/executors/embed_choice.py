@@ -5,8 +5,12 @@ Why measure: which is faster depends on the CPU's GEMM units and the libraries' 
 them (on an AMX Xeon torch's bf16 GEMMs through oneDNN are several times llama.cpp's f32 ones;
 elsewhere llama.cpp may win), on the thread count and on the model's shape. So each candidate
 embeds the same 32 typical inputs, split into passes as the scheduler would split them for it,
-a few times interleaved; the fastest wins, and PyTorch only when it beats llama.cpp by
-`MARGIN` (ggml stays on a tie). bf16 is a candidate only when its vectors keep a cosine of at
+a few times interleaved; the cheapest wins, and PyTorch only when it beats llama.cpp by
+`MARGIN` (ggml stays on a tie). Cheapest in this process's CPU time, best of the rounds: both
+paths keep their n_threads busy for the whole pass, so on an idle machine CPU time is threads
+x wall time for either, and on a shared one (ours: 2 cores, load 20) it leaves out the time
+other processes took, which made wall-clock choices flip from run to run; the log line gives
+both. bf16 is a candidate only when its vectors keep a cosine of at
 least `BF16_MIN_COSINE` with llama.cpp's f32 ones on those inputs. One log line says the choice
 and the times. ULTRAFAST_EMBED_PATH=ggml|torch-f32|torch-bf16 forces a path (tests, operators).
 """
@@ -79,22 +83,26 @@ def choose(ggml: EmbeddingExecutor, candidates: dict[str, Any], rounds: int = 3)
     """The fastest of llama.cpp and `candidates` on a calibration batch (see the module doc)."""
     inputs = [ggml.tokenize(text) for text in calibration_texts()]
     every = {"ggml": ggml, **candidates}
+    # a first, untimed pass on every path (oneDNN builds its kernels for each new shape on
+    # first use), whose vectors also gate bf16 against llama.cpp's f32 ones
+    vectors = {name: _embed_all(executor, inputs) for name, executor in every.items()}
     notes = []
     if "torch-bf16" in every:
-        cosine = float(
-            (_embed_all(every["torch-bf16"], inputs) * _embed_all(ggml, inputs)).sum(1).min()
-        )
+        cosine = float((vectors["torch-bf16"] * vectors["ggml"]).sum(1).min())
         if cosine < BF16_MIN_COSINE:
             del every["torch-bf16"]
             notes.append(f"bf16 left out: cosine {cosine:.5f} < {BF16_MIN_COSINE}")
-    best = {name: float("inf") for name in every}
+    best = {name: (float("inf"), float("inf")) for name in every}  # (CPU s, wall s)
     for _ in range(rounds):  # interleaved, so a load change hits every path
         for name, executor in every.items():
             best[name] = min(best[name], _time_batch(executor, inputs))
     chosen = min(best, key=lambda name: best[name])
-    if chosen != "ggml" and best[chosen] > MARGIN * best["ggml"]:
+    if chosen != "ggml" and best[chosen][0] > MARGIN * best["ggml"][0]:
         chosen = "ggml"
-    times = ", ".join(f"{name} {seconds * 1000:.1f} ms" for name, seconds in best.items())
+    times = ", ".join(
+        f"{name} {cpu * 1000:.0f} ms CPU / {wall * 1000:.0f} ms"
+        for name, (cpu, wall) in best.items()
+    )
     log.info(
         "embedding passes: %s (%d inputs on %d threads: %s%s)",
         chosen,
@@ -111,12 +119,12 @@ def _embed_all(executor: Any, inputs: list[list[int]]) -> np.ndarray:
     return np.concatenate([executor.embed(chunk) for chunk in chunks])
 
 
-def _time_batch(executor: Any, inputs: list[list[int]]) -> float:
-    """Seconds to embed `inputs` in the passes the scheduler makes for this executor."""
-    started = time.perf_counter()
+def _time_batch(executor: Any, inputs: list[list[int]]) -> tuple[float, float]:
+    """(CPU, wall) seconds to embed `inputs` in the passes the scheduler makes for it."""
+    cpu, started = time.process_time(), time.perf_counter()
     for chunk in passes(inputs, executor.pass_tokens, executor.max_seqs):
         executor.embed(chunk)
-    return time.perf_counter() - started
+    return time.process_time() - cpu, time.perf_counter() - started
 
 
 def passes(inputs: list[list[int]], pass_tokens: int, max_seqs: int) -> list[list[list[int]]]:
