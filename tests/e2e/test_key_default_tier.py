@@ -8,8 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.e2e.metric_samples import scrape_metrics
 from ultrafast.bench.server_process import ServerProcess
 from ultrafast.server.tenants import hash_key
 
@@ -88,12 +88,7 @@ def test_anthropic_absent_or_auto_runs_on_the_keys_default(srv):
 
 
 def scrape(srv) -> dict:
-    r = httpx.get(srv.url + "/metrics", headers=bearer("gold"))
-    out = {}
-    for family in text_string_to_metric_families(r.text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
+    return scrape_metrics(srv.url, bearer("gold"))
 
 
 def test_ollama_chat_runs_on_the_keys_default(srv):
