@@ -177,9 +177,9 @@ def embedding_pooling(model: str) -> str | None:
 def build_embedding_engine(model: str, n_threads: int | None = None):
     """An embedding model's engine (engine/embed_engine.py), its thread started."""
     from ultrafast.engine.embed_engine import EmbeddingEngine
-    from ultrafast.executors.ggml_embed import EmbeddingExecutor
+    from ultrafast.executors.embed_choice import open_embedding_executor
 
-    return EmbeddingEngine(EmbeddingExecutor(model, n_threads=n_threads))
+    return EmbeddingEngine(open_embedding_executor(model, n_threads=n_threads))
 
 
 def kv_cache_config(config: EngineConfig) -> KVCacheConfig:

@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
+from tests.e2e.metric_samples import scrape_metrics
 from ultrafast.config import ServerConfig
 from ultrafast.server.admission import Admission
 from ultrafast.server.app import ServerState, build_app
@@ -231,12 +231,7 @@ def test_metrics_need_the_metrics_scope(keyed):
 
 
 def scrape(srv) -> dict:
-    r = httpx.get(srv.url + "/metrics", headers=bearer("ops"))
-    out = {}
-    for family in text_string_to_metric_families(r.text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
+    return scrape_metrics(srv.url, bearer("ops"))
 
 
 def test_metrics_after_real_traffic(keyed):

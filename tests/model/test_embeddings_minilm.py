@@ -1,7 +1,8 @@
 """all-MiniLM-L6-v2 converted to GGUF and run by llama.cpp in embedding mode, against a PyTorch
 reference of the same weights (transformers' BertModel + mean pooling + L2 normalisation):
 cosine >= 0.999 on 200 varied sentences, the same retrieval order, the pooling the GGUF
-declares, batching that changes nothing."""
+declares, batching that changes nothing. On every embedding path (executors/embed_choice.py:
+llama.cpp, PyTorch f32 and bf16), since the server picks the one it measures fastest."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from tests.embed_model import minilm, varied_sentences
+from ultrafast.executors.embed_choice import PATHS, open_embedding_executor
 from ultrafast.executors.ggml_embed import EmbeddingExecutor, gguf_pooling
 
 transformers = pytest.importorskip("transformers", reason="the reference needs transformers")
@@ -20,9 +22,10 @@ def files():
     return minilm()
 
 
-@pytest.fixture(scope="module")
-def executor(files):
-    ex = EmbeddingExecutor(str(files[1]), n_threads=2)
+@pytest.fixture(scope="module", params=PATHS)
+def executor(files, request):
+    ex = open_embedding_executor(str(files[1]), n_threads=2, path=request.param)
+    assert ex.path_name == request.param
     yield ex
     ex.close()
 
@@ -45,7 +48,7 @@ def reference(files):
     return embed
 
 
-def ours(executor: EmbeddingExecutor, texts: list[str], batch: int = 32) -> np.ndarray:
+def ours(executor, texts: list[str], batch: int = 32) -> np.ndarray:
     rows = []
     for i in range(0, len(texts), batch):
         rows.append(executor.embed([executor.tokenize(t) for t in texts[i : i + batch]]))
@@ -112,3 +115,17 @@ def test_a_chat_gguf_has_no_embedding_mode(tmp_path):
     assert gguf_pooling(str(chat)) is None
     with pytest.raises(NoEmbeddingMode, match="no embedding mode"):
         EmbeddingExecutor(str(chat))
+
+
+def test_auto_measures_and_keeps_one_path_saying_which(files, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="ultrafast.executors.embed_choice"):
+        ex = open_embedding_executor(str(files[1]), n_threads=1, path="auto")
+    try:
+        assert ex.path_name in PATHS
+        lines = [r.getMessage() for r in caplog.records if "embedding passes" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].startswith(f"embedding passes: {ex.path_name} (")
+        assert all(f"{name} " in lines[0] for name in PATHS)  # every path was timed
+    finally:
+        ex.close()

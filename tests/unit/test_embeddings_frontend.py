@@ -238,3 +238,37 @@ def test_a_dead_embedding_engine_is_a_503_not_a_hang():
     with TestClient(build_app(chat_beside), base_url=LOCAL) as c:
         r = c.post("/v1/embeddings", json={"model": "mini", "input": "a"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_a_keys_default_tier_serves_embeddings_that_name_none(parts, monkeypatch):
+    from ultrafast.request import ServiceTier
+    from ultrafast.server.frontends import embeddings
+    from ultrafast.server.tenants import hash_key, parse_api_keys
+
+    tiers = []
+    real_embed = embeddings.embed
+
+    async def recording(engine, ids, tier):
+        tiers.append(tier)
+        return await real_embed(engine, ids, tier)
+
+    monkeypatch.setattr(embeddings, "embed", recording)
+    key = "sk-lite-0123456789"
+    spec = {
+        "tenants": [
+            {
+                "name": "lite",
+                "tiers": ["default", "flex"],
+                "keys": [{"sha256": hash_key(key), "default_tier": "flex"}],
+            }
+        ]
+    }
+    keyed = replace(parts[0], api_keys=parse_api_keys(spec))
+    auth = {"Authorization": f"Bearer {key}"}
+    with TestClient(build_app(keyed), base_url=LOCAL) as c:
+        assert c.post("/v1/embeddings", json={"input": "a b"}, headers=auth).status_code == 200
+        body = {"input": "a b", "service_tier": "default"}
+        assert c.post("/v1/embeddings", json=body, headers=auth).status_code == 200
+        body = {"model": "mini", "input": "a b"}
+        assert c.post("/api/embed", json=body, headers=auth).status_code == 200
+    assert tiers == [ServiceTier.FLEX, ServiceTier.DEFAULT, ServiceTier.FLEX]

@@ -152,6 +152,15 @@ BAD_FILES = {
         ]
     },
     "bad scope": {"tenants": [{"name": "a", "scopes": ["root"]}]},
+    "unknown default tier": {
+        "tenants": [{"name": "a", "keys": [{"sha256": "0" * 64, "default_tier": "gold"}]}]
+    },
+    "auto as a default tier": {
+        "tenants": [{"name": "a", "keys": [{"sha256": "0" * 64, "default_tier": "auto"}]}]
+    },
+    "default tier the tenant may not use": {
+        "tenants": [{"name": "a", "keys": [{"sha256": "0" * 64, "default_tier": "priority"}]}]
+    },
 }
 
 
@@ -338,3 +347,27 @@ def test_s9_host_allow_list(host, allowed):
         assert sent[0]["status"] == 403
     assert allowed_hosts_for("0.0.0.0", ()) == ()  # bound publicly: names are the operator's
     assert allowed_hosts_for("0.0.0.0", ("api.example",)) == ("api.example",)
+
+
+def test_a_keys_default_tier_reaches_the_scope_and_the_unnamed_tier():
+    from ultrafast.server.auth import key_default_tier, unnamed_tier
+    from ultrafast.server.frontends.common import key_tier
+
+    spec = keys_spec()
+    spec["tenants"][0]["keys"].append({"sha256": hash_key("acme-flex"), "default_tier": "default"})
+    spec["tenants"][1]["keys"].append({"sha256": hash_key("beta-flex"), "default_tier": "flex"})
+    keys = parse_api_keys(spec)
+    with pytest.raises(ValueError, match=r"keys\[1\]: `default_tier` priority is not among"):
+        spec["tenants"][1]["keys"][1]["default_tier"] = "priority"
+        parse_api_keys(spec)
+    for key, tier in (("acme-flex", ServiceTier.DEFAULT), ("beta-flex", ServiceTier.FLEX)):
+        s = scope(f"Bearer {key}")
+        authenticate(keys, s)
+        assert key_default_tier(s) == tier == key_tier(s)
+        # a call naming no tier (even one that was "auto") runs on it, not auto
+        assert unnamed_tier(s, ServiceTier.PRIORITY, True) == (tier, False)
+    plain = scope(f"Bearer {KEYS['beta']}")  # no default_tier: today's behaviour
+    authenticate(keys, plain)
+    assert key_default_tier(plain) is None
+    assert unnamed_tier(plain, ServiceTier.DEFAULT, True) == (ServiceTier.DEFAULT, True)
+    assert key_tier(plain) == ServiceTier.DEFAULT

@@ -46,6 +46,10 @@ class EmbeddingEngine:
         return self.executor.pooling
 
     @property
+    def gguf_path(self) -> str:
+        return self.executor.gguf_path
+
+    @property
     def dimensions(self) -> int:
         return self.executor.n_embd
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Sequence
 
 import llama_cpp
 import numpy as np
 
 from ultrafast.executors.ggml_exec import ModelLoadError, _init_native, _meta_str
-from ultrafast.executors.llama_cpp_params import model_params
+from ultrafast.executors.llama_cpp_params import NumpyBatch, model_params
 
 POOLING_NAMES = {
     llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean",
@@ -43,6 +44,8 @@ def gguf_pooling(path: str) -> str | None:
 
 
 class EmbeddingExecutor:
+    path_name = "ggml"  # which embedding path (executors/embed_choice.py)
+
     def __init__(
         self,
         gguf_path: str,
@@ -55,6 +58,7 @@ class EmbeddingExecutor:
     ):
         self._log = _init_native(verbose)
         self._ctx = None
+        self.gguf_path = str(gguf_path)
         self._model = llama_cpp.llama_model_load_from_file(str(gguf_path).encode(), model_params())
         if not self._model:
             reason = self._log.take_errors() or "no reason given"
@@ -96,26 +100,10 @@ class EmbeddingExecutor:
         self._alloc_batch(self.max_batch_tokens)
 
     def _alloc_batch(self, capacity: int) -> None:
-        """A llama_batch over numpy arrays we fill in bulk (seq_id: one pointer per token
-        into `_seq_ids`), as executors/ggml_exec.py does."""
-        self._tokens = np.zeros(capacity, dtype=np.int32)
-        self._positions = np.zeros(capacity, dtype=np.int32)
-        self._num_seq_ids = np.ones(capacity, dtype=np.int32)
-        self._seq_ids = np.zeros(capacity, dtype=np.int32)
-        self._seq_id_ptrs = self._seq_ids.ctypes.data + self._seq_ids.itemsize * np.arange(
-            capacity, dtype=np.uint64
-        )
-        self._outputs = np.ones(capacity, dtype=np.int8)  # every position feeds the pooling
-        i32 = ctypes.POINTER(ctypes.c_int32)
-        self._batch = llama_cpp.llama_batch(
-            n_tokens=0,
-            token=self._tokens.ctypes.data_as(i32),
-            embd=None,
-            pos=self._positions.ctypes.data_as(i32),
-            n_seq_id=self._num_seq_ids.ctypes.data_as(i32),
-            seq_id=self._seq_id_ptrs.ctypes.data_as(ctypes.POINTER(i32)),
-            logits=self._outputs.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
-        )
+        b = NumpyBatch(capacity, output_flags=1)  # every position feeds the pooling
+        self._numpy_batch = b
+        self._tokens, self._positions, self._seq_ids = b.tokens, b.positions, b.seq_ids
+        self._batch = b.batch
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """The model's own tokenizer (WordPiece for BERT): [CLS] ... [SEP] with add_special."""
@@ -134,19 +122,27 @@ class EmbeddingExecutor:
         """The token that ends an input ([SEP] for BERT), kept by truncation; -1: none."""
         return int(llama_cpp.llama_vocab_sep(self._vocab))
 
-    def embed(self, inputs: list[list[int]]) -> np.ndarray:
-        """One forward pass: (len(inputs), n_embd) float32, each row L2-normalised."""
+    def check_pass(self, inputs: Sequence[Sequence[int]]) -> int:
+        """The pass's token count, or a ValueError saying why it cannot run (both paths)."""
         total = sum(len(ids) for ids in inputs)
         if not inputs or len(inputs) > self.max_seqs or total > self.max_batch_tokens:
             raise ValueError(
                 f"a pass takes 1-{self.max_seqs} inputs and at most {self.max_batch_tokens} "
                 f"tokens; got {len(inputs)} inputs, {total} tokens"
             )
+        for ids in inputs:
+            if not ids:
+                raise ValueError("an empty input has no embedding")
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise ValueError(f"a token id is out of range [0, {self.vocab_size})")
+        return total
+
+    def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """One forward pass: (len(inputs), n_embd) float32, each row L2-normalised."""
+        total = self.check_pass(inputs)
         start = 0
         for seq, ids in enumerate(inputs):
             n = len(ids)
-            if not n:
-                raise ValueError("an empty input has no embedding")
             self._tokens[start : start + n] = ids
             self._positions[start : start + n] = np.arange(n, dtype=np.int32)
             self._seq_ids[start : start + n] = seq

@@ -30,6 +30,7 @@ import numpy as np
 from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
 from ultrafast.executors import ggml_calibration, ggml_memory, ggml_state
 from ultrafast.executors.ggml_threads import THREAD_MARGIN, ThreadPlan
+from ultrafast.executors.llama_cpp_params import NumpyBatch
 from ultrafast.executors.llama_cpp_params import model_params as llama_model_params
 from ultrafast.executors.prompt_scoring import scoring_problem, split_prompt_rows
 from ultrafast.kvcache.fingerprint import file_sha256, kv_fingerprint
@@ -242,25 +243,14 @@ class GgmlExecutor:
         return params
 
     def _alloc_batch(self, capacity: int) -> None:
-        self._tokens = np.zeros(capacity, dtype=np.int32)
-        self._positions = np.zeros(capacity, dtype=np.int32)
-        self._num_seq_ids = np.ones(capacity, dtype=np.int32)  # each token in one sequence
-        self._seq_ids = np.zeros(capacity, dtype=np.int32)
-        self._seq_id_ptrs = self._seq_ids.ctypes.data + self._seq_ids.itemsize * np.arange(
-            capacity, dtype=np.uint64
+        self._numpy_batch = b = NumpyBatch(capacity, output_flags=0)
+        self._tokens, self._positions, self._batch = b.tokens, b.positions, b.batch
+        self._num_seq_ids, self._seq_ids, self._output_flags = (
+            b.num_seq_ids,
+            b.seq_ids,
+            b.output_flags,
         )
-        self._output_flags = np.zeros(capacity, dtype=np.int8)
         self._arange = np.arange(self.max_model_len + capacity, dtype=np.int32)
-        i32 = ctypes.POINTER(ctypes.c_int32)
-        self._batch = llama_cpp.llama_batch(
-            n_tokens=0,
-            token=self._tokens.ctypes.data_as(i32),
-            embd=None,
-            pos=self._positions.ctypes.data_as(i32),
-            n_seq_id=self._num_seq_ids.ctypes.data_as(i32),
-            seq_id=self._seq_id_ptrs.ctypes.data_as(ctypes.POINTER(i32)),
-            logits=self._output_flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
-        )
 
     def _check(self, seq: ScheduledSeq) -> str | None:
         """Why this sequence cannot run (it alone fails), or None."""

@@ -10,11 +10,13 @@ AVX-512 kernels and stay comparable. ULTRAFAST_GGML_EXTRA_BUFFERS=1 (or 0) force
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 from functools import lru_cache
 
 import llama_cpp
 import llama_cpp.llama_cpp as llama_cpp_lib
+import numpy as np
 
 
 @lru_cache(maxsize=1)
@@ -53,3 +55,30 @@ def open_llama(model_path: str, **kwargs) -> llama_cpp.Llama:
     """llama-cpp-python's high-level `Llama`, loaded with `model_params()`."""
     with _patched_defaults():
         return llama_cpp.Llama(model_path=str(model_path), **kwargs)
+
+
+class NumpyBatch:
+    """A llama_batch over numpy arrays that its owner fills in bulk (tokens, positions, one
+    sequence id per token through `seq_ids`, output flags), as both our executors feed
+    llama.cpp: no per-token Python object, and `batch.n_tokens` says how much is filled."""
+
+    def __init__(self, capacity: int, output_flags: int):
+        self.tokens = np.zeros(capacity, dtype=np.int32)
+        self.positions = np.zeros(capacity, dtype=np.int32)
+        self.num_seq_ids = np.ones(capacity, dtype=np.int32)  # each token in one sequence
+        self.seq_ids = np.zeros(capacity, dtype=np.int32)
+        # seq_id: one pointer per token, into `seq_ids`
+        self.seq_id_ptrs = self.seq_ids.ctypes.data + self.seq_ids.itemsize * np.arange(
+            capacity, dtype=np.uint64
+        )
+        self.output_flags = np.full(capacity, output_flags, dtype=np.int8)
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        self.batch = llama_cpp.llama_batch(
+            n_tokens=0,
+            token=self.tokens.ctypes.data_as(i32),
+            embd=None,
+            pos=self.positions.ctypes.data_as(i32),
+            n_seq_id=self.num_seq_ids.ctypes.data_as(i32),
+            seq_id=self.seq_id_ptrs.ctypes.data_as(ctypes.POINTER(i32)),
+            logits=self.output_flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )

@@ -211,6 +211,15 @@ def _dequantize(meta: GgufMetadata, info: TensorInfo) -> np.ndarray:
     return data if data.flags.writeable else data.copy()  # a view of the read-only map
 
 
+def gguf_tensor(meta: GgufMetadata, name: str) -> np.ndarray:
+    """The tensor `name` as float32 in numpy's shape (the torch embedding pass reads its
+    encoder this way); a KeyError names a tensor the file does not hold."""
+    info = next((info for info in meta.tensors if info.name == name), None)
+    if info is None:
+        raise KeyError(f"{meta.path} holds no tensor {name!r}")
+    return _dequantize(meta, info)
+
+
 def gguf_tensors(meta: GgufMetadata, config: ModelConfig):
     """Yield (HF parameter name, float32 torch tensor in HF layout) for every weight."""
     permute = GGUF_ARCHITECTURES[meta.architecture][1]

@@ -30,6 +30,7 @@ from ultrafast.server.tenants import ANONYMOUS, ApiKeys, Tenant, hash_key
 log = logging.getLogger(__name__)
 
 SCOPE_KEY = "ultrafast.tenant"  # where the middleware leaves the caller's Tenant
+KEY_TIER = "ultrafast.key_tier"  # and its key's default tier (None: the key names none)
 # the playground page holds no data (it asks for a key and sends it with each call)
 OPEN_PATHS = {"/health", "/"}
 SCOPED_PATHS = {"/metrics": "metrics"}
@@ -37,6 +38,18 @@ SCOPED_PATHS = {"/metrics": "metrics"}
 
 def tenant_of(scope: Scope) -> Tenant:
     return scope.get(SCOPE_KEY, ANONYMOUS)
+
+
+def key_default_tier(scope: Scope) -> ServiceTier | None:
+    """The `default_tier` the caller's key has in the keys file, or None."""
+    return scope.get(KEY_TIER)
+
+
+def unnamed_tier(scope: Scope, tier: ServiceTier, auto: bool) -> tuple[ServiceTier, bool]:
+    """(tier, auto) of a call that named no tier: its key's default tier (not auto), else the
+    call's own (what it gets without a keys-file default)."""
+    default = key_default_tier(scope)
+    return (tier, auto) if default is None else (default, False)
 
 
 def _bad_key(message: str, code: str) -> APIError:
@@ -80,6 +93,7 @@ def authenticate(keys: ApiKeys, scope: dict) -> Tenant:
         )
         raise _bad_key("invalid API key", "invalid_api_key")
     tenant = found[0]
+    scope[KEY_TIER] = keys.default_tier(parts[1])
     if tenant.disabled:
         raise APIError(403, "this tenant is suspended", "permission_error", "tenant_disabled", None)
     need = SCOPED_PATHS.get(scope.get("path", ""))

@@ -54,6 +54,7 @@ class CallInput:
     stops: list[str] = field(default_factory=list)
     tier: ServiceTier = ServiceTier.DEFAULT
     auto_tier: bool = False  # "auto": priority when it can be had, else default
+    tier_named: bool = True  # False: the call named no tier (the key's default_tier serves it)
     echo: bool = False  # completions: the prompt text leads each choice
     prediction_text: str | None = None  # chat `prediction`: drafts for the engine
     request_id: str | None = None  # the front end's id for the call (e.g. resp_...)
@@ -98,6 +99,7 @@ def chat_call(
         stops=req.stop_list(),
         tier=req.tier(),
         auto_tier=req.tier_is_auto(),
+        tier_named=req.requested_tier_name() is not None,
         prediction_text=req.prediction_text() or None,
         keep_alive=req.keep_alive,
         tools=chat_tool_plan(req),
@@ -124,6 +126,7 @@ def completion_call(req: CompletionRequest, limits: Limits) -> CallInput:
         stops=req.stop_list(),
         tier=req.tier(),
         auto_tier=req.tier_is_auto(),
+        tier_named=req.requested_tier_name() is not None,
         echo=req.echo,
         keep_alive=req.keep_alive,
         tier_param="service_tier" if req.service_tier is not None else "priority",
@@ -232,9 +235,10 @@ async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> Ge
     check_model(state, call.model)
     check_ready(state)
     tenant = auth.tenant_of(scope)
-    tier, auto = auth.entitled_tier(
-        tenant, call.tier, call.auto_tier, call.tier_param, state.auth_refused
-    )
+    asked, auto = call.tier, call.auto_tier
+    if not call.tier_named:
+        asked, auto = auth.unnamed_tier(scope, asked, auto)
+    tier, auto = auth.entitled_tier(tenant, asked, auto, call.tier_param, state.auth_refused)
     auth.take_request(tenant, state.auth_refused)
     ticket = state.admission.reserve(tier, auto=auto, tenant=tenant.name)
     try:

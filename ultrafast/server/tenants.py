@@ -14,8 +14,12 @@ File format (YAML or JSON; example in deploy/api-keys.example.yaml):
         keys:
           - sha256: <64 hex digits>       # `ultrafast keys hash` prints it; raw keys never stored
             revoked: false                # true: 401 invalid_api_key
+            default_tier: flex            # optional: the tier of its calls that name none
 
 Keys are looked up by their sha256 and the stored digest is compared with `hmac.compare_digest`.
+A key's `default_tier` (one of the tenant's `tiers`) serves its calls that name no tier: OpenAI
+calls without `service_tier`, Anthropic's without one or with `auto`, Ollama's. A key without
+one keeps the tenant's behaviour (server/frontends/common.key_tier).
 `serve --api-key KEY` (repeatable) is the simple case: its keys belong to one more tenant,
 `api-key`, with every tier and scope, beside the file's tenants or alone (`server_api_keys`).
 """
@@ -118,7 +122,12 @@ ANONYMOUS = Tenant("", tiers=frozenset(ServiceTier), scopes=frozenset(SCOPES))
 @dataclass
 class ApiKeys:
     tenants: dict  # name -> Tenant
-    by_hash: dict  # sha256 hex -> (Tenant, revoked)
+    by_hash: dict  # sha256 hex -> (sha256 hex, Tenant, revoked)
+    default_tiers: dict = field(default_factory=dict)  # sha256 hex -> ServiceTier
+
+    def default_tier(self, key: str) -> ServiceTier | None:
+        """The tier a key's calls that name none run on, when the keys file gives it one."""
+        return self.default_tiers.get(hash_key(key))
 
     def lookup(self, key: str) -> tuple[Tenant, bool] | None:
         """(tenant, revoked) for a presented key, or None if it is unknown."""
@@ -157,7 +166,7 @@ def load_api_keys(path: str | Path) -> ApiKeys:
 def parse_api_keys(spec, source: str = "api keys") -> ApiKeys:
     if not isinstance(spec, dict) or not isinstance(spec.get("tenants"), list):
         raise ValueError(f"{source}: expected a mapping with a `tenants` list")
-    tenants, by_hash = {}, {}
+    tenants, by_hash, default_tiers = {}, {}, {}
     for i, entry in enumerate(spec["tenants"]):
         tenant = _parse_tenant(entry, f"{source}: tenants[{i}]")
         if tenant.name in tenants:
@@ -170,10 +179,25 @@ def parse_api_keys(spec, source: str = "api keys") -> ApiKeys:
             if key["sha256"] in by_hash:
                 raise ValueError(f"{where}: this key already belongs to a tenant")
             by_hash[key["sha256"]] = (key["sha256"], tenant, bool(key.get("revoked", False)))
+            if key.get("default_tier") is not None:
+                default_tiers[key["sha256"]] = _default_tier(key["default_tier"], tenant, where)
     share = sum(t.committed_priority_share for t in tenants.values())
     if share > 1.0 + 1e-9:
         raise ValueError(f"{source}: committed_priority_share adds up to {share:.2f} (> 1)")
-    return ApiKeys(tenants, by_hash)
+    return ApiKeys(tenants, by_hash, default_tiers)
+
+
+def _default_tier(name, tenant: Tenant, where: str) -> ServiceTier:
+    """A key's `default_tier`: a tier its tenant may use (else the key could call nothing)."""
+    if name not in ("priority", "default", "flex"):
+        raise ValueError(f"{where}: `default_tier` must be priority, default or flex")
+    tier = ServiceTier.parse(name)
+    if tier not in tenant.tiers:
+        allowed = ", ".join(sorted(t.api_name for t in tenant.tiers))
+        raise ValueError(
+            f"{where}: `default_tier` {name} is not among the tenant's tiers ({allowed})"
+        )
+    return tier
 
 
 def _parse_tenant(entry, where: str) -> Tenant:

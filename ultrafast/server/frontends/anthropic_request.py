@@ -356,6 +356,8 @@ def call_input(
         stops=list(req.stop_sequences or []),
         tier=tier,
         auto_tier=auto,
+        # `auto` names no tier of ours: the key's default_tier serves it where it has one
+        tier_named=req.service_tier != "auto" or req.speed == "fast",
         request_id=request_id,
         tools=plan_of(req, limits),
         tier_param="service_tier",

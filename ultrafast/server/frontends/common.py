@@ -111,7 +111,11 @@ def key_tier(scope) -> ServiceTier:
     """The tier a call that names none runs on: the key's default. Anthropic's and Ollama's
     clients rarely can name this server's tiers, so a key allowed only flex (or only
     priority) serves there instead of being refused; a key with the default tier (and the
-    anonymous tenant) gets the default tier, as on OpenAI's routes."""
+    anonymous tenant) gets the default tier, as on OpenAI's routes. A key whose entry in the
+    keys file names a `default_tier` gets that one."""
+    named = auth.key_default_tier(scope)
+    if named is not None:
+        return named
     tiers = auth.tenant_of(scope).tiers
     for tier in (ServiceTier.DEFAULT, ServiceTier.FLEX, ServiceTier.PRIORITY):
         if tier in tiers:

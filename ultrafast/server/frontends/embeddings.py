@@ -52,6 +52,7 @@ class EmbedCall:
     ids: list[list[int]] | None  # token ids as sent
     tier: ServiceTier = ServiceTier.DEFAULT
     auto_tier: bool = False
+    tier_named: bool = True  # False: none named (OpenAI without service_tier, Ollama's)
     dimensions: int | None = None
     truncate: bool = False  # Ollama's: cut an input to the model's length (keeping [SEP])
 
@@ -118,9 +119,10 @@ async def run_embed_call(state: ServerState, scope: Any, call: EmbedCall) -> Emb
             headers={"Retry-After": "5"},
         )
     tenant = auth.tenant_of(scope)
-    tier, _auto = auth.entitled_tier(
-        tenant, call.tier, call.auto_tier, "service_tier", state.auth_refused
-    )
+    asked, auto = call.tier, call.auto_tier
+    if not call.tier_named:
+        asked, auto = auth.unnamed_tier(scope, asked, auto)
+    tier, _auto = auth.entitled_tier(tenant, asked, auto, "service_tier", state.auth_refused)
     auth.take_request(tenant, state.auth_refused)
     ids = call.ids
     if ids is None:
@@ -198,6 +200,7 @@ def parse_openai(state: ServerState, body: dict) -> EmbedCall:
         ids,
         tier=tier,
         auto_tier=tier_name == "auto",
+        tier_named=tier_name is not None,
         dimensions=parse_dimensions(body.get("dimensions"), engine.dimensions),
     )
 
@@ -305,7 +308,9 @@ def parse_ollama(state: ServerState, body: dict) -> EmbedCall:
     if not isinstance(body.get("options", {}), dict):
         raise invalid_type("options", "options must be an object")
     dimensions = parse_dimensions(body.get("dimensions"), engine.dimensions)
-    return EmbedCall(engine, name, texts, None, dimensions=dimensions, truncate=truncate)
+    return EmbedCall(
+        engine, name, texts, None, tier_named=False, dimensions=dimensions, truncate=truncate
+    )
 
 
 def ollama_error(exc: APIError) -> JSONResponse:

@@ -44,7 +44,7 @@ from ultrafast.server.frontends.ollama_request import (
 )
 from ultrafast.server.generate import GenerationRun, Ping
 from ultrafast.server.residency.budget import parse_keep_alive
-from ultrafast.server.state import ServerState, read_json
+from ultrafast.server.state import ServerState, check_generates, read_json
 from ultrafast.server.tools.parse import CallDone
 
 
@@ -127,6 +127,7 @@ def ollama_routes(state: ServerState) -> list[Route]:
         arrival_s = time.monotonic()
         body = await read_json(http, state)
         model = resolve_name(state, body.get("model") if isinstance(body, dict) else None)
+        check_generates(state, model)  # an embedding model is listed, but does not chat
         limits = state.limits_for(model)
         req = parse(kind, body, limits)
         chat = kind is ChatRequest

@@ -9,6 +9,11 @@ metadata (the tokenizer's arrays only with `verbose`), `template` the chat templ
 `parameters` the model's own sampling defaults. `/api/ps` lists the loaded models with the
 bytes they hold (weights + KV pool with `--models`, the weights alone otherwise).
 
+Embedding models (`--models chat=a.gguf,emb=minilm.gguf`, or one served alone) are listed
+too, as Ollama lists them: in `/api/tags`, in `/api/ps` (always loaded: they are kept), and
+`/api/show` gives `capabilities: ["embedding"]` (Ollama's answer for a model whose GGUF
+declares a pooling type), the GGUF's family (`bert`) and no template or parameters.
+
 `GET /` is content-negotiated: a client that accepts `text/html` (a browser) gets the
 playground, any other (curl, Ollama clients' probes) the plain "Ollama is running".
 """
@@ -44,9 +49,9 @@ def now_iso() -> str:
 
 
 def served_names(state: ServerState) -> list[str]:
-    if state.residency is not None:
-        return list(state.residency.entries)
-    return [state.model_name]
+    """The chat models, then the embedding models (each name once)."""
+    chat = list(state.residency.entries) if state.residency is not None else [state.model_name]
+    return chat + [name for name in state.embedders if name not in chat]
 
 
 def resolve_name(state: ServerState, name: Any, param: str = "model") -> str:
@@ -66,6 +71,8 @@ def resolve_name(state: ServerState, name: Any, param: str = "model") -> str:
 
 
 def files_of(state: ServerState, name: str) -> ModelFiles | None:
+    if name in state.embedders:
+        return resolve_model(state.embedders[name].gguf_path)
     if state.residency is not None:
         paths = dict(state.config.models)
         return resolve_model(paths[name]) if name in paths else None
@@ -161,6 +168,8 @@ def _parameters(state: ServerState, name: str) -> str:
 
 def _tokenizer_of(state: ServerState, name: str):
     """The model's tokenizer when it is in memory (one model, or a loaded one of several)."""
+    if name in state.embedders:
+        return None  # no chat template to show
     if state.residency is None:
         return state.tokenizer
     resident = state.residency.entries[name].resident
@@ -170,7 +179,9 @@ def _tokenizer_of(state: ServerState, name: str):
 def _ps_entry(state: ServerState, name: str) -> dict:
     files = files_of(state, name)
     gpu = state.engine.snapshot().device_kind == "gpu"
-    entry = state.residency.entries[name] if state.residency is not None else None
+    entry = None
+    if state.residency is not None and name not in state.embedders:
+        entry = state.residency.entries[name]
     size = entry.num_bytes if entry is not None else weight_bytes(files) if files else 0
     expires = ZERO_TIME
     if entry is not None and entry.expires_s is not None:
@@ -182,8 +193,24 @@ def _ps_entry(state: ServerState, name: str) -> dict:
         **_listing(state, name),
         "expires_at": expires,
         "size_vram": size if gpu else 0,
-        "context_length": entry.extra.get("max_model_len", 0) if entry else state.max_model_len,
+        "context_length": _context_length(state, name, entry),
     }
+
+
+def _context_length(state: ServerState, name: str, entry: Any) -> int:
+    if name in state.embedders:
+        return state.embedders[name].max_input_tokens
+    return entry.extra.get("max_model_len", 0) if entry else state.max_model_len
+
+
+def _capabilities(state: ServerState, name: str) -> list[str]:
+    """Ollama's: an embedding model embeds and nothing else; a chat model completes, and
+    calls tools where its template renders them."""
+    if name in state.embedders:
+        return ["embedding"]
+    if "tools" in state.limits_for(name).features:
+        return ["completion", "tools"]
+    return ["completion"]
 
 
 def model_routes(state: ServerState) -> list[Route]:
@@ -195,17 +222,15 @@ def model_routes(state: ServerState) -> list[Route]:
         name = resolve_name(state, body.get("model", body.get("name")))
         files = files_of(state, name)
         tokenizer = _tokenizer_of(state, name)
-        capabilities = ["completion"]
-        if "tools" in state.limits_for(name).features:
-            capabilities.append("tools")
+        embedder = name in state.embedders
         return JSONResponse(
             {
                 "modelfile": f"FROM {_main_file(files) or name}\n",
-                "parameters": _parameters(state, name),
+                "parameters": "" if embedder else _parameters(state, name),
                 "template": (tokenizer.chat_template or "") if tokenizer is not None else "",
                 "details": details(files),
                 "model_info": model_info(files, body.get("verbose") is True),
-                "capabilities": capabilities,
+                "capabilities": _capabilities(state, name),
                 "modified_at": modified_at(files),
             }
         )
@@ -215,6 +240,7 @@ def model_routes(state: ServerState) -> list[Route]:
             loaded = [e.name for e in state.residency.loaded()]
         else:
             loaded = [state.model_name]
+        loaded += [name for name in state.embedders if name not in loaded]
         return JSONResponse({"models": [_ps_entry(state, n) for n in loaded]})
 
     async def version(http: HTTPRequest) -> Response:

@@ -218,6 +218,7 @@ def call_input(
         stream=req.stream,
         tier=tier,
         auto_tier=auto,
+        tier_named=req.service_tier is not None,
         request_id=response_id,
         tools=tools,
         prompt_param="input",
