@@ -69,7 +69,7 @@ def files_of(state: ServerState, name: str) -> ModelFiles | None:
     if state.residency is not None:
         paths = dict(state.config.models)
         return resolve_model(paths[name]) if name in paths else None
-    return state.model_files
+    return state.models.default.files
 
 
 def _gguf_meta(files: ModelFiles | None):
@@ -162,19 +162,20 @@ def _parameters(state: ServerState, name: str) -> str:
 def _tokenizer_of(state: ServerState, name: str):
     """The model's tokenizer when it is in memory (one model, or a loaded one of several)."""
     if state.residency is None:
-        return state.tokenizer
+        return state.models.default.tokenizer
     resident = state.residency.entries[name].resident
-    return None if resident is None else resident.view.tokenizer
+    return None if resident is None else resident.runtime.tokenizer
 
 
 def _ps_entry(state: ServerState, name: str) -> dict:
     files = files_of(state, name)
-    gpu = state.engine.snapshot().device_kind == "gpu"
-    entry = state.residency.entries[name] if state.residency is not None else None
+    gpu = state.models.snapshot().device_kind == "gpu"
+    registry = state.residency
+    entry = registry.entries[name] if registry is not None else None
     size = entry.num_bytes if entry is not None else weight_bytes(files) if files else 0
     expires = ZERO_TIME
-    if entry is not None and entry.expires_s is not None:
-        wall = time.time() + (entry.expires_s - state.residency.clock())
+    if registry is not None and entry is not None and entry.expires_s is not None:
+        wall = time.time() + (entry.expires_s - registry.clock())
         expires = (
             dt.datetime.fromtimestamp(wall, dt.timezone.utc).isoformat().replace("+00:00", "Z")
         )
@@ -182,7 +183,9 @@ def _ps_entry(state: ServerState, name: str) -> dict:
         **_listing(state, name),
         "expires_at": expires,
         "size_vram": size if gpu else 0,
-        "context_length": entry.extra.get("max_model_len", 0) if entry else state.max_model_len,
+        "context_length": entry.extra.get("max_model_len", 0)
+        if entry
+        else state.models.default.max_model_len,
     }
 
 

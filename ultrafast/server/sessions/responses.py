@@ -152,7 +152,7 @@ class ResponsesRequest(_Strict):
 
 def check_request(req: ResponsesRequest, state: ServerState) -> None:
     """What pydantic cannot say, in the Responses API's own field names."""
-    limits = state.limits
+    limits = state.limits_for(req.model)
     if isinstance(req.input, list) and not req.input:
         raise invalid_value("input", "input must not be empty")
     num_chars = len(req.instructions or "") + sum(len(m.content) for m in req.new_messages())
@@ -188,8 +188,8 @@ def _check_text_format(req: ResponsesRequest, state: ServerState) -> None:
         if fmt.name is None or not NAME_RE.fullmatch(fmt.name):
             raise invalid_value("text.format.name", "name must match [A-Za-z0-9_-]{1,64}")
         param = "text.format.schema"
-        check_client_schema(fmt.schema_, param, state.limits, param)
-    if "response_format" not in state.limits.features:
+        check_client_schema(fmt.schema_, param, state.limits_for(req.model), param)
+    if "response_format" not in state.limits_for(req.model).features:
         raise unsupported_parameter("text.format", "structured output is not available here")
 
 
@@ -347,9 +347,10 @@ async def resolve_history(flow: SessionFlow, tenant: str, req: ResponsesRequest)
 def call_input(
     req: ResponsesRequest, state: ServerState, messages: list[ChatMessage], response_id: str
 ) -> CallInput:
-    tools = plan_from_responses(req, state.limits)
+    limits = state.limits_for(req.model)  # the named model's
+    tools = plan_from_responses(req, limits)
     tier, auto = check_options(
-        state.limits,
+        limits,
         temperature=req.temperature,
         top_p=req.top_p,
         max_tokens=req.max_output_tokens,
@@ -357,7 +358,7 @@ def call_input(
         service_tier=req.service_tier,
     )
     fmt = req.text.format if req.text else None
-    params = plain_params(req.temperature, req.top_p, state.limits)
+    params = plain_params(req.temperature, req.top_p, limits)
     if fmt is not None and fmt.type != "text":
         params = replace(params, grammar=fmt.grammar())
     return CallInput(
@@ -453,7 +454,7 @@ def responses_routes(state: ServerState) -> list[Route]:
         system = [ChatMessage("system", req.instructions)] if req.instructions else []
         messages = system + turns_to_messages(history.turns, flow.model_name) + new
         run = await prepare_call(state, http.scope, call_input(req, state, messages, response_id))
-        builder = ResponseBuilder(response_id, req, state.model_name, run.spec.tier.api_name)
+        builder = ResponseBuilder(response_id, req, run.spec.model_name, run.spec.tier.api_name)
         try:
             if history.session_id is not None and req.store:
                 session_id = await store_input(flow, tenant, history, new, response_id)
