@@ -22,7 +22,7 @@ from typing import Any
 from starlette.types import Scope
 
 from ultrafast.grammar.schema_check import SchemaProblem
-from ultrafast.request import SamplingParams, ServiceTier
+from ultrafast.request import SamplingChoice, SamplingParams, ServiceTier
 from ultrafast.server import auth
 from ultrafast.server.access_log import note_run
 from ultrafast.server.errors import APIError, bad_request, invalid_value
@@ -43,7 +43,7 @@ class CallInput:
     of the front end's own fields an error must name (`max_output_tokens`, `input`)."""
 
     chat: bool  # chat template over `messages`, else `prompts` as they are
-    params: SamplingParams  # its max_tokens is replaced here (`max_tokens` below, or the room)
+    params: SamplingChoice  # made SamplingParams here, with `max_tokens` below or the room
     max_tokens: int | None = None  # the client's limit, None: the context left, capped
     messages: list[ChatMessage] = field(default_factory=list)  # history + new turn(s)
     prompts: list[Any] = field(default_factory=list)  # completions: str or token-id lists
@@ -73,7 +73,7 @@ def chat_call(
     req: ChatCompletionRequest, limits: Limits, messages: list[ChatMessage] | None = None
 ) -> CallInput:
     """`messages` replaces the request's own (a session's history joined with the new turn)."""
-    params = req.sampling_params(limits.vocab_size, 1, limits.sampling_defaults)
+    params = req.sampling_choice(limits.vocab_size, limits.sampling_defaults)
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
         schema = fmt.json_schema
@@ -114,7 +114,7 @@ def chat_call(
 def completion_call(req: CompletionRequest, limits: Limits) -> CallInput:
     return CallInput(
         chat=False,
-        params=req.sampling_params(limits.vocab_size, 1, limits.sampling_defaults),
+        params=req.sampling_choice(limits.vocab_size, limits.sampling_defaults),
         max_tokens=req.requested_max_tokens(),
         prompts=req.prompt_list(),
         model=req.model,
@@ -177,11 +177,10 @@ def check_options(
     return tier, service_tier == "auto"
 
 
-def plain_params(temperature: float | None, top_p: float | None, limits: Limits) -> SamplingParams:
+def plain_params(temperature: float | None, top_p: float | None, limits: Limits) -> SamplingChoice:
     """Responses / Realtime: what the client set, else the model's defaults, else OpenAI's."""
     model = dict(limits.sampling_defaults)
-    return SamplingParams(
-        max_tokens=1,
+    return SamplingChoice(
         temperature=model.get("temperature", 1.0) if temperature is None else temperature,
         top_p=model.get("top_p", 1.0) if top_p is None else top_p,
         top_k=int(model.get("top_k", 0)) if 0 < model.get("top_k", 0) < limits.vocab_size else 0,
@@ -337,7 +336,7 @@ async def _admitted(
     max_tokens = _resolve_max_tokens(state, runtime, call, max(len(p) for p in prompts))
     if prep.plan is None or not prep.plan.calls_allowed:
         _check_answer_fits(runtime, call, max_tokens)
-    params = replace(call.params, max_tokens=max_tokens, grammar=prep.grammar)
+    params = call.params.with_budget(max_tokens, grammar=prep.grammar)
     num_prompt_tokens = sum(len(p) for p in prompts) * call.n
     num_tokens_taken = auth.take_tokens(
         tenant, num_prompt_tokens + max_tokens * len(prompts) * call.n, state.auth_refused
