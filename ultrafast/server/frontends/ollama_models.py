@@ -44,9 +44,7 @@ def now_iso() -> str:
 
 
 def served_names(state: ServerState) -> list[str]:
-    if state.residency is not None:
-        return list(state.residency.entries)
-    return [state.model_name]
+    return list(state.models.runtimes)
 
 
 def resolve_name(state: ServerState, name: Any, param: str = "model") -> str:
