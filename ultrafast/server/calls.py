@@ -4,7 +4,8 @@ Each front end only translates its own wire format into a `CallInput`: chat comp
 completions (`chat_call`, `completion_call`, from the validated protocol models), the Responses
 API and the Realtime WebSocket (sessions/responses.py, sessions/realtime.py, which build it
 from their own fields and join the stored history into `messages` first). From here the work
-is the same for all, in this order: model and readiness checks, tier entitlement, the
+is the same for all, in this order: model and readiness checks, a lease on the model's
+runtime (server/runtime.py: its tokenizer, limits, admission, engine), tier entitlement, the
 tenant's request budget, tier capacity (503 before any tokenizing), template + tokenize off
 the event loop (a stored answer keeps its own ids, chat_tokens.py), the context check,
 the tenant's token budget, SLO admission from the tokens left to prefill (429 for a priority
