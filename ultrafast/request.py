@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import functools
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ultrafast.grammar.spec import GrammarSpec
@@ -59,10 +59,11 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How to pick each next token. Validated here so every entry point gets the same checks."""
+class SamplingChoice:
+    """How a call asks to pick each token, before its output budget is known: the server
+    makes the call's SamplingParams from it once, when the prompt's length gives max_tokens
+    (server/calls.py). Validated here so every entry point gets the same checks."""
 
-    max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -85,12 +86,7 @@ class SamplingParams:
     grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
-        scoring = self.prompt_logprobs is not None
         checks = [
-            (
-                self.max_tokens >= (0 if scoring else 1),
-                "max_tokens must be >= 1 (0 only when scoring the prompt)",
-            ),
             (
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
                 "prompt_logprobs must be in [0, 20]",
@@ -107,6 +103,24 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def with_budget(self, max_tokens: int, **changes: Any) -> SamplingParams:
+        """The SamplingParams of this choice with `max_tokens` (and `changes`, e.g. grammar)."""
+        values = {f.name: getattr(self, f.name) for f in fields(SamplingChoice)}
+        return SamplingParams(**{**values, **changes, "max_tokens": max_tokens})
+
+
+@dataclass(frozen=True)
+class SamplingParams(SamplingChoice):
+    """How to pick each next token, and how many at most."""
+
+    max_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        scoring = self.prompt_logprobs is not None
+        if self.max_tokens < (0 if scoring else 1):
+            raise ValueError("max_tokens must be >= 1 (0 only when scoring the prompt)")
+        super().__post_init__()
 
     @property
     def greedy(self) -> bool:

@@ -19,6 +19,7 @@ from tests.e2e.metric_samples import scrape_metrics
 from ultrafast.config import ServerConfig
 from ultrafast.server.admission import Admission
 from ultrafast.server.app import ServerState, build_app
+from ultrafast.server.runtime import ModelRuntime, ModelSet
 from ultrafast.server.tenants import hash_key, parse_api_keys
 from ultrafast_harness.bench.server_process import ServerProcess
 
@@ -172,14 +173,10 @@ def test_rate_limits_give_429_with_retry_after(keyed):
 
 def app_routes():
     """Every (method, path) the real ASGI app routes, built with a keys file."""
+    model = ModelRuntime("m", None, 8, None, Admission(ServerConfig()))
     state = ServerState(
         config=ServerConfig(),
-        engine=None,
-        tokenizer=None,
-        model_name="m",
-        max_model_len=8,
-        limits=None,
-        admission=Admission(ServerConfig()),
+        models=ModelSet([model]),
         api_keys=parse_api_keys(keys_file_spec()),
     )
     app = build_app(state)

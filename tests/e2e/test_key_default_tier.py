@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from tests.e2e.metric_samples import scrape_metrics
-from ultrafast_harness.bench.server_process import ServerProcess
 from ultrafast.server.tenants import hash_key
+from ultrafast_harness.bench.server_process import ServerProcess
 
 MODEL = "demo-code"
 KEYS = {

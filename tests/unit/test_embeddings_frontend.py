@@ -14,6 +14,7 @@ from ultrafast.config import ServerConfig
 from ultrafast.engine.embed_engine import EmbeddingEngine
 from ultrafast.server.app import build_app
 from ultrafast.server.embed_models import embedding_only_state
+from ultrafast.server.runtime import ModelSet
 
 LOCAL = "http://127.0.0.1"  # the Host allow-list admits loopback names
 
@@ -175,9 +176,14 @@ def test_an_embedding_model_refuses_chat_with_a_400(client):
     assert r.json()["error"]["code"] == "model_not_generative"
 
 
+def with_default(state, **changes):
+    """The state with its default model's runtime changed (e.g. a chat model's name)."""
+    return replace(state, models=ModelSet([replace(state.models.default, **changes)]))
+
+
 def test_a_chat_model_asked_for_embeddings_is_a_clear_400(parts):
     state, _ = parts
-    with_chat = replace(state, model_name="chat")  # "chat": the server's chat model
+    with_chat = with_default(state, name="chat")  # "chat": the server's chat model
     with TestClient(build_app(with_chat), base_url=LOCAL) as c:
         r = c.post("/v1/embeddings", json={"model": "chat", "input": "hi"})
         assert r.status_code == 400
@@ -233,7 +239,7 @@ def test_models_lists_the_embedding_model_with_its_shape(client):
 def test_a_dead_embedding_engine_is_a_503_not_a_hang():
     engine = EmbeddingEngine(FakeEmbedExecutor())
     state = embedding_only_state(ServerConfig(), {"mini": engine}, None)
-    chat_beside = replace(state, model_name="chat", engine=type("Alive", (), {"alive": True})())
+    chat_beside = with_default(state, name="chat", engine=type("Alive", (), {"alive": True})())
     engine.shutdown()
     with TestClient(build_app(chat_beside), base_url=LOCAL) as c:
         r = c.post("/v1/embeddings", json={"model": "mini", "input": "a"})

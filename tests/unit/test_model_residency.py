@@ -109,7 +109,7 @@ def test_follower_in_an_agent_loop():
 
 class FakeModel:
     def __init__(self, name: str):
-        self.view = name
+        self.runtime = name
         self.closed = False
 
     def close(self) -> None:

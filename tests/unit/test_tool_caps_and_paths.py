@@ -8,9 +8,9 @@ import pytest
 
 from ultrafast.grammar.schema_check import SchemaProblem
 from ultrafast.server.errors import APIError
+from ultrafast.server.frontends.responses_models import ResponsesRequest, check_request
 from ultrafast.server.protocol import parse_chat_request
 from ultrafast.server.protocol_models import validate_input as validate
-from ultrafast.server.frontends.responses_models import ResponsesRequest, check_request
 from ultrafast.server.tools.plan import chat_tool_plan
 from ultrafast.server.tools.responses_api import plan_from_responses
 

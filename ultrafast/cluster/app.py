@@ -77,14 +77,7 @@ class EngineReplica:
     def _bridge(self) -> None:
         """The bridge needs the loop the calls run on: made at the first call, as the
         single server's lifespan makes it at start."""
-        if self.state.bridge is None:
-            from ultrafast.server.bridge import EngineBridge
-
-            self.state.bridge = EngineBridge(
-                self.state.engine,
-                asyncio.get_running_loop(),
-                self.state.config.max_stream_buffer_events,
-            )
+        self.state.models.default.bridge_on_loop(self.state.config.max_stream_buffer_events)
 
     async def forward(self, request: dict) -> AsyncIterator[Any]:
         self._bridge()
@@ -117,14 +110,14 @@ class EngineReplica:
             self._bridge()
             self.http_port, self._http_task = await serve_on_loopback(self.direct_calls)
         state = self.state
-        snap = state.engine.snapshot()
+        snap = state.models.snapshot()
         costs = snap.step_costs
-        admission = state.admission
+        admission = state.models.default.admission
         return {
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "http_port": self.http_port,
-            "ready": state.engine.alive and not state.draining,
+            "ready": state.models.alive and not state.draining,
             "base_s": costs.base_s,
             "per_token_s": costs.per_token_s,
             "per_seq_s": costs.per_seq_s,
@@ -144,14 +137,14 @@ class EngineReplica:
 
     async def check_health(self) -> None:
         """Ray calls this every HEALTH_CHECK_PERIOD_S; raising makes Ray replace the replica."""
-        if not self.state.engine.alive:
-            raise RuntimeError(f"engine dead: {self.state.engine.dead_reason}")
+        if not self.state.models.alive:
+            raise RuntimeError(f"engine dead: {self.state.models.dead_reason}")
 
     def __del__(self) -> None:  # Ray's graceful stop: the engine thread ends with the replica
         try:
             from ultrafast.server.bridge import shutdown_engine
 
-            shutdown_engine(self.state.engine)
+            shutdown_engine(self.state.models.default.live)
         except Exception:
             pass
 

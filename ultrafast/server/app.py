@@ -26,9 +26,8 @@ from starlette.routing import Route
 
 from ultrafast.server import auth
 from ultrafast.server.access_log import AccessLogMiddleware
-from ultrafast.server.bridge import EngineBridge
 from ultrafast.server.calls import chat_messages, template_error
-from ultrafast.server.errors import APIError
+from ultrafast.server.errors import APIError, invalid_type
 from ultrafast.server.frontends import error_response_for, frontend_routes
 from ultrafast.server.frontends.chat import chat_routes
 from ultrafast.server.frontends.embeddings import embedding_routes
@@ -39,6 +38,7 @@ from ultrafast.server.models_api import model_routes
 from ultrafast.server.playground import playground_routes
 from ultrafast.server.prompt import encode_chat
 from ultrafast.server.protocol import parse_chat_request
+from ultrafast.server.runtime import ModelRuntime
 from ultrafast.server.state import ServerState, read_json
 from ultrafast.tokenizer import ChatTemplateError
 
@@ -55,7 +55,7 @@ def build_app(state: ServerState) -> Starlette:
         *playground_routes(),
         *conversation_routes(state),
     ]
-    state.metrics.add_refusal_source(lambda: state.admission.refused)
+    state.metrics.add_refusal_source(state.models.refused)
     state.metrics.add_refusal_source(lambda: state.auth_refused)
     state.metrics.set_in_flight_source(state.in_flight_by_tier)
     hosts = auth.allowed_hosts_for(state.config.host, state.config.allowed_hosts)
@@ -85,10 +85,11 @@ def _service_routes(state: ServerState) -> list[Route]:
         return JSONResponse({"status": "ok"})
 
     async def ready(http: HTTPRequest) -> Response:
-        if state.draining or not state.engine.alive:
-            reason = "engine_dead" if not state.engine.alive else "draining"
+        models = state.models
+        if state.draining or not models.alive:
+            reason = "engine_dead" if not models.alive else "draining"
             return JSONResponse({"status": reason}, status_code=503)
-        snap = state.engine.snapshot()
+        snap = models.snapshot()
         return JSONResponse(
             {
                 "status": "ready",
@@ -98,7 +99,7 @@ def _service_routes(state: ServerState) -> list[Route]:
                 "kv_slots_total": snap.num_kv_slots_total,
                 "in_flight": state.in_flight_by_tier(),
                 # TTFT targets in force (measured from the model's idle speed, or configured)
-                "tier_targets": state.admission.describe_targets(),
+                "tier_targets": models.default.admission.describe_targets(),
                 "idle_speed": _idle_speed(snap.idle_speed),
                 # thread plan and idle speed: cached, or being measured in the background
                 "start_costs": snap.start_costs,
@@ -118,17 +119,19 @@ def _service_routes(state: ServerState) -> list[Route]:
 
     async def tokenize(http: HTTPRequest) -> Response:
         body = await read_json(http, state)
+        runtime = _named_model(state, body)
         ids = await asyncio.get_running_loop().run_in_executor(
-            state.pool, _tokenize_ids, state, body
+            state.pool, _tokenize_ids, runtime, body
         )
         return JSONResponse(
-            {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+            {"tokens": ids, "count": len(ids), "max_model_len": runtime.max_model_len}
         )
 
     async def detokenize(http: HTTPRequest) -> Response:
         body = await read_json(http, state)
         tokens = body.get("tokens")
-        vocab = state.tokenizer.vocab_size
+        tokenizer = _named_model(state, body).tokenizer
+        vocab = tokenizer.vocab_size
         if not isinstance(tokens, list) or not all(
             type(t) is int and 0 <= t < vocab for t in tokens
         ):
@@ -139,7 +142,7 @@ def _service_routes(state: ServerState) -> list[Route]:
                 "invalid_value",
                 "tokens",
             )
-        return JSONResponse({"prompt": state.tokenizer.decode(tokens)})
+        return JSONResponse({"prompt": tokenizer.decode(tokens)})
 
     return [
         Route("/health", health, methods=["GET"]),
@@ -192,9 +195,8 @@ def _exception_handlers() -> dict[Any, Callable[..., Awaitable[Response]]]:
 def _lifespan(state: ServerState):
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        state.bridge = EngineBridge(
-            state.engine, asyncio.get_running_loop(), state.config.max_stream_buffer_events
-        )
+        # the default model's bridge now, on the serving loop (others: at their first lease)
+        state.models.default.bridge_on_loop(state.config.max_stream_buffer_events)
         if state.residency is not None:
             state.residency.start()  # keep_alive expiry and preloading
         yield
@@ -210,16 +212,26 @@ def conversation_routes(state: ServerState) -> list:
     return [*responses_routes(state), *realtime_routes(state), *stored_chat_routes(state)]
 
 
-def _tokenize_ids(state: ServerState, body: dict) -> list[int]:
+def _named_model(state: ServerState, body: dict) -> ModelRuntime:
+    """/tokenize and /detokenize: the runtime of the body's `model` (none: the default one);
+    its tokenizer is there whether the model is loaded or not."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid_type("model", "model must be a string")
+    return state.models.get(model)
+
+
+def _tokenize_ids(runtime: ModelRuntime, body: dict) -> list[int]:
     """A raw `prompt` as /v1/completions tokenizes it (special-token text parsed); `messages`
     as a chat call does (encode_chat: client text never becomes control ids)."""
+    tokenizer = runtime.tokenizer
     if isinstance(body.get("prompt"), str):
-        return state.tokenizer.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
+        return tokenizer.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
     messages = body.get("messages")
     if isinstance(messages, list) and messages:
-        req = parse_chat_request({"messages": messages}, state.limits)
+        req = parse_chat_request({"messages": messages}, runtime.limits)
         try:
-            return encode_chat(state.tokenizer, chat_messages(req))
+            return encode_chat(tokenizer, chat_messages(req))
         except ChatTemplateError as exc:
             raise template_error(exc, "messages") from None
     raise APIError(

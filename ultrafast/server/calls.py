@@ -4,7 +4,8 @@ Each front end only translates its own wire format into a `CallInput`: chat comp
 completions (`chat_call`, `completion_call`, from the validated protocol models), the Responses
 API and the Realtime WebSocket (frontends/responses.py, frontends/realtime.py, which build it
 from their own fields and join the stored history into `messages` first). From here the work
-is the same for all, in this order: model and readiness checks, tier entitlement, the
+is the same for all, in this order: model and readiness checks, a lease on the model's
+runtime (server/runtime.py: its tokenizer, limits, admission, engine), tier entitlement, the
 tenant's request budget, tier capacity (503 before any tokenizing), template + tokenize off
 the event loop (a stored answer keeps its own ids, prompt/chat_tokens.py), the context check,
 the tenant's token budget, SLO admission from the tokens left to prefill (429 for a priority
@@ -22,7 +23,7 @@ from typing import Any
 from starlette.types import Scope
 
 from ultrafast.grammar.schema_check import SchemaProblem
-from ultrafast.request import SamplingParams, ServiceTier
+from ultrafast.request import SamplingChoice, SamplingParams, ServiceTier
 from ultrafast.server import auth
 from ultrafast.server.access_log import note_run
 from ultrafast.server.errors import APIError, bad_request, invalid_value
@@ -30,7 +31,7 @@ from ultrafast.server.generate import GenerationRun, GenerationSpec
 from ultrafast.server.prompt import ChatMessage, encode_chat
 from ultrafast.server.protocol import ChatCompletionRequest, CompletionRequest, Limits
 from ultrafast.server.residency.budget import parse_keep_alive
-from ultrafast.server.residency.views import view_with_bridge
+from ultrafast.server.runtime import ModelRuntime
 from ultrafast.server.state import ServerState, check_generates, check_model, check_ready
 from ultrafast.server.structured import json_format_grammar, start_compile, wait_compiled
 from ultrafast.server.tools.plan import ToolPlan, chat_tool_plan
@@ -43,7 +44,7 @@ class CallInput:
     of the front end's own fields an error must name (`max_output_tokens`, `input`)."""
 
     chat: bool  # chat template over `messages`, else `prompts` as they are
-    params: SamplingParams  # its max_tokens is replaced here (`max_tokens` below, or the room)
+    params: SamplingChoice  # made SamplingParams here, with `max_tokens` below or the room
     max_tokens: int | None = None  # the client's limit, None: the context left, capped
     messages: list[ChatMessage] = field(default_factory=list)  # history + new turn(s)
     prompts: list[Any] = field(default_factory=list)  # completions: str or token-id lists
@@ -74,7 +75,7 @@ def chat_call(
     req: ChatCompletionRequest, limits: Limits, messages: list[ChatMessage] | None = None
 ) -> CallInput:
     """`messages` replaces the request's own (a session's history joined with the new turn)."""
-    params = req.sampling_params(limits.vocab_size, 1, limits.sampling_defaults)
+    params = req.sampling_choice(limits.vocab_size, limits.sampling_defaults)
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
         schema = fmt.json_schema
@@ -116,7 +117,7 @@ def chat_call(
 def completion_call(req: CompletionRequest, limits: Limits) -> CallInput:
     return CallInput(
         chat=False,
-        params=req.sampling_params(limits.vocab_size, 1, limits.sampling_defaults),
+        params=req.sampling_choice(limits.vocab_size, limits.sampling_defaults),
         max_tokens=req.requested_max_tokens(),
         prompts=req.prompt_list(),
         model=req.model,
@@ -180,11 +181,10 @@ def check_options(
     return tier, service_tier == "auto"
 
 
-def plain_params(temperature: float | None, top_p: float | None, limits: Limits) -> SamplingParams:
+def plain_params(temperature: float | None, top_p: float | None, limits: Limits) -> SamplingChoice:
     """Responses / Realtime: what the client set, else the model's defaults, else OpenAI's."""
     model = dict(limits.sampling_defaults)
-    return SamplingParams(
-        max_tokens=1,
+    return SamplingChoice(
         temperature=model.get("temperature", 1.0) if temperature is None else temperature,
         top_p=model.get("top_p", 1.0) if top_p is None else top_p,
         top_k=int(model.get("top_k", 0)) if 0 < model.get("top_k", 0) < limits.vocab_size else 0,
@@ -198,24 +198,23 @@ def plain_params(temperature: float | None, top_p: float | None, limits: Limits)
 
 async def prepare_call(state: ServerState, scope: Scope, call: CallInput) -> GenerationRun:
     """Check, tokenize and admit one call; the run is not started (the caller starts it, and
-    must `finish()` it). `scope` is the HTTP or WebSocket scope (its tenant). With several
-    models (server/residency/), the call first takes a lease on its model, loading it if need
-    be, and runs on that model's view of the state; the lease ends with the run."""
+    must `finish()` it). `scope` is the HTTP or WebSocket scope (its tenant). The call first
+    takes a lease on its model's runtime (server/runtime.py: with several models, loading it
+    if need be) and runs on it; the lease ends with the run."""
     keep_alive = _keep_alive_seconds(call.keep_alive)
     check_generates(state, call.model)
-    if state.residency is None:
-        run = await _prepare_call(state, scope, call)
-        note_run(scope, run)  # the request's access-log line counts its tokens
-        return run
+    check_model(state, call.model)
     check_ready(state)
-    view, release = await state.residency.acquire(call.model, keep_alive)
+    runtime, release = await state.models.lease(
+        call.model, keep_alive, state.config.max_stream_buffer_events
+    )
     try:
-        run = await _prepare_call(view_with_bridge(view), scope, call)
+        run = await _prepare_on(state, runtime, scope, call)
     except BaseException:
         release()
         raise
     run.on_finish(lambda _run: release())
-    note_run(scope, run)
+    note_run(scope, run)  # the request's access-log line counts its tokens
     return run
 
 
@@ -229,131 +228,184 @@ def _keep_alive_seconds(value: Any) -> float | None | bool:
         raise invalid_value("keep_alive", str(exc)) from None
 
 
-async def _prepare_call(state: ServerState, scope: Scope, call: CallInput) -> GenerationRun:
+async def _prepare_on(
+    state: ServerState, runtime: ModelRuntime, scope: Scope, call: CallInput
+) -> GenerationRun:
     arrival_s = time.monotonic()
     request_id = call.request_id or ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex[:24]
-    check_model(state, call.model)
-    check_ready(state)
     tenant = auth.tenant_of(scope)
     asked, auto = call.tier, call.auto_tier
     if not call.tier_named:
         asked, auto = auth.unnamed_tier(scope, asked, auto)
     tier, auto = auth.entitled_tier(tenant, asked, auto, call.tier_param, state.auth_refused)
     auth.take_request(tenant, state.auth_refused)
-    ticket = state.admission.reserve(tier, auto=auto, tenant=tenant.name)
+    ticket = runtime.admission.reserve(tier, auto=auto, tenant=tenant.name)
     try:
-        loop = asyncio.get_running_loop()
-        tok = state.tokenizer
-        prediction_ids: list[int] | None = None
-        echo: list[str] | None = None
-        plan = (
-            None
-            if call.tools is None
-            else call.tools.for_template(tok.chat_template, tok.special_tokens)
-        )
-        grammar, grammar_param = call.params.grammar, call.grammar_param
-        # the calls' grammar (tools/grammar.py): calls OR the response_format's answer (free
-        # text when there is none); `none` bans the call trigger unless a response_format
-        # grammar already shapes the answer
-        if plan is not None:
-            plan = plan.capped(state.config.max_tool_calls)
-            try:
-                tool_grammar = plan.grammar(grammar)
-            except SchemaProblem as problem:  # the keyword's path under `tools`
-                raise bad_request(problem.code, problem.param("tools"), str(problem)) from None
-            if tool_grammar is not None and tool_grammar is not grammar:
-                grammar = tool_grammar
-                if call.params.grammar is None:
-                    grammar_param = "tools"
-        if plan is None or not plan.calls_allowed:  # before its compile takes a thread
-            _check_answer_fits(state, call, call.max_tokens or state.config.max_tokens_cap)
-        # off the event loop and the engine thread, time-capped: it runs while the prompt is
-        # tokenized and prefilled, and is awaited before the run is handed back
-        compiling = (
-            None if grammar is None else start_compile(state.grammar, grammar, grammar_param)
-        )
-        if call.chat:
-            messages, template_vars = call.messages, dict[str, Any]()
-            if plan is not None:  # tools into the prompt, in the model's format or ours
-                messages, template_vars = plan.render(call.messages)
-            try:
-                prompts = [
-                    await loop.run_in_executor(
-                        state.pool, encode_chat, tok, messages, template_vars
-                    )
-                ]
-            except ChatTemplateError as exc:  # no template, or one that raised: the caller's 400
-                raise template_error(exc, call.prompt_param) from None
-            if call.prediction_text:  # predicted outputs: the engine drafts from these ids
-                prediction_ids = await loop.run_in_executor(
-                    state.pool, tok.encode, call.prediction_text, False
-                )
-        else:
-            prompts = await loop.run_in_executor(state.pool, _completion_prompts, tok, call.prompts)
-            echo = [tok.decode(p) for p in prompts] if call.echo else None
-        if not prompts or not all(prompts):
-            raise APIError(
-                400,
-                "the prompt is empty",
-                "invalid_request_error",
-                "invalid_value",
-                call.prompt_param,
-            )
-        max_tokens = _resolve_max_tokens(state, call, max(len(p) for p in prompts))
-        if plan is None or not plan.calls_allowed:
-            _check_answer_fits(state, call, max_tokens)
-        params = replace(call.params, max_tokens=max_tokens, grammar=grammar)
-        num_prompt_tokens = sum(len(p) for p in prompts) * call.n
-        num_tokens_taken = auth.take_tokens(
-            tenant, num_prompt_tokens + max_tokens * len(prompts) * call.n, state.auth_refused
-        )
-        try:
-            # admission predicts TTFT from the tokens left to prefill, not the cached history;
-            # a scoring call (prompt logprobs) takes no cached prefix, so all of it
-            if params.prompt_logprobs is not None:
-                num_new = sum(len(p) for p in prompts)
-            else:
-                num_new = await loop.run_in_executor(
-                    state.pool, _num_uncached, state, prompts, tenant.name
-                )
-            state.admission.admit(ticket, num_new * call.n, auto)
-        except APIError:
-            _refund_tokens(tenant, num_tokens_taken, 0)
-            raise
-        spec = GenerationSpec(
-            request_id=request_id,
-            model_name=state.model_name,
-            prompts=prompts,
-            params=params,
-            n=call.n,
-            tier=ticket.tier,
-            stops=call.stops,
-            chat=call.chat,
-            stream=call.stream,
-            include_usage=call.include_usage,
-            want_logprobs=params.logprobs,
-            echo_texts=echo,
-            arrival_s=arrival_s,
-            prediction_token_ids=prediction_ids,
-            tenant=tenant.name,
-            tools=plan,
-            keep_token_ids=frozenset() if plan is None else plan.keep_token_ids,
-            grammar_compile=compiling,
-            grammar_runtime=None if grammar is None else state.grammar,
-        )
-        run = GenerationRun(state.run_deps(), spec, ticket)
-        if num_tokens_taken:
-            run.on_finish(
-                lambda r: _refund_tokens(
-                    tenant, num_tokens_taken, num_prompt_tokens + sum(r.num_output_tokens)
-                )
-            )
-        if compiling is not None:
-            await _await_compile(run, compiling, grammar_param)
-        return run
+        prep = await _tokenized(state, runtime, call, arrival_s)
+        return await _admitted(state, runtime, call, prep, tenant, ticket, auto, request_id)
     except BaseException:
-        state.admission.release(ticket)
+        runtime.admission.release(ticket)
         raise
+
+
+@dataclass
+class _Prepared:
+    """A call's prompts and grammar, before its admission."""
+
+    prompts: list[list[int]]
+    plan: ToolPlan | None
+    grammar: Any  # the GrammarSpec the output must follow (tools, response_format), or None
+    grammar_param: str
+    compiling: Any  # the grammar's compile, running off the event loop (structured.py)
+    arrival_s: float
+    prediction_ids: list[int] | None = None
+    echo: list[str] | None = None
+
+
+def _grammar(
+    state: ServerState, runtime: ModelRuntime, call: CallInput
+) -> tuple[ToolPlan | None, Any, str]:
+    """The call's tool plan, and the grammar its output follows: the calls' grammar
+    (tools/grammar.py) is calls OR the response_format's answer (free text when there is
+    none); `none` bans the call trigger unless a response_format grammar shapes the answer."""
+    tok = runtime.tokenizer
+    plan = (
+        None
+        if call.tools is None
+        else call.tools.for_template(tok.chat_template, tok.special_tokens)
+    )
+    grammar, grammar_param = call.params.grammar, call.grammar_param
+    if plan is not None:
+        plan = plan.capped(state.config.max_tool_calls)
+        try:
+            tool_grammar = plan.grammar(grammar)
+        except SchemaProblem as problem:
+            raise bad_request(problem.code, problem.param("tools"), str(problem)) from None
+        if tool_grammar is not None and tool_grammar is not grammar:
+            grammar = tool_grammar
+            if call.params.grammar is None:
+                grammar_param = "tools"
+    return plan, grammar, grammar_param
+
+
+async def _tokenized(
+    state: ServerState, runtime: ModelRuntime, call: CallInput, arrival_s: float
+) -> _Prepared:
+    """Grammar compile started, then template + tokenize off the event loop."""
+    plan, grammar, grammar_param = _grammar(state, runtime, call)
+    if plan is None or not plan.calls_allowed:  # before its compile takes a thread
+        _check_answer_fits(runtime, call, call.max_tokens or state.config.max_tokens_cap)
+    # off the event loop and the engine thread, time-capped: it runs while the prompt is
+    # tokenized and prefilled, and is awaited before the run is handed back
+    compiling = None if grammar is None else start_compile(runtime.grammar, grammar, grammar_param)
+    prep = _Prepared([], plan, grammar, grammar_param, compiling, arrival_s)
+    loop, tok = asyncio.get_running_loop(), runtime.tokenizer
+    if call.chat:
+        messages, template_vars = call.messages, dict[str, Any]()
+        if plan is not None:  # tools into the prompt, in the model's format or ours
+            messages, template_vars = plan.render(call.messages)
+        try:
+            prep.prompts = [
+                await loop.run_in_executor(state.pool, encode_chat, tok, messages, template_vars)
+            ]
+        except ChatTemplateError as exc:  # no template, or one that raised: the caller's 400
+            raise template_error(exc, call.prompt_param) from None
+        if call.prediction_text:  # predicted outputs: the engine drafts from these ids
+            prep.prediction_ids = await loop.run_in_executor(
+                state.pool, tok.encode, call.prediction_text, False
+            )
+    else:
+        prep.prompts = await loop.run_in_executor(
+            state.pool, _completion_prompts, tok, call.prompts
+        )
+        prep.echo = [tok.decode(p) for p in prep.prompts] if call.echo else None
+    if not prep.prompts or not all(prep.prompts):
+        raise APIError(
+            400, "the prompt is empty", "invalid_request_error", "invalid_value", call.prompt_param
+        )
+    return prep
+
+
+async def _admitted(
+    state: ServerState,
+    runtime: ModelRuntime,
+    call: CallInput,
+    prep: _Prepared,
+    tenant: auth.Tenant,
+    ticket: Any,
+    auto: bool,
+    request_id: str,
+) -> GenerationRun:
+    """The context check, the tenant's token budget, SLO admission, then the run."""
+    prompts = prep.prompts
+    max_tokens = _resolve_max_tokens(state, runtime, call, max(len(p) for p in prompts))
+    if prep.plan is None or not prep.plan.calls_allowed:
+        _check_answer_fits(runtime, call, max_tokens)
+    params = call.params.with_budget(max_tokens, grammar=prep.grammar)
+    num_prompt_tokens = sum(len(p) for p in prompts) * call.n
+    num_tokens_taken = auth.take_tokens(
+        tenant, num_prompt_tokens + max_tokens * len(prompts) * call.n, state.auth_refused
+    )
+    try:
+        # admission predicts TTFT from the tokens left to prefill, not the cached history;
+        # a scoring call (prompt logprobs) takes no cached prefix, so all of it
+        if params.prompt_logprobs is not None:
+            num_new = sum(len(p) for p in prompts)
+        else:
+            num_new = await asyncio.get_running_loop().run_in_executor(
+                state.pool, _num_uncached, runtime, prompts, tenant.name
+            )
+        runtime.admission.admit(ticket, num_new * call.n, auto)
+    except APIError:
+        _refund_tokens(tenant, num_tokens_taken, 0)
+        raise
+    run = GenerationRun(
+        state.run_deps(runtime),
+        _spec(runtime, call, prep, params, ticket, request_id, tenant),
+        ticket,
+    )
+    if num_tokens_taken:
+        run.on_finish(
+            lambda r: _refund_tokens(
+                tenant, num_tokens_taken, num_prompt_tokens + sum(r.num_output_tokens)
+            )
+        )
+    if prep.compiling is not None:
+        await _await_compile(run, prep.compiling, prep.grammar_param)
+    return run
+
+
+def _spec(
+    runtime: ModelRuntime,
+    call: CallInput,
+    prep: _Prepared,
+    params: SamplingParams,
+    ticket: Any,
+    request_id: str,
+    tenant: auth.Tenant,
+) -> GenerationSpec:
+    plan = prep.plan
+    return GenerationSpec(
+        request_id=request_id,
+        model_name=runtime.name,
+        prompts=prep.prompts,
+        params=params,
+        n=call.n,
+        tier=ticket.tier,
+        stops=call.stops,
+        chat=call.chat,
+        stream=call.stream,
+        include_usage=call.include_usage,
+        want_logprobs=params.logprobs,
+        echo_texts=prep.echo,
+        arrival_s=prep.arrival_s,
+        prediction_token_ids=prep.prediction_ids,
+        tenant=tenant.name,
+        tools=plan,
+        keep_token_ids=frozenset() if plan is None else plan.keep_token_ids,
+        grammar_compile=prep.compiling,
+        grammar_runtime=None if prep.grammar is None else runtime.grammar,
+    )
 
 
 async def _await_compile(run: GenerationRun, compiling, param: str) -> None:
@@ -374,13 +426,15 @@ def template_error(exc: ChatTemplateError, param: str) -> APIError:
     return APIError(400, str(exc), "invalid_request_error", code, param)
 
 
-def _resolve_max_tokens(state: ServerState, call: CallInput, num_prompt: int) -> int:
-    room = state.max_model_len - num_prompt
+def _resolve_max_tokens(
+    state: ServerState, runtime: ModelRuntime, call: CallInput, num_prompt: int
+) -> int:
+    room = runtime.max_model_len - num_prompt
     if room <= 0:
         raise APIError(
             400,
             f"the prompt has {num_prompt} tokens but this model's context is "
-            f"{state.max_model_len} tokens",
+            f"{runtime.max_model_len} tokens",
             "invalid_request_error",
             "context_length_exceeded",
             call.prompt_param,
@@ -392,7 +446,7 @@ def _resolve_max_tokens(state: ServerState, call: CallInput, num_prompt: int) ->
             400,
             f"{call.max_tokens_param}={call.max_tokens} plus the prompt's "
             f"{num_prompt} tokens exceeds this model's context of "
-            f"{state.max_model_len} tokens",
+            f"{runtime.max_model_len} tokens",
             "invalid_request_error",
             "context_length_exceeded",
             call.max_tokens_param,
@@ -400,11 +454,11 @@ def _resolve_max_tokens(state: ServerState, call: CallInput, num_prompt: int) ->
     return call.max_tokens
 
 
-def _check_answer_fits(state: ServerState, call: CallInput, max_tokens: int) -> None:
+def _check_answer_fits(runtime: ModelRuntime, call: CallInput, max_tokens: int) -> None:
     """400 naming the schema keyword when the shortest answer the schema allows cannot fit in
     the token budget even at the vocabulary's longest token: it would only end cut."""
     spec = call.params.grammar
-    longest = getattr(state.grammar, "max_token_bytes", None)
+    longest = getattr(runtime.grammar, "max_token_bytes", None)
     if spec is None or not spec.min_chars or not isinstance(longest, int):
         return
     if spec.min_chars > max_tokens * longest:
@@ -420,8 +474,8 @@ def _check_answer_fits(state: ServerState, call: CallInput, max_tokens: int) -> 
         )
 
 
-def _num_uncached(state: ServerState, prompts: list[list[int]], tenant: str) -> int:
-    engine = state.engine
+def _num_uncached(runtime: ModelRuntime, prompts: list[list[int]], tenant: str) -> int:
+    engine = runtime.live
     return sum(len(p) - engine.cached_prefix_tokens(p, tenant) for p in prompts)
 
 

@@ -21,6 +21,7 @@ from ultrafast.server.admission import Admission
 from ultrafast.server.errors import APIError
 from ultrafast.server.metrics import ServerMetrics
 from ultrafast.server.protocol import Limits
+from ultrafast.server.runtime import ModelRuntime, ModelSet
 from ultrafast.server.state import ServerState
 from ultrafast.server.tenants import ApiKeys
 
@@ -76,17 +77,21 @@ class EmbeddingTokenizer:
 def embedding_only_state(
     config: ServerConfig, embedders: dict[str, Any], api_keys: ApiKeys | None
 ) -> ServerState:
-    """The state of a server with no chat model: `engine` is the first embedding engine (its
-    read API matches EngineThread's, so /ready and the engine watch work unchanged)."""
+    """The state of a server with no chat model: the default runtime's engine is the first
+    embedding engine (its read API matches EngineThread's, so /ready and the engine watch
+    work unchanged)."""
     name, engine = next(iter(embedders.items()))
-    return ServerState(
-        config=config,
-        engine=engine,
+    runtime = ModelRuntime(
+        name,
         tokenizer=EmbeddingTokenizer(engine),  # type: ignore[arg-type]
-        model_name=name,
         max_model_len=engine.max_input_tokens,
         limits=Limits(vocab_size=engine.vocab_size, max_tokens_cap=config.max_tokens_cap),
         admission=Admission(config),
+        engine=engine,
+    )
+    return ServerState(
+        config=config,
+        models=ModelSet([runtime]),
         metrics=ServerMetrics(tenants=api_keys.tenants if api_keys else ()),
         api_keys=api_keys,
         embedders=embedders,

@@ -21,7 +21,7 @@ def model_object(state) -> dict:
         "object": "model",
         "created": int(state.started_s),
         "owned_by": "ultrafast",
-        "max_model_len": state.max_model_len,
+        "max_model_len": state.models.default.max_model_len,
     }
 
 

@@ -19,7 +19,7 @@ from pydantic import (
     ValidationError,
 )
 
-from ultrafast.request import SamplingParams, ServiceTier
+from ultrafast.request import SamplingChoice, SamplingParams, ServiceTier
 from ultrafast.server.errors import from_validation_error, invalid_value
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # always fullmatch: `$` would accept a final \n
@@ -274,7 +274,7 @@ class _Common(_Strict):
     def _logprobs(self) -> tuple[bool, int]:
         return False, 0
 
-    def _prompt_logprobs(self, max_tokens: int) -> int | None:
+    def _prompt_logprobs(self, max_tokens: int | None) -> int | None:
         return None
 
     def sampling_params(
@@ -288,6 +288,14 @@ class _Common(_Strict):
         (Limits.sampling_defaults) fill the sampling fields the client left out."""
         requested = self.requested_max_tokens()
         max_tokens = default_max_tokens if requested is None else requested
+        choice = self.sampling_choice(vocab_size, model_defaults)
+        return choice.with_budget(max_tokens, prompt_logprobs=self._prompt_logprobs(max_tokens))
+
+    def sampling_choice(
+        self, vocab_size: int, model_defaults: tuple[tuple[str, float], ...] = ()
+    ) -> SamplingChoice:
+        """The sampling fields without the output budget (the server adds it once it knows
+        the prompt's length: server/calls.py); `model_defaults` fill the fields left out."""
         model = dict(model_defaults)
         top_k = self.top_k if self.top_k is not None else int(model.get("top_k", 0))
         top_k = top_k if 0 < top_k < vocab_size else 0
@@ -299,8 +307,7 @@ class _Common(_Strict):
         top_p = model.get("top_p", 1.0) if self.top_p is None else self.top_p
         if top_p == 0.0:  # a nucleus of probability 0 holds just the most likely token
             temperature, top_p = 0.0, 1.0
-        return SamplingParams(
-            max_tokens=max_tokens,
+        return SamplingChoice(
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
@@ -315,7 +322,7 @@ class _Common(_Strict):
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             ignore_eos=self.ignore_eos,
-            prompt_logprobs=self._prompt_logprobs(max_tokens),
+            prompt_logprobs=self._prompt_logprobs(self.requested_max_tokens()),
         )
 
 
@@ -388,7 +395,7 @@ class CompletionRequest(_Common):
     def _logprobs(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0
 
-    def _prompt_logprobs(self, max_tokens: int) -> int | None:
+    def _prompt_logprobs(self, max_tokens: int | None) -> int | None:
         """`echo` with `logprobs` scores the prompt too; `max_tokens` 0 scores it only."""
         if self.echo and (self.logprobs is not None or max_tokens == 0):
             return self.logprobs or 0

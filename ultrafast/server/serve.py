@@ -85,9 +85,11 @@ class DrainingServer(uvicorn.Server):
         from ultrafast.server.build import follow_idle_speed
 
         while not self.should_exit:
-            follow_idle_speed(self.state)
-            if not self.state.engine.alive:
-                log.error("the engine died (%s): exiting", self.state.engine.dead_reason)
+            models = self.state.models
+            for runtime in models.loaded():
+                follow_idle_speed(runtime)
+            if not models.alive:
+                log.error("the engine died (%s): exiting", models.dead_reason)
                 self.state.draining = True
                 self.exit_code = EXIT_ENGINE_DEAD
                 await self._wait_for_runs(ENGINE_DEATH_GRACE_S)
@@ -178,10 +180,10 @@ def _shut_down(state: ServerState | None) -> None:
         embedder.shutdown()
     if state.residency is not None:
         state.residency.close()
-    elif state.engine not in state.embedders.values():
+    elif state.models.default.engine not in state.embedders.values():
         from ultrafast.server.bridge import shutdown_engine
 
-        shutdown_engine(state.engine)
+        shutdown_engine(state.models.default.live)
 
 
 def uvicorn_config(app, config: ServerConfig) -> uvicorn.Config:

@@ -9,85 +9,80 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
 from ultrafast.config import ServerConfig
-from ultrafast.server.admission import Admission
-from ultrafast.server.bridge import EngineBridge, EngineThread
 from ultrafast.server.errors import APIError
-from ultrafast.server.generate import RunDeps
+from ultrafast.server.generate import GenerationRun, RunDeps
 from ultrafast.server.guard import GuardConfig
 from ultrafast.server.json_body import check_content_type, parse_json_body
 from ultrafast.server.metrics import ServerMetrics
 from ultrafast.server.protocol import Limits
+from ultrafast.server.runtime import ModelRuntime, ModelSet
 from ultrafast.server.sessions.flow import SessionFlow
 from ultrafast.server.tenants import ApiKeys
-from ultrafast.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from ultrafast.server.residency.registry import ModelRegistry
 
 
 @dataclass
 class ServerState:
-    config: ServerConfig
-    engine: EngineThread  # read through its read API only (server/bridge.py)
-    tokenizer: Tokenizer
-    model_name: str
-    max_model_len: int
-    limits: Limits
-    admission: Admission
-    bridge: EngineBridge | None = None  # made on startup, when the event loop exists
+    """What is server-wide; each model's parts are its ModelRuntime in `models`."""
+
+    config: ServerConfig  # the default model's admission resolved its auto TTFT targets
+    models: ModelSet
     draining: bool = False
     started_s: float = field(default_factory=time.time)
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="ultrafast-tokenize")
     )
-    runs: set = field(default_factory=set)  # GenerationRuns in flight, for the drain
+    runs: set[GenerationRun] = field(default_factory=set)  # in flight, for the drain
     sessions: SessionFlow | None = None  # server-side conversations (sessions/flow.py)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     api_keys: ApiKeys | None = None  # None: no auth, loopback only
     guard: GuardConfig | None = None  # None: output goes out unfiltered
     auth_refused: dict = field(default_factory=dict)  # reason -> count, for metrics
-    grammar: Any = None  # grammar.matcher.GrammarRuntime (compiles off the engine thread)
-    # several models resident by use (server/residency/registry.py); None: one model
-    residency: Any = None
-    model_files: Any = None  # the served model's ModelFiles (Ollama's /api/show, /api/tags)
     # embedding models, name -> EmbeddingEngine (server/frontends/embeddings.py); they stay
-    # loaded, beside the chat model(s) or alone (then `engine` is the first of them)
+    # loaded, beside the chat model(s) or alone (then the default runtime is the first)
     embedders: dict = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        """The default model's name (a call that names none runs on it)."""
+        return self.models.default.name
+
+    @property
+    def residency(self) -> ModelRegistry | None:
+        """Several models resident by use (server/residency/registry.py); None: one model."""
+        return self.models.registry
 
     def limits_for(self, model: object) -> Limits:
         """The request limits of the model a body names (its vocabulary and defaults)."""
-        if self.residency is None or not isinstance(model, str | None):
-            return self.limits
-        views = self.residency.loader.limits
-        return views.get(model if model is not None else self.model_name, self.limits)
-
-    def _admissions(self) -> list[Admission]:
-        if self.residency is None:
-            return [self.admission]
-        return list(self.residency.loader.admissions.values())  # one per model, default too
+        return self.models.limits_for(model)
 
     def calls_in_flight(self) -> int:
         """Admitted calls not finished, over every model (the drain waits for them)."""
-        return sum(sum(a.in_flight.values()) for a in self._admissions())
+        return sum(sum(a.in_flight.values()) for a in self.models.admissions())
 
     def in_flight_by_tier(self) -> dict[str, int]:
         """Tier name -> admitted calls not finished, over every model (/ready, /metrics)."""
         counts: dict[str, int] = {}
-        for admission in self._admissions():
+        for admission in self.models.admissions():
             for tier, n in admission.in_flight.items():
                 counts[tier.api_name] = counts.get(tier.api_name, 0) + n
         return counts
 
-    def run_deps(self) -> RunDeps:
-        assert self.bridge is not None, "the bridge is made when the app starts"
+    def run_deps(self, runtime: ModelRuntime) -> RunDeps:
+        assert runtime.bridge is not None, "the bridge is made when the model is leased"
         return RunDeps(
-            bridge=self.bridge,
-            tokenizer=self.tokenizer,
-            admission=self.admission,
+            bridge=runtime.bridge,
+            tokenizer=runtime.tokenizer,
+            admission=runtime.admission,
             metrics=self.metrics,
             guard=self.guard,
             runs=self.runs,
@@ -145,17 +140,7 @@ async def read_json(http: HTTPRequest, state: ServerState) -> dict:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if state.residency is not None:
-        state.residency.entry(model)  # 404 naming the model unless it is one of ours
-        return
-    if model is not None and model != state.model_name:
-        raise APIError(
-            404,
-            f"the model {model!r} does not exist; this server has {state.model_name!r}",
-            "not_found_error",
-            "model_not_found",
-            "model",
-        )
+    state.models.get(model)  # 404 naming the model unless it is one of ours
 
 
 def check_generates(state: ServerState, model: str | None) -> None:
@@ -173,7 +158,7 @@ def check_generates(state: ServerState, model: str | None) -> None:
 
 
 def check_ready(state: ServerState) -> None:
-    if not state.engine.alive:  # first: a dead engine also starts the shutdown (exit 2)
+    if not state.models.alive:  # first: a dead engine also starts the shutdown (exit 2)
         raise APIError(
             503,
             "the engine is not running",

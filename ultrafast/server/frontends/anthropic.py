@@ -37,7 +37,7 @@ from ultrafast.server.frontends.anthropic_stream import stream_message
 from ultrafast.server.frontends.common import count_prompt_tokens, key_tier
 from ultrafast.server.generate import ENGINE_FAILED, ChoiceDelta, GenerationRun, run_error
 from ultrafast.server.guard import CONTENT_FILTER
-from ultrafast.server.state import ServerState, check_model, read_json
+from ultrafast.server.state import ServerState, read_json
 
 
 class MessageBuilder:
@@ -142,18 +142,10 @@ def anthropic_routes(state: ServerState) -> list[Route]:
         body = await read_json(http, state)
         limits = state.limits_for(body.get("model"))
         req = parse_request(body, limits, counting=True)
-        check_model(state, req.model)
         messages, plan = to_messages(req, limits), plan_of(req, limits)
-        if state.residency is None:
-            num = await count_prompt_tokens(state.tokenizer, state.pool, messages, plan, "messages")
-        else:  # the named model's tokenizer, which a lease makes resident
-            view, release = await state.residency.acquire(req.model)
-            try:
-                num = await count_prompt_tokens(
-                    view.tokenizer, view.pool, messages, plan, "messages"
-                )
-            finally:
-                release()
+        # the named model's own tokenizer (404 for another name), loaded or not
+        tokenizer = state.models.get(req.model).tokenizer
+        num = await count_prompt_tokens(tokenizer, state.pool, messages, plan, "messages")
         return JSONResponse({"input_tokens": num})
 
     return [

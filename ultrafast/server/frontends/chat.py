@@ -33,7 +33,8 @@ async def _chat(http: HTTPRequest, state: ServerState, req: ChatCompletionReques
         assert state.sessions is not None  # session_id is refused unless sessions are wired
         session = await ChatSession.open(state.sessions, http, req, chat_messages(req))
         if session.replay is not None:
-            return replay_response(state.model_name, state.tokenizer, req, session.replay)
+            runtime = state.models.get(req.model)
+            return replay_response(runtime.name, runtime.tokenizer, req, session.replay)
     try:
         run = await prepare_call(
             state,

@@ -102,9 +102,7 @@ def embedding_engine(state: ServerState, model: Any, param: str = "model") -> tu
 
 
 def _is_chat_model(state: ServerState, name: str) -> bool:
-    if state.residency is not None:
-        return name in state.residency.entries
-    return name == state.model_name and name not in state.embedders
+    return name in state.models.runtimes and name not in state.embedders
 
 
 async def run_embed_call(state: ServerState, scope: Any, call: EmbedCall) -> EmbedResult:

@@ -113,11 +113,12 @@ async def _load_only(state: ServerState, req: Any, model: str, reply: Reply) -> 
             keep_alive = parse_keep_alive(req.keep_alive)
         except ValueError as exc:
             raise invalid_value("keep_alive", str(exc)) from None
-    if state.residency is not None:
-        _, release = await state.residency.acquire(
-            model, keep_alive if req.keep_alive is not None else False
-        )
-        release()
+    _, release = await state.models.lease(  # loads it (with several models) and lets go
+        model,
+        keep_alive if req.keep_alive is not None else False,
+        state.config.max_stream_buffer_events,
+    )
+    release()
     reason = "unload" if req.keep_alive is not None and keep_alive == 0 else "load"
     return JSONResponse(reply.piece("", done_reason=reason))
 

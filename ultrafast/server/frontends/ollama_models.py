@@ -50,7 +50,7 @@ def now_iso() -> str:
 
 def served_names(state: ServerState) -> list[str]:
     """The chat models, then the embedding models (each name once)."""
-    chat = list(state.residency.entries) if state.residency is not None else [state.model_name]
+    chat = list(state.models.runtimes)
     return chat + [name for name in state.embedders if name not in chat]
 
 
@@ -76,7 +76,7 @@ def files_of(state: ServerState, name: str) -> ModelFiles | None:
     if state.residency is not None:
         paths = dict(state.config.models)
         return resolve_model(paths[name]) if name in paths else None
-    return state.model_files
+    return state.models.default.files
 
 
 def _gguf_meta(files: ModelFiles | None):
@@ -171,21 +171,22 @@ def _tokenizer_of(state: ServerState, name: str):
     if name in state.embedders:
         return None  # no chat template to show
     if state.residency is None:
-        return state.tokenizer
+        return state.models.default.tokenizer
     resident = state.residency.entries[name].resident
-    return None if resident is None else resident.view.tokenizer
+    return None if resident is None else resident.runtime.tokenizer
 
 
 def _ps_entry(state: ServerState, name: str) -> dict:
     files = files_of(state, name)
-    gpu = state.engine.snapshot().device_kind == "gpu"
+    gpu = state.models.snapshot().device_kind == "gpu"
+    registry = state.residency
     entry = None
-    if state.residency is not None and name not in state.embedders:
-        entry = state.residency.entries[name]
+    if registry is not None and name not in state.embedders:
+        entry = registry.entries[name]
     size = entry.num_bytes if entry is not None else weight_bytes(files) if files else 0
     expires = ZERO_TIME
-    if entry is not None and entry.expires_s is not None:
-        wall = time.time() + (entry.expires_s - state.residency.clock())
+    if registry is not None and entry is not None and entry.expires_s is not None:
+        wall = time.time() + (entry.expires_s - registry.clock())
         expires = (
             dt.datetime.fromtimestamp(wall, dt.timezone.utc).isoformat().replace("+00:00", "Z")
         )
@@ -200,7 +201,7 @@ def _ps_entry(state: ServerState, name: str) -> dict:
 def _context_length(state: ServerState, name: str, entry: Any) -> int:
     if name in state.embedders:
         return state.embedders[name].max_input_tokens
-    return entry.extra.get("max_model_len", 0) if entry else state.max_model_len
+    return entry.extra.get("max_model_len", 0) if entry else state.models.default.max_model_len
 
 
 def _capabilities(state: ServerState, name: str) -> list[str]:

@@ -16,7 +16,7 @@ import json
 from dataclasses import replace
 from typing import Any, Literal
 
-from ultrafast.request import SamplingParams, ServiceTier
+from ultrafast.request import SamplingChoice, ServiceTier
 from ultrafast.server.calls import CallInput, plain_params
 from ultrafast.server.client_schema import check_client_schema
 from ultrafast.server.errors import invalid_type, invalid_value, unsupported_content
@@ -181,7 +181,7 @@ def _number(options: dict, name: str, integer: bool) -> Any:
     return value
 
 
-def sampling(options: dict | None, limits: Limits) -> tuple[SamplingParams, int | None, list[str]]:
+def sampling(options: dict | None, limits: Limits) -> tuple[SamplingChoice, int | None, list[str]]:
     """(params with the options applied, max_tokens or None, stop strings)."""
     options = options or {}
     for name in options:
@@ -214,7 +214,7 @@ def sampling(options: dict | None, limits: Limits) -> tuple[SamplingParams, int 
     try:
         params = plain_params(got.get("temperature"), got.get("top_p"), limits)
         params = replace(params, **{k: v for k, v in changes.items() if v is not None})
-    except ValueError as exc:  # SamplingParams' own range checks: "<field> must be ..."
+    except ValueError as exc:  # SamplingChoice's own range checks: "<field> must be ..."
         field = str(exc).split(" ")[0]
         name = {"repetition_penalty": "repeat_penalty"}.get(field, field)
         raise invalid_value(f"options.{name}", str(exc)) from None

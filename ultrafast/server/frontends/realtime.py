@@ -133,7 +133,9 @@ class RealtimeConnection:
         if not isinstance(session, dict):
             raise invalid_type("session", "session must be a JSON object")
         options = {**self.session_options, **{k: session[k] for k in TOOL_OPTIONS if k in session}}
-        realtime_plan(options, {}, self.state.limits)  # refuse bad tools now, not at response
+        realtime_plan(
+            options, {}, self.state.models.default.limits
+        )  # refuse bad tools now, not at response
         self.session_options = options
         await self.send(
             {
@@ -156,7 +158,7 @@ class RealtimeConnection:
             if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
                 raise invalid_type(f"response.{name}", f"{name} must be a number")
         tier, auto = check_options(
-            self.state.limits,
+            self.state.models.default.limits,
             temperature=temperature,
             top_p=top_p,
             max_tokens=max_tokens,
@@ -177,13 +179,13 @@ class RealtimeConnection:
                 None,
             )
         response_id = "resp_" + uuid.uuid4().hex
-        tools = realtime_plan(self.session_options, options, self.state.limits)
+        tools = realtime_plan(self.session_options, options, self.state.models.default.limits)
         run = await prepare_call(
             self.state,
             self.ws.scope,
             CallInput(
                 chat=True,
-                params=plain_params(temperature, top_p, self.state.limits),
+                params=plain_params(temperature, top_p, self.state.models.default.limits),
                 max_tokens=max_tokens,
                 messages=messages,
                 stream=True,

@@ -195,9 +195,10 @@ async def resolve_history(flow: SessionFlow, tenant: str, req: ResponsesRequest)
 def call_input(
     req: ResponsesRequest, state: ServerState, messages: list[ChatMessage], response_id: str
 ) -> CallInput:
-    tools = plan_from_responses(req, state.limits)
+    limits = state.limits_for(req.model)  # the named model's
+    tools = plan_from_responses(req, limits)
     tier, auto = check_options(
-        state.limits,
+        limits,
         temperature=req.temperature,
         top_p=req.top_p,
         max_tokens=req.max_output_tokens,
@@ -205,7 +206,7 @@ def call_input(
         service_tier=req.service_tier,
     )
     fmt = req.text.format if req.text else None
-    params = plain_params(req.temperature, req.top_p, state.limits)
+    params = plain_params(req.temperature, req.top_p, limits)
     if fmt is not None and fmt.type != "text":
         params = replace(params, grammar=fmt.grammar())
     return CallInput(
@@ -302,7 +303,7 @@ def responses_routes(state: ServerState) -> list[Route]:
         system = [ChatMessage("system", req.instructions)] if req.instructions else []
         messages = system + turns_to_messages(history.turns, flow.model_name) + new
         run = await prepare_call(state, http.scope, call_input(req, state, messages, response_id))
-        builder = ResponseBuilder(response_id, req, state.model_name, run.spec.tier.api_name)
+        builder = ResponseBuilder(response_id, req, run.spec.model_name, run.spec.tier.api_name)
         try:
             if history.session_id is not None and req.store:
                 session_id = await store_input(flow, tenant, history, new, response_id)

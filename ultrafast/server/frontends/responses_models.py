@@ -117,7 +117,7 @@ class ResponsesRequest(_Strict):
 
 def check_request(req: ResponsesRequest, state: ServerState) -> None:
     """What pydantic cannot say, in the Responses API's own field names."""
-    limits = state.limits
+    limits = state.limits_for(req.model)
     if isinstance(req.input, list) and not req.input:
         raise invalid_value("input", "input must not be empty")
     num_chars = len(req.instructions or "") + sum(len(m.content) for m in req.new_messages())
@@ -153,6 +153,6 @@ def _check_text_format(req: ResponsesRequest, state: ServerState) -> None:
         if fmt.name is None or not NAME_RE.fullmatch(fmt.name):
             raise invalid_value("text.format.name", "name must match [A-Za-z0-9_-]{1,64}")
         param = "text.format.schema"
-        check_client_schema(fmt.schema_, param, state.limits, param)
-    if "response_format" not in state.limits.features:
+        check_client_schema(fmt.schema_, param, state.limits_for(req.model), param)
+    if "response_format" not in state.limits_for(req.model).features:
         raise unsupported_parameter("text.format", "structured output is not available here")

@@ -43,9 +43,9 @@ RETRY_FAILED_PRELOAD_S = 30.0  # a model whose load failed is not preloaded agai
 
 
 class Resident(Protocol):
-    """What the loader returns: the model's per-model server state, and how to free it."""
+    """What the loader returns: the model's runtime (server/runtime.py), and how to free it."""
 
-    view: Any
+    runtime: Any
 
     def close(self) -> None: ...
 
@@ -152,7 +152,7 @@ class ModelRegistry:
     async def acquire(
         self, name: str | None, keep_alive_s: float | None | bool = False
     ) -> tuple[Any, Callable[[], None]]:
-        """The model's view (its per-model server state), loaded if need be, and the
+        """The model's runtime (server/runtime.py), loaded if need be, and the
         release to call once when the call ends. keep_alive_s False: the server default."""
         entry = self.entry(name)
         now = self.clock()
@@ -183,7 +183,7 @@ class ModelRegistry:
                 released = True
                 self._release(entry)
 
-        return entry.resident.view, release
+        return entry.resident.runtime, release
 
     async def _step_towards_loaded(self, entry: ModelEntry, deadline: float) -> None:
         if entry.status == UNLOADED:
