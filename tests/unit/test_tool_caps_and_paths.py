@@ -90,3 +90,29 @@ def test_the_path_of_the_named_tool_keeps_its_place_in_the_request():
     with pytest.raises(SchemaProblem) as info:
         responses_plan(tools=tools, tool_choice=choice).grammar()
     assert info.value.param("tools") == "tools[1].parameters.properties.n.minimum"
+
+
+def test_an_anthropic_tool_no_arguments_can_match_is_named_by_its_exact_path():
+    from ultrafast.server.frontends.anthropic_request import parse_request, plan_of
+
+    tools = [{"name": "a", "input_schema": OK}, {"name": "b", "input_schema": EMPTY}]
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    plan = plan_of(parse_request({**body, "tools": tools}, ALL_FEATURES), ALL_FEATURES)
+    with pytest.raises(SchemaProblem) as info:
+        plan.grammar()
+    assert info.value.param("tools") == "tools[1].input_schema.properties.n.minimum"
+
+
+def test_an_ollama_tool_no_arguments_can_match_is_named_by_its_exact_path():
+    from ultrafast.server.frontends.ollama_request import ChatRequest, call_input, parse
+
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": s}}
+        for n, s in (("a", OK), ("b", EMPTY))
+    ]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    req = parse(ChatRequest, body, ALL_FEATURES)
+    plan = call_input(req, "m", ALL_FEATURES, "id").tools
+    with pytest.raises(SchemaProblem) as info:
+        plan.grammar()
+    assert info.value.param("tools") == "tools[1].function.parameters.properties.n.minimum"

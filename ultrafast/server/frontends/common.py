@@ -83,7 +83,7 @@ def tool_plan(
             if schema.get("type", "object") != "object":
                 raise invalid_value(param, "a tool's schema must describe a JSON object")
         description = spec.description if isinstance(spec.description, str) else None
-        tools.append(FunctionTool(spec.name, description, schema))
+        tools.append(FunctionTool(spec.name, description, schema, param=f"[{i}].{schema_field}"))
     _require_feature("tools", limits)
     if named is not None and named not in names:
         raise invalid_value("tool_choice", f"tool_choice names {named!r}, which is not in tools")

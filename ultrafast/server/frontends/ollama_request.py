@@ -281,7 +281,7 @@ def call_input(
             ToolSpec(t.function.name, t.function.description, t.function.parameters)
             for t in req.tools
         ]
-        plan = tool_plan(specs, "tools", limits)
+        plan = tool_plan(specs, "tools", limits, schema_field="function.parameters")
     return CallInput(
         chat=not raw,
         params=params,
