@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -33,6 +34,9 @@ from ultrafast.server.guard import CONTENT_FILTER, GuardConfig, GuardedChoice
 from ultrafast.server.metrics import ServerMetrics
 from ultrafast.server.tools.stream import ToolSplitter, chat_tool_chunks
 from ultrafast.tokenizer import StopStringMatcher, Tokenizer
+
+if TYPE_CHECKING:
+    from ultrafast.server.tools.plan import ToolPlan
 
 
 @dataclass
@@ -54,11 +58,11 @@ class GenerationSpec:
     echo_texts: list[str] | None = None  # completions `echo`: prompt text, one per prompt
     arrival_s: float = 0.0
     prediction_token_ids: list[int] | None = None  # chat `prediction`: drafts for every choice
-    tools: Any = None  # a ToolPlan (server/tools/plan.py): the text splits into content + calls
+    tools: ToolPlan | None = None  # the text splits into content + tool calls
     # special tokens whose text the output keeps (a tool format's trigger token); others skipped
     keep_token_ids: frozenset[int] = frozenset()
-    # the compile of params.grammar (a concurrent.futures.Future) when it may still be running
-    grammar_compile: Any = None
+    # the compile of params.grammar when it may still be running
+    grammar_compile: Future[None] | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,7 @@ class RunDeps:
     admission: Admission
     metrics: ServerMetrics
     guard: GuardConfig | None  # None: text goes out as soon as it exists
-    runs: set  # the runs in flight, for the shutdown drain
+    runs: set[GenerationRun]  # the runs in flight, for the shutdown drain
     ping_interval_s: float  # a Ping when no output came for this long
 
 
@@ -453,6 +457,7 @@ class GenerationRun:
                 elif event.finish == "error":
                     break  # conclude() below names the failure
                 elif event.tool_events:  # content first, then the calls, then the finish
+                    assert spec.tools is not None  # tool events come from a call's tool plan
                     if event.text or event.logprobs:
                         yield writer.delta(event.index, event.text, event.logprobs)
                     for chunk in chat_tool_chunks(
