@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.server import openai_format as fmt
 from ultrafast.server.admission import Admission, Ticket
-from ultrafast.server.bridge import EngineBridge, Generation, RequestOutput
+from ultrafast.server.bridge import EngineBridge, RequestGroup, RequestOutput
 from ultrafast.server.errors import APIError
 from ultrafast.server.guard import CONTENT_FILTER, GuardConfig, GuardedChoice
 from ultrafast.server.metrics import ServerMetrics
@@ -144,7 +144,7 @@ class GenerationRun:
                 )
                 self.choice_prompts.append(p)
         num_choices = len(requests)
-        self.generation = Generation(deps.bridge, requests)
+        self.generation = RequestGroup(deps.bridge, requests)  # the call's engine requests
         echo = spec.echo_texts or [""] * len(spec.prompts)
         self.choices = [
             fmt.ChoiceState(c, text=echo[self.choice_prompts[c]]) for c in range(num_choices)
