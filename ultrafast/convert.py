@@ -27,15 +27,11 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from ultrafast.model.gguf_names import HF_ARCHITECTURES, gguf_tensor_name
 from ultrafast.weight_format import AUTO, resolve_outtype
 
-# HF architecture -> (gguf arch, permute q/k for interleaved rope)
-ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", True),
-    "MistralForCausalLM": ("llama", True),
-    "Qwen2ForCausalLM": ("qwen2", False),
-    "Qwen3ForCausalLM": ("qwen3", False),
-}
+# HF architecture -> (gguf arch, permute q/k for interleaved rope); tensor names: gguf_names.py
+ARCHITECTURES = HF_ARCHITECTURES
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -43,24 +39,6 @@ _MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 
-_GLOBAL_NAMES = {
-    "model.embed_tokens": "token_embd",
-    "model.norm": "output_norm",
-    "lm_head": "output",
-}
-_LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
 _OUT_TYPES = {  # outtype -> (ggml tensor type for 2-D weights, gguf file type)
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
     "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
@@ -123,13 +101,10 @@ def _permute_for_interleaved_rope(weight: np.ndarray, num_heads: int) -> np.ndar
 
 
 def _gguf_name(hf_name: str) -> str | None:
-    stem, _, suffix = hf_name.rpartition(".")  # suffix: weight / bias
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
-    parts = stem.split(".")
-    if stem.startswith("model.layers.") and ".".join(parts[3:]) in _LAYER_NAMES:
-        return f"blk.{parts[2]}.{_LAYER_NAMES['.'.join(parts[3:])]}.{suffix}"
-    if stem.endswith("rotary_emb"):
+    name = gguf_tensor_name(hf_name)
+    if name is not None:
+        return name
+    if hf_name.rpartition(".")[0].endswith("rotary_emb"):
         return None  # inv_freq buffers are recomputed by llama.cpp
     raise ValueError(f"unexpected tensor {hf_name!r}")
 

@@ -17,7 +17,7 @@ from tests.unit.engine_driver import run_all
 from tests.unit.test_grammar_engine import SCHEMA, SPEC, engine, request, text
 from tests.unit.test_grammar_engine import runtime as runtime  # noqa: F401 (fixture)
 from tests.unit.test_grammar_engine import tok as tok  # noqa: F401 (fixture)
-from ultrafast.engine.core import (
+from ultrafast.engine.grammar_stage import (
     COMPILE_SPARE_THREADS,
     COMPILE_STEP_S,
     FORCED_DRAFT_RETRY_STEPS,
@@ -27,6 +27,11 @@ from ultrafast.grammar import GrammarSpec
 from ultrafast.grammar.cache import GrammarError
 from ultrafast.grammar.mask import AllowedIdsCache, allowed_bools, apply_mask_numpy, set_bits
 from ultrafast.request import ServiceTier
+
+
+def worth(core, available):
+    """The grammar stage's forced-draft count, as a step with no other request asks it."""
+    return core.grammar_stage.forced_drafts_worth(available, core.costs, lone=True)
 
 
 def step_until(core, outputs, condition, limit=200):
@@ -62,7 +67,7 @@ def test_a_compiling_request_prefills_and_waits_while_others_decode(
     if keeps_logits:  # the whole prompt is in, its last row's logits kept for the grammar
         assert slow.num_computed_tokens == slow.num_prompt_tokens
         assert [s.defer_sample for s in mine] == [False] * (len(mine) - 1) + [True]
-        assert mine[-1].num_logits == 1 and "c" in core._kept
+        assert mine[-1].num_logits == 1 and "c" in core.grammar_stage.kept
     else:  # all but the one token whose logits need the grammar
         assert slow.num_computed_tokens == slow.num_prompt_tokens - 1
         assert all(s.num_logits == 0 and not s.defer_sample for s in mine)
@@ -76,7 +81,7 @@ def test_a_compiling_request_prefills_and_waits_while_others_decode(
         if out.finished:
             outputs.setdefault("finished:" + out.request_id, []).append(out.finish_reason)
     if keeps_logits:  # its first token straight from the kept row, returned before any pass
-        assert outputs["c"] and not core._kept and len(executor.plans) == num_plans
+        assert outputs["c"] and not core.grammar_stage.kept and len(executor.plans) == num_plans
     step_until(core, outputs, lambda: not core.has_work())
     last_prompt_pass = [
         s
@@ -88,7 +93,7 @@ def test_a_compiling_request_prefills_and_waits_while_others_decode(
     assert all(p.spare_threads == 0 for p in executor.plans[num_plans:])  # all cores again
     assert outputs["c"] == want["c"]  # the same tokens as a request compiled up front
     jsonschema.validate(json.loads(text(tok, outputs["c"])), SCHEMA)
-    assert outputs["finished:c"] == ["stop"] and not core._compiling
+    assert outputs["finished:c"] == ["stop"] and not core.grammar_stage.compiling
 
 
 def test_steps_stay_short_while_a_grammar_compiles(tok, runtime):  # noqa: F811
@@ -212,7 +217,7 @@ def test_a_request_aborted_while_compiling_is_forgotten(tok, runtime):  # noqa: 
     pending.set_result(None)
     outputs: dict = {}
     step_until(core, outputs, lambda: not core.has_work())
-    assert not core._compiling and r.grammar_matcher is None
+    assert not core.grammar_stage.compiling and r.grammar_matcher is None
 
 
 def test_forced_drafts_are_dropped_when_a_wider_pass_costs_more_than_it_saves(
@@ -227,14 +232,14 @@ def test_forced_drafts_are_dropped_when_a_wider_pass_costs_more_than_it_saves(
         costs.observe(1, 8, 0.004, 0.004)
     costs.lone_pass_s[1], costs.lone_pass_s[2] = 0.001, 0.003
     costs.lone_pass_s[3:] = [0.01] * (len(costs.lone_pass_s) - 3)
-    assert core._forced_drafts_worth(5) == 0
-    core._forced_idle_steps = -(10**6)  # no retry of a wider pass within this test
+    assert worth(core, 5) == 0
+    core.grammar_stage.forced_idle_steps = -(10**6)  # no retry of a wider pass within this test
     got, _ = run_all(core, [request(tok, "f")])
     assert got["f"] == want["f"]
     assert not any(s.num_logits > 1 for p in executor.plans for s in p.seqs)
     # now and then one forced draft rides anyway, so a width timed in a load spike is retimed
-    core._forced_idle_steps = 0
-    taken = [core._forced_drafts_worth(5) for _ in range(2 * FORCED_DRAFT_RETRY_STEPS)]
+    core.grammar_stage.forced_idle_steps = 0
+    taken = [worth(core, 5) for _ in range(2 * FORCED_DRAFT_RETRY_STEPS)]
     assert taken.count(1) == 2 and set(taken) == {0, 1}
 
 
@@ -245,13 +250,13 @@ def test_no_forced_draft_is_reused_for_a_while_then_recomputed(tok, runtime):  #
         costs.observe(1, 1, 0.001, 0.001)
         costs.observe(1, 8, 0.004, 0.004)
     costs.lone_pass_s[1], costs.lone_pass_s[2] = 0.001, 0.003  # a draft costs a step: none
-    core._forced_idle_steps = -(10**6)  # no retry ride within this test
-    assert core._forced_drafts_worth(1) == 0
+    core.grammar_stage.forced_idle_steps = -(10**6)  # no retry ride within this test
+    assert worth(core, 1) == 0
     costs.lone_pass_s[2] = 0.0011  # now one pays, but "none" still stands for a while
-    assert core._forced_drafts_worth(2) == 1  # each count of forced tokens is its own entry
-    taken = [core._forced_drafts_worth(1) for _ in range(FORCED_WORTH_REUSE_CALLS)]
+    assert worth(core, 2) == 1  # each count of forced tokens is its own entry
+    taken = [worth(core, 1) for _ in range(FORCED_WORTH_REUSE_CALLS)]
     assert taken[:-1] == [0] * (FORCED_WORTH_REUSE_CALLS - 1)
-    assert taken[-1] == 1 and core._forced_drafts_worth(1) == 1  # a paying k is never reused
+    assert taken[-1] == 1 and worth(core, 1) == 1  # a paying k is never reused
 
 
 def test_forced_drafts_all_ride_when_passes_are_cheap(tok, runtime):  # noqa: F811
@@ -259,7 +264,7 @@ def test_forced_drafts_all_ride_when_passes_are_cheap(tok, runtime):  # noqa: F8
     for _ in range(20):
         core.costs.observe(1, 1, 0.001, 0.001)
         core.costs.observe(1, 8, 0.0012, 0.0012)
-    assert core._forced_drafts_worth(5) == 5
+    assert worth(core, 5) == 5
 
 
 @pytest.mark.parametrize("vocab,words", [(100, 5), (4096, 128), (49153, 1537), (70, 2)])
@@ -353,7 +358,7 @@ def test_fixed_draft_costs_keep_every_forced_draft(tok, runtime):  # noqa: F811
         core.costs.observe(1, 1, 0.001, 0.001)
         core.costs.observe(1, 8, 0.02, 0.02)
     core.costs.lone_pass_s[2:] = [1.0] * (len(core.costs.lone_pass_s) - 2)
-    assert core._forced_drafts_worth(4) == 4
+    assert worth(core, 4) == 4
 
 
 @pytest.mark.parametrize("as_numpy", [True, False])
@@ -396,13 +401,13 @@ def test_a_request_preempted_while_its_logits_are_kept_prefills_again(tok, runti
     slow.grammar_pending = compiling
     core.add_request(slow)
     outputs: dict = {}
-    step_until(core, outputs, lambda: "c" in core._kept)
+    step_until(core, outputs, lambda: "c" in core.grammar_stage.kept)
     core.add_request(request(tok, "p", None, tier=ServiceTier.PRIORITY, max_tokens=3))
     step_until(core, outputs, lambda: slow.num_preemptions == 1)
     runtime.compile(SPEC)  # ready while "c" waits for its slot back
     compiling.set_result(None)
     for out in core.step():  # the matcher is made; the kept row no longer matches: dropped
         outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert not core._kept and not outputs.get("c") and slow.num_computed_tokens == 0
+    assert not core.grammar_stage.kept and not outputs.get("c") and slow.num_computed_tokens == 0
     step_until(core, outputs, lambda: not core.has_work())
     assert outputs["c"] == want["c"]

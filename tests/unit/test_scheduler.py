@@ -227,7 +227,7 @@ def test_priority_step_budget_caps_steps_but_keeps_priority_decodes():
         )
     )
     engine.step()
-    engine.priority_token_budget = 5  # fixed: this engine has no ITL target to size it
+    engine.budget.priority_tokens = 5  # fixed: this engine has no ITL target to size it
     engine.add_request(Request("long", prompt(21, 60), GREEDY))
     for _ in range(4):
         engine.step()

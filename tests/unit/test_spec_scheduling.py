@@ -204,8 +204,8 @@ def test_priority_step_budget_still_bounds_steps_with_drafts():
     engine, executor, _ = make_engine(max_num_batched_tokens=64, max_prefill_chunk_tokens=64)
     engine.add_request(Request("p", prompt(20, 4), greedy(40), tier=PRIORITY))
     engine.step()
-    engine.priority_token_budget = 3
-    engine.priority_itl_target_s = None  # keep the budget fixed for the test
+    engine.budget.priority_tokens = 3
+    engine.budget.priority_itl_target_s = None  # keep the budget fixed for the test
     engine.add_request(Request("long", prompt(21, 60), greedy(12)))
     for _ in range(6):
         engine.step()

@@ -10,6 +10,7 @@ from ultrafast.engine import start_costs
 from ultrafast.engine.idle_speed import IdleSpeed
 from ultrafast.engine.start_costs import StartCosts
 from ultrafast.executors import cost_cache
+from ultrafast.executors.base import ExecutorCaps
 from ultrafast.executors.ggml_threads import CalibrationInterrupted, NoFreeSlots, ThreadPlan
 
 QUIET = ThreadPlan((1, 16), (1, 2), ((24.0, 30.0), (90.0, 50.0)), (1, 2))
@@ -19,6 +20,9 @@ SPEED = IdleSpeed(prompt_tokens=128, ttft_s=0.05, decode_s=0.02)
 class FakeExecutor:
     threads_auto = True
     n_threads = 2
+
+    def caps(self):
+        return ExecutorCaps(thread_calibration=True, threads_auto=self.threads_auto)
 
     def __init__(self, model, plan=QUIET):
         self.model, self.plan, self.thread_plan, self.calibrations = model, plan, None, 0
@@ -44,6 +48,7 @@ class FakeExecutor:
 class FakeCore:
     def __init__(self, executor):
         self.executor, self.idle_speed, self.cost_resets = executor, None, 0
+        self.caps = executor.caps()
         self.pool = executor.pool = SimpleNamespace(
             slots=[SimpleNamespace(slot_id=i, owner=None, hashes=[]) for i in range(3)]
         )

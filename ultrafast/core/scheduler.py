@@ -15,6 +15,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ultrafast.core.kv_pool import KVSlotPool
+from ultrafast.core.step_update import (
+    accepted_drafts,
+    append_outputs,
+    count_drafts,
+    scores_prompt,
+    step_output,
+    take_prompt_logprobs,
+)
 from ultrafast.core.types import (
     Draft,
     DraftVerification,
@@ -26,9 +34,10 @@ from ultrafast.core.types import (
 )
 from ultrafast.request import Request, RequestStatus, ServiceTier
 
-# The order a step's budget is handed out in: (tier, decoding) phases. Requests admitted from
-# a tier's queue start right after that tier's running prefills.
-_PHASES = (
+# The order a step's budget is handed out in, as (tier, decoding) pairs (an order, not phases:
+# a request moves from prefill to decoding by its token counts alone). Requests admitted from a
+# tier's queue start right after that tier's running prefills.
+_BUDGET_ORDER = (
     (ServiceTier.PRIORITY, True),
     (ServiceTier.DEFAULT, True),
     (ServiceTier.PRIORITY, False),
@@ -36,7 +45,7 @@ _PHASES = (
     (ServiceTier.FLEX, True),
     (ServiceTier.FLEX, False),
 )
-_PHASE_RANKS = {phase: rank for rank, phase in enumerate(_PHASES)}
+_ORDER_RANKS = {place: rank for rank, place in enumerate(_BUDGET_ORDER)}
 # prefill tokens a step capped for the default tier's token gaps still carries, so arrivals
 # keep moving towards their first token however many decodes share the step
 MIN_PREFILL_TOKENS = 32
@@ -45,12 +54,12 @@ MIN_PREFILL_TOKENS = 32
 LASTING_DECODES = 4
 
 
-def _phase_rank(request: Request) -> int:
-    return _PHASE_RANKS[request.tier, request.num_tokens - request.num_computed_tokens == 1]
+def _order_rank(request: Request) -> int:
+    return _ORDER_RANKS[request.tier, request.num_tokens - request.num_computed_tokens == 1]
 
 
-def _phase_key(request: Request) -> tuple[int, float]:
-    return _phase_rank(request), request.order_time_s
+def _order_key(request: Request) -> tuple[int, float]:
+    return _order_rank(request), request.order_time_s
 
 
 @dataclass(frozen=True)
@@ -166,7 +175,7 @@ class Scheduler:
         if request is None:
             return
         self._finish(request, RequestStatus.FINISHED_ABORTED)
-        self._finished_outputs.append(self._output(request, [], []))
+        self._finished_outputs.append(step_output(request, [], []))
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -193,7 +202,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # A priority request still to prefill (waiting, or part way) lifts both caps: its time
         # to first token is at stake, and its prefill chunk comes after the default decodes in
-        # the phase order, so a capped step would leave it nothing, step after step.
+        # the budget order, so a capped step would leave it nothing, step after step.
         if not self._priority_prefill_pending():
             if token_budget is not None:
                 num_decoding = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
@@ -203,13 +212,14 @@ class Scheduler:
                 if num_priority and self._priority_has_company():  # drafts count against it
                     budget = max(min(budget, priority_token_budget), num_priority)
         self._admissions_left = self.config.max_admissions_per_step or 1 << 30
-        # one walk over the running requests in phase order (see _PHASES), each phase by arrival
+        # one walk over the running requests in budget order (_BUDGET_ORDER), each place by
+        # arrival
         running = self.running
         if len(running) > 1:
-            running = sorted(running, key=_phase_key)
+            running = sorted(running, key=_order_key)
         i, n = 0, len(running)
-        for rank, (tier, decoding) in enumerate(_PHASES):
-            while i < n and _phase_rank(running[i]) == rank:
+        for rank, (tier, decoding) in enumerate(_BUDGET_ORDER):
+            while i < n and _order_rank(running[i]) == rank:
                 if budget > 0:
                     request = running[i]
                     budget -= self._schedule_chunk(
@@ -342,7 +352,7 @@ class Scheduler:
             request.request_id,
             request.all_token_ids,
             request.tenant,
-            reuse_prefix=not _scores_prompt(request),
+            reuse_prefix=not scores_prompt(request),
             lasting=decodes_left >= LASTING_DECODES,
         )
 
@@ -410,7 +420,7 @@ class Scheduler:
                 draft_probs=draft_probs,
                 # rows whose next token is a prompt token score it
                 num_prompt_logits=max(0, min(n, request.num_prompt_tokens - 1 - start))
-                if _scores_prompt(request)
+                if scores_prompt(request)
                 else 0,
             )
         )
@@ -425,44 +435,35 @@ class Scheduler:
                 continue  # aborted while the step ran
             error = result.errors.get(seq.request_id)
             if error is None and seq.num_prompt_logits:
-                error = _take_prompt_logprobs(request, seq, result)
+                error = take_prompt_logprobs(request, seq, result)
             if error is not None:
                 self._finish(request, RequestStatus.FINISHED_ERROR)
-                out = self._output(request, [], [])
+                out = step_output(request, [], [])
                 out.error = error
                 outputs.append(out)
                 continue
             if not seq.num_logits or seq.defer_sample:  # kept logits: the engine samples them
                 request.num_computed_tokens += seq.num_tokens
-                self.pool.commit(
-                    request.held_slot_id,
-                    request.all_token_ids,
-                    request.num_computed_tokens,
-                    request.tenant,
-                )
+                self._commit(request)
                 if request.num_computed_tokens == request.num_tokens and not seq.defer_sample:
                     self._finish(request, RequestStatus.FINISHED_LENGTH)  # max_tokens 0: scored
-                    outputs.append(self._output(request, [], []))
+                    outputs.append(step_output(request, [], []))
                 continue
             sampled = result.sampled_token_ids[seq.request_id]
             num_drafts = seq.num_logits - 1
-            num_accepted = 0
-            if num_drafts:  # keep the drafts the target agreed with, plus its own next token
-                drafts = seq.token_ids[seq.num_tokens - num_drafts :]
-                limit = min(num_drafts, len(sampled) - 1)
-                while num_accepted < limit and sampled[num_accepted] == drafts[num_accepted]:
-                    num_accepted += 1
+            num_accepted = accepted_drafts(seq, sampled)
             # KV of the rejected drafts is dropped by the executor on the next step
             request.num_computed_tokens += seq.num_tokens - num_drafts + num_accepted
             logprobs = result.logprobs.get(seq.request_id) if result.logprobs else None
-            new_ids, new_logprobs, status = self._append_outputs(
+            new_ids, new_logprobs, status = append_outputs(
                 request,
+                self.config.max_model_len,
                 sampled[: num_accepted + 1],
                 logprobs[: num_accepted + 1] if logprobs else [],
             )
             if num_drafts:
                 verifications.append(
-                    self._count_drafts(
+                    count_drafts(
                         request,
                         plan.draft_sources.get(seq.request_id, ""),
                         num_drafts,
@@ -470,55 +471,16 @@ class Scheduler:
                     )
                 )
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-            self.pool.commit(
-                request.held_slot_id,
-                request.all_token_ids,
-                request.num_computed_tokens,
-                request.tenant,
-            )
+            self._commit(request)
             if status is not None:
                 self._finish(request, status)
-            outputs.append(self._output(request, new_ids, new_logprobs))
+            outputs.append(step_output(request, new_ids, new_logprobs))
         return StepOutcome(outputs, verifications)
 
-    def _append_outputs(
-        self, request: Request, new_ids: list[int], new_logprobs: list
-    ) -> tuple[list[int], list, RequestStatus | None]:
-        """Append tokens one at a time; a stop (eos, stop id, max_tokens, context) cuts the rest."""
-        status = None
-        for i, token in enumerate(new_ids):
-            request.output_token_ids.append(token)
-            status = self._stop_status(request)
-            if status is not None:
-                new_ids, new_logprobs = new_ids[: i + 1], new_logprobs[: i + 1]
-                break
-        request.output_logprobs.extend(new_logprobs)
-        return new_ids, new_logprobs, status
-
-    @staticmethod
-    def _count_drafts(
-        request: Request, source: str, num_drafts: int, num_accepted: int
-    ) -> DraftVerification:
-        request.num_draft_tokens += num_drafts
-        request.num_accepted_draft_tokens += num_accepted
-        if source == "prediction":
-            request.num_accepted_prediction_tokens += num_accepted
-            request.num_rejected_prediction_tokens += num_drafts - num_accepted
-        return DraftVerification(request.request_id, source, num_drafts, num_accepted)
-
-    def _stop_status(self, request: Request) -> RequestStatus | None:
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if last in params.stop_token_ids or (
-            not params.ignore_eos and last in request.eos_token_ids
-        ):
-            return RequestStatus.FINISHED_STOPPED
-        if (
-            request.num_output_tokens >= params.max_tokens
-            or request.num_tokens >= self.config.max_model_len
-        ):
-            return RequestStatus.FINISHED_LENGTH
-        return None
+    def _commit(self, request: Request) -> None:
+        """The slot's KV now holds the request's computed tokens (its prefix cache entry)."""
+        pool_args = (request.all_token_ids, request.num_computed_tokens, request.tenant)
+        self.pool.commit(request.held_slot_id, *pool_args)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -532,50 +494,3 @@ class Scheduler:
             self.pool.release(request.slot_id)
             request.slot_id = None
         self.requests.pop(request.request_id, None)
-
-    def _output(self, request: Request, new_ids: list[int], new_logprobs: list) -> RequestOutput:
-        finished = request.status.finished
-        prompt_logprobs = None
-        if _scores_prompt(request) and request.status != RequestStatus.FINISHED_ERROR:
-            entries = request.prompt_logprobs or [None]  # a one-token prompt scores nothing
-            if len(entries) == request.num_prompt_tokens:
-                prompt_logprobs, request.prompt_logprobs_sent = entries, True
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_ids,  # callers pass fresh lists
-            new_logprobs=new_logprobs,
-            finished=finished,
-            finish_reason=request.status.value if finished else None,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            num_output_tokens=request.num_output_tokens,
-            queue_time_s=max(
-                0.0,
-                (request.first_scheduled_time_s or request.arrival_time_s) - request.arrival_time_s,
-            ),
-            num_accepted_prediction_tokens=request.num_accepted_prediction_tokens,
-            num_rejected_prediction_tokens=request.num_rejected_prediction_tokens,
-            prompt_logprobs=prompt_logprobs,
-        )
-
-
-def _scores_prompt(request: Request) -> bool:
-    """Does the request still need its prompt scored (prompt logprobs not yet handed out)?"""
-    return request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent
-
-
-def _take_prompt_logprobs(request: Request, seq: ScheduledSeq, result: StepResult) -> str | None:
-    """File a step's prompt-scoring rows under the positions they score; an error if missing.
-
-    A recompute (preemption) starts again from position 0 and overwrites what it scores."""
-    rows = result.prompt_logprobs.get(seq.request_id)
-    if rows is None or len(rows) != seq.num_prompt_logits:
-        return "the executor did not return the prompt logprobs"
-    entries = request.prompt_logprobs
-    del entries[seq.start_position + 1 :]
-    if not entries:
-        entries.append(None)  # the first prompt token has nothing before it to score it
-    if len(entries) != seq.start_position + 1:
-        return "prompt logprobs skipped a position"
-    entries.extend(rows)
-    return None

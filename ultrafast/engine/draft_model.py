@@ -23,6 +23,7 @@ _DRAFT_SEED_SALT = 0x5DEECE66D  # the draft model's draws use other generators t
 
 
 _GREEDY_ONE = SamplingParams(temperature=0.0, max_tokens=1)
+DEFAULT_BATCH_TOKENS = 512  # tokens one drafting pass holds when the executor sets no limit
 
 
 @dataclass
@@ -40,7 +41,9 @@ class DraftModelProposer:
 
     def __init__(self, executor):
         self.executor = executor
-        self.max_batch_tokens = getattr(executor, "max_num_batched_tokens", 512)
+        caps = executor.caps()
+        self.max_batch_tokens = caps.max_step_tokens or DEFAULT_BATCH_TOKENS
+        self._reads_logits = caps.last_logits  # its q for sampled drafts (else: greedy drafts)
         self.per_draft_s = 0.3e-3  # measured: draft-model time per drafted token (EWMA)
         self._kv: dict[str, _DraftKV] = {}
         self._slot_owner: dict[int, str] = {}
@@ -130,7 +133,7 @@ class DraftModelProposer:
         # in slot order, the order the ggml executor runs (and returns logits rows in)
         seqs = sorted(seqs, key=lambda s: s.slot_id)
         result = self.executor.execute(StepPlan(seqs))
-        logits = getattr(self.executor, "last_logits", None)
+        logits = self.executor.last_logits if self._reads_logits else None
         row = 0
         for seq in seqs:
             rid = seq.request_id

@@ -3,19 +3,22 @@
 The server never touches EngineCore, its scheduler or its KV pool: it reads an immutable
 snapshot the engine thread publishes, asks for cached prefixes under a lock, and changes
 settings through the inbox. Moving the engine to its own process then changes bridge.py only.
+The inbox's items are the small frozen dataclasses below (`InboxItem`).
 """
 
 from __future__ import annotations
 
-import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from ultrafast.core.types import RequestOutput
 from ultrafast.engine.core import EngineCore
 from ultrafast.engine.idle_speed import IdleSpeed
 from ultrafast.engine.step_costs import StepCostModel
-from ultrafast.executors.base import Executor
+from ultrafast.request import Request
 
+OutputCallback = Callable[[RequestOutput], None]
 SNAPSHOT_MAX_AGE_S = 0.02  # a busy engine republishes at most this stale; idle: at once
 
 
@@ -95,11 +98,6 @@ class EngineSettings:
     reserved_priority_seats: dict[str, int] | None = None  # tenant -> committed KV seats
 
 
-def device_kind_of(executor: Executor) -> str:
-    device = getattr(executor, "device", None)
-    return "gpu" if getattr(device, "type", "cpu") == "cuda" else "cpu"
-
-
 def build_snapshot(core: EngineCore, device_kind: str) -> EngineSnapshot:
     """On the engine thread: copy every figure out, so readers share nothing mutable."""
     occ = core.occupancy()
@@ -127,8 +125,38 @@ def build_snapshot(core: EngineCore, device_kind: str) -> EngineSnapshot:
     )
 
 
+@dataclass(frozen=True)
+class AddRequest:
+    """Inbox: admit `request`; its outputs go to `on_output` (on the engine thread)."""
+
+    request: Request
+    on_output: OutputCallback
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Inbox: abort the request (a no-op if it has finished)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Configure:
+    """Inbox: apply settings before the next step."""
+
+    settings: EngineSettings
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Inbox: nothing to do; wakes a blocked engine thread (to stop)."""
+
+
+InboxItem = AddRequest | AbortRequest | Configure | Wake
+
+
 class EngineReadAPI:
-    """Mixed into EngineThread: the snapshot, the cached-prefix lookup and `configure`.
+    """EngineThread's member `read`: the snapshot, the cached-prefix lookup and `configure`.
 
     The prefix lookup is EngineCore.cached_prefix_tokens: it hashes the prompt on the
     caller's thread and compares under the core's pool lock, which the engine holds only
@@ -138,11 +166,13 @@ class EngineReadAPI:
     submission the next). A published copy of every slot's block hashes would instead cost
     each step a copy of the whole pool index for a lookup made once per API call."""
 
-    core: EngineCore
-    device_kind: str
-    _snapshot: EngineSnapshot
-    _snapshot_s: float
-    _inbox: queue.SimpleQueue
+    def __init__(self, core: EngineCore, post: Callable[[InboxItem], None]):
+        """`post`: puts an item in the engine thread's inbox."""
+        self.core = core
+        self._post = post
+        self.device_kind = core.caps.device_kind
+        self._snapshot = build_snapshot(core, self.device_kind)
+        self._snapshot_s = time.monotonic()
 
     def snapshot(self) -> EngineSnapshot:
         """The latest published snapshot (any thread; a plain attribute read)."""
@@ -154,13 +184,9 @@ class EngineReadAPI:
 
     def configure(self, settings: EngineSettings) -> None:
         """Applied on the engine thread before its next step (any thread)."""
-        self._inbox.put(("configure", settings, None))
+        self._post(Configure(settings))
 
-    def _apply_settings(self, settings: EngineSettings) -> None:
-        if settings.reserved_priority_seats is not None:
-            self.core.scheduler.set_reserved_priority_seats(dict(settings.reserved_priority_seats))
-
-    def _publish(self, force: bool) -> None:
+    def publish(self, force: bool) -> None:
         """Engine thread, after a step: a fresh snapshot when the engine went idle, when
         forced, or when the last one is older than SNAPSHOT_MAX_AGE_S (a busy engine's
         per-step cost stays one clock read)."""

@@ -32,10 +32,11 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ultrafast.cpu_info import cpu_identity
 from ultrafast.engine.idle_speed import IdleSpeed, measure_idle_speed
+from ultrafast.executors.base import ThreadCalibration
 from ultrafast.executors.cost_cache import read_cache, write_cache
 from ultrafast.executors.ggml_threads import CalibrationInterrupted, NoFreeSlots, ThreadPlan
 
@@ -94,20 +95,22 @@ class StartCosts:
         self._ratios: collections.deque[float] = collections.deque(maxlen=DRIFT_SAMPLES)
 
     @property
-    def executor(self) -> Any:  # the ggml executor's calibration API (duck-typed)
-        return self.core.executor
+    def executor(self) -> ThreadCalibration:  # valid where caps().thread_calibration
+        return cast(ThreadCalibration, self.core.executor)
 
     @property
     def calibrates(self) -> bool:
-        ex = self.core.executor
-        return hasattr(ex, "calibrate_threads") and getattr(ex, "threads_auto", False)
+        caps = self.core.caps
+        return caps.thread_calibration and caps.threads_auto
 
     def identity(self) -> dict | None:
         """The cache key's fields; None when this executor's costs are not cached."""
-        cost_identity = getattr(self.core.executor, "cost_identity", None)
-        if cost_identity is None:
+        if not self.core.caps.thread_calibration:
             return None
-        return {**cpu_identity(), **cost_identity(), "threads_auto": self.calibrates}
+        return {**cpu_identity(), **self.executor.cost_identity(), "threads_auto": self.calibrates}
+
+    def _thread_plan(self) -> ThreadPlan | None:
+        return self.executor.thread_plan if self.core.caps.thread_calibration else None
 
     @property
     def wide(self) -> Any:
@@ -145,7 +148,7 @@ class StartCosts:
             self.measure()
             return
         self.pending, self.status = True, "measuring"
-        plan = getattr(self.executor, "thread_plan", None)
+        plan = self._thread_plan()
         log.info(
             "start costs not cached for this CPU, model and flags: serving now%s; measuring "
             "threads per pass width and idle TTFT in the background while idle (/ready shows "
@@ -253,7 +256,7 @@ class StartCosts:
 
     def observe(self, stats: StepStats | None) -> None:
         """After a step: a lone decode's time against the plan's; far off -> measure again."""
-        plan = getattr(self.core.executor, "thread_plan", None)
+        plan = self._thread_plan()
         if stats is None or plan is None or self.pending or stats.num_seqs != 1:
             return
         if stats.num_tokens != 1 or stats.num_draft_tokens:

@@ -1,10 +1,15 @@
 """The engine's measured step cost: how long a step of n sequences and t tokens takes.
 
-Fitted online from every step the engine runs. The engine sizes priority steps from it, the
-speculator sizes its draft length from it, and admission predicts time to first token from it.
+Fitted online from every step the engine runs. The engine sizes its steps from it
+(`StepBudget`), the speculator sizes its draft length from it, and admission predicts time to
+first token from it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ultrafast.request import ServiceTier
 
 MAX_TABULATED_STEP_TOKENS = 16  # lone steps up to this many tokens are timed per size
 
@@ -110,6 +115,44 @@ class StepCostModel:
         if base_s is not None and per_token_s is not None:
             return factor * (base_s + per_token_s)
         return None if self.single_decode_s is None else factor * self.single_decode_s
+
+
+class StepBudget:
+    """Token budgets of the next step, from the tiers running now and the measured costs:
+    the priority cap while a priority request runs (its inter-token gap stays within target
+    however much other work waits), else the default tier's while its decodes run."""
+
+    def __init__(
+        self, priority_itl_target_s: float | None = None, default_itl_target_s: float | None = None
+    ):
+        """priority_itl_target_s: None = no cap on steps carrying priority work, 0 = auto
+        (1.2x the idle inter-token time). default_itl_target_s: None = no cap."""
+        self.priority_itl_target_s = priority_itl_target_s
+        self.default_itl_target_s = default_itl_target_s
+        # tokens a step with priority work may hold (Scheduler.schedule), None = no cap; kept
+        # from the last step that had a priority request running
+        self.priority_tokens: int | None = None
+        # the same for steps whose tightest tier is the default one (no priority running)
+        self.step_tokens: int | None = None
+
+    def resize(self, costs: StepCostModel, running_tiers: Iterable[ServiceTier]) -> None:
+        """After a step: the budgets for the next one, priority first."""
+        tiers = set(running_tiers)
+        self.step_tokens = None
+        if ServiceTier.PRIORITY in tiers:
+            target_s: float | None = self.priority_itl_target_s
+            if target_s == 0:  # auto: stay within 1.2x of the idle inter-token time
+                target_s = costs.auto_itl_target_s()
+            if target_s:  # the cap applies from the next step, to priority steps only
+                self.priority_tokens = costs.token_budget(target_s)
+        elif ServiceTier.DEFAULT in tiers and self.default_itl_target_s:
+            self.step_tokens = costs.token_budget(self.default_itl_target_s)
+
+    def capped(self, cap: int | None) -> int | None:
+        """The default budget under a further cap (None: none)."""
+        if cap is None:
+            return self.step_tokens
+        return cap if self.step_tokens is None else min(self.step_tokens, cap)
 
 
 def _ema(old: float | None, new: float, alpha: float) -> float:

@@ -15,17 +15,25 @@ from collections.abc import Callable
 
 from ultrafast.core.types import RequestOutput
 from ultrafast.engine.core import EngineCore, StepStats
-from ultrafast.engine.read_api import EngineReadAPI, build_snapshot, device_kind_of
+from ultrafast.engine.read_api import (
+    AbortRequest,
+    AddRequest,
+    Configure,
+    EngineReadAPI,
+    EngineSettings,
+    EngineSnapshot,
+    InboxItem,
+    OutputCallback,
+    Wake,
+)
 from ultrafast.request import Request, ServiceTier
 
 log = logging.getLogger(__name__)
 
 
-OutputCallback = Callable[[RequestOutput], None]
-
-
-class EngineThread(EngineReadAPI):
-    """Runs an EngineCore on a daemon thread. Thread-safe `submit` and `abort`."""
+class EngineThread:
+    """Runs an EngineCore on a daemon thread. Thread-safe `submit`, `abort` and the read
+    API (`read`: snapshot, cached prefixes, configure)."""
 
     def __init__(
         self,
@@ -40,7 +48,7 @@ class EngineThread(EngineReadAPI):
         self._first_shaped_arrival_s: float | None = None
         self._priority_arrived = False
         self.on_stats = on_stats
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
         self._callbacks: dict[str, OutputCallback] = {}
         self._thread = threading.Thread(target=self._run, name="ultrafast-engine", daemon=True)
         self._stopping = threading.Event()
@@ -49,10 +57,8 @@ class EngineThread(EngineReadAPI):
         self._background = False
         self._warmed = threading.Event()
         self.dead_reason: str | None = None
-        # read API (engine/read_api.py): the snapshot (the pool lock is the core's)
-        self.device_kind = device_kind_of(core.executor)
-        self._snapshot = build_snapshot(core, self.device_kind)
-        self._snapshot_s = time.monotonic()
+        # engine/read_api.py: the published snapshot (the pool lock is the core's)
+        self.read = EngineReadAPI(core, self._inbox.put)
 
     def start(
         self,
@@ -81,15 +87,29 @@ class EngineThread(EngineReadAPI):
         return self
 
     def submit(self, request: Request, on_output: OutputCallback) -> None:
-        self._inbox.put(("add", request, on_output))
+        self._inbox.put(AddRequest(request, on_output))
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id, None))
+        self._inbox.put(AbortRequest(request_id))
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stopping.set()
-        self._inbox.put(("wake", None, None))
+        self._inbox.put(Wake())
         self._thread.join(timeout_s)
+
+    # the read API's calls, as the server (server/bridge.py) makes them
+    def snapshot(self) -> EngineSnapshot:
+        return self.read.snapshot()
+
+    def cached_prefix_tokens(self, token_ids: list[int], tenant: str) -> int:
+        return self.read.cached_prefix_tokens(token_ids, tenant)
+
+    def configure(self, settings: EngineSettings) -> None:
+        self.read.configure(settings)
+
+    @property
+    def device_kind(self) -> str:
+        return self.read.device_kind
 
     @property
     def alive(self) -> bool:
@@ -102,54 +122,60 @@ class EngineThread(EngineReadAPI):
         except queue.Empty:
             return False
         while True:
-            self._handle(*item)
+            self._handle(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return True
 
-    def _handle(self, kind: str, payload, on_output: OutputCallback | None) -> None:
-        if kind == "add":
-            if on_output is None:
-                raise TypeError("an added request needs its output callback")
-            try:
-                self.core.add_request(payload)
-            except (ValueError, OverflowError) as exc:
-                on_output(
-                    RequestOutput(
-                        payload.request_id, [], finished=True, finish_reason="error", error=str(exc)
-                    )
+    def _handle(self, item: InboxItem) -> None:
+        match item:
+            case AddRequest(request, on_output):
+                self._add(request, on_output)
+            case AbortRequest(request_id):
+                self.core.abort(request_id)
+            case Configure(settings):
+                self._apply_settings(settings)
+
+    def _add(self, request: Request, on_output: OutputCallback) -> None:
+        try:
+            self.core.add_request(request)
+        except (ValueError, OverflowError) as exc:
+            on_output(
+                RequestOutput(
+                    request.request_id, [], finished=True, finish_reason="error", error=str(exc)
                 )
-                return
-            self._callbacks[payload.request_id] = on_output
-            if payload.tier == ServiceTier.PRIORITY:
-                self._priority_arrived = True
-            elif self._first_shaped_arrival_s is None:
-                self._first_shaped_arrival_s = time.monotonic()
-        elif kind == "abort":
-            self.core.abort(payload)
-        elif kind == "configure":
-            self._apply_settings(payload)
+            )
+            return
+        self._callbacks[request.request_id] = on_output
+        if request.tier == ServiceTier.PRIORITY:
+            self._priority_arrived = True
+        elif self._first_shaped_arrival_s is None:
+            self._first_shaped_arrival_s = time.monotonic()
+
+    def _apply_settings(self, settings: EngineSettings) -> None:
+        if settings.reserved_priority_seats is not None:
+            self.core.scheduler.set_reserved_priority_seats(dict(settings.reserved_priority_seats))
 
     def _run(self) -> None:
         try:
             if self._warmup:
                 self.core.warmup(measure_speed=self._measure_speed, background=self._background)
-            self._publish(force=True)
+            self.read.publish(force=True)
             self._warmed.set()
             start_costs = self.core.start_costs
             while not self._stopping.is_set():
                 handled = self._drain_inbox(block=not self.core.has_work())
                 if not self.core.has_work():
                     if handled:
-                        self._publish(force=True)
+                        self.read.publish(force=True)
                     elif start_costs.wants_tick():  # idle for a whole inbox wait
                         start_costs.tick(self._work_waiting)
-                        self._publish(force=True)
+                        self.read.publish(force=True)
                     continue
                 self._coalesce()
                 outputs = self.core.step()
-                self._publish(force=not self.core.has_work())
+                self.read.publish(force=not self.core.has_work())
                 for output in outputs:
                     callback = self._callbacks.get(output.request_id)
                     if output.finished:
@@ -187,7 +213,7 @@ class EngineThread(EngineReadAPI):
                 if left <= 0:
                     break
                 try:
-                    self._handle(*self._inbox.get(timeout=left))
+                    self._handle(self._inbox.get(timeout=left))
                 except queue.Empty:
                     break
         self._first_shaped_arrival_s = None

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
+from ultrafast.executors.base import ExecutorCaps
 from ultrafast.executors.fake_scoring import score_prompt
 from ultrafast.kvcache.fingerprint import kv_fingerprint
 
@@ -89,7 +90,7 @@ def fault_prompt(mode: int, at_output: int, tail: list[int]) -> list[int]:
 
 
 class FakeExecutor:
-    keeps_logits = True  # executors/base.py KeptSampling
+    keeps_logits = True  # executors/base.py KeptSampling (a test may turn it off)
 
     def __init__(
         self,
@@ -179,6 +180,9 @@ class FakeExecutor:
             time.sleep(max(0.0, self.step_s - (time.perf_counter() - started)))
         result.execute_time_s = time.perf_counter() - started
         return result
+
+    def caps(self) -> ExecutorCaps:
+        return ExecutorCaps(keeps_logits=self.keeps_logits)
 
     def sample_kept(self, seq: ScheduledSeq, kept) -> StepResult:
         token = next_token(kept, self._choices(seq, 0))

@@ -29,6 +29,7 @@ import numpy as np
 
 from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
 from ultrafast.executors import ggml_calibration, ggml_memory, ggml_state
+from ultrafast.executors.base import ExecutorCaps
 from ultrafast.executors.ggml_threads import THREAD_MARGIN, ThreadPlan
 from ultrafast.executors.llama_cpp_params import NumpyBatch
 from ultrafast.executors.llama_cpp_params import model_params as llama_model_params
@@ -138,8 +139,6 @@ def _slot_of(seq: ScheduledSeq) -> int:
 
 class GgmlExecutor:
     """Executor on llama.cpp. `max_num_batched_tokens` bounds the tokens of one step."""
-
-    keeps_logits = True  # executors/base.py KeptSampling
 
     def __init__(
         self,
@@ -332,6 +331,16 @@ class GgmlExecutor:
 
     def sample_kept(self, seq: ScheduledSeq, kept) -> StepResult:
         return sample_kept_row(seq, kept)
+
+    def caps(self) -> ExecutorCaps:
+        return ExecutorCaps(
+            one_pass_per_length=self.one_pass_per_length,
+            keeps_logits=True,
+            thread_calibration=True,
+            threads_auto=self.threads_auto,
+            max_step_tokens=self.max_num_batched_tokens,
+            last_logits=True,
+        )
 
     def cost_identity(self) -> dict:
         """What the measured thread plan depends on besides the CPU (ggml_calibration.py)."""

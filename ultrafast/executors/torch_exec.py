@@ -15,6 +15,7 @@ import torch
 
 from ultrafast.core.types import KVCopy, ScheduledSeq, StepPlan, StepResult
 from ultrafast.executors import torch_state
+from ultrafast.executors.base import ExecutorCaps
 from ultrafast.executors.prompt_scoring import scoring_problem, split_prompt_rows, wants_prompt_rows
 from ultrafast.executors.torch_compiled import CompiledDecode, argmax_on_device, resolve_mode
 from ultrafast.kvcache.fingerprint import kv_fingerprint
@@ -29,8 +30,6 @@ def _default_device() -> str:
 
 
 class TorchExecutor:
-    keeps_logits = True  # executors/base.py KeptSampling
-
     def __init__(
         self,
         model: str | Path | LlamaForCausalLM,
@@ -172,6 +171,12 @@ class TorchExecutor:
     @torch.inference_mode()
     def sample_kept(self, seq: ScheduledSeq, kept) -> StepResult:
         return sample_kept_row(seq, kept)
+
+    def caps(self) -> ExecutorCaps:
+        gpu = self.device.type == "cuda"
+        return ExecutorCaps(
+            keeps_logits=True, device_kind="gpu" if gpu else "cpu", last_logits=True
+        )
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:

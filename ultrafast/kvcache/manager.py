@@ -303,6 +303,12 @@ class KVCacheManager:
     def has_held(self) -> bool:
         return bool(self._held)
 
+    def before_schedule(self, scheduler: Scheduler, per_token_s: float | None) -> None:
+        """The engine's one call before a schedule (pool lock held): requests whose read
+        finished go back in line, then the next in line get their host-memory prefixes."""
+        self.release_held(scheduler)
+        self.restore_waiting(scheduler, per_token_s)
+
     def release_held(self, scheduler: Scheduler) -> None:
         """Requeue held requests whose read finished (or timed out); drop aborted ones."""
         if not self._held:

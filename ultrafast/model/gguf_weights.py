@@ -27,48 +27,12 @@ import torch
 from ultrafast.model.config import ModelConfig, ModelLoadError
 from ultrafast.model.dtypes import resolve_dtype
 from ultrafast.model.gguf_meta import GgufMetadata, TensorInfo, read_gguf_metadata, tensor_nbytes
+from ultrafast.model.gguf_names import GGUF_ARCHITECTURES, hf_tensor_name
 from ultrafast.model.llama import LlamaForCausalLM
 
-# GGUF architecture -> (our ModelConfig architecture, q/k rows permuted for interleaved rope)
-GGUF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", True),
-    "qwen2": ("Qwen2ForCausalLM", False),
-    "qwen3": ("Qwen3ForCausalLM", False),
-}
-_GLOBAL = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_PER_LAYER = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 # general.file_type -> the checkpoint dtype `--dtype auto` picks (quantized files: float32)
 _FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 _ROPE_FREQS = "rope_freqs.weight"
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    if suffix not in ("weight", "bias"):
-        return None
-    if stem in _GLOBAL:
-        return f"{_GLOBAL[stem]}.{suffix}"
-    parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _PER_LAYER:
-        return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}.{suffix}"
-    return None
 
 
 def unpermute_interleaved_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -226,7 +190,7 @@ def gguf_tensors(meta: GgufMetadata, config: ModelConfig):
     for info in meta.tensors:
         if info.name == _ROPE_FREQS:
             continue  # already in config.rope_freq_factors
-        name = hf_name(info.name)
+        name = hf_tensor_name(info.name)
         if name is None:
             raise _refuse(meta, f"tensor {info.name!r} has no place in it")
         data = _dequantize(meta, info)

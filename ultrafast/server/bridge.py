@@ -5,7 +5,7 @@ event loop moves it to the caller's buffer, so the event loop never blocks on th
 engine never waits for a slow client. The engine wakes the loop (`call_soon_threadsafe`) only
 when no drain is already pending: one wake per step however many streams it fed, since a wake
 of the sleeping loop thread costs the engine tens of microseconds on a VM (BENCHMARKS.md).
-`Generation` groups the n requests of one API call on one queue; the HTTP layer aborts whatever
+`RequestGroup` groups the n requests of one API call on one queue; the HTTP layer aborts whatever
 is unfinished when the client leaves, freeing the KV slots in a step.
 
 A client slower than the engine cannot grow a stream's buffer without bound: past
@@ -49,7 +49,7 @@ __all__ = [
     "EngineSettings",
     "EngineSnapshot",
     "EngineThread",
-    "Generation",
+    "RequestGroup",
     "OutputBuffer",
     "RequestOutput",
     "StepCostSnapshot",
@@ -191,7 +191,7 @@ class EngineBridge:
         self.engine.abort(request_id)
 
 
-class Generation:
+class RequestGroup:
     """The engine requests behind one API call (n choices), merged into one output stream."""
 
     def __init__(self, bridge: EngineBridge, requests: list[Request]):
@@ -201,7 +201,7 @@ class Generation:
         self.unfinished = set(self.index_of)
         self.queue = OutputBuffer(bridge.max_stream_buffer_events)
 
-    def start(self) -> Generation:
+    def start(self) -> RequestGroup:
         for request in self.requests:
             self.bridge.submit(request, self.queue)
         return self

@@ -19,8 +19,9 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -29,12 +30,16 @@ from ultrafast.grammar.prefix_check import accepts_text
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.server import openai_format as fmt
 from ultrafast.server.admission import Admission, Ticket
-from ultrafast.server.bridge import EngineBridge, Generation, RequestOutput
+from ultrafast.server.bridge import EngineBridge, RequestGroup, RequestOutput
 from ultrafast.server.errors import APIError
 from ultrafast.server.guard import CONTENT_FILTER, GuardConfig, GuardedChoice
 from ultrafast.server.metrics import ServerMetrics
 from ultrafast.server.tools.stream import ToolSplitter, chat_tool_chunks
 from ultrafast.tokenizer import StopStringMatcher, Tokenizer
+
+if TYPE_CHECKING:
+    from ultrafast.grammar.matcher import GrammarRuntime
+    from ultrafast.server.tools.plan import ToolPlan
 
 
 @dataclass
@@ -56,13 +61,13 @@ class GenerationSpec:
     echo_texts: list[str] | None = None  # completions `echo`: prompt text, one per prompt
     arrival_s: float = 0.0
     prediction_token_ids: list[int] | None = None  # chat `prediction`: drafts for every choice
-    tools: Any = None  # a ToolPlan (server/tools/plan.py): the text splits into content + calls
+    tools: ToolPlan | None = None  # the text splits into content + tool calls
     # special tokens whose text the output keeps (a tool format's trigger token); others skipped
     keep_token_ids: frozenset[int] = frozenset()
-    # the compile of params.grammar (a concurrent.futures.Future) when it may still be running
-    grammar_compile: Any = None
+    # the compile of params.grammar when it may still be running
+    grammar_compile: Future[None] | None = None
     # the model's grammar.matcher.GrammarRuntime: is an answer a stop string cut complete?
-    grammar_runtime: Any = None
+    grammar_runtime: GrammarRuntime | None = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,7 @@ class RunDeps:
     admission: Admission
     metrics: ServerMetrics
     guard: GuardConfig | None  # None: text goes out as soon as it exists
-    runs: set  # the runs in flight, for the shutdown drain
+    runs: set[GenerationRun]  # the runs in flight, for the shutdown drain
     ping_interval_s: float  # a Ping when no output came for this long
 
 
@@ -146,7 +151,7 @@ class GenerationRun:
                 )
                 self.choice_prompts.append(p)
         num_choices = len(requests)
-        self.generation = Generation(deps.bridge, requests)
+        self.generation = RequestGroup(deps.bridge, requests)  # the call's engine requests
         echo = spec.echo_texts or [""] * len(spec.prompts)
         self.choices = [
             fmt.ChoiceState(c, text=echo[self.choice_prompts[c]]) for c in range(num_choices)
@@ -499,6 +504,7 @@ class GenerationRun:
                 elif event.finish == "error":
                     break  # conclude() below names the failure
                 elif event.tool_events:  # content first, then the calls, then the finish
+                    assert spec.tools is not None  # tool events come from a call's tool plan
                     if event.text or event.logprobs:
                         yield writer.delta(event.index, event.text, event.logprobs)
                     for chunk in chat_tool_chunks(

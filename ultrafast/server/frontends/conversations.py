@@ -32,7 +32,7 @@ from ultrafast.server.protocol_models import (
     _Strict,
     validate_input,
 )
-from ultrafast.server.sessions.flow import SessionFlow, not_found, tenant_of
+from ultrafast.server.sessions.flow import SessionFlow, not_found, tenant_name
 from ultrafast.server.sessions.store import Turn
 from ultrafast.server.state import ServerState, read_json
 from ultrafast.server.tools.responses_api import (
@@ -169,7 +169,7 @@ def _conversation_routes(state: ServerState, flow: SessionFlow) -> list[Route]:
 
     async def create(http: HTTPRequest) -> Response:
         req = validate_input(CreateConversation, await read_json(http, state))
-        tenant, conversation_id = tenant_of(http), new_conversation_id()
+        tenant, conversation_id = tenant_name(http), new_conversation_id()
         info = await flow.create(tenant, conversation_id, check_metadata(req.metadata))
         if req.items:
             await flow.append_turns(
@@ -182,14 +182,14 @@ def _conversation_routes(state: ServerState, flow: SessionFlow) -> list[Route]:
 
     async def get(http: HTTPRequest) -> Response:
         conversation_id = _path_id(http)
-        info = await flow.get(tenant_of(http), conversation_id)
+        info = await flow.get(tenant_name(http), conversation_id)
         if info is None:
             raise not_found("conversation", None)
         return JSONResponse(conversation_object(conversation_id, info.created_s, info.metadata))
 
     async def delete(http: HTTPRequest) -> Response:
         conversation_id = _path_id(http)
-        if not await flow.delete(tenant_of(http), conversation_id):
+        if not await flow.delete(tenant_name(http), conversation_id):
             raise not_found("conversation", None)
         return JSONResponse(
             {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
@@ -199,7 +199,7 @@ def _conversation_routes(state: ServerState, flow: SessionFlow) -> list[Route]:
         conversation_id = _path_id(http)
         req = validate_input(UpdateConversation, await read_json(http, state))
         info = await flow.set_metadata(
-            tenant_of(http), conversation_id, check_metadata(req.metadata)
+            tenant_name(http), conversation_id, check_metadata(req.metadata)
         )
         if info is None:
             raise not_found("conversation", None)
@@ -217,14 +217,14 @@ def _item_routes(state: ServerState, flow: SessionFlow) -> list[Route]:
     """A conversation's items: listed a page at a time, or appended."""
 
     async def list_items(http: HTTPRequest) -> Response:
-        conversation_id, tenant = _path_id(http), tenant_of(http)
+        conversation_id, tenant = _path_id(http), tenant_name(http)
         if await flow.get(tenant, conversation_id) is None:
             raise not_found("conversation", None)
         items = [i for t in await flow.turns(tenant, conversation_id) for i in turn_to_items(t)]
         return JSONResponse(list_page(http.query_params, items, "desc"))
 
     async def add_items(http: HTTPRequest) -> Response:
-        conversation_id, tenant = _path_id(http), tenant_of(http)
+        conversation_id, tenant = _path_id(http), tenant_name(http)
         req = validate_input(AddItems, await read_json(http, state))
         if await flow.get(tenant, conversation_id) is None:
             raise not_found("conversation", None)

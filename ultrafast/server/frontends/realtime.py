@@ -35,7 +35,12 @@ from ultrafast.server.generate import ChoiceDelta, GenerationRun
 from ultrafast.server.json_body import nesting_ok
 from ultrafast.server.prompt import ChatMessage
 from ultrafast.server.protocol_models import NAME_RE, validate_input
-from ultrafast.server.sessions.flow import SessionFlow, assistant_turn, tenant_of, turns_to_messages
+from ultrafast.server.sessions.flow import (
+    SessionFlow,
+    assistant_turn,
+    tenant_name,
+    turns_to_messages,
+)
 from ultrafast.server.sessions.store import Turn
 from ultrafast.server.state import ServerState
 from ultrafast.server.tools.realtime_events import (
@@ -301,7 +306,7 @@ def realtime_routes(state: ServerState) -> list[WebSocketRoute]:
 
     async def realtime(ws: WebSocket) -> None:
         await ws.accept()
-        tenant = tenant_of(ws)
+        tenant = tenant_name(ws)
         try:
             session_id = await _open_session(flow, ws, tenant)
         except APIError as exc:

@@ -35,7 +35,7 @@ from ultrafast.server.frontends.responses_stream import final_status, stream_res
 from ultrafast.server.generate import GenerationRun
 from ultrafast.server.prompt import ChatMessage
 from ultrafast.server.protocol_models import NAME_RE, validate_input
-from ultrafast.server.sessions.flow import SessionFlow, not_found, tenant_of, turns_to_messages
+from ultrafast.server.sessions.flow import SessionFlow, not_found, tenant_name, turns_to_messages
 from ultrafast.server.sessions.store import RESPONSE, SeqConflict, StoredObject, Turn
 from ultrafast.server.state import ServerState, read_json
 from ultrafast.server.tools.responses_api import call_item, plan_from_responses
@@ -287,7 +287,7 @@ def responses_routes(state: ServerState) -> list[Route]:
     async def create(http: HTTPRequest) -> Response:
         req = validate_input(ResponsesRequest, await read_json(http, state))
         check_request(req, state)
-        tenant = tenant_of(http)
+        tenant = tenant_name(http)
         key = http.headers.get("idempotency-key")
         response_id = response_id_for(tenant, key)
         if key is not None and not req.stream and req.store:
@@ -320,14 +320,14 @@ def responses_routes(state: ServerState) -> list[Route]:
         return await _respond_json(http, run, builder)
 
     async def get(http: HTTPRequest) -> Response:
-        obj = await flow.get_object(tenant_of(http), RESPONSE, http.path_params["response_id"])
+        obj = await flow.get_object(tenant_name(http), RESPONSE, http.path_params["response_id"])
         if obj is None:
             raise not_found("response", None)
         return JSONResponse(obj.body)
 
     async def delete(http: HTTPRequest) -> Response:
         response_id = http.path_params["response_id"]
-        if not await flow.delete_object(tenant_of(http), RESPONSE, response_id):
+        if not await flow.delete_object(tenant_name(http), RESPONSE, response_id):
             raise not_found("response", None)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 

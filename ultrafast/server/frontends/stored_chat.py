@@ -21,7 +21,7 @@ from ultrafast.server import openai_format as fmt
 from ultrafast.server.errors import APIError, invalid_value
 from ultrafast.server.generate import GenerationRun
 from ultrafast.server.protocol import ChatCompletionRequest
-from ultrafast.server.sessions.flow import SessionFlow, not_found, tenant_of
+from ultrafast.server.sessions.flow import SessionFlow, not_found, tenant_name
 from ultrafast.server.sessions.store import CHAT_COMPLETION, StoredObject
 from ultrafast.server.state import ServerState
 
@@ -34,7 +34,7 @@ def store_chat_completion(
     flow: SessionFlow, http: HTTPRequest, req: ChatCompletionRequest, run: GenerationRun
 ) -> None:
     """Make the run's commit the stored copy of the completion (n choices, as answered)."""
-    tenant = tenant_of(http)
+    tenant = tenant_name(http)
     messages = req.messages_for_template()  # content parts joined, as the model saw them
     metadata = dict(req.metadata or {})
     created_s = time.time()  # list order: the call's arrival, finer than `created` seconds
@@ -73,7 +73,7 @@ def stored_chat_routes(state: ServerState) -> list[Route]:
 
     async def find(http: HTTPRequest) -> StoredObject:
         obj = await flow.get_object(
-            tenant_of(http), CHAT_COMPLETION, http.path_params["completion_id"]
+            tenant_name(http), CHAT_COMPLETION, http.path_params["completion_id"]
         )
         if obj is None:
             raise not_found("chat_completion", None)
@@ -88,7 +88,7 @@ def stored_chat_routes(state: ServerState) -> list[Route]:
             elif key not in ("after", "limit", "order", "model"):
                 raise invalid_value(key[:64], f"unknown query parameter {key[:64]!r}")
         model = http.query_params.get("model")
-        stored = await flow.list_objects(tenant_of(http), CHAT_COMPLETION)
+        stored = await flow.list_objects(tenant_name(http), CHAT_COMPLETION)
         items = [
             o.body
             for o in stored
@@ -110,7 +110,7 @@ def stored_chat_routes(state: ServerState) -> list[Route]:
 
     async def delete(http: HTTPRequest) -> Response:
         completion_id = http.path_params["completion_id"]
-        if not await flow.delete_object(tenant_of(http), CHAT_COMPLETION, completion_id):
+        if not await flow.delete_object(tenant_name(http), CHAT_COMPLETION, completion_id):
             raise not_found("chat_completion", None)
         return JSONResponse(
             {"id": completion_id, "object": "chat.completion.deleted", "deleted": True}

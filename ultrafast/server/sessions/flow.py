@@ -42,7 +42,7 @@ MAX_PENDING_COMMITS = 10_000  # background re-tries held while the store is down
 T = TypeVar("T")
 
 
-def tenant_of(http: HTTPConnection) -> str:
+def tenant_name(http: HTTPConnection) -> str:
     """The tenant name the auth middleware put on the request ("" without --api-keys)."""
     return auth.tenant_of(http.scope).name
 
@@ -320,7 +320,7 @@ class ChatSession:
                 "invalid_value",
                 "n",
             )
-        tenant = tenant_of(http)
+        tenant = tenant_name(http)
         key = http.headers.get("idempotency-key")
         if key is not None and not NAME_RE.fullmatch(key):
             raise APIError(

@@ -1,0 +1,100 @@
+"""The engine step's parts: capabilities an executor declares, the step budget, the inbox."""
+
+from ultrafast.core.scheduler import SchedulerConfig
+from ultrafast.engine.core import EngineCore
+from ultrafast.engine.read_api import (
+    AbortRequest,
+    AddRequest,
+    Configure,
+    EngineReadAPI,
+    EngineSettings,
+    Wake,
+)
+from ultrafast.engine.step_costs import StepBudget, StepCostModel
+from ultrafast.engine.thread import EngineThread
+from ultrafast.executors.base import ExecutorCaps
+from ultrafast.executors.fake_exec import FakeExecutor
+from ultrafast.request import Request, SamplingParams, ServiceTier
+
+
+class DeclaringExecutor(FakeExecutor):
+    """Says what it can do only through caps(): no capability attributes to probe."""
+
+    keeps_logits = False
+
+    def __init__(self, caps: ExecutorCaps, **kwargs):
+        super().__init__(**kwargs)
+        self._caps = caps
+
+    def caps(self) -> ExecutorCaps:
+        return self._caps
+
+
+def core_for(caps: ExecutorCaps) -> EngineCore:
+    executor = DeclaringExecutor(caps, num_slots=2)
+    return EngineCore(executor, SchedulerConfig(max_num_seqs=2, max_model_len=128))
+
+
+def test_the_engine_reads_what_an_executor_declares():
+    plain = core_for(ExecutorCaps())
+    assert not plain.scheduler.config.one_pass_per_length and not plain.scheduler._keeps_logits
+    declared = core_for(ExecutorCaps(one_pass_per_length=True, keeps_logits=True))
+    assert declared.scheduler.config.one_pass_per_length and declared.scheduler._keeps_logits
+    gpu = core_for(ExecutorCaps(device_kind="gpu"))
+    assert EngineThread(gpu).snapshot().device_kind == "gpu"
+
+
+def test_thread_costs_are_cached_only_for_an_executor_that_calibrates():
+    assert core_for(ExecutorCaps()).start_costs.identity() is None
+    assert not core_for(ExecutorCaps(threads_auto=True)).start_costs.calibrates
+
+
+def fitted_costs() -> StepCostModel:
+    costs = StepCostModel()
+    for _ in range(20):  # 1 ms a step plus 1 ms a token
+        costs.observe(1, 1, 0.002, 0.002)
+        costs.observe(1, 9, 0.010, 0.010)
+    return costs
+
+
+def test_the_step_budget_follows_the_tightest_running_tier():
+    costs = fitted_costs()
+    budget = StepBudget(priority_itl_target_s=0.005, default_itl_target_s=0.008)
+    budget.resize(costs, [ServiceTier.DEFAULT, ServiceTier.PRIORITY])
+    assert budget.priority_tokens == costs.token_budget(0.005) and budget.step_tokens is None
+    budget.resize(costs, [ServiceTier.DEFAULT])
+    assert budget.step_tokens == costs.token_budget(0.008)
+    assert budget.priority_tokens == costs.token_budget(0.005)  # kept for the next priority step
+    assert budget.capped(3) == min(3, budget.step_tokens) and budget.capped(None) == 7
+    budget.resize(costs, [ServiceTier.FLEX])
+    assert budget.step_tokens is None and budget.capped(3) == 3
+
+
+def test_an_auto_priority_target_is_sized_from_the_idle_decode():
+    costs = fitted_costs()
+    budget = StepBudget(priority_itl_target_s=0)
+    budget.resize(costs, [ServiceTier.PRIORITY])
+    assert budget.priority_tokens == costs.token_budget(costs.auto_itl_target_s())
+
+
+def test_the_inbox_carries_typed_items_and_the_read_api_is_a_member():
+    engine = EngineThread(core_for(ExecutorCaps()))  # not started: the items stay queued
+    request = Request("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2))
+    seen = []
+    settings = EngineSettings(reserved_priority_seats={"acme": 1})
+    engine.submit(request, seen.append)
+    engine.abort("r")
+    engine.configure(settings)
+    engine._inbox.put(Wake())
+    items = [engine._inbox.get_nowait() for _ in range(4)]
+    assert items == [
+        AddRequest(request, seen.append),
+        AbortRequest("r"),
+        Configure(settings),
+        Wake(),
+    ]
+    assert isinstance(engine.read, EngineReadAPI) and not isinstance(engine, EngineReadAPI)
+    for item in items:  # as the engine thread handles them
+        engine._handle(item)
+    assert engine.core.scheduler.reserved_priority_seats == {"acme": 1}
+    assert "r" not in engine.core.scheduler.requests  # added, then aborted
