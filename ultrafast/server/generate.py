@@ -19,7 +19,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -27,47 +26,26 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ultrafast.grammar.prefix_check import accepts_text
-from ultrafast.request import Request, SamplingParams, ServiceTier
+from ultrafast.request import Request
 from ultrafast.server import openai_format as fmt
 from ultrafast.server.admission import Admission, Ticket
 from ultrafast.server.bridge import EngineBridge, RequestGroup, RequestOutput
 from ultrafast.server.errors import APIError
 from ultrafast.server.guard import CONTENT_FILTER, GuardConfig, GuardedChoice
 from ultrafast.server.metrics import ServerMetrics
+from ultrafast.server.run_types import (
+    ENGINE_FAILED,
+    ChoiceDelta,
+    GenerationSpec,
+    Ping,
+    RunEvent,
+    run_error,
+)
 from ultrafast.server.tools.stream import ToolSplitter, chat_tool_chunks
 from ultrafast.tokenizer import StopStringMatcher, Tokenizer
 
 if TYPE_CHECKING:
-    from ultrafast.grammar.matcher import GrammarRuntime
-    from ultrafast.server.tools.plan import ToolPlan
-
-
-@dataclass
-class GenerationSpec:
-    """Everything the HTTP layer decided about a call, in engine terms plus output options."""
-
-    request_id: str
-    model_name: str
-    prompts: list[list[int]]  # completions may batch prompts; choice = prompt * n + i
-    params: SamplingParams
-    n: int
-    tier: ServiceTier
-    stops: list[str]
-    chat: bool
-    stream: bool
-    include_usage: bool
-    want_logprobs: bool
-    tenant: str = ""
-    echo_texts: list[str] | None = None  # completions `echo`: prompt text, one per prompt
-    arrival_s: float = 0.0
-    prediction_token_ids: list[int] | None = None  # chat `prediction`: drafts for every choice
-    tools: ToolPlan | None = None  # the text splits into content + tool calls
-    # special tokens whose text the output keeps (a tool format's trigger token); others skipped
-    keep_token_ids: frozenset[int] = frozenset()
-    # the compile of params.grammar when it may still be running
-    grammar_compile: Future[None] | None = None
-    # the model's grammar.matcher.GrammarRuntime: is an answer a stop string cut complete?
-    grammar_runtime: GrammarRuntime | None = None
+    pass
 
 
 @dataclass(frozen=True)
@@ -83,45 +61,10 @@ class RunDeps:
     ping_interval_s: float  # a Ping when no output came for this long
 
 
-@dataclass(frozen=True)
-class ChoiceDelta:
-    """New output of one choice: text (after stop strings and the guard), its logprobs, and
-    the finish reason when the choice ended ("error": the engine failed it)."""
-
-    index: int
-    text: str
-    logprobs: list
-    finish: str | None = None
-    tool_events: tuple = ()  # server/tools/parse.py events: call start, argument text, call end
-
-
-@dataclass(frozen=True)
-class Ping:
-    """No output for a ping interval: streams send a keep-alive."""
-
-
-RunEvent = ChoiceDelta | Ping
 # the session commit: (run, None at a normal end / "client_disconnected") -> error code or None
 CommitHook = Callable[["GenerationRun", str | None], Awaitable[str | None]]
 
-ENGINE_FAILED = "engine_error"
-
 log = logging.getLogger(__name__)
-
-
-def run_error(code: str) -> APIError:
-    """The error a call ends with when its run failed: the engine failed a choice
-    (`engine_error`), or the answer could not be stored (the commit's code)."""
-    if code == ENGINE_FAILED:
-        return APIError(500, "the engine failed while generating", "server_error", code, None)
-    return APIError(
-        503,
-        "the answer could not be stored in the session store",
-        "server_error",
-        code,
-        None,
-        headers={"Retry-After": "1"},
-    )
 
 
 class GenerationRun:
