@@ -11,10 +11,10 @@ import json
 import httpx
 import pytest
 
-from ultrafast.bench.server_process import ServerProcess
 from ultrafast.config import DEMO_MODEL_DIR
 from ultrafast.model_defaults import sidecar_path
 from ultrafast.model_files import load_tokenizer, resolve_model
+from ultrafast_harness.bench.server_process import ServerProcess
 
 TEXT = "Tokenizers differ: the quick brown fox jumps over the lazy dog."
 
