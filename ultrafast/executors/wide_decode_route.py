@@ -1,0 +1,105 @@
+"""From which width decode steps run in torch (wide_decode.py): measured at start, with
+hysteresis while serving.
+
+Never by CPU name: once the wide prefill path is on (wide_route.py found oneDNN bf16 and the
+model), both paths time one decode step of each width in DECODE_WIDTHS over the same slots at
+the same positions (interleaved, the fastest of a few: other load only adds time). The on
+width is the narrowest from which torch is cheaper at every wider measured width; none means
+decodes stay on llama.cpp. While serving, a step goes wide from the on width and stays wide
+until its width falls below the off width (a quarter lower): every switch moves the KV of the
+step's slots from one side to the other, so a width that hovers around the threshold must not
+flip the path each step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ultrafast.core.types import ScheduledSeq, StepPlan
+from ultrafast.request import SamplingParams
+
+DECODE_WIDTHS = (2, 4, 8, 16)
+CONTEXT_TOKENS = 64  # each measured slot holds this many positions before the timed step
+_REPEATS = 3
+ON_MIN_WIDTH = 4  # --wide-pass on where no crossover was measured
+
+
+@dataclass
+class DecodeRouter:
+    """Which path a step's decodes take: on_width 0 = llama.cpp always."""
+
+    on_width: int = 0
+    active: bool = False
+
+    @property
+    def off_width(self) -> int:
+        return max(2, self.on_width - max(1, self.on_width // 4))
+
+    def wide(self, width: int) -> bool:
+        if not self.on_width:
+            return False
+        self.active = width >= (self.off_width if self.active else self.on_width)
+        return self.active
+
+
+def on_width(timings: dict[int, tuple[float, float]]) -> int | None:
+    """The narrowest width from which torch is cheaper at every wider one, from (llama.cpp,
+    torch) seconds per width; None when it is not cheaper at the widest."""
+    chosen = None
+    for width in sorted(timings, reverse=True):
+        ggml_s, torch_s = timings[width]
+        if torch_s >= ggml_s:
+            break
+        chosen = width
+    return chosen
+
+
+def plan_wide_decode(executor, mode: str) -> str:
+    """Set executor.decode_router for `mode` ('auto' or 'on'); the status line's clause."""
+    widths = [w for w in DECODE_WIDTHS if w <= min(executor.num_slots, 16)]
+    if executor.max_model_len <= CONTEXT_TOKENS + 1 or not widths:
+        executor.decode_router = DecodeRouter(ON_MIN_WIDTH if mode == "on" else 0)
+        return "decode steps on llama.cpp (too few slots or positions to measure)"
+    timings = {w: measure_decode(executor, w) for w in widths}
+    shown = ", ".join(
+        f"{w} wide {g * 1e3:.0f} ms llama.cpp / {t * 1e3:.0f} ms torch"
+        for w, (g, t) in timings.items()
+    )
+    width = on_width(timings)
+    if width is None and mode == "auto":
+        executor.decode_router = DecodeRouter(0)
+        return f"decode steps on llama.cpp (torch measured not faster: {shown})"
+    executor.decode_router = router = DecodeRouter(width or ON_MIN_WIDTH)
+    return (
+        f"decode steps of >= {router.on_width} sequences in torch (until < {router.off_width}), "
+        f"narrower on llama.cpp (measured: {shown})"
+    )
+
+
+def measure_decode(executor, width: int) -> tuple[float, float]:
+    """Seconds of one decode step of `width` slots (slots 0..width-1, each at CONTEXT_TOKENS
+    positions) on llama.cpp and in torch, the fastest of a few; the slots are left empty."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    prompt = [(i * 31 + 7) % executor.vocab_size for i in range(CONTEXT_TOKENS)]
+    seqs = [ScheduledSeq(f"wide-decode-{s}", s, prompt, 0, 0, greedy, 0, 0) for s in range(width)]
+    step = StepPlan(
+        [ScheduledSeq(s.request_id, s.slot_id, [7], CONTEXT_TOKENS, 1, greedy, 0, 0) for s in seqs]
+    )
+    timings: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        executor.decode_force = False
+        executor.execute(StepPlan(seqs))
+        for _ in range(_REPEATS + 1):  # the first round warms both paths up (and moves the KV)
+            for wide in (False, True):
+                executor.decode_force = wide
+                start_s = time.perf_counter()
+                result = executor.execute(step)
+                timings[wide].append(time.perf_counter() - start_s)
+                if result.errors:
+                    raise RuntimeError(f"wide-decode calibration failed: {result.errors}")
+    finally:
+        executor.decode_force = None
+        for s in seqs:
+            executor._trim_slot(s.slot_id, 0)
+    return min(timings[False][1:]), min(timings[True][1:])
