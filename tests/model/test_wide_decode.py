@@ -181,12 +181,14 @@ def test_router_hysteresis():
     widths = [4, 8, 7, 6, 5, 7, 8, 16, 2]
     assert [router.wide(w) for w in widths] == [0, 1, 1, 1, 0, 0, 1, 1, 0]
     assert not DecodeRouter(0).wide(64)
+    forced = DecodeRouter(2)  # steps of 1-2 decodes stay on llama.cpp whatever was measured
+    assert forced.off_width == 3 and [forced.wide(w) for w in (2, 3, 1)] == [0, 1, 0]
 
 
 def test_on_width_from_measurements():
     # torch cheaper from 4 on: 4
-    assert on_width({2: (0.02, 0.03), 4: (0.04, 0.03), 8: (0.06, 0.04), 16: (0.1, 0.05)}) == 4
+    assert on_width({4: (0.04, 0.03), 8: (0.06, 0.04), 16: (0.1, 0.05)}) == 4
     # a dearer width above a cheaper one: from the width past it
-    assert on_width({2: (0.02, 0.01), 4: (0.04, 0.05), 8: (0.06, 0.04)}) == 8
+    assert on_width({4: (0.02, 0.01), 8: (0.04, 0.05), 16: (0.06, 0.04)}) == 16
     # never cheaper at the widest: none
-    assert on_width({2: (0.02, 0.03), 16: (0.1, 0.2)}) is None
+    assert on_width({4: (0.02, 0.03), 16: (0.1, 0.2)}) is None

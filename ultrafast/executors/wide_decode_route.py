@@ -5,7 +5,9 @@ Never by CPU name: once the wide prefill path is on (wide_route.py found oneDNN 
 model), both paths time one decode step of each width in DECODE_WIDTHS over the same slots at
 the same positions (interleaved, the fastest of a few: other load only adds time). The on
 width is the narrowest from which torch is cheaper at every wider measured width; none means
-decodes stay on llama.cpp. While serving, a step goes wide from the on width and stays wide
+decodes stay on llama.cpp. Steps of 1-2 decodes always stay there: llama.cpp's 1-token pass is
+the cheaper one (18 vs >= 21 ms in the note's measurements), and not timing them saves start
+time. While serving, a step goes wide from the on width and stays wide
 until its width falls below the off width (a quarter lower): every switch moves the KV of the
 step's slots from one side to the other, so a width that hovers around the threshold must not
 flip the path each step.
@@ -19,7 +21,8 @@ from dataclasses import dataclass
 from ultrafast.core.types import ScheduledSeq, StepPlan
 from ultrafast.request import SamplingParams
 
-DECODE_WIDTHS = (2, 4, 8, 16)
+DECODE_WIDTHS = (4, 8, 16)
+NARROW_MAX = 2  # steps this narrow never run in torch
 CONTEXT_TOKENS = 64  # each measured slot holds this many positions before the timed step
 _REPEATS = 3
 ON_MIN_WIDTH = 4  # --wide-pass on where no crossover was measured
@@ -34,10 +37,10 @@ class DecodeRouter:
 
     @property
     def off_width(self) -> int:
-        return max(2, self.on_width - max(1, self.on_width // 4))
+        return max(NARROW_MAX + 1, self.on_width - max(1, self.on_width // 4))
 
     def wide(self, width: int) -> bool:
-        if not self.on_width:
+        if not self.on_width or width <= NARROW_MAX:
             return False
         self.active = width >= (self.off_width if self.active else self.on_width)
         return self.active

@@ -2,10 +2,11 @@
 
 Per layer one K and one V tensor `[rows, kv_heads, capacity, head_dim]` bf16 (HF layout: RoPE
 halves, not llama.cpp's interleaved pairs), indexed by slot id. Both sizes grow by need: rows
-to the highest slot id that ran a wide decode, capacity (doubling, from 64) to the longest
-position reached, so the mirror costs what the wide-decoded slots hold, never every slot's
-`max_model_len`. `lens[slot]` says that positions [0, lens[slot]) hold that slot's KV; which
-side is ahead of the other is the executor's business (wide_exec.py), this class only stores.
+to the highest slot id that ran a wide decode, capacity (by a quarter at least, in steps of 64)
+to the longest position reached, so the mirror costs about (highest slot + 1) x the longest
+wide-decoded sequence, never every slot's `max_model_len`; it does not shrink.
+`lens[slot]` says that positions [0, lens[slot]) hold that slot's KV; which side is ahead of
+the other is the executor's business (wide_exec.py), this class only stores.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 BF16 = torch.bfloat16
-_MIN_CAPACITY = 64
+_STEP = 64  # capacity grows in multiples of this many positions, by a quarter at least
 
 
 class KVMirror:
@@ -41,8 +42,9 @@ class KVMirror:
     def reserve(self, slot: int, end: int) -> None:
         """Room for `slot`'s positions [0, end)."""
         rows, capacity = max(self._rows, slot + 1), self._capacity
-        while capacity < end:
-            capacity = min(self.max_len, max(_MIN_CAPACITY, capacity * 2))
+        if capacity < end:
+            wanted = max(end, capacity + capacity // 4)
+            capacity = min(self.max_len, -(-wanted // _STEP) * _STEP)
         if (rows, capacity) != (self._rows, self._capacity):
             self._resize(rows, capacity)
 
