@@ -61,7 +61,8 @@ def on_width(timings: dict[int, tuple[float, float]]) -> int | None:
 def plan_wide_decode(executor, mode: str) -> str:
     """Set executor.decode_router for `mode` ('auto' or 'on'); the status line's clause."""
     widths = [w for w in DECODE_WIDTHS if w <= min(executor.num_slots, 16)]
-    if executor.max_model_len <= CONTEXT_TOKENS + 1 or not widths:
+    too_short = min(executor.max_model_len - 1, executor.max_num_batched_tokens) < CONTEXT_TOKENS
+    if too_short or not widths:
         executor.decode_router = DecodeRouter(ON_MIN_WIDTH if mode == "on" else 0)
         return "decode steps on llama.cpp (too few slots or positions to measure)"
     timings = {w: measure_decode(executor, w) for w in widths}
@@ -92,7 +93,10 @@ def measure_decode(executor, width: int) -> tuple[float, float]:
     timings: dict[bool, list[float]] = {False: [], True: []}
     try:
         executor.decode_force = False
-        executor.execute(StepPlan(seqs))
+        for s in seqs:  # one slot a step: a step may hold fewer tokens than all the contexts
+            result = executor.execute(StepPlan([s]))
+            if result.errors:
+                raise RuntimeError(f"wide-decode calibration failed: {result.errors}")
         for _ in range(_REPEATS + 1):  # the first round warms both paths up (and moves the KV)
             for wide in (False, True):
                 executor.decode_force = wide
