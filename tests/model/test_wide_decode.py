@@ -20,9 +20,9 @@ import pytest
 
 from tests.model.test_wide_pass import (
     DEMO_GGUF,
-    NEAR_TIE,
     NEW_TOKENS,
     NUM_PROMPTS,
+    assert_near_ties,
     generate,
     heldout_tokens,
     plain,
@@ -88,13 +88,7 @@ def assert_switching_parity(gguf, monkeypatch):
     with wide_decoder(gguf, **KWARGS) as ex:
         got = generate_switching(ex, batch)
     assert moves["pull"] >= NUM_PROMPTS and moves["push"] >= 2, moves  # both directions ran
-    diverged = []
-    for i, (a, b) in enumerate(zip(want, got)):
-        if a != b:
-            at = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-            print(f"prompt {i}: diverges at token {at}, llama.cpp margin {margins[i][at]:.3f}")
-            diverged.append(margins[i][at])
-    assert all(m < NEAR_TIE for m in diverged), f"divergence beyond a near-tie: {diverged}"
+    assert_near_ties(want, got, margins)
 
 
 def test_demo_switching_greedy_parity(monkeypatch):

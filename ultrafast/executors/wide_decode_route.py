@@ -15,10 +15,10 @@ flip the path each step.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from ultrafast.core.types import ScheduledSeq, StepPlan
+from ultrafast.executors.wide_route import time_both_paths
 from ultrafast.request import SamplingParams
 
 DECODE_WIDTHS = (4, 8, 16)
@@ -90,23 +90,19 @@ def measure_decode(executor, width: int) -> tuple[float, float]:
     step = StepPlan(
         [ScheduledSeq(s.request_id, s.slot_id, [7], CONTEXT_TOKENS, 1, greedy, 0, 0) for s in seqs]
     )
-    timings: dict[bool, list[float]] = {False: [], True: []}
+
+    def use(wide: bool) -> None:
+        executor.decode_force = wide
+
     try:
-        executor.decode_force = False
+        use(False)
         for s in seqs:  # one slot a step: a step may hold fewer tokens than all the contexts
             result = executor.execute(StepPlan([s]))
             if result.errors:
                 raise RuntimeError(f"wide-decode calibration failed: {result.errors}")
-        for _ in range(_REPEATS + 1):  # the first round warms both paths up (and moves the KV)
-            for wide in (False, True):
-                executor.decode_force = wide
-                start_s = time.perf_counter()
-                result = executor.execute(step)
-                timings[wide].append(time.perf_counter() - start_s)
-                if result.errors:
-                    raise RuntimeError(f"wide-decode calibration failed: {result.errors}")
+        # the warm-up round also moves the slots' KV into the mirror
+        return time_both_paths(executor, step, use, _REPEATS, "wide-decode calibration")
     finally:
         executor.decode_force = None
         for s in seqs:
             executor._trim_slot(s.slot_id, 0)
-    return min(timings[False][1:]), min(timings[True][1:])
