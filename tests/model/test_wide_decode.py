@@ -197,3 +197,31 @@ def test_start_measures_decode_widths_and_leaves_slots_empty():
         assert "16 wide" in ex.wide_status and "decode steps of >= " in ex.wide_status
         assert ex.decode_router.on_width in (4, 8, 16)
         assert ex._slot_lens == [0] * 16 and all(n == 0 for n in ex.mirror.lens.values())
+
+
+def test_masks_and_kept_rows_work_on_torch_decodes():
+    """A grammar mask applies to a torch decode's row, and a deferred row is kept and later
+    sampled (sample_kept) like llama.cpp's: the same StepResult contract on both paths."""
+    from ultrafast.grammar.mask import num_words, set_bits
+
+    batch = text_prompts(DEMO_GGUF)[:4]
+    kwargs = dict(KWARGS, num_slots=4)
+    with plain(DEMO_GGUF, **kwargs) as ref:
+        ref.execute(StepPlan([seq(i, p, 0) for i, p in enumerate(batch)]))
+        want = ref.execute(StepPlan([seq(i, [5], len(p)) for i, p in enumerate(batch)]))
+    with wide_decoder(DEMO_GGUF, **kwargs) as ex:
+        ex.execute(StepPlan([seq(i, p, 0) for i, p in enumerate(batch)]))
+        mask = np.zeros((1, num_words(ex.vocab_size)), dtype=np.int32)
+        set_bits(mask[0], [42])
+        plan = [seq(i, [5], len(p)) for i, p in enumerate(batch)]
+        plan[1].token_mask, plan[2].defer_sample = mask, True
+        result = ex.execute(StepPlan(plan))
+        assert ex.mirror.length(0) == len(batch[0]) + 1  # the step ran in torch
+        assert result.sampled_token_ids["r1"] == [42]
+        assert "r2" not in result.sampled_token_ids and "r2" in result.kept_logits
+        kept = ex.sample_kept(plan[2], result.kept_logits["r2"])
+        for rid, tokens in [
+            ("r0", result.sampled_token_ids["r0"]),
+            ("r2", kept.sampled_token_ids["r2"]),
+        ]:
+            assert tokens == want.sampled_token_ids[rid]
