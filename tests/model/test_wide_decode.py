@@ -172,8 +172,8 @@ def test_bad_decode_fails_alone():
 def test_router_hysteresis():
     router = DecodeRouter(8)
     assert router.off_width == 6
-    widths = [4, 8, 7, 6, 5, 7, 8, 16, 2]
-    assert [router.wide(w) for w in widths] == [0, 1, 1, 1, 0, 0, 1, 1, 0]
+    widths = [4, 8, 7, 6, 5, 7, 8, 0, 7, 16, 2]  # 0: a step with a prefill and no decodes
+    assert [router.wide(w) for w in widths] == [0, 1, 1, 1, 0, 0, 1, 0, 1, 1, 0]
     assert not DecodeRouter(0).wide(64)
     forced = DecodeRouter(2)  # steps of 1-2 decodes stay on llama.cpp whatever was measured
     assert forced.off_width == 3 and [forced.wide(w) for w in (2, 3, 1)] == [0, 1, 0]

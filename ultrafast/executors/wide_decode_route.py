@@ -40,7 +40,10 @@ class DecodeRouter:
         return max(NARROW_MAX + 1, self.on_width - max(1, self.on_width // 4))
 
     def wide(self, width: int) -> bool:
+        if not width:  # a step without decodes (a prefill alone) leaves the state as it was
+            return False
         if not self.on_width or width <= NARROW_MAX:
+            self.active = False
             return False
         self.active = width >= (self.off_width if self.active else self.on_width)
         return self.active
