@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,12 +21,15 @@ import numpy as np
 import torch
 
 from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
-from ultrafast.executors import ggml_kv_rows
+from ultrafast.executors import ggml_kv_rows, wide_decode
 from ultrafast.executors.ggml_exec import GgmlExecutor
 from ultrafast.executors.ggml_kv_rows import SlotRows
+from ultrafast.executors.wide_decode_route import DecodeRouter, plan_wide_decode
 from ultrafast.executors.wide_forward import SeqChunk, WideForward
+from ultrafast.executors.wide_kv_mirror import KVMirror
 from ultrafast.executors.wide_lazy import WideLazy
 from ultrafast.executors.wide_route import WIDE_PASS_MODES
+from ultrafast.sampling.sampler import sample_keeping_deferred
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,12 @@ class WideGgmlExecutor(GgmlExecutor):
         self.wide: WideForward | None = None
         self.wide_min_tokens = 0  # chunks of at least this many tokens take the wide path
         self._wide_paused = False
+        self.mirror: KVMirror | None = None  # the torch side's KV of wide-decoded slots
+        self.decode_router = DecodeRouter(0)
+        self.decode_force: bool | None = None  # a measurement's choice, over the router's
+        # the last torch decode step's logits rows, in slot order (the ggml rows are in
+        # last_logits): parity tests read them
+        self.last_decode_logits = np.empty((0, self.vocab_size), dtype=np.float32)
         try:
             self.wide_lazy = WideLazy(self, wide_pass)
             if not by_need:
@@ -58,6 +68,21 @@ class WideGgmlExecutor(GgmlExecutor):
     def wide_status(self) -> str:
         return self.wide_lazy.status
 
+    def start_wide_decode(
+        self, slots: list[int] | None = None, should_stop: Callable[[], bool] = lambda: False
+    ) -> str:
+        """With the wide forward in self.wide: its KV mirror, and from which width decode
+        steps run in torch, timed in `slots` (wide_decode_route.py); the status clause."""
+        assert self.wide is not None
+        self.mirror = wide_decode.new_mirror(self.wide, self.max_model_len)
+        return plan_wide_decode(self, self.wide_lazy.mode, slots, should_stop)
+
+    def use_wide_decode(self, on_width: int) -> None:
+        """A cached decision: the mirror, and decode steps from `on_width` in torch (0: none)."""
+        assert self.wide is not None
+        self.mirror = wide_decode.new_mirror(self.wide, self.max_model_len)
+        self.decode_router = DecodeRouter(on_width)
+
     # ---- routing ----
 
     def _routes(self, seq: ScheduledSeq) -> bool:
@@ -68,25 +93,128 @@ class WideGgmlExecutor(GgmlExecutor):
             and self._check(seq) is None
         )
 
+    def _decodes_in_torch(self, plan: StepPlan) -> list[ScheduledSeq]:
+        """The step's 1-token decodes when they are many enough to run in torch."""
+        decodes = [
+            s
+            for s in plan.seqs
+            if len(s.token_ids) == 1
+            and s.num_logits == 1
+            and not s.num_prompt_logits
+            and self._check(s) is None
+        ]
+        wide = self.decode_force
+        if wide is None:
+            wide = self.decode_router.wide(len(decodes))
+        slots = {s.slot_id for s in decodes}
+        return decodes if wide and decodes and len(slots) == len(decodes) else []
+
     def execute(self, plan: StepPlan) -> StepResult:
         if self.wide is None and not self._wide_paused:
             self.wide_lazy.on_pass(plan)  # loads on first need; takes the weights once in
         if self.wide is None or self._wide_paused:
             return super().execute(plan)
         routed = [s for s in plan.seqs if self._routes(s)]
-        if not routed:
+        decodes = self._decodes_in_torch(plan)
+        if not routed and not decodes:
             return super().execute(plan)
         start_s = time.perf_counter()
         for copy in plan.kv_copies:  # the wide pass reads the slots' earlier KV
             self._copy_prefix(copy.src_slot_id, copy.dst_slot_id, copy.num_tokens)
-        tails, errors = self._wide_prefill(routed, plan.spare_threads)
-        wide_s = time.perf_counter() - start_s
-        taken = {id(s) for s in routed}
+        tails, errors = self._wide_prefill(routed, plan.spare_threads) if routed else ([], {})
+        decoded = self._wide_decode(decodes, plan.spare_threads) if decodes else StepResult()
+        wide_s = time.perf_counter() - start_s - decoded.sample_time_s
+        taken = {id(s) for s in routed + decodes}
         rest = [s for s in plan.seqs if id(s) not in taken] + tails
         result = super().execute(replace(plan, seqs=rest, kv_copies=[])) if rest else StepResult()
         result.errors.update(errors)
+        _merge(result, decoded)
         result.execute_time_s += wide_s
         return result
+
+    # ---- wide decode steps (wide_decode.py) and the KV moves they need ----
+
+    def _wide_decode(self, seqs: list[ScheduledSeq], spare_threads: int) -> StepResult:
+        assert self.wide is not None and self.mirror is not None
+        errors: dict[str, str] = {}
+        ready = []
+        for seq in sorted(seqs, key=lambda s: s.slot_id):
+            error = self._torch_slot(seq.slot_id, seq.start_position)
+            if error is None:
+                ready.append(seq)
+            else:
+                errors[seq.request_id] = error
+        result = StepResult()
+        if ready:
+            self._set_torch_threads(spare_threads, len(ready))
+            logits = wide_decode.decode_logits(
+                self.wide,
+                self.mirror,
+                [s.token_ids[0] for s in ready],
+                [s.slot_id for s in ready],
+                [s.start_position for s in ready],
+            ).numpy()
+            self.last_decode_logits = logits
+            sampled_s = time.perf_counter()
+            result = sample_keeping_deferred(ready, logits)
+            result.sample_time_s = time.perf_counter() - sampled_s
+        result.errors.update(errors)
+        return result
+
+    def _torch_slot(self, slot: int, start: int) -> str | None:
+        """Make the mirror hold exactly [0, start) of `slot` (pulling llama.cpp's newer rows);
+        llama.cpp's rows past start are dropped (they are stale)."""
+        assert self.mirror is not None
+        held, mirrored = self._slot_lens[slot], self.mirror.length(slot)
+        if start > max(held, mirrored):
+            return f"slot {slot} holds {max(held, mirrored)} positions, cannot start at {start}"
+        if mirrored < start:
+            error = wide_decode.pull(self, slot, start)
+            if error is not None:
+                return error
+        self.mirror.trim(slot, start)
+        if held > start:
+            super()._trim_slot(slot, start)
+        return None
+
+    def _ggml_slot(self, slot: int, end: int) -> None:
+        """Push the mirror's rows of `slot` up to `end` that llama.cpp lacks; forget the rest."""
+        if self.mirror is None:
+            return
+        held, mirrored = self._slot_lens[slot], self.mirror.length(slot)
+        if held < min(mirrored, end):
+            try:
+                wide_decode.push(self, slot, held, min(mirrored, end))
+            except ValueError as exc:  # the slot is empty now: its request fails below
+                log.warning("wide decode: llama.cpp refused slot %d's KV: %s", slot, exc)
+                self.mirror.trim(slot, 0)
+        self.mirror.trim(slot, end)
+
+    def _trim_slot(self, slot_id: int, start_position: int) -> str | None:
+        self._ggml_slot(slot_id, start_position)
+        return super()._trim_slot(slot_id, start_position)
+
+    def _copy_prefix(self, src_slot_id: int, dst_slot_id: int, num_tokens: int) -> None:
+        self._ggml_slot(src_slot_id, self.max_model_len)
+        super()._copy_prefix(src_slot_id, dst_slot_id, num_tokens)
+        if self.mirror is not None:  # the copy is llama.cpp's: the mirror pulls it if needed
+            self.mirror.trim(dst_slot_id, 0 if src_slot_id != dst_slot_id else num_tokens)
+
+    def export_slot(self, slot_id: int, num_tokens: int) -> bytes:
+        self._ggml_slot(slot_id, self.max_model_len)
+        return self.ggml_export(slot_id, num_tokens)
+
+    def import_slot(self, slot_id: int, payload: bytes, num_tokens: int) -> None:
+        if self.mirror is not None:
+            self.mirror.trim(slot_id, 0)
+        self.ggml_import(slot_id, payload, num_tokens)
+
+    def ggml_export(self, slot_id: int, num_tokens: int) -> bytes:
+        """llama.cpp's own KV of the slot, whatever the mirror holds."""
+        return super().export_slot(slot_id, num_tokens)
+
+    def ggml_import(self, slot_id: int, payload: bytes, num_tokens: int) -> None:
+        super().import_slot(slot_id, payload, num_tokens)
 
     def calibrate_threads(self, *args, **kwargs):
         """ggml's own thread calibration times ggml's passes: the wide path stays out of it."""
@@ -169,10 +297,19 @@ class WideGgmlExecutor(GgmlExecutor):
             return f"wide pass: llama.cpp refused the computed KV: {exc}"
         return None
 
-    def _set_torch_threads(self, spare_threads: int) -> None:
+    def _set_torch_threads(self, spare_threads: int, num_tokens: int | None = None) -> None:
         threads = self.n_threads_batch
         if self.thread_plan is not None:
-            threads = self.thread_plan.for_tokens(self.max_num_batched_tokens)
+            threads = self.thread_plan.for_tokens(num_tokens or self.max_num_batched_tokens)
         threads = max(1, threads - spare_threads)  # a grammar compiling beside the pass
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+
+
+def _merge(result: StepResult, other: StepResult) -> None:
+    """Add the torch decodes' results to the llama.cpp pass's (disjoint requests)."""
+    result.sampled_token_ids.update(other.sampled_token_ids)
+    result.logprobs.update(other.logprobs)
+    result.errors.update(other.errors)
+    result.kept_logits.update(other.kept_logits)
+    result.sample_time_s += other.sample_time_s

@@ -2,8 +2,9 @@
 
 Why: on CPUs with bf16 matrix units (AMX, AVX512-BF16) oneDNN's bf16 GEMM runs a many-row
 pass several times faster than llama.cpp's kernels (docs/ARCHITECTURE.md "Wide passes"). This
-module only produces KV: the chunk's last token then runs in llama.cpp over that KV (wide_exec.py),
-so logits, sampling and everything after stay llama.cpp's.
+module's `kv` only produces KV: the chunk's last token then runs in llama.cpp over that KV
+(wide_exec.py), so a prefill's logits stay llama.cpp's; wide decode steps (wide_decode.py) use
+the same weights plus the final norm and lm_head kept here.
 
 Layout: the residual stream is float32, each linear layer takes bf16 activations against bf16
 weights (q/k/v and gate/up fused: one GEMM each), norms and RoPE run in float32, attention is
@@ -78,6 +79,10 @@ class WideForward:
         embed = tensors.pop("model.embed_tokens.weight")
         small = embed.numel() * 4 <= _F32_EMBEDDING_MAX_BYTES
         self.embed = embed.float() if small else embed.to(BF16)
+        # the final norm and the bf16 lm_head serve wide decode steps (wide_decode.py)
+        self.norm: torch.Tensor | None = tensors.pop("model.norm.weight", None)
+        lm_head = tensors.pop("lm_head.weight", None)
+        self.lm_head = (embed if lm_head is None else lm_head).to(BF16)
         cos, sin = rope_tables(config, max_positions)
         self.cos, self.sin = cos, sin  # float32 [positions, head_dim]
         self.eps = config.rms_norm_eps
@@ -171,8 +176,6 @@ class WideForward:
 def _weights(meta, config: ModelConfig):
     """HF name -> tensor: matrices bf16, norm weights float32, one dequantized tensor at a time."""
     for name, tensor in gguf_tensors(meta, config):
-        if name == "lm_head.weight":
-            continue  # logits come from llama.cpp
         is_matrix = tensor.dim() == 2 and not name.endswith("embed_tokens.weight")
         yield name, tensor.to(BF16) if is_matrix else tensor
 

@@ -62,6 +62,7 @@ class WideLazy:
         self.status = OFF_STATUS
         self.armed = True  # False while the engine times its own start costs
         self.min_tokens: int | None = None  # the cached routing threshold, if any
+        self.decode_width = 0  # the cached width from which decode steps run in torch
         self._loader: threading.Thread | None = None
         self._loaded: Any = None  # the WideForward, once built
         self._load_error: str | None = None
@@ -77,6 +78,7 @@ class WideLazy:
         cached = read_cache(self.identity())
         if cached is not None and "wide_min_tokens" in cached:
             self.min_tokens = cached["wide_min_tokens"]
+            self.decode_width = int(cached.get("decode_on_width") or 0)
             if self.min_tokens is None:
                 self.state = "off"
                 self.status = f"{cached.get('status', 'off')} (cached)"
@@ -86,7 +88,7 @@ class WideLazy:
     def identity(self) -> dict:
         ex = self.ex
         return {
-            "cache": "wide_pass",
+            "cache": "wide_pass+decode",  # the decode width joined the decision
             "mode": self.mode,
             "torch": torch.__version__,
             "threads": [ex.n_threads, ex.n_threads_batch, getattr(ex, "threads_auto", False)],
@@ -169,8 +171,10 @@ class WideLazy:
             "run as bf16 PyTorch/oneDNN passes, the rest on llama.cpp"
         )
 
-    def _turn_on(self, forward: Any, min_tokens: int, status: str) -> None:
+    def _turn_on(self, forward: Any, min_tokens: int, status: str, timed: bool = False) -> None:
         self.ex.wide, self.ex.wide_min_tokens = forward, min_tokens
+        if not timed:  # a cached decision: the decode width comes from the cache too
+            self.ex.use_wide_decode(self.decode_width)
         self._loaded, self.state, self.status = None, "on", status
         log.info("wide passes: %s", status)
 
@@ -190,15 +194,24 @@ class WideLazy:
         self.ex.wide = self._loaded
         try:
             min_tokens, status = time_wide_path(self.ex, self.mode, slot, should_stop)
+            if min_tokens is not None:  # decode steps: timed in the free slots too
+                status += "; " + self.ex.start_wide_decode(free_slots, should_stop)
         finally:
             self.ex.wide = None
-        write_cache(self.identity(), {"wide_min_tokens": min_tokens, "status": status})
+        self._remember(min_tokens, status)
         if min_tokens is None:  # not faster here: the weights go again
             self._loaded, self.state, self.status = None, "off", status
             log.info("wide passes: %s", status)
         else:
-            self._turn_on(self._loaded, min_tokens, status)
+            self._turn_on(self._loaded, min_tokens, status, timed=True)
         return True
+
+    def _remember(self, min_tokens: int | None, status: str) -> None:
+        self.decode_width = self.ex.decode_router.on_width if min_tokens is not None else 0
+        write_cache(
+            self.identity(),
+            {"wide_min_tokens": min_tokens, "decode_on_width": self.decode_width, "status": status},
+        )
 
     # ---- offline (no idle engine thread to time on) ----
 
@@ -211,8 +224,9 @@ class WideLazy:
         self.state = "on" if self.ex.wide is not None else "off"
         if self.ex.wide is not None:
             self.min_tokens = self.ex.wide_min_tokens
+            self.status += "; " + self.ex.start_wide_decode()
         min_tokens = self.min_tokens if self.ex.wide is not None else None
-        write_cache(self.identity(), {"wide_min_tokens": min_tokens, "status": self.status})
+        self._remember(min_tokens, self.status)
         log.info("wide passes: %s", self.status)
 
     def wait_loaded(self, timeout_s: float | None = None) -> None:

@@ -130,21 +130,39 @@ def measure_chunk(
     prompt = [(i * 31 + 7) % executor.vocab_size for i in range(num_tokens)]
     plan = StepPlan([ScheduledSeq("wide-calibration", slot, prompt, 0, 1, greedy, 0, 0)])
     saved = executor.wide_min_tokens
-    timings: dict[bool, list[float]] = {False: [], True: []}
+
+    def use(wide: bool) -> None:
+        executor._wide_paused = not wide
+        executor.wide_min_tokens = 2
+
     try:
-        for _ in range(_REPEATS + 1):  # the first round warms both paths up
-            for wide in (False, True):  # interleaved: a load change hits both paths
-                if should_stop():
-                    raise CalibrationInterrupted
-                executor._wide_paused = not wide
-                executor.wide_min_tokens = 2
-                start_s = time.perf_counter()
-                result = executor.execute(plan)
-                timings[wide].append(time.perf_counter() - start_s)
-                if result.errors:
-                    raise RuntimeError(f"wide-pass calibration failed: {result.errors}")
+        return time_both_paths(executor, plan, use, _REPEATS, "wide-pass calibration", should_stop)
     finally:
         executor._wide_paused = False
         executor.wide_min_tokens = saved
         executor._trim_slot(slot, 0)
+
+
+def time_both_paths(
+    executor,
+    plan: StepPlan,
+    use,
+    repeats: int,
+    what: str,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> tuple[float, float]:
+    """Seconds of `plan` with use(False) then use(True) in force, interleaved (a load change
+    hits both paths), the fastest of `repeats` after a warm-up round (other load only adds
+    time): (llama.cpp, wide). An arriving request (`should_stop`) interrupts it."""
+    timings: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats + 1):
+        for wide in (False, True):
+            if should_stop():
+                raise CalibrationInterrupted
+            use(wide)
+            start_s = time.perf_counter()
+            result = executor.execute(plan)
+            timings[wide].append(time.perf_counter() - start_s)
+            if result.errors:
+                raise RuntimeError(f"{what} failed: {result.errors}")
     return min(timings[False][1:]), min(timings[True][1:])

@@ -1,0 +1,227 @@
+"""Wide decode steps (executors/wide_decode.py): many 1-token decodes as one torch step over a
+KV mirror, with the KV moved between the mirror and llama.cpp's slots as steps change width.
+
+- greedy tokens: 10 prompts x 32 tokens from a schedule that switches between wide steps (all
+  10 slots, torch) and narrow ones (2 slots, llama.cpp), so every slot's KV moves both ways
+  many times, equal the plain llama.cpp path's or diverge only at a near-tie (the margin is
+  printed), on the demo model, SmolLM2's bf16 GGUF and its shipped Q4_1;
+- perplexity of held-out text fed token by token through wide decode steps within 0.5% of
+  llama.cpp's;
+- the router's hysteresis and the measured threshold; a slot exported after torch decodes
+  holds them; a bad decode fails alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tests.model.test_wide_pass import (
+    DEMO_GGUF,
+    NEW_TOKENS,
+    NUM_PROMPTS,
+    assert_near_ties,
+    generate,
+    heldout_tokens,
+    plain,
+    seq,
+    smollm2_bf16,
+    smollm2_q4_1,
+    text_prompts,
+    wide,
+)
+from ultrafast.core.types import StepPlan
+from ultrafast.executors import ggml_kv_rows, wide_decode
+from ultrafast.executors.wide_decode_route import DecodeRouter, on_width
+
+KWARGS = dict(num_slots=NUM_PROMPTS, max_model_len=256, flash_attn=True, n_threads=1)
+
+
+def wide_decoder(gguf, on: int = 4, **kwargs):
+    ex = wide(gguf, **kwargs)
+    ex.decode_router = DecodeRouter(on)  # steps of >= 4 decodes in torch, < 3 on llama.cpp
+    return ex
+
+
+def counting_moves(monkeypatch) -> dict[str, int]:
+    counts = {"pull": 0, "push": 0}
+    for name in counts:
+        real = getattr(wide_decode, name)
+
+        def counted(*args, _real=real, _name=name):
+            counts[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(wide_decode, name, counted)
+    return counts
+
+
+def generate_switching(ex, batch: list[list[int]]) -> list[list[int]]:
+    """Greedy continuations where every third step runs only two slots (llama.cpp) and the
+    others all unfinished slots (torch)."""
+    ex.execute(StepPlan([seq(i, p, 0) for i, p in enumerate(batch)]))  # prefill + 1st token
+    out = [[] for _ in batch]
+    first = ex.execute(StepPlan([seq(i, p[-1:], len(p) - 1) for i, p in enumerate(batch)]))
+    for i in range(len(batch)):
+        out[i] += first.sampled_token_ids[f"r{i}"]
+    step = 0
+    while any(len(o) < NEW_TOKENS for o in out):
+        step += 1
+        todo = [i for i, o in enumerate(out) if len(o) < NEW_TOKENS]
+        if step % 3 == 0:
+            todo = todo[step % len(todo) :][:2] or todo[:2]
+        plan = [seq(i, out[i][-1:], len(batch[i]) + len(out[i]) - 1) for i in todo]
+        result = ex.execute(StepPlan(plan))
+        assert not result.errors, result.errors
+        for i in todo:
+            out[i] += result.sampled_token_ids[f"r{i}"]
+    return out
+
+
+def assert_switching_parity(gguf, monkeypatch):
+    batch = text_prompts(gguf)
+    with plain(gguf, **KWARGS) as ref:
+        want, margins = generate(ref, batch)
+    moves = counting_moves(monkeypatch)
+    with wide_decoder(gguf, **KWARGS) as ex:
+        got = generate_switching(ex, batch)
+    assert moves["pull"] >= NUM_PROMPTS and moves["push"] >= 2, moves  # both directions ran
+    assert_near_ties(want, got, margins)
+
+
+def test_demo_switching_greedy_parity(monkeypatch):
+    assert_switching_parity(DEMO_GGUF, monkeypatch)
+
+
+@pytest.mark.real_model
+def test_smollm2_bf16_switching_greedy_parity(monkeypatch):
+    assert_switching_parity(smollm2_bf16(), monkeypatch)
+
+
+@pytest.mark.real_model
+def test_smollm2_q4_1_switching_greedy_parity(monkeypatch):
+    assert_switching_parity(smollm2_q4_1(), monkeypatch)
+
+
+def decode_perplexity(ex, tokens: list[int], logits_of, window: int = 96) -> float:
+    """NUM_PROMPTS windows of held-out text: the first quarter prefilled, every later token fed
+    as a decode of all windows in one step; the NLL of each next token from that step's rows."""
+    windows = [tokens[i * window : (i + 1) * window] for i in range(NUM_PROMPTS)]
+    first = window // 4
+    ex.execute(StepPlan([seq(i, w[:first], 0, 0) for i, w in enumerate(windows)]))
+    total, count = 0.0, 0
+    for position in range(first, window - 1):
+        ex.execute(StepPlan([seq(i, [w[position]], position) for i, w in enumerate(windows)]))
+        rows = logits_of(ex).astype(np.float64)
+        for i, w in enumerate(windows):
+            row = rows[i] - rows[i].max()
+            total -= row[w[position + 1]] - math.log(np.exp(row).sum())
+            count += 1
+    return math.exp(total / count)
+
+
+@pytest.mark.parametrize("which", ["demo", "smollm2"])
+def test_decode_perplexity_parity(which):
+    gguf = DEMO_GGUF if which == "demo" else smollm2_q4_1()
+    tokens = heldout_tokens(gguf, 96 * NUM_PROMPTS)
+    with plain(gguf, **KWARGS) as ref:
+        want = decode_perplexity(ref, tokens, lambda e: e.last_logits)
+    with wide_decoder(gguf, **KWARGS) as ex:
+        got = decode_perplexity(ex, tokens, lambda e: e.last_decode_logits)
+        assert ex.mirror.length(0) == 96 - 1  # the decodes ran in torch
+    print(f"{which}: decode perplexity llama.cpp {want:.4f}, torch {got:.4f}")
+    assert abs(got / want - 1) <= 0.005, (want, got)
+
+
+def test_export_after_torch_decodes_holds_them():
+    """llama.cpp's slot receives the torch rows before anything reads it: an export right
+    after wide decodes covers every position, and those rows are close to llama.cpp's own."""
+    batch = text_prompts(DEMO_GGUF)[:4]
+    kwargs = dict(KWARGS, num_slots=4)
+    exported = []
+    for ex in (plain(DEMO_GGUF, **kwargs), wide_decoder(DEMO_GGUF, **kwargs)):
+        with ex:
+            ex.execute(StepPlan([seq(i, p, 0) for i, p in enumerate(batch)]))
+            for k in range(3):  # fixed tokens: both executors write the same positions
+                ex.execute(StepPlan([seq(i, [5 + k], len(p) + k) for i, p in enumerate(batch)]))
+            n = len(batch[2]) + 3
+            exported.append(ggml_kv_rows.parse_chunk(ex.export_slot(2, n)))
+            if hasattr(ex, "mirror"):
+                assert ex._slot_lens[2] == n and ex.mirror.length(2) == n
+    a, b = exported
+    assert np.array_equal(np.sort(a.positions), np.sort(b.positions))
+    for x, y in zip(a.k + a.v, b.k + b.v):
+        x, y = x.astype(np.float32), y.astype(np.float32)
+        assert np.abs(x - y).max() <= 0.05 * np.abs(x).max() + 1e-2
+
+
+def test_bad_decode_fails_alone():
+    kwargs = dict(KWARGS, num_slots=5)
+    with wide_decoder(DEMO_GGUF, **kwargs) as ex:
+        batch = text_prompts(DEMO_GGUF)[:4]
+        ex.execute(StepPlan([seq(i, p, 0) for i, p in enumerate(batch)]))
+        plan = [seq(i, [5], len(p)) for i, p in enumerate(batch)] + [seq(4, [5], 30)]
+        result = ex.execute(StepPlan(plan))
+        assert "holds 0 positions, cannot start at 30" in result.errors["r4"]
+        assert all(len(result.sampled_token_ids[f"r{i}"]) == 1 for i in range(4))
+        assert ex.mirror.length(0) == len(batch[0]) + 1  # the four ran in torch
+
+
+def test_router_hysteresis():
+    router = DecodeRouter(8)
+    assert router.off_width == 6
+    widths = [4, 8, 7, 6, 5, 7, 8, 0, 7, 16, 2]  # 0: a step with a prefill and no decodes
+    assert [router.wide(w) for w in widths] == [0, 1, 1, 1, 0, 0, 1, 0, 1, 1, 0]
+    assert not DecodeRouter(0).wide(64)
+    forced = DecodeRouter(2)  # steps of 1-2 decodes stay on llama.cpp whatever was measured
+    assert forced.off_width == 3 and [forced.wide(w) for w in (2, 3, 1)] == [0, 1, 0]
+
+
+def test_on_width_from_measurements():
+    # torch cheaper from 4 on: 4
+    assert on_width({4: (0.04, 0.03), 8: (0.06, 0.04), 16: (0.1, 0.05)}) == 4
+    # a dearer width above a cheaper one: from the width past it
+    assert on_width({4: (0.02, 0.01), 8: (0.04, 0.05), 16: (0.06, 0.04)}) == 16
+    # never cheaper at the widest: none
+    assert on_width({4: (0.02, 0.03), 16: (0.1, 0.2)}) is None
+
+
+def test_start_measures_decode_widths_and_leaves_slots_empty():
+    """The start times decode steps of 4, 8 and 16 slots (their contexts prefilled a slot a
+    step, within a small step budget), says what it measured, and leaves every slot empty."""
+    kwargs = dict(num_slots=16, max_model_len=128, max_num_batched_tokens=128, n_threads=1)
+    with wide(DEMO_GGUF, flash_attn=True, **kwargs) as ex:
+        print(ex.wide_status)
+        assert "16 wide" in ex.wide_status and "decode steps of >= " in ex.wide_status
+        assert ex.decode_router.on_width in (4, 8, 16)
+        assert ex._slot_lens == [0] * 16 and all(n == 0 for n in ex.mirror.lens.values())
+
+
+def test_masks_and_kept_rows_work_on_torch_decodes():
+    """A grammar mask applies to a torch decode's row, and a deferred row is kept and later
+    sampled (sample_kept) like llama.cpp's: the same StepResult contract on both paths."""
+    from ultrafast.grammar.mask import num_words, set_bits
+
+    batch = text_prompts(DEMO_GGUF)[:4]
+    kwargs = dict(KWARGS, num_slots=4)
+    with plain(DEMO_GGUF, **kwargs) as ref:
+        ref.execute(StepPlan([seq(i, p, 0) for i, p in enumerate(batch)]))
+        want = ref.execute(StepPlan([seq(i, [5], len(p)) for i, p in enumerate(batch)]))
+    with wide_decoder(DEMO_GGUF, **kwargs) as ex:
+        ex.execute(StepPlan([seq(i, p, 0) for i, p in enumerate(batch)]))
+        mask = np.zeros((1, num_words(ex.vocab_size)), dtype=np.int32)
+        set_bits(mask[0], [42])
+        plan = [seq(i, [5], len(p)) for i, p in enumerate(batch)]
+        plan[1].token_mask, plan[2].defer_sample = mask, True
+        result = ex.execute(StepPlan(plan))
+        assert ex.mirror.length(0) == len(batch[0]) + 1  # the step ran in torch
+        assert result.sampled_token_ids["r1"] == [42]
+        assert "r2" not in result.sampled_token_ids and "r2" in result.kept_logits
+        kept = ex.sample_kept(plan[2], result.kept_logits["r2"])
+        for rid, tokens in [
+            ("r0", result.sampled_token_ids["r0"]),
+            ("r2", kept.sampled_token_ids["r2"]),
+        ]:
+            assert tokens == want.sampled_token_ids[rid]

@@ -1,0 +1,102 @@
+"""Wide decode steps in torch: one token per slot for many slots, over the KV mirror.
+
+Why: a 16-wide decode costs llama.cpp's AVX-512 kernels ~100 ms on the 2-core AMX Xeon and a
+bf16 oneDNN forward ~35-47 ms (`../shared/notes/amx-wide-pass-design.md`), while a 1-2 wide
+step is cheaper on llama.cpp. So steps of many 1-token decodes run here (wide_exec.py routes
+them, wide_decode_route.py measures from which width) and the rest stays on llama.cpp.
+
+The weights are the wide prefill's (wide_forward.py: fused bf16 q/k/v and gate/up, float32
+residual, norms, RoPE) plus the final norm and the bf16 lm_head. Each slot's KV lives in the
+torch mirror (wide_kv_mirror.py); the two moves between it and llama.cpp's slot are here:
+`pull` reads the rows llama.cpp computed since the mirror last saw the slot, `push` writes the
+rows torch computed into llama.cpp's slot (through the per-sequence state API, ggml_kv_rows.py),
+each moving only the delta. Attention: the step's slots (sorted) are a contiguous range in the
+common case, so K/V are views; one SDPA per layer over the longest slot's length with a
+per-row mask of each slot's own length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ultrafast.executors import ggml_kv_rows
+from ultrafast.executors.ggml_kv_rows import SlotRows
+from ultrafast.executors.wide_forward import BF16, WideForward
+from ultrafast.executors.wide_kv_mirror import KVMirror
+
+
+def new_mirror(fw: WideForward, max_len: int) -> KVMirror:
+    return KVMirror(fw.num_layers, fw.kv_heads, fw.head_dim, max_len)
+
+
+@torch.inference_mode()
+def decode_logits(
+    fw: WideForward, mirror: KVMirror, tokens: list[int], slots: list[int], positions: list[int]
+) -> torch.Tensor:
+    """float32 [B, vocab] logits of one decode step (`slots` sorted and distinct, each holding
+    exactly [0, position) in the mirror); the step's K/V rows are written to the mirror."""
+    assert fw.lm_head is not None and fw.norm is not None
+    for slot, position in zip(slots, positions):
+        mirror.reserve(slot, position + 1)
+    pos = torch.tensor(positions, dtype=torch.long)
+    slot_t = torch.tensor(slots, dtype=torch.long)
+    contiguous = slots[-1] - slots[0] + 1 == len(slots)
+    select = slice(slots[0], slots[-1] + 1) if contiguous else slot_t
+    length = max(positions) + 1
+    mask = (torch.arange(length)[None, :] <= pos[:, None])[:, None, None, :]
+    x = fw.embed[torch.tensor(tokens, dtype=torch.long)].float()
+    cos, sin = fw.cos[pos][:, None], fw.sin[pos][:, None]
+    for i, layer in enumerate(fw.layers):
+        q, k, v = fw._qkv(x, layer, cos, sin)
+        mirror.write_step(i, slot_t, pos, k.to(BF16), v.to(BF16))
+        keys, values = mirror.step_view(i, select, length)
+        a = F.scaled_dot_product_attention(
+            q.to(BF16)[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True
+        )
+        x = x + F.linear(a.reshape(len(slots), -1), layer.o).float()
+        h = F.linear(fw._norm(x, layer.ffn_norm).to(BF16), layer.gate_up)
+        gate, up = h.chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, layer.down).float()
+    mirror.mark_step(slots, positions)
+    return F.linear(fw._norm(x, fw.norm).to(BF16), fw.lm_head).float()
+
+
+def pull(executor, slot: int, end: int) -> str | None:
+    """Copy llama.cpp's rows [mirror length, end) of `slot` into the mirror; an error or None."""
+    fw, mirror = executor.wide, executor.mirror
+    start = mirror.length(slot)
+    try:
+        rows = ggml_kv_rows.parse_chunk(executor.ggml_export(slot, end))
+    except ValueError as exc:
+        return f"wide decode: the slot's KV cannot be read: {exc}"
+    order = np.argsort(rows.positions, kind="stable")  # cells in position order
+    if len(order) < end or not np.array_equal(rows.positions[order[:end]], np.arange(end)):
+        return "wide decode: the slot's KV is not positions [0, end)"
+    cells = order[start:end]
+    keys = [fw.from_gguf_keys(k[cells]) for k in rows.k]
+    values = [fw.from_gguf_values(v[cells]) for v in rows.v]
+    mirror.put_rows(slot, start, keys, values)
+    return None
+
+
+def push(executor, slot: int, held: int, end: int) -> None:
+    """Write the mirror's rows [held, end) of `slot` into llama.cpp's slot, which holds
+    [0, held); raise ValueError where llama.cpp refuses them (the slot is then empty)."""
+    fw, mirror = executor.wide, executor.mirror
+    dtype = ggml_kv_rows.GGML_TYPES[0 if executor.kv_cache_dtype == "f32" else 1]
+    keys, values = mirror.rows(slot, held, end)
+    new = SlotRows(
+        np.arange(held, end, dtype=np.int32),
+        [_gguf_rows(fw._to_gguf_keys(k.transpose(0, 1)), dtype) for k in keys],
+        [_gguf_rows(v.transpose(0, 1).reshape(end - held, -1), dtype) for v in values],
+        v_trans=not executor.flash_attn,
+    )
+    if held:
+        new = ggml_kv_rows.concat(ggml_kv_rows.parse_chunk(executor.ggml_export(slot, held)), new)
+    executor.ggml_import(slot, ggml_kv_rows.build_chunk(new), end)
+
+
+def _gguf_rows(rows: torch.Tensor, dtype: np.dtype) -> np.ndarray:
+    return rows.float().numpy().astype(dtype)

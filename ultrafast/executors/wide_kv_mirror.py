@@ -1,0 +1,97 @@
+"""The torch side's copy of llama.cpp's slots for wide decode steps (executors/wide_decode.py).
+
+Per layer one K and one V tensor `[rows, kv_heads, capacity, head_dim]` bf16 (HF layout: RoPE
+halves, not llama.cpp's interleaved pairs), indexed by slot id. Both sizes grow by need: rows
+to the highest slot id that ran a wide decode, capacity (by a quarter at least, in steps of 64)
+to the longest position reached, so the mirror costs about (highest slot + 1) x the longest
+wide-decoded sequence, never every slot's `max_model_len`; it does not shrink.
+`lens[slot]` says that positions [0, lens[slot]) hold that slot's KV; which side is ahead of
+the other is the executor's business (wide_exec.py), this class only stores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BF16 = torch.bfloat16
+_STEP = 64  # capacity grows in multiples of this many positions, by a quarter at least
+
+
+class KVMirror:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_len: int) -> None:
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.max_len = max_len
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lens: dict[int, int] = {}
+        self._rows = self._capacity = 0
+        self._resize(0, 0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def length(self, slot: int) -> int:
+        return self.lens.get(slot, 0)
+
+    def trim(self, slot: int, end: int) -> None:
+        """Forget the slot's positions >= end."""
+        if self.lens.get(slot, 0) > end:
+            self.lens[slot] = end
+
+    def reserve(self, slot: int, end: int) -> None:
+        """Room for `slot`'s positions [0, end)."""
+        rows, capacity = max(self._rows, slot + 1), self._capacity
+        if capacity < end:
+            wanted = max(end, capacity + capacity // 4)
+            capacity = min(self.max_len, -(-wanted // _STEP) * _STEP)
+        if (rows, capacity) != (self._rows, self._capacity):
+            self._resize(rows, capacity)
+
+    @torch.inference_mode()  # the decode step writes them in inference mode
+    def _resize(self, rows: int, capacity: int) -> None:
+        shape = (rows, self.kv_heads, capacity, self.head_dim)
+        old_rows, old_capacity = self._rows, self._capacity
+        for tensors in (self.keys, self.values):
+            for i in range(self.num_layers):
+                grown = torch.zeros(shape, dtype=BF16)
+                if tensors and old_rows and old_capacity:
+                    grown[:old_rows, :, :old_capacity] = tensors[i]
+                if len(tensors) > i:
+                    tensors[i] = grown
+                else:
+                    tensors.append(grown)
+        self._rows, self._capacity = rows, capacity
+
+    @torch.inference_mode()  # the decode step writes them in inference mode
+    def put_rows(self, slot: int, start: int, keys, values) -> None:
+        """Write per layer [kv_heads, n, head_dim] rows at positions [start, start + n); the
+        slot then holds [0, start + n) (its earlier positions must already be there)."""
+        n = keys[0].shape[1]
+        self.reserve(slot, start + n)
+        for i in range(self.num_layers):
+            self.keys[i][slot, :, start : start + n] = keys[i]
+            self.values[i][slot, :, start : start + n] = values[i]
+        self.lens[slot] = start + n
+
+    def rows(self, slot: int, start: int, end: int) -> tuple[list, list]:
+        """Per layer [kv_heads, end - start, head_dim] views of the slot's positions."""
+        keys = [k[slot, :, start:end] for k in self.keys]
+        return keys, [v[slot, :, start:end] for v in self.values]
+
+    def write_step(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k, v) -> None:
+        """One new row per slot of a decode step: k, v [B, kv_heads, head_dim]."""
+        self.keys[layer][slots, :, positions] = k
+        self.values[layer][slots, :, positions] = v
+
+    def step_view(self, layer: int, select: slice | torch.Tensor, length: int):
+        """K, V [B, kv_heads, length, head_dim] of a step's slots: views where the slots are a
+        contiguous range (`select` a slice), else a copy of just `length` positions."""
+        k, v = self.keys[layer][:, :, :length], self.values[layer][:, :, :length]
+        if isinstance(select, slice):
+            return k[select], v[select]
+        return k.index_select(0, select), v.index_select(0, select)
+
+    def mark_step(self, slots: list[int], positions: list[int]) -> None:
+        for slot, position in zip(slots, positions):
+            self.lens[slot] = position + 1
