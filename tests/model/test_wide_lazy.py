@@ -101,14 +101,35 @@ def test_the_wide_path_is_used_once_ready_and_its_decision_cached(monkeypatch):
         step(ex, [batch[1]], first_slot=4)  # once on, any chunk from the threshold takes it
         assert wide_passes == [1]
         identity = ex.wide_lazy.identity()
-        assert cost_cache.read_cache(identity)["wide_min_tokens"] == ex.wide_min_tokens
+        cached = cost_cache.read_cache(identity)
+        assert cached["wide_min_tokens"] == ex.wide_min_tokens
+        # one free slot is too few to time decode steps: --wide-pass on takes the least width
+        assert "decode steps" in ex.wide_status and ex.mirror is not None
+        assert cached["decode_on_width"] == ex.decode_router.on_width == 4
+
+
+def test_decode_steps_are_timed_in_the_free_slots_with_the_routing():
+    from ultrafast.executors import cost_cache
+
+    with by_need() as ex:
+        step(ex, long_prompts(ex.vocab_size))  # needed
+        ex.wide_lazy.wait_loaded(120)
+        assert ex.wide_lazy.wants_time()
+        free = [4, 5, 6, 7]
+        assert ex.wide_lazy.time_now(free, lambda: False)
+        assert "4 wide" in ex.wide_status  # the decode step measured at width 4, both paths
+        assert all(ex._slot_lens[s] == 0 for s in free)  # the scratch slots left empty
+        assert ex.decode_router.on_width >= 4 and ex.mirror is not None
+        cached = cost_cache.read_cache(ex.wide_lazy.identity())
+        assert cached["decode_on_width"] == ex.decode_router.on_width
 
 
 def test_a_cached_decision_skips_the_timing(monkeypatch):
     from ultrafast.executors import cost_cache, wide_lazy
 
     with by_need() as ex:  # the decision another start made on this CPU, file and flags
-        cost_cache.write_cache(ex.wide_lazy.identity(), {"wide_min_tokens": 40, "status": "x"})
+        decision = {"wide_min_tokens": 40, "decode_on_width": 6, "status": "x"}
+        cost_cache.write_cache(ex.wide_lazy.identity(), decision)
     with by_need() as ex:
         assert "routing cached: chunks of >= 40 tokens" in ex.wide_status
 
@@ -125,6 +146,7 @@ def test_a_cached_decision_skips_the_timing(monkeypatch):
         step(ex, [batch[1]], first_slot=7)  # takes the weights, then the path
         assert ex.wide_min_tokens == 40 and wide_passes == [1]
         assert ex.wide_status.startswith("on (on, routing cached)")
+        assert ex.decode_router.on_width == 6 and ex.mirror is not None  # cached as well
 
 
 def test_a_cached_off_decision_never_loads_the_weights():
