@@ -85,12 +85,9 @@ HARNESS = "ultrafast_harness"
 CLI_FILE = re.compile(r"(^|\.)cli(_[a-z_]+)?$")  # ultrafast.cli, ultrafast.cli_serve, ...
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
 
-# Import cycles in modules other engineers are reworking this round (type-only imports of
-# the engine and the ggml executor, under TYPE_CHECKING); the lead empties this at merge.
-KNOWN_CYCLES: list[list[str]] = [
-    ["ultrafast.engine.core", "ultrafast.engine.idle_speed", "ultrafast.engine.start_costs"],
-    ["ultrafast.executors.ggml_calibration", "ultrafast.executors.ggml_exec"],
-]
+# None left: a module that needs a type of the one that builds it takes a Protocol instead
+# (idle_speed.CoreView, ggml_calibration.CalibratedExecutor).
+KNOWN_CYCLES: list[list[str]] = []
 
 
 def _matches(entry: str, path: str) -> bool:

@@ -28,7 +28,7 @@ from ultrafast.engine.grammar_stage import GrammarStage
 from ultrafast.engine.idle_speed import IdleSpeed
 from ultrafast.engine.speculation import SpecStats, Speculator
 from ultrafast.engine.start_costs import StartCosts
-from ultrafast.engine.step_costs import StepBudget, StepCostModel
+from ultrafast.engine.step_costs import StepBudget, StepCostModel, StepStats
 from ultrafast.executors.base import Executor, KeptSampling
 from ultrafast.kvcache.manager import KVCacheConfig, KVCacheManager
 from ultrafast.request import Request, SamplingParams, ServiceTier
@@ -37,23 +37,6 @@ if TYPE_CHECKING:
     from ultrafast.grammar.matcher import GrammarRuntime
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepStats:
-    """One step's numbers, for metrics (only server/metrics.py turns them into Prometheus)."""
-
-    step_id: int
-    num_seqs: int
-    num_tokens: int
-    num_running: int
-    num_waiting: int
-    schedule_time_s: float
-    execute_time_s: float
-    sample_time_s: float
-    update_time_s: float
-    propose_time_s: float = 0.0  # speculative drafting before the step (draft model, lookups)
-    num_draft_tokens: int = 0  # drafts scheduled in this step
 
 
 @dataclass

@@ -10,13 +10,41 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ultrafast.request import Request, SamplingParams, ServiceTier
 
 if TYPE_CHECKING:
-    from ultrafast.engine.core import EngineCore
+    from ultrafast.core.kv_pool import KVSlotPool
+    from ultrafast.core.scheduler import Scheduler
+    from ultrafast.core.types import RequestOutput
+    from ultrafast.engine.step_costs import StepStats
+    from ultrafast.executors.base import Executor, ExecutorCaps
+
+
+class CoreView(Protocol):
+    """What the idle-speed and start-cost measurements use of the engine core (a Protocol, so
+    neither imports the core that builds them)."""
+
+    executor: Executor
+    caps: ExecutorCaps
+    pool: KVSlotPool
+    scheduler: Scheduler
+    idle_speed: IdleSpeed | None
+    last_stats: StepStats | None
+
+    def measure_on_idle(self, measure: Callable[[], None]) -> None: ...
+
+    def reset_costs(self) -> None: ...
+
+    def add_request(self, request: Request) -> None: ...
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
 
 TYPICAL_PROMPT_TOKENS = 128  # a short chat turn with a system prompt
 NUM_TIMED_DECODES = 4
@@ -34,7 +62,7 @@ class IdleSpeed:
 
 
 def measure_idle_speed(
-    core: EngineCore,
+    core: CoreView,
     num_prompt_tokens: int = TYPICAL_PROMPT_TOKENS,
     num_decodes: int = NUM_TIMED_DECODES,
 ) -> IdleSpeed | None:

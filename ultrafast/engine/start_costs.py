@@ -35,13 +35,13 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, cast
 
 from ultrafast.cpu_info import cpu_identity
-from ultrafast.engine.idle_speed import IdleSpeed, measure_idle_speed
+from ultrafast.engine.idle_speed import CoreView, IdleSpeed, measure_idle_speed
 from ultrafast.executors.base import ThreadCalibration
 from ultrafast.executors.cost_cache import read_cache, write_cache
 from ultrafast.executors.ggml_threads import CalibrationInterrupted, NoFreeSlots, ThreadPlan
 
 if TYPE_CHECKING:
-    from ultrafast.engine.core import EngineCore, StepStats
+    from ultrafast.engine.step_costs import StepStats
 
 log = logging.getLogger("ultrafast")
 
@@ -85,7 +85,7 @@ def store_cached(identity: dict, plan: ThreadPlan | None, speed: IdleSpeed | Non
 class StartCosts:
     """The engine's start costs: from the cache, or measured (at once or in the background)."""
 
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: CoreView):
         self.core = core
         self.status = "not measured"  # cached | measuring | measured | contended | ...
         self.pending = False  # measure when the engine is next idle (engine thread)

@@ -8,6 +8,7 @@ first token from it.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ultrafast.request import ServiceTier
 
@@ -157,3 +158,20 @@ class StepBudget:
 
 def _ema(old: float | None, new: float, alpha: float) -> float:
     return new if old is None else old + alpha * (new - old)
+
+
+@dataclass
+class StepStats:
+    """One step's numbers, for metrics (only server/metrics.py turns them into Prometheus)."""
+
+    step_id: int
+    num_seqs: int
+    num_tokens: int
+    num_running: int
+    num_waiting: int
+    schedule_time_s: float
+    execute_time_s: float
+    sample_time_s: float
+    update_time_s: float
+    propose_time_s: float = 0.0  # speculative drafting before the step (draft model, lookups)
+    num_draft_tokens: int = 0  # drafts scheduled in this step

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import llama_cpp
 
@@ -29,10 +29,29 @@ from ultrafast.executors.ggml_threads import (
 from ultrafast.request import SamplingParams
 
 if TYPE_CHECKING:
-    from ultrafast.executors.ggml_exec import GgmlExecutor
+    from pathlib import Path
+
+    from ultrafast.core.types import StepResult
 
 
-def cost_identity(ex: GgmlExecutor) -> dict:
+class CalibratedExecutor(Protocol):
+    """What the calibration uses of the ggml executor (a Protocol: no import back)."""
+
+    gguf_path: Path
+    kv_cache_dtype: str
+    flash_attn: bool
+    max_model_len: int
+    max_num_batched_tokens: int
+    num_slots: int
+    vocab_size: int
+    thread_plan: ThreadPlan | None
+    _memory: Any
+    _slot_lens: list[int]
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+def cost_identity(ex: CalibratedExecutor) -> dict:
     """The model file as it is on disk and the flags that shape a pass."""
     stat = ex.gguf_path.stat()
     return {
@@ -56,7 +75,7 @@ def first_run(free_slots: list[int], width: int) -> int | None:
 
 
 def calibrate_executor(
-    ex: GgmlExecutor,
+    ex: CalibratedExecutor,
     cores: int,
     margin: float,
     should_stop: Callable[[], bool],
