@@ -93,7 +93,7 @@ JSON_STRING, JSON_ARRAY, JSON_OBJECT = Tag("string"), Tag("array"), Tag("object"
 BY_JSON_TYPE = Discriminator(_json_type)
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
@@ -140,18 +140,18 @@ Content = Annotated[
 ]
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str
     arguments: str
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(_Strict):
+class Message(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = None
     name: str | None = None
@@ -165,7 +165,7 @@ class Message(_Strict):
         return self.content or ""
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     # OpenAI pads stream events with random characters against length side channels; this
     # server adds no padding, so the flag is accepted and has nothing to turn off
@@ -176,45 +176,45 @@ class StreamOptions(_Strict):
     include_tool_call_done: bool = False
 
 
-class Prediction(_Strict):
+class Prediction(StrictModel):
     type: Literal["content"]
     content: Content
 
 
-class FunctionDef(_Strict):
+class FunctionDef(StrictModel):
     name: str
     description: str | None = None
     parameters: Any = None  # a JSON Schema, checked by jsonschema (B35)
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class ToolChoiceName(_Strict):
+class ToolChoiceName(StrictModel):
     name: str
 
 
-class ToolChoiceFunction(_Strict):
+class ToolChoiceFunction(StrictModel):
     type: Literal["function"]
     function: ToolChoiceName
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     name: str | None = None
     description: str | None = None
     schema_: Any = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Common(_Strict):
+class _Common(StrictModel):
     """Fields both endpoints share, and what they turn into for the engine."""
 
     model: str | None = None

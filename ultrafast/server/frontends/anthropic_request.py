@@ -22,7 +22,7 @@ from ultrafast.server.errors import invalid_value, too_large, unsupported_conten
 from ultrafast.server.frontends.common import ToolSpec, tool_plan, validated
 from ultrafast.server.prompt import ChatMessage
 from ultrafast.server.protocol import Limits, _require_feature
-from ultrafast.server.protocol_models import BY_JSON_TYPE, JSON_ARRAY, JSON_STRING, _Strict
+from ultrafast.server.protocol_models import BY_JSON_TYPE, JSON_ARRAY, JSON_STRING, StrictModel
 from ultrafast.server.structured import json_format_grammar
 from ultrafast.server.tools.plan import ToolPlan
 
@@ -39,14 +39,14 @@ TIERS = {
 }
 
 
-class TextBlock(_Strict):
+class TextBlock(StrictModel):
     type: Literal["text"]
     text: str
     cache_control: Any = None  # the prefix cache is automatic: accepted, not needed
     citations: Any = None
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(StrictModel):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -54,7 +54,7 @@ class ToolUseBlock(_Strict):
     cache_control: Any = None
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: (
@@ -74,7 +74,7 @@ class ToolResultBlock(_Strict):
         return "".join(b.text for b in self.content)
 
 
-class ToolDef(_Strict):
+class ToolDef(StrictModel):
     name: str
     input_schema: dict[str, Any]
     description: str | None = None
@@ -82,22 +82,22 @@ class ToolDef(_Strict):
     cache_control: Any = None
 
 
-class ToolChoice(_Strict):
+class ToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Metadata(_Strict):
+class Metadata(StrictModel):
     user_id: str | None = None
 
 
-class OutputFormat(_Strict):
+class OutputFormat(StrictModel):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Strict):
+class OutputConfig(StrictModel):
     """Structured output (`format`) through the grammar path; `effort` is a reasoning hint
     this model has no use for (accepted)."""
 
@@ -105,12 +105,12 @@ class OutputConfig(_Strict):
     format: OutputFormat | None = None
 
 
-class MessageParam(_Strict):
+class MessageParam(StrictModel):
     role: Literal["user", "assistant"]
     content: Annotated[Annotated[str, JSON_STRING] | Annotated[list[Any], JSON_ARRAY], BY_JSON_TYPE]
 
 
-class MessagesRequest(_Strict):
+class MessagesRequest(StrictModel):
     model: str
     messages: list[MessageParam]
     max_tokens: int
@@ -141,7 +141,7 @@ class MessagesRequest(_Strict):
     workspace_id: str | None = None
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(StrictModel):
     """`/v1/messages/count_tokens`: the prompt fields of a Messages request."""
 
     model: str

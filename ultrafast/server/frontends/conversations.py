@@ -29,7 +29,7 @@ from ultrafast.server.protocol_models import (
     MAX_METADATA_PAIRS,
     MAX_METADATA_VALUE,
     NAME_RE,
-    _Strict,
+    StrictModel,
     validate_input,
 )
 from ultrafast.server.sessions.flow import SessionFlow, not_found, tenant_name
@@ -44,7 +44,7 @@ from ultrafast.server.tools.responses_api import (
 )
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["input_text", "output_text", "text"]
     text: str
     # a response's own output_text parts, sent back as input, carry these: ignored
@@ -52,7 +52,7 @@ class TextPart(_Strict):
     logprobs: list | None = None
 
 
-class InputItem(_Strict):
+class InputItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Annotated[
@@ -76,16 +76,16 @@ AnyInputItem = Annotated[
 ]
 
 
-class CreateConversation(_Strict):
+class CreateConversation(StrictModel):
     items: list[AnyInputItem] | None = None
     metadata: dict[str, str] | None = None
 
 
-class UpdateConversation(_Strict):
+class UpdateConversation(StrictModel):
     metadata: dict[str, str]  # required, as in OpenAI's API: the whole new metadata
 
 
-class AddItems(_Strict):
+class AddItems(StrictModel):
     items: list[AnyInputItem]
 
 

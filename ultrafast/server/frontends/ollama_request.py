@@ -23,7 +23,7 @@ from ultrafast.server.errors import invalid_type, invalid_value, unsupported_con
 from ultrafast.server.frontends.common import ToolSpec, tool_plan, validated
 from ultrafast.server.prompt import ChatMessage
 from ultrafast.server.protocol import Limits, _require_feature
-from ultrafast.server.protocol_models import _Strict
+from ultrafast.server.protocol_models import StrictModel
 from ultrafast.server.structured import json_format_grammar
 
 FLOAT_OPTIONS = (
@@ -43,29 +43,29 @@ IGNORED_OPTIONS = frozenset(
 )
 
 
-class ToolFunction(_Strict):
+class ToolFunction(StrictModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     type: Literal["function"]
     function: ToolFunction
 
 
-class CallFunction(_Strict):
+class CallFunction(StrictModel):
     name: str
     arguments: dict[str, Any]
     index: int | None = None
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     function: CallFunction
     id: str | None = None
 
 
-class Message(_Strict):
+class Message(StrictModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[Any] | None = None
@@ -74,7 +74,7 @@ class Message(_Strict):
     thinking: str | None = None
 
 
-class _Common(_Strict):
+class _Common(StrictModel):
     model: str
     format: Any = None
     options: dict[str, Any] | None = None

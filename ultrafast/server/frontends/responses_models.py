@@ -19,18 +19,18 @@ from ultrafast.server.protocol_models import (
     JSON_OBJECT,
     JSON_STRING,
     NAME_RE,
-    _Strict,
+    StrictModel,
 )
 from ultrafast.server.state import ServerState
 from ultrafast.server.structured import json_format_grammar
 from ultrafast.server.tools.responses_api import check_arguments_items, function_items_to_messages
 
 
-class ConversationRef(_Strict):
+class ConversationRef(StrictModel):
     id: str
 
 
-class TextFormat(_Strict):
+class TextFormat(StrictModel):
     """`text.format`: plain text, any JSON object, or a JSON schema (the Responses API puts
     name/schema/strict here directly, not under `json_schema`)."""
 
@@ -53,22 +53,22 @@ class TextFormat(_Strict):
         return out
 
 
-class TextOptions(_Strict):
+class TextOptions(StrictModel):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class Reasoning(_Strict):
+class Reasoning(StrictModel):
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_obfuscation: bool | None = None  # no obfuscation padding is ever added
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(StrictModel):
     model: str | None = None
     input: Annotated[
         Annotated[str, JSON_STRING] | Annotated[list[AnyInputItem], JSON_ARRAY], BY_JSON_TYPE

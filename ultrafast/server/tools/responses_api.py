@@ -21,12 +21,12 @@ from ultrafast.server.protocol import (
     _check_call_arguments,
     _require_feature,
 )
-from ultrafast.server.protocol_models import ITEM_TAGS, NAME_RE, _Strict
+from ultrafast.server.protocol_models import ITEM_TAGS, NAME_RE, StrictModel
 from ultrafast.server.tools.parse import CallArgs, CallDone, CallStart
 from ultrafast.server.tools.plan import FunctionTool, ToolPlan
 
 
-class ResponsesFunctionTool(_Strict):
+class ResponsesFunctionTool(StrictModel):
     type: Literal["function"]
     name: str
     description: str | None = None
@@ -34,12 +34,12 @@ class ResponsesFunctionTool(_Strict):
     strict: bool | None = None
 
 
-class ResponsesToolChoiceFunction(_Strict):
+class ResponsesToolChoiceFunction(StrictModel):
     type: Literal["function"]
     name: str
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(StrictModel):
     """An earlier call of the model's, sent back as input (as the output carried it)."""
 
     type: Literal["function_call"]
@@ -50,12 +50,12 @@ class FunctionCallItem(_Strict):
     status: str | None = None
 
 
-class OutputTextPart(_Strict):
+class OutputTextPart(StrictModel):
     type: Literal["input_text", "output_text"]
     text: str
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(StrictModel):
     """The client's result for a call."""
 
     type: Literal["function_call_output"]
