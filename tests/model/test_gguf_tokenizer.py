@@ -40,12 +40,18 @@ HAND_TEXTS = [
 ]
 
 
+def _outside_the_project(parts: tuple[str, ...]) -> bool:
+    """Hidden folders (.git, .venv, .venv-vllm with all of torch and vLLM, .tools) and the
+    benchmarks' scratch (runs/) are not the project's own text."""
+    return any(part.startswith(".") for part in parts[:-1]) or parts[0] == "runs"
+
+
 def repo_texts(limit: int | None = None) -> list[str]:
     files = sorted(
         p
         for pattern in ("*.py", "*.md")
         for p in REPO_ROOT.rglob(pattern)
-        if ".venv" not in p.parts and ".git" not in p.parts
+        if not _outside_the_project(p.relative_to(REPO_ROOT).parts)
     )
     return [p.read_text(encoding="utf-8", errors="replace") for p in files[:limit]]
 
