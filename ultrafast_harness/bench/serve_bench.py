@@ -49,7 +49,7 @@ from ultrafast_harness.bench.serve_stats import (
     summarize,
     summarize_burst,
 )
-from ultrafast_harness.bench.server_process import wait_start_costs
+from ultrafast_harness.bench.server_process import wait_start_costs, wait_wide_pass
 from ultrafast_harness.bench.suite_args import add_new_tokens, add_out, add_rounds
 
 SERVERS = ("ours", "llama.cpp", "vllm")  # vllm runs as vllm-bound and vllm-unbound
@@ -261,6 +261,13 @@ async def warm_up(server: RunningServer, model: BenchModel, args) -> None:
         await asyncio.to_thread(wait_start_costs, server.url)
     for p in make_prompts(model.gguf, args.prompt_tokens, ["warm-up 0", "warm-up 1"]):
         await run_streams(server, [p], 8)
+    # a step wide enough to need ours' wide path (by need: it loads and times itself then,
+    # and must not do so during a level, beside a peer's); other servers just warm up more
+    wide = make_prompts(model.gguf, args.prompt_tokens, [f"warm-up wide {i}" for i in range(8)])
+    await run_streams(server, wide, 8)
+    if server.spec.name == "ours":
+        status = await asyncio.to_thread(wait_wide_pass, server.url)
+        print(f"bench serve: ours' wide path: {status}", flush=True)
 
 
 async def run_level(server: RunningServer, level: Level, r: int, args, model: BenchModel) -> dict:

@@ -77,6 +77,23 @@ def wait_start_costs(url: str, timeout_s: float = 300.0) -> None:
         time.sleep(0.2)
 
 
+def wait_wide_pass(url: str, timeout_s: float = 300.0) -> str:
+    """Until the wide path (executors/wide_lazy.py) has loaded and timed itself after a pass
+    that needed it, so a benchmark measures the steady state, not a background load and a
+    timing beside the peers; its /ready status at the end."""
+    deadline, status = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url + "/ready", timeout=5)
+        except httpx.HTTPError:
+            return status
+        status = str(r.json().get("wide_pass", "")) if r.status_code == 200 else ""
+        if not status.startswith(("loading", "weights loaded")):
+            return status
+        time.sleep(0.2)
+    return status
+
+
 def stop_child(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
     """SIGTERM (the server drains), SIGKILL after `grace_s`; the exit code."""
     if proc.poll() is None:
