@@ -32,6 +32,7 @@ from ultrafast.weight_format import cpu_flags, resolve_outtype
 from ultrafast_harness.bench.latency_plot import plot_latencies
 from ultrafast_harness.bench.serve_client import stream_chat
 from ultrafast_harness.bench.serve_plan import Level, interleaved, levels_of
+from ultrafast_harness.bench.serve_prompts import make_prompts
 from ultrafast_harness.bench.serve_servers import (
     SERVED_NAME,
     RunningServer,
@@ -56,11 +57,6 @@ SERVERS = ("ours", "llama.cpp", "vllm")  # vllm runs as vllm-bound and vllm-unbo
 SMOLLM2_DIR = REPO_ROOT / "runs" / "models" / "smollm2"
 SMOLLM2_STEM = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 2048
-WORDS = (
-    "the quick brown fox jumps over a lazy dog while seven wizards quietly pack boxes of "
-    "liquor jugs near the old river bank and count every stone twice before the night "
-    "falls over hills where farmers sell apples bread cheese and honey to travelers"
-).split()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,27 +93,6 @@ def resolve_bench_model(model: str, gguf_type: str) -> BenchModel:
         return BenchModel(path.name, shipped, files.hf_dir, gtype)
     gguf = gguf_for(dataclasses.replace(files, gguf_path=None), gtype)
     return BenchModel(path.name, gguf, files.hf_dir, gtype)
-
-
-def make_prompts(gguf: Path, target_tokens: int, tags: list[str]) -> list[str]:
-    """One user message per tag, each starting with its tag (no shared prefix beyond the chat
-    template's) and grown word by word until the rendered chat prompt reaches target_tokens."""
-    from ultrafast.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_gguf(gguf)
-
-    def length(text: str) -> int:
-        rendered = tok.apply_chat_template([{"role": "user", "content": text}])
-        return len(tok.encode(rendered, add_special_tokens=False))
-
-    prompts = []
-    for tag in tags:
-        text, i = f"{tag}:", 0
-        while length(text) < target_tokens and i < 4 * target_tokens:
-            text += " " + WORDS[i % len(WORDS)]
-            i += 1
-        prompts.append(text)
-    return prompts
 
 
 def request_body(spec: ServerSpec, prompt: str, max_tokens: int, tier: str | None = None) -> dict:
