@@ -303,3 +303,16 @@ def test_bad_chunks_fail_alone_with_a_reason():
         assert "holds 0 positions, cannot start at 10" in result.errors["r1"]
         assert "out of range" in result.errors["r2"]
         assert len(result.sampled_token_ids["r0"]) == 1 and ex._slot_lens[0] == len(good)
+
+
+def test_wide_weights_are_packed_for_onednn_where_supported():
+    """The wide forward's matrices and lm_head are packed once at load (packed_linear.py), so no
+    GEMM reorders its weight per call; the demo's wide KV parity above runs on them."""
+    from ultrafast.executors.packed_linear import pack_support
+    from ultrafast.executors.wide_forward import WideForward
+
+    if _bf16_unavailable() or pack_support():
+        pytest.skip(f"no packed bf16 weights here: {_bf16_unavailable() or pack_support()}")
+    fw = WideForward(DEMO_GGUF, 64)
+    layer = fw.layers[0]
+    assert all(w.is_mkldnn for w in (layer.qkv, layer.o, layer.gate_up, layer.down, fw.lm_head))

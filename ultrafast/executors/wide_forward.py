@@ -7,7 +7,8 @@ module's `kv` only produces KV: the chunk's last token then runs in llama.cpp ov
 the same weights plus the final norm and lm_head kept here.
 
 Layout: the residual stream is float32, each linear layer takes bf16 activations against bf16
-weights (q/k/v and gate/up fused: one GEMM each), norms and RoPE run in float32, attention is
+weights (q/k/v and gate/up fused: one GEMM each; packed once into oneDNN's layout where that
+works, packed_linear.py), norms and RoPE run in float32, attention is
 one SDPA per sequence and layer over the slot's earlier KV (from llama.cpp) plus the chunk. The
 last layer stops after its K/V: nothing reads its output. Keys come out in llama.cpp's layout
 (interleaved RoPE pairs for the "llama" arch, whose q/k rows converters permute).
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ultrafast.executors.packed_linear import linear, pack
 from ultrafast.model.config import ModelConfig
 from ultrafast.model.gguf_meta import read_gguf_metadata
 from ultrafast.model.gguf_weights import GGUF_ARCHITECTURES, gguf_model_config, gguf_tensors
@@ -82,7 +84,7 @@ class WideForward:
         # the final norm and the bf16 lm_head serve wide decode steps (wide_decode.py)
         self.norm: torch.Tensor | None = tensors.pop("model.norm.weight", None)
         lm_head = tensors.pop("lm_head.weight", None)
-        self.lm_head = (embed if lm_head is None else lm_head).to(BF16)
+        self.lm_head = pack((embed if lm_head is None else lm_head).to(BF16))
         cos, sin = rope_tables(config, max_positions)
         self.cos, self.sin = cos, sin  # float32 [positions, head_dim]
         self.eps = config.rms_norm_eps
@@ -120,15 +122,15 @@ class WideForward:
             if i == last:  # the last token's pass in llama.cpp reads nothing more from here
                 break
             attended = self._attend(i, q.to(BF16), k.to(BF16), v.to(BF16), seqs)
-            x = x + F.linear(attended, layer.o).float()
-            h = F.linear(self._norm(x, layer.ffn_norm).to(BF16), layer.gate_up)
+            x = x + linear(attended, layer.o).float()
+            h = linear(self._norm(x, layer.ffn_norm).to(BF16), layer.gate_up)
             gate, up = h.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down).float()
+            x = x + linear(F.silu(gate) * up, layer.down).float()
         return keys, values
 
     def _qkv(self, x: torch.Tensor, layer: Layer, cos: torch.Tensor, sin: torch.Tensor):
         num_tokens, d = x.shape[0], self.head_dim
-        h = F.linear(self._norm(x, layer.attn_norm).to(BF16), layer.qkv, layer.qkv_bias).float()
+        h = linear(self._norm(x, layer.attn_norm).to(BF16), layer.qkv, layer.qkv_bias).float()
         q_end, k_end = self.heads * d, (self.heads + self.kv_heads) * d
         q = h[:, :q_end].view(num_tokens, self.heads, d)
         k = h[:, q_end:k_end].view(num_tokens, self.kv_heads, d)
@@ -193,12 +195,12 @@ def _layer(tensors: dict[str, torch.Tensor], i: int) -> Layer:
     if any(b is not None for b in biases):
         bias = torch.cat([b for b in biases if b is not None]).to(BF16)
     gate_up = torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]).contiguous()
-    return Layer(
-        qkv=qkv,
+    return Layer(  # the matrices packed for oneDNN where that works (packed_linear.py)
+        qkv=pack(qkv),
         qkv_bias=bias,
-        o=take("self_attn.o_proj.weight"),
-        gate_up=gate_up,
-        down=take("mlp.down_proj.weight"),
+        o=pack(take("self_attn.o_proj.weight")),
+        gate_up=pack(gate_up),
+        down=pack(take("mlp.down_proj.weight")),
         attn_norm=take("input_layernorm.weight").float(),
         ffn_norm=take("post_attention_layernorm.weight").float(),
         q_norm=maybe("self_attn.q_norm.weight"),

@@ -149,7 +149,13 @@ class WideLazy:
         except Exception as exc:  # noqa: BLE001 - any failure leaves llama.cpp serving
             self._load_error = f"{type(exc).__name__}: {exc}"
             return
-        log.info("wide passes: bf16 weights built in %.1f s", time.monotonic() - started)
+        from ultrafast.executors.packed_linear import pack_support
+
+        why_plain = pack_support()
+        layout = "packed for oneDNN" if why_plain is None else f"plain: {why_plain}"
+        log.info(
+            "wide passes: bf16 weights built in %.1f s (%s)", time.monotonic() - started, layout
+        )
 
     def _take_loaded(self) -> None:
         self._loader = None
