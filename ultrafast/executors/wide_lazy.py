@@ -52,6 +52,10 @@ LOADER_NICE = 10  # the weight loader's niceness: the engine's passes come first
 NEED_TOKENS = LONG_CHUNK  # routable prefill tokens in one pass that make the path needed
 
 
+# raised when a change moves the wide path's speed (2: packed oneDNN weights, grouped decode
+# attention): routing decisions cached by an earlier revision are timed again
+WIDE_PATH_REVISION = 2
+
 class WideLazy:
     """The wide path's state beside one WideGgmlExecutor: off, by need (weights not loaded),
     loading, untimed (waits for an idle engine), or on."""
@@ -89,6 +93,7 @@ class WideLazy:
         ex = self.ex
         return {
             "cache": "wide_pass+decode",  # the decode width joined the decision
+            "revision": WIDE_PATH_REVISION,
             "mode": self.mode,
             "torch": torch.__version__,
             "threads": [ex.n_threads, ex.n_threads_batch, getattr(ex, "threads_auto", False)],
