@@ -165,3 +165,32 @@ def test_requests_that_barely_decode_stay_away_from_the_lasting_run():
     pool.release(second)
     pool.release(short)
     assert pool.allocate("long-3", [6] * 9, "").slot_id == second  # the hole in the run
+
+
+def test_a_cached_prefix_apart_from_the_run_is_copied_beside_it():
+    """A lasting request whose prefix is cached in a slot away from the running ones gets a
+    slot beside them and a copy of the prefix (one run: one ggml pass, a view of torch's KV
+    mirror), and the cached slot keeps its prefix; beside the run, or for a request that
+    barely decodes, the prefix is reused in place."""
+    pool = KVSlotPool(8, block_size=4)
+    shared = list(range(40, 52))
+    cached = _computed_and_released(pool, "warm", shared, "")  # slot 0
+    for i in range(5):  # move the run away: slots 1-5 running
+        _fill(pool, f"r{i}", 100 * (i + 1))
+    pool.release(1)  # the run is 2-5 now: slot 0 is apart from it
+    alloc = pool.allocate("new", shared + [7, 8], "")
+    assert alloc.slot_id in (1, 6) and alloc.copy is not None  # beside the run
+    assert alloc.copy.src_slot_id == cached and alloc.copy.dst_slot_id == alloc.slot_id
+    assert alloc.num_cached_tokens == 12 and alloc.copy.num_tokens == 12
+    assert pool.slots[cached].hashes  # the cached prefix is still there for the next request
+    short = pool.allocate("short", shared + [9], "", lasting=False)
+    assert short.slot_id == cached and short.copy is None  # barely decodes: in place
+
+
+def test_a_cached_prefix_beside_the_run_is_reused_in_place():
+    pool = KVSlotPool(8, block_size=4)
+    shared = list(range(40, 52))
+    cached = _computed_and_released(pool, "warm", shared, "")  # slot 0
+    _fill(pool, "r0", 100)  # slot 1 runs, beside slot 0
+    alloc = pool.allocate("new", shared + [7], "")
+    assert alloc.slot_id == cached and alloc.copy is None

@@ -137,7 +137,12 @@ class KVSlotPool:
             victim = (
                 self._pick_victim(exclude=slot, lasting=lasting) if num_lost > num_matched else None
             )
-            if victim is not None and victim.num_computed < num_lost:
+            moved = self._slot_beside_run(slot, lasting) if victim is None else None
+            if moved is not None:  # copy the prefix next to the run rather than split it
+                copy = KVCopy(slot.slot_id, moved.slot_id, num_matched)
+                slot = moved
+                self._evicting(moved)
+            elif victim is not None and victim.num_computed < num_lost:
                 copy = KVCopy(slot.slot_id, victim.slot_id, num_matched)
                 slot = victim
                 self._evicting(victim)
@@ -199,6 +204,26 @@ class KVSlotPool:
                 n *= self.block_size
             best = max(best, n)
         return best
+
+    def _slot_beside_run(self, cached: Slot, lasting: bool) -> Slot | None:
+        """For a lasting request whose prefix sits in `cached`, away from the running lasting
+        slots: an idle slot beside them to copy the prefix into, or None (reuse in place). The
+        copy costs the prefix's KV once; a slot apart from the run costs every step of the
+        request's life a pass of its own (ggml) or a gather of its KV (torch decode steps), and
+        `cached` keeps its prefix for the next request."""
+        if not lasting or self._beside_lasting(cached):
+            return None
+        if not any(s.owner is not None and s.lasting for s in self.slots):
+            return None
+        near = self._pick_victim(exclude=cached, lasting=True)
+        return near if near is not None and self._beside_lasting(near) else None
+
+    def _beside_lasting(self, slot: Slot) -> bool:
+        i, slots = slot.slot_id, self.slots
+        return any(
+            0 <= j < len(slots) and slots[j].owner is not None and slots[j].lasting
+            for j in (i - 1, i + 1)
+        )
 
     def _pick_victim(self, exclude: Slot | None = None, lasting: bool = True) -> Slot | None:
         """A slot next to running lasting ones first (two such neighbours before one), then an
