@@ -56,6 +56,7 @@ NEED_TOKENS = LONG_CHUNK  # routable prefill tokens in one pass that make the pa
 # attention): routing decisions cached by an earlier revision are timed again
 WIDE_PATH_REVISION = 2
 
+
 class WideLazy:
     """The wide path's state beside one WideGgmlExecutor: off, by need (weights not loaded),
     loading, untimed (waits for an idle engine), or on."""
