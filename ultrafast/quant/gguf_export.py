@@ -92,9 +92,7 @@ def export_gguf(
     """
     model_dir, out_path = Path(model_dir), Path(out_path)
     config = json.loads((model_dir / "config.json").read_text())
-    arch, permute = convert.ARCHITECTURES[convert._architecture(config)]
-    num_heads = config["num_attention_heads"]
-    num_kv_heads = config.get("num_key_value_heads") or num_heads
+    arch, _ = convert.ARCHITECTURES[convert._architecture(config)]
     tied = config.get("tie_word_embeddings", False)
     untie = tied and (untie or plan.get(LM_HEAD, KEEP) != plan.get(EMBED, KEEP))
 
@@ -108,15 +106,7 @@ def export_gguf(
         writer.add_tensor("rope_freqs.weight", convert.llama3_rope_factors(config))
 
     written: dict[str, str] = {}
-    for hf_name, tensor in convert._hf_tensors(model_dir):
-        name = convert._gguf_name(hf_name)
-        if name is None or (tied and name == "output.weight"):
-            continue
-        data = tensor.to(torch.float32).numpy()
-        if permute and name.endswith(("attn_q.weight", "attn_q.bias")):
-            data = convert._permute_for_interleaved_rope(data, num_heads)
-        elif permute and name.endswith(("attn_k.weight", "attn_k.bias")):
-            data = convert._permute_for_interleaved_rope(data, num_kv_heads)
+    for name, hf_name, data in convert.gguf_layout_tensors(model_dir, config):
         outputs = [(name, hf_name)]
         if untie and hf_name == EMBED:
             outputs.append(("output.weight", LM_HEAD))
