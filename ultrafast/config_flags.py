@@ -47,6 +47,7 @@ class Flag:
     attr: str | None = None
     bounds: tuple[float, float] | None = None  # a value outside is a ValueError naming --flag
     hidden: bool = False
+    aliases: tuple[str, ...] = ()  # older spellings still accepted (`--spec` for --speculation)
 
     @property
     def dest(self) -> str:
@@ -172,7 +173,7 @@ def add_flags(
             options["default"] = []
         elif declared.action == "store_true":
             options.pop("default")
-        target.add_argument(declared.name, dest=declared.dest, **options)
+        target.add_argument(declared.name, *declared.aliases, dest=declared.dest, **options)
 
 
 def _checked(declared: Flag, value: Any) -> Any:

@@ -50,7 +50,7 @@ def test_shown_defaults_come_from_the_fields_in_the_flags_units():
     assert defaults["short_first_window_ms"] == EngineConfig.short_first_window_s * 1000
     assert defaults["priority_queue"] == ServerConfig.priority.max_in_flight
     assert defaults["flash_attn"] == ("on" if EngineConfig.flash_attn else "off")
-    assert defaults["spec_tiers"] == ",".join(EngineConfig.spec_tiers)
+    assert defaults["speculation_tiers"] == ",".join(EngineConfig.speculation_tiers)
     assert duration_text(None) == "-1" and duration_text(90.0) == "90s"
 
 
