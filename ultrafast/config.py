@@ -152,8 +152,22 @@ class EngineConfig:
         ),
     )
     # sequences running at once (the scheduler's cap), at most num_slots; 0 = every slot.
-    # `--num-slots N` sets it to N too: every slot may run (a slot not running holds a prefix)
-    max_num_seqs: int = field(default=0, metadata=reads("num_slots"))
+    # Without --max-num-seqs, `--num-slots N` sets it to N too: every slot may run (a slot not
+    # running holds a cached prefix)
+    max_num_seqs: int = field(
+        default=0,
+        metadata={
+            **flag(
+                "--max-num-seqs",
+                "KV cache",
+                "sequences running at once, at most --num-slots (the other slots keep cached "
+                "prefixes; default, or 0: every slot)",
+                type=int,
+                default=None,
+            ),
+            **reads("num_slots"),
+        },
+    )
     max_num_batched_tokens: int = 512  # token budget per step
     max_prefill_chunk_tokens: int = 256  # chunked prefill size
     # queued requests over all tiers: a waiting request holds only its token ids, so this is a
