@@ -8,7 +8,7 @@ OpenAI API reference so official clients parse them unchanged.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import orjson
@@ -134,6 +134,25 @@ def _envelope(request_id: str, obj: str, model: str, tier: str, created: int) ->
     }
 
 
+def _response(
+    obj: str,
+    choice_fields: Callable[[ChoiceState], dict],
+    request_id: str,
+    model: str,
+    tier: str,
+    choices: list[ChoiceState],
+    usage_dict: dict,
+) -> dict:
+    """A whole (non-streamed) response: the envelope, each choice as `index`, the protocol's
+    own fields (`choice_fields`), `finish_reason`, then the usage."""
+    body = _envelope(request_id, obj, model, tier, int(time.time()))
+    body["choices"] = [
+        {"index": c.index, **choice_fields(c), "finish_reason": c.finish_reason} for c in choices
+    ]
+    body["usage"] = usage_dict
+    return body
+
+
 def chat_response(
     request_id: str,
     model: str,
@@ -143,18 +162,11 @@ def chat_response(
     decode,
     want_logprobs: bool,
 ) -> dict:
-    body = _envelope(request_id, "chat.completion", model, tier, int(time.time()))
-    body["choices"] = [
-        {
-            "index": c.index,
-            "message": _message(c),
-            "logprobs": chat_logprobs(decode, c.logprobs) if want_logprobs else None,
-            "finish_reason": c.finish_reason,
-        }
-        for c in choices
-    ]
-    body["usage"] = usage_dict
-    return body
+    def fields(c: ChoiceState) -> dict:
+        logprobs = chat_logprobs(decode, c.logprobs) if want_logprobs else None
+        return {"message": _message(c), "logprobs": logprobs}
+
+    return _response("chat.completion", fields, request_id, model, tier, choices, usage_dict)
 
 
 def _message(c: ChoiceState) -> dict:
@@ -178,20 +190,15 @@ def completion_response(
     decode,
     want_logprobs: bool,
 ) -> dict:
-    body = _envelope(request_id, "text_completion", model, tier, int(time.time()))
-    body["choices"] = [
-        {
-            "index": c.index,
-            "text": c.text,
-            "logprobs": completion_logprobs(decode, c.logprobs, c.echo_chars, c.prompt_part())
+    def fields(c: ChoiceState) -> dict:
+        logprobs = (
+            completion_logprobs(decode, c.logprobs, c.echo_chars, c.prompt_part())
             if want_logprobs
-            else None,
-            "finish_reason": c.finish_reason,
-        }
-        for c in choices
-    ]
-    body["usage"] = usage_dict
-    return body
+            else None
+        )
+        return {"text": c.text, "logprobs": logprobs}
+
+    return _response("text_completion", fields, request_id, model, tier, choices, usage_dict)
 
 
 class ChunkWriter:
