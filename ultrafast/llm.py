@@ -241,6 +241,8 @@ def build_speculator(config: EngineConfig, files: ModelFiles) -> Speculator:
 
 @dataclass
 class GenerationOutput:
+    """A generation's result in the offline API (LLM.generate), one per prompt."""
+
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
