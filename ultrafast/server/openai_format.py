@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import orjson
 
@@ -134,39 +136,9 @@ def _envelope(request_id: str, obj: str, model: str, tier: str, created: int) ->
     }
 
 
-def _response(
-    obj: str,
-    choice_fields: Callable[[ChoiceState], dict],
-    request_id: str,
-    model: str,
-    tier: str,
-    choices: list[ChoiceState],
-    usage_dict: dict,
-) -> dict:
-    """A whole (non-streamed) response: the envelope, each choice as `index`, the protocol's
-    own fields (`choice_fields`), `finish_reason`, then the usage."""
-    body = _envelope(request_id, obj, model, tier, int(time.time()))
-    body["choices"] = [
-        {"index": c.index, **choice_fields(c), "finish_reason": c.finish_reason} for c in choices
-    ]
-    body["usage"] = usage_dict
-    return body
-
-
-def chat_response(
-    request_id: str,
-    model: str,
-    tier: str,
-    choices: list[ChoiceState],
-    usage_dict: dict,
-    decode,
-    want_logprobs: bool,
-) -> dict:
-    def fields(c: ChoiceState) -> dict:
-        logprobs = chat_logprobs(decode, c.logprobs) if want_logprobs else None
-        return {"message": _message(c), "logprobs": logprobs}
-
-    return _response("chat.completion", fields, request_id, model, tier, choices, usage_dict)
+def _chat_choice(c: ChoiceState, decode, want_logprobs: bool) -> dict:
+    logprobs = chat_logprobs(decode, c.logprobs) if want_logprobs else None
+    return {"message": _message(c), "logprobs": logprobs}
 
 
 def _message(c: ChoiceState) -> dict:
@@ -181,7 +153,18 @@ def _message(c: ChoiceState) -> dict:
     }
 
 
-def completion_response(
+def _completion_choice(c: ChoiceState, decode, want_logprobs: bool) -> dict:
+    logprobs = (
+        completion_logprobs(decode, c.logprobs, c.echo_chars, c.prompt_part())
+        if want_logprobs
+        else None
+    )
+    return {"text": c.text, "logprobs": logprobs}
+
+
+def _response(
+    obj: str,
+    choice_fields: Callable[[ChoiceState, Any, bool], dict],
     request_id: str,
     model: str,
     tier: str,
@@ -190,15 +173,24 @@ def completion_response(
     decode,
     want_logprobs: bool,
 ) -> dict:
-    def fields(c: ChoiceState) -> dict:
-        logprobs = (
-            completion_logprobs(decode, c.logprobs, c.echo_chars, c.prompt_part())
-            if want_logprobs
-            else None
-        )
-        return {"text": c.text, "logprobs": logprobs}
+    """A whole (non-streamed) response: the envelope, each choice as `index`, the protocol's
+    own fields (`choice_fields`), `finish_reason`, then the usage."""
+    body = _envelope(request_id, obj, model, tier, int(time.time()))
+    body["choices"] = [
+        {
+            "index": c.index,
+            **choice_fields(c, decode, want_logprobs),
+            "finish_reason": c.finish_reason,
+        }
+        for c in choices
+    ]
+    body["usage"] = usage_dict
+    return body
 
-    return _response("text_completion", fields, request_id, model, tier, choices, usage_dict)
+
+# (request_id, model, tier, choices, usage_dict, decode, want_logprobs) -> the response body
+chat_response = partial(_response, "chat.completion", _chat_choice)
+completion_response = partial(_response, "text_completion", _completion_choice)
 
 
 class ChunkWriter:
