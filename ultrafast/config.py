@@ -160,8 +160,8 @@ class EngineConfig:
             **flag(
                 "--max-num-seqs",
                 "KV cache",
-                "sequences running at once, at most --num-slots (the other slots keep cached "
-                "prefixes; default, or 0: every slot)",
+                "sequences running at once, at most --num-slots; the other slots keep cached "
+                "prefixes (default: every slot, as 0 does)",
                 type=int,
                 default=None,
             ),
