@@ -101,7 +101,7 @@ def gguf_layout_tensors(model_dir: Path, config: dict) -> Iterator[tuple[str, st
     num_kv_heads = config.get("num_key_value_heads") or num_heads
     tied = config.get("tie_word_embeddings", False)
     for hf_name, tensor in _hf_tensors(model_dir):
-        name = _gguf_name(hf_name)
+        name = checkpoint_gguf_name(hf_name)
         if name is None or (tied and name == "output.weight"):
             continue
         data = tensor.to(torch.float32).numpy()
@@ -109,7 +109,9 @@ def gguf_layout_tensors(model_dir: Path, config: dict) -> Iterator[tuple[str, st
         yield name, hf_name, data if heads is None else to_interleaved_rope(data, heads)
 
 
-def _gguf_name(hf_name: str) -> str | None:
+def checkpoint_gguf_name(hf_name: str) -> str | None:
+    """The GGUF name of a checkpoint tensor; None for what is not written (rotary inv_freq
+    buffers, recomputed by llama.cpp); ValueError for a tensor no table knows."""
     name = gguf_tensor_name(hf_name)
     if name is not None:
         return name
@@ -241,10 +243,27 @@ def convert_hf_to_gguf(model_dir: str | Path, out_path: str | Path, outtype: str
             "full-precision model with `ultrafast quantize --format gguf`"
         )
     config = _read_json(model_dir / "config.json")
-    arch, _ = ARCHITECTURES[_architecture(config)]
     qtype, file_type = _OUT_TYPES[outtype]
     tied = config.get("tie_word_embeddings", False)
+    writer = gguf_writer(model_dir, config, out_path, file_type)
+    seen = set()
+    for name, _, data in gguf_layout_tensors(model_dir, config):
+        array, raw_dtype = _encode(data, qtype)
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+        seen.add(name)
+    if "token_embd.weight" not in seen or (not tied and "output.weight" not in seen):
+        raise ValueError(f"{model_dir}: missing embedding or lm_head weights")
+    finish_gguf(writer)
+    return out_path
 
+
+def gguf_writer(
+    model_dir: Path, config: dict, out_path: Path, file_type: gguf.LlamaFileType
+) -> gguf.GGUFWriter:
+    """A GGUF writer at `out_path` holding the checkpoint's metadata, tokenizer and (Llama 3
+    rope scaling) rope_freqs, ready for its weights; the converter and quant/gguf_export.py
+    add them (gguf_layout_tensors) and call finish_gguf."""
+    arch, _ = ARCHITECTURES[_architecture(config)]
     out_path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(out_path, arch, use_temp_file=True)  # bounded memory on big models
     _write_hparams(writer, config, model_dir.name)
@@ -253,17 +272,11 @@ def convert_hf_to_gguf(model_dir: str | Path, out_path: str | Path, outtype: str
     _write_tokenizer(writer, model_dir, config)
     if arch == "llama" and _rope_params(config)["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
+    return writer
 
-    seen = set()
-    for name, _, data in gguf_layout_tensors(model_dir, config):
-        array, raw_dtype = _encode(data, qtype)
-        writer.add_tensor(name, array, raw_dtype=raw_dtype)
-        seen.add(name)
-    if "token_embd.weight" not in seen or (not tied and "output.weight" not in seen):
-        raise ValueError(f"{model_dir}: missing embedding or lm_head weights")
 
+def finish_gguf(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out_path

@@ -45,9 +45,9 @@ def test_known_names_and_unknown_ones():
     assert hf_tensor_name("blk.1.attn_q.scales") is None  # not a weight or a bias
     assert hf_tensor_name("rope_freqs.weight") is None
     assert gguf_tensor_name("model.layers.0.self_attn.rotary_emb.inv_freq") is None
-    assert convert._gguf_name("model.layers.0.self_attn.rotary_emb.inv_freq") is None
+    assert convert.checkpoint_gguf_name("model.layers.0.self_attn.rotary_emb.inv_freq") is None
     with pytest.raises(ValueError, match="unexpected tensor"):
-        convert._gguf_name("model.layers.0.mystery.weight")
+        convert.checkpoint_gguf_name("model.layers.0.mystery.weight")
 
 
 def test_architectures_read_back_as_the_architecture_that_wrote_them():
