@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     model = resolve_bench_model(args.model, "auto")
-    llm = LLM(str(model.gguf), spec="off")
+    llm = LLM(str(model.gguf), speculation="off")
     engine = llm.engine
     rng = random.Random(0)
     stats: collections.Counter = collections.Counter()

@@ -67,7 +67,7 @@ def submit(llm: LLM, cases: list[dict], temperatures: list[float], max_tokens: i
 def run(model: str, max_tokens: int, temperatures: list[float], limit_s: float) -> dict:
     cases = json.loads(SCHEMAS.read_text())
     width = min(64, len(cases) * len(temperatures))  # all at once: fewest steps
-    llm = LLM(model, spec="off", num_slots=width, max_num_seqs=width, max_model_len=1024)
+    llm = LLM(model, speculation="off", num_slots=width, max_num_seqs=width, max_model_len=1024)
     try:
         requests, refused = submit(llm, cases, temperatures, max_tokens)
         out: dict[str, list[int]] = {rid: [] for rid in requests}

@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=256)
     args = parser.parse_args()
-    llm = LLM(args.model, spec="off", num_slots=1, max_num_seqs=1)
+    llm = LLM(args.model, speculation="off", num_slots=1, max_num_seqs=1)
     timer = PhaseTimer()
     engine = llm.engine
     timer.wrap(grammar_steps, "constrain_drafts", "drafts")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ultrafast.engine.speculation import SpecConfig, Speculator  # noqa: E402
+from ultrafast.engine.speculation import SpeculationConfig, Speculator  # noqa: E402
 from ultrafast.request import Request, SamplingParams, ServiceTier  # noqa: E402
 
 
@@ -24,7 +24,7 @@ def main() -> None:
     for trial in range(20):
         history = [rng.randrange(32000) for _ in range(num_history)]
         turn = history + [rng.randrange(32000) for _ in range(60)]
-        speculator = Speculator(SpecConfig(method="ngram"))
+        speculator = Speculator(SpeculationConfig(method="ngram"))
         for name, prompt, times in ((f"{trial}-1", history, fresh), (f"{trial}-2", turn, taken)):
             request = Request(name, prompt, params, tier=ServiceTier.PRIORITY)
             speculator.admit(request)

@@ -1,6 +1,6 @@
 """Where a speculative decode step's time goes: batch 1, priority tier, the demo model in-process.
 
-    .venv/bin/python scripts/spec_step_split.py [--spec ngram|draft|auto|off] [--threads N]
+    .venv/bin/python scripts/spec_step_split.py [--speculation ngram|draft|auto|off] [--threads N]
         [--model DIR_OR_GGUF]
 
 Prints decode tok/s (median of 5 rounds of 128 tokens after a warm-up round), the mean split
@@ -27,7 +27,7 @@ PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--spec", default="ngram")
+    ap.add_argument("--speculation", "--spec", default="ngram")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--model", default=str(DEMO_MODEL_DIR), help="HF dir or .gguf")
@@ -39,7 +39,7 @@ def main() -> None:
             max_num_seqs=4,
             max_model_len=512,
             n_threads=args.threads,
-            spec=args.spec,
+            speculation=args.speculation,
         )
     )
     engine.warmup()
@@ -84,7 +84,8 @@ def main() -> None:
     n = len(steps)
     mean = [1000 * sum(s[k] for s in steps) / n for k in range(2, 8)]
     print(
-        f"--spec {args.spec}, {args.threads} threads: decode {statistics.median(rates):.0f} tok/s"
+        f"--speculation {args.speculation}, {args.threads} threads: "
+        f"decode {statistics.median(rates):.0f} tok/s"
         f" (median of {args.rounds} rounds)"
     )
     print(

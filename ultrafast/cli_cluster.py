@@ -77,7 +77,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         engine_options,
         server_config,
     )
-    from ultrafast.cluster.app import ReplicaSpec, with_replica_defaults
+    from ultrafast.cluster.replica import ReplicaSpec, with_replica_defaults
     from ultrafast.config import EngineConfig
 
     if args.replicas < 1:

@@ -142,13 +142,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     num_tokens = len(llm.tokenizer.encode("".join(pieces), add_special_tokens=False))
     if args.stats:
-        spec = llm.engine.spec_stats
-        drafted = sum(spec.num_draft_tokens.values()) if spec else 0
-        accepted = sum(spec.num_accepted_tokens.values()) if spec else 0
+        stats = llm.engine.speculation_stats
+        drafted = sum(stats.num_draft_tokens.values()) if stats else 0
+        accepted = sum(stats.num_accepted_tokens.values()) if stats else 0
         print(
             f"[{llm.files.name} on {type(llm.engine.executor).__name__}: "
             f"ttft {1000 * (first_s or total_s):.1f} ms, ~{num_tokens} tokens in "
-            f"{total_s:.2f} s; spec {args.spec}: {accepted}/{drafted} drafts accepted]",
+            f"{total_s:.2f} s; speculation {args.speculation}: "
+            f"{accepted}/{drafted} drafts accepted]",
             file=sys.stderr,
         )
     llm.close()

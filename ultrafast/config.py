@@ -17,8 +17,8 @@ DEMO_DRAFT_DIR = REPO_ROOT / "models" / "demo-draft"
 
 
 EXECUTORS = ("auto", "ggml", "torch", "fake")
-SPEC_METHODS = ("off", "ngram", "draft", "auto")
-SPEC_TIERS = ("priority", "default", "flex")
+SPECULATION_METHODS = ("off", "ngram", "draft", "auto")
+SPECULATION_TIERS = ("priority", "default", "flex")
 
 COMPILE_MODES = ("auto", "inductor", "graphs", "off")
 
@@ -30,7 +30,7 @@ TierTargets = _server.TierTargets
 SESSION_TTL_S = _server.SESSION_TTL_S
 MAX_SESSIONS_PER_TENANT = _server.MAX_SESSIONS_PER_TENANT
 MAX_TOOL_CALLS = _server.MAX_TOOL_CALLS
-MAX_DRAFT_TOKENS = 8  # bound of the adaptive draft length (engine/speculation.py's SpecConfig too)
+MAX_DRAFT_TOKENS = 8  # bound of the adaptive draft length (engine/speculation.py's too)
 
 
 def cache_dir() -> Path:
@@ -152,8 +152,22 @@ class EngineConfig:
         ),
     )
     # sequences running at once (the scheduler's cap), at most num_slots; 0 = every slot.
-    # `--num-slots N` sets it to N too: every slot may run (a slot not running holds a prefix)
-    max_num_seqs: int = field(default=0, metadata=reads("num_slots"))
+    # Without --max-num-seqs, `--num-slots N` sets it to N too: every slot may run (a slot not
+    # running holds a cached prefix)
+    max_num_seqs: int = field(
+        default=0,
+        metadata={
+            **flag(
+                "--max-num-seqs",
+                "KV cache",
+                "sequences running at once, at most --num-slots; the other slots keep cached "
+                "prefixes (default: every slot, as 0 does)",
+                type=int,
+                default=None,
+            ),
+            **reads("num_slots"),
+        },
+    )
     max_num_batched_tokens: int = 512  # token budget per step
     max_prefill_chunk_tokens: int = 256  # chunked prefill size
     # queued requests over all tiers: a waiting request holds only its token ids, so this is a
@@ -258,22 +272,24 @@ class EngineConfig:
     )
     # speculative decoding: off, ngram (prompt lookup), draft (model), auto (ngram, else the
     # draft model when one fits the tokenizer). A request's `prediction` is used in any tier.
-    spec: str = field(
+    speculation: str = field(
         default="auto",
         metadata=flag(
-            "--spec",
+            "--speculation",
             "speculative decoding",
             "speculative decoding: n-gram prompt lookup, a draft model, or auto "
             "(n-gram, else the draft model); a request's `prediction` is always used",
-            choices=SPEC_METHODS,
+            choices=SPECULATION_METHODS,
+            aliases=("--spec",),
         ),
     )
-    spec_tiers: tuple[str, ...] = field(  # tiers that draft (flex never by default)
+    speculation_tiers: tuple[str, ...] = field(  # tiers that draft (flex never by default)
         default=("priority",),
         metadata=flag(
-            "--spec-tiers",
+            "--speculation-tiers",
             "speculative decoding",
             "comma-separated tiers that draft (priority, default, flex)",
+            aliases=("--spec-tiers",),
             shown=",".join,
             to_field=lambda text: tuple(t.strip() for t in text.split(",") if t.strip()),
         ),
@@ -297,14 +313,15 @@ class EngineConfig:
         ),
     )
     # size k from this machine's measured step costs; False: the fixed defaults (tests)
-    spec_measured_costs: bool = field(
+    speculation_measured_costs: bool = field(
         default=True,
         metadata=flag(
-            "--spec-costs",
+            "--speculation-costs",
             "speculative decoding",
             "step costs that size the number of draft tokens: measured on this machine "
             "(default), or fixed defaults, so the drafts do not depend on the machine's load "
             "(reproducible runs, tests)",
+            aliases=("--spec-costs",),
             choices=("measured", "fixed"),
             shown=lambda measured: "measured" if measured else "fixed",
             to_field=lambda v: v == "measured",
@@ -378,11 +395,12 @@ class EngineConfig:
             raise ValueError("wide_pass must be one of auto, on, off")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}")
-        if self.spec not in SPEC_METHODS:
-            raise ValueError(f"spec must be one of {', '.join(SPEC_METHODS)}")
-        bad = set(self.spec_tiers) - set(SPEC_TIERS)
+        if self.speculation not in SPECULATION_METHODS:
+            raise ValueError(f"speculation must be one of {', '.join(SPECULATION_METHODS)}")
+        bad = set(self.speculation_tiers) - set(SPECULATION_TIERS)
         if bad:
-            raise ValueError(f"unknown spec tier(s) {sorted(bad)}: use {', '.join(SPEC_TIERS)}")
+            tiers = ", ".join(SPECULATION_TIERS)
+            raise ValueError(f"unknown speculation tier(s) {sorted(bad)}: use {tiers}")
         if not 1 <= self.max_draft_tokens <= 32:
             raise ValueError("max_draft_tokens must be in [1, 32]")
         if self.num_slots < 0 or self.max_num_seqs < 0:

@@ -47,6 +47,7 @@ class Flag:
     attr: str | None = None
     bounds: tuple[float, float] | None = None  # a value outside is a ValueError naming --flag
     hidden: bool = False
+    aliases: tuple[str, ...] = ()  # older spellings still accepted (`--spec` for --speculation)
 
     @property
     def dest(self) -> str:
@@ -64,8 +65,9 @@ def flags(*declared: Flag) -> dict:
 
 
 def reads(dest: str) -> dict:
-    """Metadata of a field that has no flag of its own: it takes another flag's value
-    (`max_num_seqs` is what `--num-slots` gives: every slot may run)."""
+    """Metadata of a field that takes another flag's value when its own flag (if any) is not
+    given (`max_num_seqs` is what `--num-slots` gives unless `--max-num-seqs` says otherwise:
+    every slot may run)."""
     return {"reads": dest}
 
 
@@ -172,7 +174,7 @@ def add_flags(
             options["default"] = []
         elif declared.action == "store_true":
             options.pop("default")
-        target.add_argument(declared.name, dest=declared.dest, **options)
+        target.add_argument(declared.name, *declared.aliases, dest=declared.dest, **options)
 
 
 def _checked(declared: Flag, value: Any) -> Any:
@@ -214,10 +216,9 @@ def read_config(cls: type, args: Any, parts: Iterable[str] | None = None) -> dic
         declared = tuple(
             d for d in field.metadata.get("flags", ()) if wanted is None or d.part in wanted
         )
-        if declared:
-            value = _field_value(field, declared, args)
-            if value is not NOT_SET:
-                out[field.name] = value
-        elif "reads" in field.metadata and getattr(args, field.metadata["reads"], None):
-            out[field.name] = getattr(args, field.metadata["reads"])
+        value = _field_value(field, declared, args) if declared else NOT_SET
+        if value is NOT_SET and "reads" in field.metadata:
+            value = getattr(args, field.metadata["reads"], None) or NOT_SET
+        if value is not NOT_SET:
+            out[field.name] = value
     return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -27,17 +28,17 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from ultrafast.model.gguf_names import HF_ARCHITECTURES, gguf_tensor_name
+from ultrafast.model.config import MODEL_TYPES  # configs naming only their model_type
+from ultrafast.model.gguf_names import (
+    HF_ARCHITECTURES,
+    gguf_tensor_name,
+    rope_heads,
+    to_interleaved_rope,
+)
 from ultrafast.weight_format import AUTO, resolve_outtype
 
 # HF architecture -> (gguf arch, permute q/k for interleaved rope); tensor names: gguf_names.py
 ARCHITECTURES = HF_ARCHITECTURES
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 
 _OUT_TYPES = {  # outtype -> (ggml tensor type for 2-D weights, gguf file type)
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -56,7 +57,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _architecture(config: dict) -> str:
-    names = config.get("architectures") or [_MODEL_TYPES.get(config.get("model_type", ""), "?")]
+    names = config.get("architectures") or [MODEL_TYPES.get(config.get("model_type", ""), "?")]
     if names[0] not in ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {names[0]!r}; supported: {sorted(ARCHITECTURES)}"
@@ -90,17 +91,27 @@ def llama3_rope_factors(config: dict) -> np.ndarray:
     return (1.0 / ((1.0 - smooth) / factor + smooth)).astype(np.float32)
 
 
-def _permute_for_interleaved_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Reorder each head's rows from [first halves, second halves] to interleaved pairs."""
-    rows = weight.shape[0]
-    return (
-        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
+def gguf_layout_tensors(model_dir: Path, config: dict) -> Iterator[tuple[str, str, np.ndarray]]:
+    """(GGUF name, HF name, float32 data in GGUF's layout) for each tensor a GGUF of the
+    checkpoint holds: q/k rows interleaved where the architecture rotates pairs
+    (model/gguf_names.py), a tied checkpoint's lm_head left out (llama.cpp reuses token_embd).
+    The converter and quant/gguf_export.py both write these."""
+    _, permute = ARCHITECTURES[_architecture(config)]
+    num_heads = config["num_attention_heads"]
+    num_kv_heads = config.get("num_key_value_heads") or num_heads
+    tied = config.get("tie_word_embeddings", False)
+    for hf_name, tensor in _hf_tensors(model_dir):
+        name = checkpoint_gguf_name(hf_name)
+        if name is None or (tied and name == "output.weight"):
+            continue
+        data = tensor.to(torch.float32).numpy()
+        heads = rope_heads(hf_name, num_heads, num_kv_heads) if permute else None
+        yield name, hf_name, data if heads is None else to_interleaved_rope(data, heads)
 
 
-def _gguf_name(hf_name: str) -> str | None:
+def checkpoint_gguf_name(hf_name: str) -> str | None:
+    """The GGUF name of a checkpoint tensor; None for what is not written (rotary inv_freq
+    buffers, recomputed by llama.cpp); ValueError for a tensor no table knows."""
     name = gguf_tensor_name(hf_name)
     if name is not None:
         return name
@@ -232,12 +243,27 @@ def convert_hf_to_gguf(model_dir: str | Path, out_path: str | Path, outtype: str
             "full-precision model with `ultrafast quantize --format gguf`"
         )
     config = _read_json(model_dir / "config.json")
-    arch, permute = ARCHITECTURES[_architecture(config)]
     qtype, file_type = _OUT_TYPES[outtype]
-    num_heads = config["num_attention_heads"]
-    num_kv_heads = config.get("num_key_value_heads") or num_heads
     tied = config.get("tie_word_embeddings", False)
+    writer = gguf_writer(model_dir, config, out_path, file_type)
+    seen = set()
+    for name, _, data in gguf_layout_tensors(model_dir, config):
+        array, raw_dtype = _encode(data, qtype)
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+        seen.add(name)
+    if "token_embd.weight" not in seen or (not tied and "output.weight" not in seen):
+        raise ValueError(f"{model_dir}: missing embedding or lm_head weights")
+    finish_gguf(writer)
+    return out_path
 
+
+def gguf_writer(
+    model_dir: Path, config: dict, out_path: Path, file_type: gguf.LlamaFileType
+) -> gguf.GGUFWriter:
+    """A GGUF writer at `out_path` holding the checkpoint's metadata, tokenizer and (Llama 3
+    rope scaling) rope_freqs, ready for its weights; the converter and quant/gguf_export.py
+    add them (gguf_layout_tensors) and call finish_gguf."""
+    arch, _ = ARCHITECTURES[_architecture(config)]
     out_path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(out_path, arch, use_temp_file=True)  # bounded memory on big models
     _write_hparams(writer, config, model_dir.name)
@@ -246,25 +272,11 @@ def convert_hf_to_gguf(model_dir: str | Path, out_path: str | Path, outtype: str
     _write_tokenizer(writer, model_dir, config)
     if arch == "llama" and _rope_params(config)["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
+    return writer
 
-    seen = set()
-    for hf_name, tensor in _hf_tensors(model_dir):
-        name = _gguf_name(hf_name)
-        if name is None or (tied and name == "output.weight"):
-            continue
-        data = tensor.to(torch.float32).numpy()
-        if permute and name.endswith(("attn_q.weight", "attn_q.bias")):
-            data = _permute_for_interleaved_rope(data, num_heads)
-        elif permute and name.endswith(("attn_k.weight", "attn_k.bias")):
-            data = _permute_for_interleaved_rope(data, num_kv_heads)
-        array, raw_dtype = _encode(data, qtype)
-        writer.add_tensor(name, array, raw_dtype=raw_dtype)
-        seen.add(name)
-    if "token_embd.weight" not in seen or (not tied and "output.weight" not in seen):
-        raise ValueError(f"{model_dir}: missing embedding or lm_head weights")
 
+def finish_gguf(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out_path

@@ -17,7 +17,7 @@ from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.core.types import TokenLogprobs
 from ultrafast.engine.core import EngineCore
 from ultrafast.engine.draft_model import DraftModelProposer
-from ultrafast.engine.speculation import SpecConfig, Speculator
+from ultrafast.engine.speculation import SpeculationConfig, Speculator
 from ultrafast.kvcache.manager import KVCacheConfig
 from ultrafast.model.kv_budget import (
     auto_num_slots,
@@ -209,13 +209,14 @@ def build_grammar(tokenizer: Tokenizer, vocab_size: int):
 def _draft_files(config: EngineConfig, files: ModelFiles) -> ModelFiles | None:
     """The draft model's files (--draft-model, else the bundled demo draft) when it uses the
     target's tokenizer. A draft with another vocabulary would only propose garbage: with
-    `--spec draft` that is an error at start; with `auto` a warning, and n-gram drafts alone."""
+    `--speculation draft` that is an error at start; with `auto` a warning, and n-gram drafts
+    alone."""
     draft = resolve_model(config.draft_model or str(DEMO_DRAFT_DIR))
     if tokenizer_fingerprint(draft) == tokenizer_fingerprint(files):
         return draft
     mismatch = f"draft model {draft.name} does not use the tokenizer of {files.name}"
-    if config.spec == "draft":
-        raise ValueError(f"{mismatch}: --spec draft needs a --draft-model that does")
+    if config.speculation == "draft":
+        raise ValueError(f"{mismatch}: --speculation draft needs a --draft-model that does")
     log.warning("%s: it does not draft (speculation: n-gram and predicted outputs)", mismatch)
     return None
 
@@ -223,23 +224,25 @@ def _draft_files(config: EngineConfig, files: ModelFiles) -> ModelFiles | None:
 def build_speculator(config: EngineConfig, files: ModelFiles) -> Speculator:
     """Speculative decoding as configured; `off` still honours a request's `prediction`."""
     draft_model = None
-    if config.spec in ("draft", "auto"):
+    if config.speculation in ("draft", "auto"):
         draft_files = _draft_files(config, files)
         if draft_files is not None:  # same executor kind, slots and lengths as the target
             # (a draft model is small and its passes narrow: no wide path, no calibration)
             draft_config = replace(config, wide_pass="off")
             draft_model = DraftModelProposer(build_executor(draft_config, draft_files))
-    spec = SpecConfig(
-        method=config.spec,
-        tiers=tuple(ServiceTier.parse(t) for t in config.spec_tiers),
+    speculation = SpeculationConfig(
+        method=config.speculation,
+        tiers=tuple(ServiceTier.parse(t) for t in config.speculation_tiers),
         max_draft_tokens=config.max_draft_tokens,
-        use_measured_costs=config.spec_measured_costs,
+        use_measured_costs=config.speculation_measured_costs,
     )
-    return Speculator(spec, draft_model)
+    return Speculator(speculation, draft_model)
 
 
 @dataclass
 class GenerationOutput:
+    """A generation's result in the offline API (LLM.generate), one per prompt."""
+
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]

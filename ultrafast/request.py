@@ -172,7 +172,7 @@ class Request:
     sampling_seed: int = 0
     # speculative decoding (engine.speculation proposes, the scheduler schedules and counts)
     prediction_token_ids: list[int] = field(default_factory=list)  # client `prediction`
-    spec_enabled: bool = False  # n-gram / draft-model drafts (a prediction is always used)
+    speculation_enabled: bool = False  # n-gram / draft-model drafts (a prediction is always used)
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_draft_tokens: int = 0
     num_accepted_prediction_tokens: int = 0  # usage.completion_tokens_details

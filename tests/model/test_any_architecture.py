@@ -52,12 +52,12 @@ def llama_cpp_greedy(path, prompt_ids: list[int], num_new: int) -> tuple[list[in
         llm.close()
 
 
-def offline(path, spec: str = "off", num_slots: int = 2, max_model_len: int = 256) -> LLM:
+def offline(path, speculation: str = "off", num_slots: int = 2, max_model_len: int = 256) -> LLM:
     # drafts sized from fixed costs: measured ones on a busy machine may say none pay
     return LLM(
         str(path),
-        spec=spec,
-        spec_measured_costs=False,
+        speculation=speculation,
+        speculation_measured_costs=False,
         n_threads=1,
         num_slots=num_slots,
         max_num_seqs=num_slots,
@@ -133,10 +133,10 @@ def test_ngram_speculation_drafts_and_keeps_the_greedy_tokens(arch_gguf):
     prompt_ids = load_tokenizer(resolve_model(path)).encode("def fibonacci(n):")
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     expected, _ = llama_cpp_greedy(path, prompt_ids, 40)
-    llm = offline(path, spec="ngram")
+    llm = offline(path, speculation="ngram")
     try:
         [out] = llm.generate(prompt_ids, params, tier=ServiceTier.PRIORITY)
-        stats = llm.engine.spec_stats
+        stats = llm.engine.speculation_stats
     finally:
         llm.close()
     assert out.token_ids == expected

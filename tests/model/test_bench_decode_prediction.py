@@ -27,7 +27,7 @@ def test_prediction_variant_matches_plain_greedy_and_reports_acceptance():
         rounds=1,
         threads=1,
         peers=("ultrafast-ggml",),
-        spec=("prediction",),
+        speculation=("prediction",),
     )
     result = report["results"]["ultrafast-ggml-spec-prediction"]
     assert result["matches_plain"] is True  # drafts never change greedy tokens
@@ -40,7 +40,7 @@ def test_prediction_variant_matches_plain_greedy_and_reports_acceptance():
 
 def test_unknown_spec_variant_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown --spec"):
-        run_decode_bench(str(DEMO_MODEL_DIR), spec=("magic",), peers=())
+        run_decode_bench(str(DEMO_MODEL_DIR), speculation=("magic",), peers=())
 
 
 def test_gguf_alone_skips_transformers_with_a_note(tmp_path):
@@ -68,4 +68,4 @@ def test_cli_reads_the_prediction_edit_rate_and_refuses_bad_ones(tmp_path, capsy
     assert done.value.code == 2 and "not a fraction" in capsys.readouterr().err
     out = str(tmp_path / "r.json")
     assert main(["bench", "decode", "--spec", "ngram,magic", "--out", out]) == 2
-    assert "unknown --spec ['magic']" in capsys.readouterr().err
+    assert "unknown --speculation ['magic']" in capsys.readouterr().err

@@ -210,7 +210,7 @@ def test_smollm2_answers_from_its_gguf_alone(tmp_path):
 
     alone = tmp_path / "smollm2.gguf"
     alone.symlink_to(require_smollm2())
-    llm = LLM(str(alone), spec="off", n_threads=2, num_slots=2, max_num_seqs=2)
+    llm = LLM(str(alone), speculation="off", n_threads=2, num_slots=2, max_num_seqs=2)
     try:
         prompt = llm.tokenizer.apply_chat_template(
             [

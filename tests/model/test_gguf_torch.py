@@ -21,11 +21,8 @@ from ultrafast.core.types import ScheduledSeq, StepPlan
 from ultrafast.executors.torch_exec import TorchExecutor
 from ultrafast.model.config import ModelLoadError
 from ultrafast.model.gguf_meta import read_gguf_metadata
-from ultrafast.model.gguf_weights import (
-    gguf_model_config,
-    load_gguf_model,
-    unpermute_interleaved_rope,
-)
+from ultrafast.model.gguf_names import from_interleaved_rope, to_interleaved_rope
+from ultrafast.model.gguf_weights import gguf_model_config, load_gguf_model
 from ultrafast.model.loader import load_model, read_config
 from ultrafast.request import SamplingParams
 
@@ -48,12 +45,10 @@ def prompt_logits(executor, tokens: list[int] = PROMPT) -> torch.Tensor:
 
 
 def test_unpermute_inverts_the_converters_permutation():
-    from ultrafast.convert import _permute_for_interleaved_rope
-
     weight = np.arange(4 * 8 * 3, dtype=np.float32).reshape(4 * 8, 3)  # 4 heads of dim 8
-    permuted = _permute_for_interleaved_rope(weight, 4)
+    permuted = to_interleaved_rope(weight, 4)
     assert not np.array_equal(permuted, weight)
-    np.testing.assert_array_equal(unpermute_interleaved_rope(permuted, 4), weight)
+    np.testing.assert_array_equal(from_interleaved_rope(permuted, 4), weight)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -52,14 +52,14 @@ def assert_all_valid(llm, schemas, results):
         jsonschema.validate(json.loads(text), by_name[rid.split("@")[0]])
 
 
-def demo(spec):
+def demo(speculation):
     n = len(SCHEMAS)
     return LLM(
         str(DEMO_MODEL_DIR),
-        spec=spec,
+        speculation=speculation,
         num_slots=n,
         max_num_seqs=n,
-        spec_tiers=("priority", "default", "flex"),
+        speculation_tiers=("priority", "default", "flex"),
     )
 
 
@@ -72,11 +72,11 @@ def test_50_schemas_greedy_and_sampled_and_speculation_is_exact():
     assert_all_valid(llm, SCHEMAS, plain)
     llm = demo("auto")  # n-gram and draft-model drafts, plus the grammar's forced tokens
     try:
-        spec = run(llm, SCHEMAS, (0.0,))
-        drafted = llm.engine.spec_stats.num_draft_tokens
+        outputs = run(llm, SCHEMAS, (0.0,))
+        drafted = llm.engine.speculation_stats.num_draft_tokens
     finally:
         llm.close()
-    for rid, got in spec.items():
+    for rid, got in outputs.items():
         assert got == plain[rid], rid
     assert drafted.get("grammar", 0) > 0 and sum(drafted.values()) > drafted["grammar"]
 
@@ -84,7 +84,7 @@ def test_50_schemas_greedy_and_sampled_and_speculation_is_exact():
 @pytest.mark.real_model
 def test_smollm2_subset_validates():
     schemas = SCHEMAS[::5]
-    llm = LLM(str(require_smollm2()), spec="off", num_slots=10, max_num_seqs=10)
+    llm = LLM(str(require_smollm2()), speculation="off", num_slots=10, max_num_seqs=10)
     try:
         prompt = llm.tokenizer.apply_chat_template(
             [{"role": "user", "content": "Reply with a JSON object."}]
@@ -97,7 +97,7 @@ def test_smollm2_subset_validates():
 
 def test_torch_executor_masks_too():
     schemas = SCHEMAS[::10]
-    llm = LLM(str(DEMO_MODEL_DIR), executor="torch", spec="off", num_slots=5, max_num_seqs=5)
+    llm = LLM(str(DEMO_MODEL_DIR), executor="torch", speculation="off", num_slots=5, max_num_seqs=5)
     try:
         results = run(llm, schemas, (0.0, 1.0))
     finally:
@@ -114,7 +114,9 @@ def test_a_grammar_that_compiles_during_the_prefill_gives_the_same_tokens(execut
 
     schemas = SCHEMAS[::10]
     n = 2 * len(schemas)
-    llm = LLM(str(DEMO_MODEL_DIR), executor=executor, spec="off", num_slots=n, max_num_seqs=n)
+    llm = LLM(
+        str(DEMO_MODEL_DIR), executor=executor, speculation="off", num_slots=n, max_num_seqs=n
+    )
     try:
         want = run(llm, schemas, (0.0, 1.0))
         tok, engine = llm.tokenizer, llm.engine

@@ -15,7 +15,7 @@ from ultrafast.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR, EngineConfig
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.engine.core import EngineCore
 from ultrafast.engine.draft_model import DraftModelProposer
-from ultrafast.engine.speculation import SpecConfig, Speculator
+from ultrafast.engine.speculation import SpeculationConfig, Speculator
 from ultrafast.llm import build_engine
 from ultrafast.request import Request, SamplingParams, ServiceTier
 from ultrafast.tokenizer import Tokenizer
@@ -68,7 +68,7 @@ def demo_engines(request, one_cpu_thread):
         config = EngineConfig(
             model=str(DEMO_MODEL_DIR),
             executor=request.param,
-            spec=method,
+            speculation=method,
             num_slots=4,
             max_num_seqs=4,
             max_model_len=256,
@@ -92,13 +92,15 @@ def plain(demo_engines, prompt_ids):
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_concurrent_greedy_spec_equals_plain(demo_engines, prompt_ids, plain, method):
     engine = demo_engines[1][method]
-    before = sum(engine.spec_stats.num_accepted_tokens.values())
+    before = sum(engine.speculation_stats.num_accepted_tokens.values())
     assert generate(engine, prompt_ids, greedy()) == plain
-    assert sum(engine.spec_stats.num_accepted_tokens.values()) > before  # drafts were accepted
+    assert (
+        sum(engine.speculation_stats.num_accepted_tokens.values()) > before
+    )  # drafts were accepted
 
 
 def test_prediction_drafts_equal_plain_and_are_counted(demo_engines, prompt_ids, plain):
-    engine = demo_engines[1]["off"]  # spec off: a client prediction is still used
+    engine = demo_engines[1]["off"]  # speculation off: a client prediction is still used
     edited = [p[:10] + [7, 8, 9] + p[13:] for p in plain]  # the prediction is mostly right
     requests = [
         Request(
@@ -147,10 +149,10 @@ def test_seeded_sampling_with_deterministic_drafts_equals_plain(demo_engines, pr
 def test_sampling_with_the_draft_model_runs_and_accepts(demo_engines, prompt_ids):
     engine = demo_engines[1]["draft"]
     params = SamplingParams(temperature=0.7, max_tokens=30, seed=3, ignore_eos=True)
-    before = dict(engine.spec_stats.num_accepted_tokens)
+    before = dict(engine.speculation_stats.num_accepted_tokens)
     outs = generate(engine, prompt_ids, params)
     assert all(len(o) == 30 for o in outs)
-    assert engine.spec_stats.num_accepted_tokens["draft"] > before.get("draft", 0)
+    assert engine.speculation_stats.num_accepted_tokens["draft"] > before.get("draft", 0)
     assert generate(engine, prompt_ids, params) == outs  # seeded: reproducible
 
 
@@ -195,14 +197,15 @@ def test_tiny_models_with_a_bad_draft_model(
     try:
         plain = generate(EngineCore(target, config), prompts, params)
         for method in ("draft", "ngram"):
-            spec = Speculator(SpecConfig(method=method), DraftModelProposer(draft))
-            engine = EngineCore(target, config, speculator=spec)
+            speculator = Speculator(SpeculationConfig(method=method), DraftModelProposer(draft))
+            engine = EngineCore(target, config, speculator=speculator)
             assert generate(engine, prompts, params) == plain
         edited = [p[:4] + [(p[4] + 1) % 300] + p[5:] for p in plain]  # client predictions
         assert generate(engine, prompts, params, edited) == plain
-        assert spec.stats.num_accepted_tokens["prediction"] > 0
+        assert speculator.stats.num_accepted_tokens["prediction"] > 0
         assert (
-            spec.stats.num_draft_tokens["prediction"] > spec.stats.num_accepted_tokens["prediction"]
+            speculator.stats.num_draft_tokens["prediction"]
+            > speculator.stats.num_accepted_tokens["prediction"]
         )
     finally:
         target.close()
@@ -213,12 +216,14 @@ def test_draft_model_must_share_the_tokenizer(tiny_llama_dir):
     config = EngineConfig(
         model=str(tiny_llama_dir),
         executor="torch",
-        spec="draft",
+        speculation="draft",
         draft_model=str(DEMO_DRAFT_DIR),
         device="cpu",
     )
     with pytest.raises(ValueError, match="tokenizer"):
         build_engine(config)
-    config = EngineConfig(model=str(tiny_llama_dir), executor="torch", spec="draft", device="cpu")
+    config = EngineConfig(
+        model=str(tiny_llama_dir), executor="torch", speculation="draft", device="cpu"
+    )
     with pytest.raises(ValueError, match="draft-model"):
         build_engine(config)

@@ -57,9 +57,9 @@ def test_spec_flags(tmp_path):
         "--stats",
     )
     assert done.returncode == 0, done.stderr
-    assert "spec ngram:" in done.stderr and "drafts accepted" in done.stderr
+    assert "speculation ngram:" in done.stderr and "drafts accepted" in done.stderr
     done = ultrafast("generate", "x", "--spec-tiers", "turbo")
-    assert done.returncode == 2 and "unknown spec tier" in done.stderr
+    assert done.returncode == 2 and "unknown speculation tier" in done.stderr
     done = ultrafast("generate", "x", "--spec", "draft", "--draft-model", str(tmp_path / "nope"))
     assert done.returncode == 2 and "does not exist" in done.stderr
     assert "Traceback" not in done.stderr
@@ -200,22 +200,40 @@ def test_engine_flags_reach_the_config():
             "3",
             "--num-slots",
             "2",
-            "--spec-tiers",
+            "--speculation-tiers",
             "priority, default",
             "--session-ttl-s",
             "60",
             "--priority-ttft-ms",
             "90",
-            "--spec-costs",
+            "--speculation-costs",
             "fixed",
         ]
     )
     options = engine_options(args)
     assert options["max_draft_tokens"] == 3 and options["num_slots"] == 2
-    assert options["spec_measured_costs"] is False
-    assert options["max_num_seqs"] == 2 and options["spec_tiers"] == ("priority", "default")
+    assert options["speculation_measured_costs"] is False
+    assert options["max_num_seqs"] == 2 and options["speculation_tiers"] == ("priority", "default")
     server = server_config(args)
     assert server.session_ttl_s == 60 and server.priority.ttft_ms == 90
+
+
+def test_the_speculation_flags_keep_their_short_spellings():
+    """`--spec`, `--spec-tiers` and `--spec-costs` are accepted spellings of the speculation
+    flags: they set the same fields, and `serve --help` names them beside the long ones."""
+    from ultrafast.cli import parse_args
+    from ultrafast.cli_serve import engine_options
+
+    long = ["--speculation", "ngram", "--speculation-tiers", "default", "--speculation-costs"]
+    short = ["--spec", "ngram", "--spec-tiers", "default", "--spec-costs"]
+    for flags in (long, short):
+        options = engine_options(parse_args(["serve", *flags, "fixed"]))
+        assert options["speculation"] == "ngram"
+        assert options["speculation_tiers"] == ("default",)
+        assert options["speculation_measured_costs"] is False
+    shown = " ".join(ultrafast("serve", "--help").stdout.split())
+    for name in ("speculation", "speculation-tiers", "speculation-costs"):
+        assert f"--{name}" in shown and f"--{name.replace('speculation', 'spec')} " in shown
 
 
 def test_fixed_spec_costs_reach_the_speculator():
@@ -225,7 +243,9 @@ def test_fixed_spec_costs_reach_the_speculator():
 
     files = resolve_model(str(DEMO_MODEL_DIR))
     for measured in (True, False):
-        config = EngineConfig(model=str(DEMO_MODEL_DIR), spec="ngram", spec_measured_costs=measured)
+        config = EngineConfig(
+            model=str(DEMO_MODEL_DIR), speculation="ngram", speculation_measured_costs=measured
+        )
         assert build_speculator(config, files).config.use_measured_costs is measured
 
 

@@ -50,7 +50,7 @@ def test_shown_defaults_come_from_the_fields_in_the_flags_units():
     assert defaults["short_first_window_ms"] == EngineConfig.short_first_window_s * 1000
     assert defaults["priority_queue"] == ServerConfig.priority.max_in_flight
     assert defaults["flash_attn"] == ("on" if EngineConfig.flash_attn else "off")
-    assert defaults["spec_tiers"] == ",".join(EngineConfig.spec_tiers)
+    assert defaults["speculation_tiers"] == ",".join(EngineConfig.speculation_tiers)
     assert duration_text(None) == "-1" and duration_text(90.0) == "90s"
 
 
@@ -107,3 +107,18 @@ def test_a_command_without_a_fields_flags_keeps_its_default():
     add_flags(parser, ServerConfig, ("listen",))
     args = parser.parse_args(["--port", "9"])
     assert ServerConfig(**read_config(ServerConfig, args)) == ServerConfig(port=9)
+
+
+def test_max_num_seqs_has_its_own_flag_and_follows_num_slots_without_it():
+    parser = _serve_parser()
+
+    def read(*argv: str) -> dict:
+        return read_config(EngineConfig, parser.parse_args(list(argv)))
+
+    both = read("--num-slots", "8", "--max-num-seqs", "3")
+    assert (both["num_slots"], both["max_num_seqs"]) == (8, 3)  # two settings, not one
+    assert read("--num-slots", "4")["max_num_seqs"] == 4  # every slot may run
+    assert read("--max-num-seqs", "2")["max_num_seqs"] == 2  # slots sized from memory
+    assert "max_num_seqs" not in read()  # 0: every slot, once the slots are known
+    with pytest.raises(ValueError, match="cannot exceed num_slots"):
+        EngineConfig(model="m", **read("--num-slots", "2", "--max-num-seqs", "3"))

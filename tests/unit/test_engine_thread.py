@@ -191,7 +191,7 @@ def test_snapshot_is_published_after_steps_and_counts_the_finished_work():
         assert snap.step_id > before.step_id and snap.num_running == 0
         # every prompt token but the last was looked up in the prefix cache
         assert snap.num_prefix_queries == 1 and snap.num_prefix_query_tokens == 2
-        assert snap.num_draft_tokens == {}  # no speculation: empty, SpecStats' names
+        assert snap.num_draft_tokens == {}  # no speculation: empty, SpeculationStats' names
         with pytest.raises(dataclasses.FrozenInstanceError):
             snap.num_kv_slots_total = 1  # frozen: readers share nothing mutable
     finally:

@@ -10,7 +10,7 @@ from tests.unit.engine_driver import run_all
 from ultrafast.config import DEMO_MODEL_DIR
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.engine.core import EngineCore
-from ultrafast.engine.speculation import SpecConfig, Speculator
+from ultrafast.engine.speculation import SpeculationConfig, Speculator
 from ultrafast.executors.fake_exec import FakeExecutor, plain_word_tokens
 from ultrafast.grammar import GrammarSpec
 from ultrafast.grammar.matcher import GrammarRuntime
@@ -40,14 +40,14 @@ def runtime(tok):
     return GrammarRuntime.for_tokenizer(tok, tok.vocab_size)
 
 
-def engine(tok, runtime, num_slots=4, spec=None, keeps_logits=True):
+def engine(tok, runtime, num_slots=4, speculator=None, keeps_logits=True):
     tokenizer_json = DEMO_MODEL_DIR / "tokenizer.json"
     executor = FakeExecutor(
         num_slots, 512, tok.vocab_size, plain_word_tokens(tokenizer_json), keep_plans=True
     )
     executor.keeps_logits = keeps_logits  # False: an executor without KeptSampling
     config = SchedulerConfig(max_num_seqs=num_slots, max_model_len=512)
-    return EngineCore(executor, config, speculator=spec, grammar=runtime), executor
+    return EngineCore(executor, config, speculator=speculator, grammar=runtime), executor
 
 
 def request(tok, rid, grammar=SPEC, tier=ServiceTier.DEFAULT, max_tokens=200, prompt="x"):
@@ -80,10 +80,10 @@ def test_speculation_and_preemption_change_nothing(tok, runtime):
     want, _ = run_all(alone, [request(tok, f"d{i}") for i in range(2)])
     # 2 slots, a priority arrival preempts a constrained request mid-object; n-gram and a
     # client prediction (half right) propose drafts the grammar cuts or the target rejects
-    spec = Speculator(
-        SpecConfig(method="ngram", tiers=tuple(ServiceTier), use_measured_costs=False)
+    speculator = Speculator(
+        SpeculationConfig(method="ngram", tiers=tuple(ServiceTier), use_measured_costs=False)
     )
-    core, executor = engine(tok, runtime, num_slots=2, spec=spec)
+    core, executor = engine(tok, runtime, num_slots=2, speculator=speculator)
     reqs = [request(tok, f"d{i}") for i in range(2)]
     reqs[0].prediction_token_ids = want["d0"][:6] + tok.encode(
         '"info" 7}', add_special_tokens=False

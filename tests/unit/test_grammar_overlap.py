@@ -350,10 +350,10 @@ def test_allowed_ids_cache_is_bounded_and_remembers_wide_rows():
 
 
 def test_fixed_draft_costs_keep_every_forced_draft(tok, runtime):  # noqa: F811
-    from ultrafast.engine.speculation import SpecConfig, Speculator
+    from ultrafast.engine.speculation import SpeculationConfig, Speculator
 
-    spec = Speculator(SpecConfig(method="ngram", use_measured_costs=False))
-    core, _ = engine(tok, runtime, spec=spec)
+    speculator = Speculator(SpeculationConfig(method="ngram", use_measured_costs=False))
+    core, _ = engine(tok, runtime, speculator=speculator)
     for _ in range(20):  # measured: a wider pass never pays
         core.costs.observe(1, 1, 0.001, 0.001)
         core.costs.observe(1, 8, 0.02, 0.02)

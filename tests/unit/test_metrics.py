@@ -60,16 +60,16 @@ def test_engine_steps_feed_queue_depth_kv_prefix_and_step_phases():
 
 def test_speculative_counts_are_read_from_the_engine_spec_stats():
     metrics = ServerMetrics()
-    spec = None
-    metrics.set_spec_source(lambda: spec)
+    stats = None
+    metrics.set_speculation_source(lambda: stats)
     # before speculative decoding (or with it off): the series exist at zero
     assert value(metrics, "ultrafast_spec_draft_tokens_total", source="draft") == 0
 
-    class SpecStats:  # the shape of engine/speculation.py's cumulative counters
+    class SpeculationStats:  # the shape of engine/speculation.py's cumulative counters
         num_draft_tokens = {"draft": 40, "ngram": 10, "weird": 2}
         num_accepted_tokens = {"draft": 30, "ngram": 4}
 
-    spec = SpecStats()
+    stats = SpeculationStats()
     assert value(metrics, "ultrafast_spec_draft_tokens_total", source="draft") == 40
     assert value(metrics, "ultrafast_spec_accepted_tokens_total", source="draft") == 30
     assert value(metrics, "ultrafast_spec_accepted_tokens_total", source="ngram") == 4

@@ -9,7 +9,7 @@ from tests.unit.engine_driver import prompt, run_all
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.engine.core import EngineCore
 from ultrafast.engine.draft_model import DraftModelProposer
-from ultrafast.engine.speculation import SpecConfig, Speculator
+from ultrafast.engine.speculation import SpeculationConfig, Speculator
 from ultrafast.executors.fake_exec import FakeExecutor, next_token, reference_tokens
 from ultrafast.request import Request, SamplingParams, ServiceTier
 
@@ -38,12 +38,16 @@ def sometimes(context):
     return next_token(context, range(5)) != 0  # agrees on ~80% of contexts
 
 
-def make_engine(agree=lambda c: True, num_slots=4, spec=None, **overrides):
+def make_engine(agree=lambda c: True, num_slots=4, speculation=None, **overrides):
     executor = FakeExecutor(num_slots=num_slots)
     draft = FakeDraft(agree, num_slots=num_slots)
     config = SchedulerConfig(**{"max_num_seqs": num_slots, "max_model_len": 256, **overrides})
-    spec = spec or SpecConfig(method="draft", tiers=(PRIORITY,), use_measured_costs=False)
-    engine = EngineCore(executor, config, speculator=Speculator(spec, DraftModelProposer(draft)))
+    speculation = speculation or SpeculationConfig(
+        method="draft", tiers=(PRIORITY,), use_measured_costs=False
+    )
+    engine = EngineCore(
+        executor, config, speculator=Speculator(speculation, DraftModelProposer(draft))
+    )
     return engine, executor, draft
 
 
@@ -62,7 +66,7 @@ def test_accept_all_none_and_partial_give_the_plain_output():
         assert out["a"] == reference_tokens(prompt(1, 10), 30)
         assert finish["a"] == "length"
         assert drafted_seqs(executor)  # drafts really were verified
-        rate = engine.spec_stats.acceptance_rate("draft")
+        rate = engine.speculation_stats.acceptance_rate("draft")
         if expect_rate is not None:
             assert rate == expect_rate
         else:
@@ -125,7 +129,7 @@ def test_preemption_with_drafts_loses_nothing():
     engine, executor, _ = make_engine(
         sometimes,
         num_slots=2,
-        spec=SpecConfig(
+        speculation=SpeculationConfig(
             method="draft", tiers=(PRIORITY, ServiceTier.DEFAULT), use_measured_costs=False
         ),
     )
@@ -157,7 +161,9 @@ def test_abort_mid_draft_frees_the_slot():
 
 
 def test_flex_and_default_get_no_drafts_by_default():
-    engine, executor, _ = make_engine(spec=SpecConfig(method="draft", use_measured_costs=False))
+    engine, executor, _ = make_engine(
+        speculation=SpeculationConfig(method="draft", use_measured_costs=False)
+    )
     run_all(
         engine,
         [
@@ -171,22 +177,22 @@ def test_flex_and_default_get_no_drafts_by_default():
 
 
 def test_adaptive_k_grows_with_acceptance_and_shrinks_without():
-    spec = SpecConfig(
+    speculation = SpeculationConfig(
         method="draft", max_draft_tokens=6, retry_after_steps=1000, use_measured_costs=False
     )
-    engine, executor, _ = make_engine(spec=spec)
+    engine, executor, _ = make_engine(speculation=speculation)
     run_all(engine, [Request("a", prompt(1, 10), greedy(60), tier=PRIORITY)])
     sizes = [s.num_logits - 1 for s in drafted_seqs(executor)]
     assert sizes[0] < 6 and sizes[-2] == 6 and sizes == sorted(sizes[:-1]) + sizes[-1:]
-    engine, executor, _ = make_engine(lambda c: False, spec=spec)
+    engine, executor, _ = make_engine(lambda c: False, speculation=speculation)
     run_all(engine, [Request("a", prompt(1, 10), greedy(60), tier=PRIORITY)])
     sizes = [s.num_logits - 1 for s in drafted_seqs(executor)]
     assert sizes[0] > sizes[-1] and len(sizes) < 10  # shrank to 0 and stopped drafting
     decodes = [s for p in executor.plans for s in p.seqs if s.num_logits == 1][-5:]
     assert all(s.num_tokens == 1 for s in decodes)
     # and a request that turns unpredictable is retried after `retry_after_steps`
-    spec = SpecConfig(method="draft", retry_after_steps=5, use_measured_costs=False)
-    engine, executor, _ = make_engine(lambda c: False, spec=spec)
+    speculation = SpeculationConfig(method="draft", retry_after_steps=5, use_measured_costs=False)
+    engine, executor, _ = make_engine(lambda c: False, speculation=speculation)
     run_all(engine, [Request("a", prompt(1, 10), greedy(60), tier=PRIORITY)])
     assert [s.num_logits - 1 for s in drafted_seqs(executor)][-3:] == [1, 1, 1]
 
@@ -248,7 +254,7 @@ def test_ngram_drafts_are_verified_exactly():
         engine = EngineCore(
             executor,
             SchedulerConfig(max_num_seqs=2, max_model_len=256),
-            speculator=Speculator(SpecConfig(method=method, use_measured_costs=False)),
+            speculator=Speculator(SpeculationConfig(method=method, use_measured_costs=False)),
         )
         out, _ = run_all(
             engine,
@@ -260,7 +266,7 @@ def test_ngram_drafts_are_verified_exactly():
         outs.append(dict(out))
     assert outs[0] == outs[1]
     assert [len(outs[1][rid]) for rid in "ab"] == [60, 50]  # no request failed
-    stats = engine.spec_stats
+    stats = engine.speculation_stats
     assert stats.num_draft_tokens["ngram"] > 0
     assert 0.5 < stats.acceptance_rate("ngram") < 1.0
     assert len(executor.plans) < 60  # fewer steps than tokens
@@ -269,7 +275,9 @@ def test_ngram_drafts_are_verified_exactly():
 def test_prediction_drafts_and_usage_counts():
     ref = reference_tokens(prompt(2, 7), 20)
     prediction = ref[:3] + [1] + ref[4:11] + [2, 3] + ref[13:]  # two edits
-    engine, executor, _ = make_engine(spec=SpecConfig(method="off", use_measured_costs=False))
+    engine, executor, _ = make_engine(
+        speculation=SpeculationConfig(method="off", use_measured_costs=False)
+    )
     request = Request(
         "a", prompt(2, 7), greedy(20), tier=ServiceTier.FLEX, prediction_token_ids=prediction
     )
@@ -386,8 +394,8 @@ def test_no_retries_for_a_source_that_could_never_pay():
         base_s, per_token_s = 0.5e-3, 0.5e-3
         lone_pass_s = [None, 1.0e-3, 1.6e-3, 2.2e-3]
 
-    spec = SpecConfig(method="auto", retry_after_steps=4)
-    speculator = Speculator(spec, CostlyDraftModel())
+    speculation = SpeculationConfig(method="auto", retry_after_steps=4)
+    speculator = Speculator(speculation, CostlyDraftModel())
     request = Request(
         "r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=500), tier=PRIORITY
     )
@@ -439,7 +447,7 @@ def test_ngram_index_matches_brute_force_as_it_grows():
 def test_a_conversations_next_turn_takes_over_the_previous_index():
     from ultrafast.engine.speculation import NgramIndex, Speculator
 
-    speculator = Speculator(SpecConfig(method="ngram", use_measured_costs=False))
+    speculator = Speculator(SpeculationConfig(method="ngram", use_measured_costs=False))
     params = SamplingParams(temperature=0.0, max_tokens=50)
 
     def start(request_id, prompt, tenant="a"):

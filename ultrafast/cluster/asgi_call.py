@@ -1,5 +1,5 @@
 """One HTTP call into an ASGI app in this process, its answer as an async generator: the
-replica side of the ingress's `forward` (app.py), and the tests' in-process replicas.
+replica side of the ingress's `forward` (replica.py), and the tests' in-process replicas.
 
 The request is a plain dict (it crosses Ray as such): method, path, query_string, headers
 [(bytes, bytes)], body, client. The generator yields {"status", "headers"} then body chunks.

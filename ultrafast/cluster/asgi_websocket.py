@@ -1,5 +1,5 @@
 """One WebSocket into an ASGI app in this process, driven by plain messages: the replica side of
-the ingress's `/v1/realtime` relay (app.py), and the tests' in-process replicas.
+the ingress's `/v1/realtime` relay (replica.py), and the tests' in-process replicas.
 
 A Ray handle carries calls, not sockets, so a connection is two kinds of call on the same
 replica: `open(conn_id, request)` streams what the app sends ({"type": "accept"}, {"type":

@@ -1,7 +1,7 @@
 """The ingress's view of its replicas: a poller that feeds their /ready state and queue depths
 to the router, and /metrics of the whole cluster.
 
-Ray restarts a replica whose process died or whose `check_health` raised (app.py); the poller
+Ray restarts a replica whose process died or whose `check_health` raised (replica.py); the poller
 only decides where calls go meanwhile: a replica that does not answer its stats call within
 `timeout_s` is routed around until it answers again.
 """

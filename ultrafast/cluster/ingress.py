@@ -1,7 +1,7 @@
 """The cluster's OpenAI ingress: one Starlette app that routes every HTTP call of the single
 server to a replica and relays its answer, streams included.
 
-Ray-free: replicas are reached through a `Backends` object (the Ray one is in app.py; the
+Ray-free: replicas are reached through a `Backends` object (the Ray one is in replica.py; the
 tests use in-process ones). Authentication and the Host allow-list run here as in `serve` (the
 same middleware, the same keys file) and again on the replica, so errors look the same.
 

@@ -1,7 +1,7 @@
 """Run a cluster: start (or join) Ray, deploy N engine replicas, and serve the ingress app
 with /ready, /metrics and the admin-scoped POST /admin/rolling-restart, which redeploys the
 replicas one by one (each new one serves before the old one drains). Ray is imported only here
-and in app.py; `ultrafast cluster` (cli_cluster.py) parses the flags and calls `run_cluster`.
+and in replica.py; `ultrafast cluster` (cli_cluster.py) parses the flags and calls `run_cluster`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def start_ray(address: str | None, replicas: int, num_cpus: float) -> None:
     import ray
     from ray import serve
 
-    from ultrafast.cluster.app import runtime_env
+    from ultrafast.cluster.replica import runtime_env
 
     if address:
         ray.init(address=address, runtime_env=runtime_env(), log_to_driver=False)
@@ -53,7 +53,7 @@ def run_cluster(spec, replicas: int, address: str | None, direct: bool = True) -
     import uvicorn
     from ray import serve
 
-    from ultrafast.cluster.app import RayBackends, app_name, deploy_replica
+    from ultrafast.cluster.replica import RayBackends, app_name, deploy_replica
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -124,10 +124,10 @@ def build_cluster_app(backends, spec):
     from starlette.requests import Request as HTTPRequest
     from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-    from ultrafast.cluster.app import deploy_replica
     from ultrafast.cluster.health import ReplicaPoller, merge_metrics
     from ultrafast.cluster.ingress import ClusterIngress
     from ultrafast.cluster.ingress_app import build_ingress_app
+    from ultrafast.cluster.replica import deploy_replica
     from ultrafast.cluster.router import Router, RouterConfig
     from ultrafast.server import auth
     from ultrafast.server.errors import APIError

@@ -26,7 +26,7 @@ from ultrafast.core.types import (
 )
 from ultrafast.engine.grammar_stage import GrammarStage
 from ultrafast.engine.idle_speed import IdleSpeed
-from ultrafast.engine.speculation import SpecStats, Speculator
+from ultrafast.engine.speculation import SpeculationStats, Speculator
 from ultrafast.engine.start_costs import StartCosts
 from ultrafast.engine.step_costs import StepBudget, StepCostModel, StepStats
 from ultrafast.executors.base import Executor, KeptSampling
@@ -103,7 +103,7 @@ class EngineCore:
             self.kv_cache = KVCacheManager(kv_cache, executor, self.pool)
 
     @property
-    def spec_stats(self) -> SpecStats | None:
+    def speculation_stats(self) -> SpeculationStats | None:
         """Drafted / accepted tokens per draft source; None without speculation."""
         return None if self.speculator is None else self.speculator.stats
 

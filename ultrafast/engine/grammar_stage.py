@@ -57,7 +57,7 @@ class GrammarStage:
         abort: Callable[[str], None],
         measured_costs: bool = True,
     ):
-        """`measured_costs` off (SpecConfig.use_measured_costs): every forced token rides."""
+        """`measured_costs` off (SpeculationConfig.use_measured_costs): every forced token rides."""
         self.runtime = runtime
         self.measured_costs = measured_costs
         self._run_kept = run_kept

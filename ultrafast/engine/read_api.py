@@ -64,8 +64,8 @@ class EngineSnapshot:
     num_preemptions: int = 0
     step_costs: StepCostSnapshot = StepCostSnapshot()
     # speculative decoding, per draft source (empty without speculation)
-    spec_draft_tokens: tuple[tuple[str, int], ...] = ()
-    spec_accepted_tokens: tuple[tuple[str, int], ...] = ()
+    speculation_draft_tokens: tuple[tuple[str, int], ...] = ()
+    speculation_accepted_tokens: tuple[tuple[str, int], ...] = ()
     device_kind: str = "cpu"  # "cpu" or "gpu"
     max_model_len: int = 0  # the scheduler's limits, fixed at start
     max_num_seqs: int = 0
@@ -83,12 +83,12 @@ class EngineSnapshot:
         return sum(self.num_waiting_by_tier)
 
     @property
-    def num_draft_tokens(self) -> dict[str, int]:  # SpecStats' names, for metrics
-        return dict(self.spec_draft_tokens)
+    def num_draft_tokens(self) -> dict[str, int]:  # SpeculationStats' names, for metrics
+        return dict(self.speculation_draft_tokens)
 
     @property
     def num_accepted_tokens(self) -> dict[str, int]:
-        return dict(self.spec_accepted_tokens)
+        return dict(self.speculation_accepted_tokens)
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class EngineSettings:
 def build_snapshot(core: EngineCore, device_kind: str) -> EngineSnapshot:
     """On the engine thread: copy every figure out, so readers share nothing mutable."""
     occ = core.occupancy()
-    spec = core.spec_stats
+    drafts = core.speculation_stats
     return EngineSnapshot(
         step_id=core.last_stats.step_id if core.last_stats is not None else -1,
         num_waiting_by_tier=occ.num_waiting_by_tier,
@@ -113,8 +113,10 @@ def build_snapshot(core: EngineCore, device_kind: str) -> EngineSnapshot:
         num_prefix_hit_tokens=occ.num_prefix_hit_tokens,
         num_preemptions=occ.num_preemptions,
         step_costs=StepCostSnapshot.of(core.costs),
-        spec_draft_tokens=tuple(sorted(spec.num_draft_tokens.items())) if spec else (),
-        spec_accepted_tokens=tuple(sorted(spec.num_accepted_tokens.items())) if spec else (),
+        speculation_draft_tokens=tuple(sorted(drafts.num_draft_tokens.items())) if drafts else (),
+        speculation_accepted_tokens=tuple(sorted(drafts.num_accepted_tokens.items()))
+        if drafts
+        else (),
         device_kind=device_kind,
         max_model_len=core.scheduler.config.max_model_len,
         max_num_seqs=core.scheduler.config.max_num_seqs,

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ultrafast.config import MAX_DRAFT_TOKENS
+from ultrafast.config import MAX_DRAFT_TOKENS, SPECULATION_METHODS
 from ultrafast.core.types import Draft, DraftVerification
 from ultrafast.engine.step_costs import StepCostModel
 from ultrafast.request import Request, ServiceTier
@@ -50,11 +50,9 @@ from ultrafast.request import Request, ServiceTier
 if TYPE_CHECKING:  # the draft model brings torch; speculation itself does not need it
     from ultrafast.engine.draft_model import DraftModelProposer
 
-SPEC_METHODS = ("off", "ngram", "draft", "auto")
-
 
 @dataclass(frozen=True)
-class SpecConfig:
+class SpeculationConfig:
     method: str = "auto"  # off, ngram, draft (model), auto (ngram, then the draft model)
     tiers: tuple[ServiceTier, ...] = (ServiceTier.PRIORITY,)  # where n-gram/model drafts run
     max_draft_tokens: int = MAX_DRAFT_TOKENS  # upper bound of the adaptive k
@@ -71,8 +69,8 @@ class SpecConfig:
     use_measured_costs: bool = True  # False: always the defaults above (deterministic tests)
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"spec method must be one of {', '.join(SPEC_METHODS)}")
+        if self.method not in SPECULATION_METHODS:
+            raise ValueError(f"speculation method must be one of {', '.join(SPECULATION_METHODS)}")
         if self.max_draft_tokens < 1:
             raise ValueError("max_draft_tokens must be >= 1")
         if not 0.0 < self.prior_acceptance < 1.0 or not 0.0 < self.acceptance_decay <= 1.0:
@@ -82,7 +80,7 @@ class SpecConfig:
 
 
 @dataclass
-class SpecStats:
+class SpeculationStats:
     """Counters since start, per draft source ("ngram", "prediction", "draft")."""
 
     num_draft_steps: dict[str, int] = field(default_factory=dict)  # decode steps with drafts
@@ -237,13 +235,13 @@ class _RequestState:
 class Speculator:
     """propose() before each schedule, observe() after each update. Owned by the engine."""
 
-    def __init__(self, config: SpecConfig, draft_model: DraftModelProposer | None = None):
+    def __init__(self, config: SpeculationConfig, draft_model: DraftModelProposer | None = None):
         """draft_model: an engine.draft_model.DraftModelProposer (needed by method draft)."""
         if config.method == "draft" and draft_model is None:
-            raise ValueError("spec method 'draft' needs a draft model")
+            raise ValueError("speculation method 'draft' needs a draft model")
         self.config = config
         self.draft_model = draft_model if config.method in ("draft", "auto") else None
-        self.stats = SpecStats()
+        self.stats = SpeculationStats()
         self._states: dict[str, _RequestState] = {}
         # n-gram indexes of finished requests, newest last: a conversation's next turn starts
         # with the previous turn's tokens, and takes its index over instead of rebuilding it
@@ -253,16 +251,18 @@ class Speculator:
 
     def admit(self, request: Request) -> None:
         """Decide once, when a request is added, whether it drafts from n-grams / the model."""
-        request.spec_enabled = self.config.method != "off" and request.tier in self.config.tiers
+        request.speculation_enabled = (
+            self.config.method != "off" and request.tier in self.config.tiers
+        )
 
     def _state(self, request: Request) -> _RequestState:
         state = self._states.get(request.request_id)
         if state is None:
             cfg = self.config
             sources = ["prediction"] if request.prediction_token_ids else []
-            if request.spec_enabled and cfg.method in ("ngram", "auto"):
+            if request.speculation_enabled and cfg.method in ("ngram", "auto"):
                 sources.append("ngram")
-            if request.spec_enabled and self.draft_model is not None:
+            if request.speculation_enabled and self.draft_model is not None:
                 sources.append("draft")
             state = _RequestState(
                 request,
@@ -288,7 +288,7 @@ class Speculator:
         out: dict[str, Draft] = {}
         model_wants: list[tuple[Request, int]] = []
         for request in running:
-            if not (request.spec_enabled or request.prediction_token_ids):
+            if not (request.speculation_enabled or request.prediction_token_ids):
                 continue
             if request.num_tokens - request.num_computed_tokens != 1:
                 continue  # still prefilling

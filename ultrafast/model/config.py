@@ -34,7 +34,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": ArchTraits(None, True, True, "layer_types"),
 }
 # configs without `architectures` still name their family in `model_type`
-_MODEL_TYPES = {
+MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -130,7 +130,7 @@ class ModelConfig:
 
 def _architecture(hf: dict) -> str:
     archs = hf.get("architectures") or []
-    arch = archs[0] if archs else _MODEL_TYPES.get(hf.get("model_type", ""))
+    arch = archs[0] if archs else MODEL_TYPES.get(hf.get("model_type", ""))
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"

@@ -9,7 +9,8 @@ points at `--executor ggml`, which runs every architecture llama.cpp knows.
 Layout facts the mapping undoes:
 - llama.cpp's "llama" arch rotates interleaved pairs (x0,x1),(x2,x3)... while HF's Llama rotates
   halves (x_i, x_{i+d/2}); converters therefore permute each head's rows of attn_q / attn_k, and
-  we put them back. qwen2/qwen3 use halves ("NEOX") rope in llama.cpp too: no permutation.
+  we put them back (both directions: model/gguf_names.py). qwen2/qwen3 use halves ("NEOX")
+  rope in llama.cpp too: no permutation.
 - A GGUF holds shapes innermost-first (ggml's ne order); numpy's shape is the reverse.
 - No `output.weight`: the embeddings are tied (llama.cpp reuses token_embd).
 - Llama 3 rope scaling is stored as `rope_freqs.weight`, per-frequency divisors of the angle.
@@ -27,23 +28,17 @@ import torch
 from ultrafast.model.config import ModelConfig, ModelLoadError
 from ultrafast.model.dtypes import resolve_dtype
 from ultrafast.model.gguf_meta import GgufMetadata, TensorInfo, read_gguf_metadata, tensor_nbytes
-from ultrafast.model.gguf_names import GGUF_ARCHITECTURES, hf_tensor_name
+from ultrafast.model.gguf_names import (
+    GGUF_ARCHITECTURES,
+    from_interleaved_rope,
+    hf_tensor_name,
+    rope_heads,
+)
 from ultrafast.model.llama import LlamaForCausalLM
 
 # general.file_type -> the checkpoint dtype `--dtype auto` picks (quantized files: float32)
 _FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 _ROPE_FREQS = "rope_freqs.weight"
-
-
-def unpermute_interleaved_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Inverse of the converters' q/k permutation: each head's interleaved pairs back to
-    [first halves, second halves] rows, the layout HF's rotate_half expects."""
-    rows = weight.shape[0]
-    return (
-        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
 
 
 def _refuse(meta: GgufMetadata, what: str) -> ModelLoadError:
@@ -194,10 +189,9 @@ def gguf_tensors(meta: GgufMetadata, config: ModelConfig):
         if name is None:
             raise _refuse(meta, f"tensor {info.name!r} has no place in it")
         data = _dequantize(meta, info)
-        if permute and ".self_attn.q_proj." in name:
-            data = unpermute_interleaved_rope(data, config.num_attention_heads)
-        elif permute and ".self_attn.k_proj." in name:
-            data = unpermute_interleaved_rope(data, config.num_key_value_heads)
+        heads = rope_heads(name, config.num_attention_heads, config.num_key_value_heads)
+        if permute and heads is not None:
+            data = from_interleaved_rope(data, heads)
         yield name, torch.from_numpy(data)
 
 

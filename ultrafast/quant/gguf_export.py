@@ -72,7 +72,7 @@ def _file_type(plan: dict[str, str], zero_point: bool) -> gguf.LlamaFileType:
 
 
 def gguf_tensor_name(hf_name: str) -> str:
-    name = "output.weight" if hf_name == LM_HEAD else convert._gguf_name(hf_name)
+    name = "output.weight" if hf_name == LM_HEAD else convert.checkpoint_gguf_name(hf_name)
     if name is None:
         raise ValueError(f"{hf_name} has no GGUF tensor")
     return name
@@ -92,31 +92,11 @@ def export_gguf(
     """
     model_dir, out_path = Path(model_dir), Path(out_path)
     config = json.loads((model_dir / "config.json").read_text())
-    arch, permute = convert.ARCHITECTURES[convert._architecture(config)]
-    num_heads = config["num_attention_heads"]
-    num_kv_heads = config.get("num_key_value_heads") or num_heads
     tied = config.get("tie_word_embeddings", False)
     untie = tied and (untie or plan.get(LM_HEAD, KEEP) != plan.get(EMBED, KEEP))
-
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(out_path, arch, use_temp_file=True)
-    convert._write_hparams(writer, config, model_dir.name)
-    writer.add_file_type(_file_type(plan, zero_point))
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    convert._write_tokenizer(writer, model_dir, config)
-    if arch == "llama" and convert._rope_params(config)["rope_type"] == "llama3":
-        writer.add_tensor("rope_freqs.weight", convert.llama3_rope_factors(config))
-
+    writer = convert.gguf_writer(model_dir, config, out_path, _file_type(plan, zero_point))
     written: dict[str, str] = {}
-    for hf_name, tensor in convert._hf_tensors(model_dir):
-        name = convert._gguf_name(hf_name)
-        if name is None or (tied and name == "output.weight"):
-            continue
-        data = tensor.to(torch.float32).numpy()
-        if permute and name.endswith(("attn_q.weight", "attn_q.bias")):
-            data = convert._permute_for_interleaved_rope(data, num_heads)
-        elif permute and name.endswith(("attn_k.weight", "attn_k.bias")):
-            data = convert._permute_for_interleaved_rope(data, num_kv_heads)
+    for name, hf_name, data in convert.gguf_layout_tensors(model_dir, config):
         outputs = [(name, hf_name)]
         if untie and hf_name == EMBED:
             outputs.append(("output.weight", LM_HEAD))
@@ -128,8 +108,5 @@ def export_gguf(
             array, raw_dtype = _encode(data, qtype)
             writer.add_tensor(out_name, array, raw_dtype=raw_dtype)
             written[out_name] = qtype.name
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    convert.finish_gguf(writer)
     return written

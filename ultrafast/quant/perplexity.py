@@ -51,7 +51,7 @@ def engine_perplexity(
     llm = LLM(
         str(gguf_path),
         executor="ggml",
-        spec="off",
+        speculation="off",
         num_slots=num_slots,
         max_num_seqs=num_slots,
         max_model_len=longest + 1,  # the prompt and room for the (unused) reply

@@ -117,7 +117,7 @@ def build_chat_state(engine_config: EngineConfig, config: ServerConfig) -> Serve
     else:
         models = ModelSet([first])
     # queues, slots, cache and speculation counters: the engine's published snapshot
-    metrics.set_spec_source(models.snapshot)
+    metrics.set_speculation_source(models.snapshot)
     metrics.set_occupancy_source(models.snapshot)
     store = open_store(
         config.session_store or default_session_store(),

@@ -91,20 +91,10 @@ def chat_call(
     return CallInput(
         chat=True,
         params=params,
-        max_tokens=req.requested_max_tokens(),
         messages=messages if messages is not None else chat_messages(req),
-        model=req.model,
-        n=req.n,
-        stream=bool(req.stream),
-        include_usage=req.include_usage(),
-        stops=req.stop_list(),
-        tier=req.tier(),
-        auto_tier=req.tier_is_auto(),
-        tier_named=req.requested_tier_name() is not None,
+        **_common_fields(req),
         prediction_text=req.prediction_text() or None,
-        keep_alive=req.keep_alive,
         tools=chat_tool_plan(req),
-        tier_param="service_tier" if req.service_tier is not None else "priority",
         max_tokens_param="max_completion_tokens"
         if req.max_completion_tokens is not None
         else "max_tokens",
@@ -118,21 +108,28 @@ def completion_call(req: CompletionRequest, limits: Limits) -> CallInput:
     return CallInput(
         chat=False,
         params=req.sampling_choice(limits.vocab_size, limits.sampling_defaults),
-        max_tokens=req.requested_max_tokens(),
         prompts=req.prompt_list(),
-        model=req.model,
-        n=req.n,
-        stream=bool(req.stream),
-        include_usage=req.include_usage(),
-        stops=req.stop_list(),
-        tier=req.tier(),
-        auto_tier=req.tier_is_auto(),
-        tier_named=req.requested_tier_name() is not None,
+        **_common_fields(req),
         echo=req.echo,
-        keep_alive=req.keep_alive,
-        tier_param="service_tier" if req.service_tier is not None else "priority",
         prompt_param="prompt",
     )
+
+
+def _common_fields(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    """The CallInput fields both OpenAI endpoints read from their request the same way."""
+    return {
+        "max_tokens": req.requested_max_tokens(),
+        "model": req.model,
+        "n": req.n,
+        "stream": bool(req.stream),
+        "include_usage": req.include_usage(),
+        "stops": req.stop_list(),
+        "tier": req.tier(),
+        "auto_tier": req.tier_is_auto(),
+        "tier_named": req.requested_tier_name() is not None,
+        "keep_alive": req.keep_alive,
+        "tier_param": "service_tier" if req.service_tier is not None else "priority",
+    }
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[ChatMessage]:

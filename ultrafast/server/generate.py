@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 
 
 class GenerationRun:
+    """A generation's run: the engine requests of one GenerationSpec (its plan), their
+    outputs as they come, and the response (whole or streamed) they make."""
+
     def __init__(self, deps: RunDeps, spec: GenerationSpec, ticket: Ticket):
         self.deps = deps
         self.spec = spec

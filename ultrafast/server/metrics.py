@@ -17,7 +17,7 @@ into "other". No request field (model, user, session id) ever becomes a label.
 Speculative decoding: drafted / accepted tokens per draft source are read at scrape time from
 any object with `num_draft_tokens` and `num_accepted_tokens` dicts keyed by source: the
 engine's snapshot in the server (empty without speculation, so the series exist at zero), or
-a `SpecStats` directly.
+a `SpeculationStats` directly.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from ultrafast.request import ServiceTier
 
 TIERS = tuple(t.api_name for t in ServiceTier)
 STEP_PHASES = ("schedule", "execute", "sample", "update")
-SPEC_SOURCES = ("ngram", "prediction", "draft")  # engine/speculation.py's draft sources
+DRAFT_SOURCES = ("ngram", "prediction", "draft")  # engine/speculation.py's draft sources
 REFUSAL_REASONS = (
     "queue_full",
     "slo_unattainable",
@@ -196,7 +196,7 @@ class ServerMetrics:
             ).set(alert_priority_itl_p99_s)
         self._refusal_sources: list[Callable[[], dict]] = []
         self._in_flight_source: Callable[[], dict] | None = None
-        self._spec_source: Callable[[], object] | None = None
+        self._speculation_source: Callable[[], object] | None = None
         reg.register(_ScrapeTimeCollector(self))
         for tier in TIERS:  # every series exists from the start, so rates and alerts work
             for family in (self.ttft_s, self.e2e_s, self.queue_wait_s):
@@ -222,9 +222,9 @@ class ServerMetrics:
         """tier name -> admitted API calls, read at scrape time."""
         self._in_flight_source = read
 
-    def set_spec_source(self, read: Callable[[], object]) -> None:
+    def set_speculation_source(self, read: Callable[[], object]) -> None:
         """Returns cumulative draft counters per source (the engine snapshot), or None."""
-        self._spec_source = read
+        self._speculation_source = read
 
     def set_occupancy_source(self, read: Callable[[], EngineCounts]) -> None:
         """Returns the engine's latest EngineSnapshot (or EngineOccupancy), at scrape time."""
@@ -354,7 +354,7 @@ class _ScrapeTimeCollector:
         for reason, n in counts.items():
             refused.add_metric((reason,), n)
         yield refused
-        spec = m._spec_source() if m._spec_source else None
+        stats = m._speculation_source() if m._speculation_source else None
         for name, attr, doc in (
             ("ultrafast_spec_draft_tokens", "num_draft_tokens", "Draft tokens proposed"),
             (
@@ -364,8 +364,8 @@ class _ScrapeTimeCollector:
             ),
         ):
             family = CounterMetricFamily(name, doc, labels=("source",))
-            counts = {source: 0 for source in SPEC_SOURCES + (OTHER,)}
-            for source, n in dict(getattr(spec, attr, None) or {}).items():  # copy: engine thread
+            counts = {source: 0 for source in DRAFT_SOURCES + (OTHER,)}
+            for source, n in dict(getattr(stats, attr, None) or {}).items():  # copy: engine thread
                 counts[source if source in counts else OTHER] += n
             for source, n in counts.items():
                 family.add_metric((source,), n)

@@ -8,8 +8,10 @@ OpenAI API reference so official clients parse them unchanged.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import orjson
 
@@ -134,27 +136,9 @@ def _envelope(request_id: str, obj: str, model: str, tier: str, created: int) ->
     }
 
 
-def chat_response(
-    request_id: str,
-    model: str,
-    tier: str,
-    choices: list[ChoiceState],
-    usage_dict: dict,
-    decode,
-    want_logprobs: bool,
-) -> dict:
-    body = _envelope(request_id, "chat.completion", model, tier, int(time.time()))
-    body["choices"] = [
-        {
-            "index": c.index,
-            "message": _message(c),
-            "logprobs": chat_logprobs(decode, c.logprobs) if want_logprobs else None,
-            "finish_reason": c.finish_reason,
-        }
-        for c in choices
-    ]
-    body["usage"] = usage_dict
-    return body
+def _chat_choice(c: ChoiceState, decode, want_logprobs: bool) -> dict:
+    logprobs = chat_logprobs(decode, c.logprobs) if want_logprobs else None
+    return {"message": _message(c), "logprobs": logprobs}
 
 
 def _message(c: ChoiceState) -> dict:
@@ -169,7 +153,18 @@ def _message(c: ChoiceState) -> dict:
     }
 
 
-def completion_response(
+def _completion_choice(c: ChoiceState, decode, want_logprobs: bool) -> dict:
+    logprobs = (
+        completion_logprobs(decode, c.logprobs, c.echo_chars, c.prompt_part())
+        if want_logprobs
+        else None
+    )
+    return {"text": c.text, "logprobs": logprobs}
+
+
+def _response(
+    obj: str,
+    choice_fields: Callable[[ChoiceState, Any, bool], dict],
     request_id: str,
     model: str,
     tier: str,
@@ -178,20 +173,24 @@ def completion_response(
     decode,
     want_logprobs: bool,
 ) -> dict:
-    body = _envelope(request_id, "text_completion", model, tier, int(time.time()))
+    """A whole (non-streamed) response: the envelope, each choice as `index`, the protocol's
+    own fields (`choice_fields`), `finish_reason`, then the usage."""
+    body = _envelope(request_id, obj, model, tier, int(time.time()))
     body["choices"] = [
         {
             "index": c.index,
-            "text": c.text,
-            "logprobs": completion_logprobs(decode, c.logprobs, c.echo_chars, c.prompt_part())
-            if want_logprobs
-            else None,
+            **choice_fields(c, decode, want_logprobs),
             "finish_reason": c.finish_reason,
         }
         for c in choices
     ]
     body["usage"] = usage_dict
     return body
+
+
+# (request_id, model, tier, choices, usage_dict, decode, want_logprobs) -> the response body
+chat_response = partial(_response, "chat.completion", _chat_choice)
+completion_response = partial(_response, "text_completion", _completion_choice)
 
 
 class ChunkWriter:

@@ -19,7 +19,8 @@ ENGINE_FAILED = "engine_error"
 
 @dataclass
 class GenerationSpec:
-    """Everything the HTTP layer decided about a call, in engine terms plus output options."""
+    """A generation's plan: everything the HTTP layer decided about a call, in engine terms
+    plus output options (its run is server/generate.py's GenerationRun)."""
 
     request_id: str
     model_name: str

@@ -32,7 +32,7 @@ from ultrafast_harness.bench.suite_args import (
 
 if TYPE_CHECKING:  # the engine brings torch: imported only when our runner is built
     from ultrafast.engine.core import EngineCore
-    from ultrafast.engine.speculation import SpecStats
+    from ultrafast.engine.speculation import SpeculationStats
 
 
 @dataclass
@@ -50,11 +50,12 @@ Runner = tuple[Callable[[], tuple[float, float]], Callable[[], None]]
 
 @dataclass
 class _EngineRound:
-    """Our engine's timed round; the report reads `spec_stats`, scripts look inside `engine`."""
+    """Our engine's timed round; the report reads `speculation_stats`, scripts look inside
+    `engine`."""
 
     timed_round: Callable[[], tuple[float, float]]
     engine: EngineCore
-    spec_stats: SpecStats | None
+    speculation_stats: SpeculationStats | None
     output_ids: list[int]  # the last round's generated tokens
 
     def __call__(self) -> tuple[float, float]:
@@ -68,9 +69,9 @@ def _round_times(start: float, first: float | None, last: float | None) -> tuple
 
 
 def _ours(
-    files, gguf, prompt_ids, num_new, threads, executor_kind, spec="off", prediction=None
+    files, gguf, prompt_ids, num_new, threads, executor_kind, speculation="off", prediction=None
 ) -> Runner:
-    """Our engine; with `spec` other than off, a priority request with speculative decoding;
+    """Our engine; with `speculation` other than off, a priority request with speculative decoding;
     with `prediction`, a default-tier request whose only drafts are these predicted tokens."""
     from ultrafast.config import EngineConfig
     from ultrafast.llm import build_engine
@@ -86,11 +87,11 @@ def _ours(
         max_model_len=len(prompt_ids) + num_new + 8,
         n_threads=threads,
         # a prediction needs the speculator, but the default tier keeps n-gram drafts off
-        spec="ngram" if prediction is not None else spec,
+        speculation="ngram" if prediction is not None else speculation,
     )
     engine, tokenizer, _ = build_engine(config)
     params = SamplingParams(temperature=0.0, max_tokens=num_new, ignore_eos=True)
-    tier = ServiceTier.PRIORITY if spec != "off" else ServiceTier.DEFAULT
+    tier = ServiceTier.PRIORITY if speculation != "off" else ServiceTier.DEFAULT
     counter = [0]
     output_ids: list[int] = []
 
@@ -123,8 +124,10 @@ def _ours(
         if engine.speculator is not None:
             engine.speculator.close()
 
-    drafts = spec != "off" or prediction is not None
-    return _EngineRound(run, engine, engine.spec_stats if drafts else None, output_ids), close
+    drafts = speculation != "off" or prediction is not None
+    return _EngineRound(
+        run, engine, engine.speculation_stats if drafts else None, output_ids
+    ), close
 
 
 def _plain_greedy(files, gguf, prompt_ids, num_new, threads) -> list[int]:
@@ -206,7 +209,7 @@ def _transformers(hf_dir, prompt_ids, num_new, threads) -> Runner:
     return run, lambda: None
 
 
-SPEC_VARIANTS = ("ngram", "draft", "auto", "prediction")
+SPECULATION_VARIANTS = ("ngram", "draft", "auto", "prediction")
 PREDICTION_SEED = 0
 
 
@@ -219,20 +222,20 @@ def run_decode_bench(
     peers: tuple[str, ...] = ("ultrafast-ggml", "llama.cpp", "ultrafast-torch", "transformers"),
     gguf_type: str = "f16",
     gguf_paths: list[str] | None = None,
-    spec: tuple[str, ...] = (),
+    speculation: tuple[str, ...] = (),
     prediction_edit_rate: float = 0.1,
 ) -> dict:
     """gguf_paths: compare these GGUF files instead (our ggml executor, plain and with each
-    `spec` method, and llama.cpp on each file, runners named `...[file stem]`; transformers
+    `speculation` method, and llama.cpp on each file, runners named `...[file stem]`; transformers
     fp32 stays as the common reference).
-    `spec`: speculative variants of the ggml runner (ngram, draft, auto) run alongside;
+    `speculation`: speculative variants of the ggml runner (ngram, draft, auto) run alongside;
     `prediction` runs it with predicted outputs: the plain greedy output of the same file
     with `prediction_edit_rate` of its tokens replaced (seeded)."""
     import os
 
-    unknown = sorted(set(spec) - set(SPEC_VARIANTS))
+    unknown = sorted(set(speculation) - set(SPECULATION_VARIANTS))
     if unknown:
-        raise ValueError(f"unknown --spec {unknown}: use {', '.join(SPEC_VARIANTS)}")
+        raise ValueError(f"unknown --speculation {unknown}: use {', '.join(SPECULATION_VARIANTS)}")
     if not 0.0 <= prediction_edit_rate <= 1.0:
         raise ValueError("--prediction-edit-rate must be in [0, 1]")
     threads = threads or len(os.sched_getaffinity(0))
@@ -244,7 +247,7 @@ def run_decode_bench(
     notes: list[str] = []
     plain_outputs: dict[str, list[int]] = {}  # runner name -> the plain greedy tokens
 
-    def spec_variant(path, method: str, name: str) -> Callable[[], Runner]:
+    def speculative_runner(path, method: str, name: str) -> Callable[[], Runner]:
         if method != "prediction":
             return partial(_ours, files, path, prompt_ids, num_new, threads, "ggml", method)
 
@@ -264,10 +267,10 @@ def run_decode_bench(
         "llama.cpp": lambda: _llama_cpp(gguf, prompt_ids, num_new, threads),
         "transformers": lambda: _transformers(files.hf_dir, prompt_ids, num_new, threads),
     }
-    extra_peers = [f"ultrafast-ggml-spec-{m}" for m in spec]
-    for method in spec:
+    extra_peers = [f"ultrafast-ggml-spec-{m}" for m in speculation]
+    for method in speculation:
         name = f"ultrafast-ggml-spec-{method}"
-        makers[name] = spec_variant(gguf, method, name)
+        makers[name] = speculative_runner(gguf, method, name)
     if gguf_paths:  # per file: ours plain and speculative vs llama.cpp; transformers fp32 once
         extra_peers = []
         for path in gguf_paths:
@@ -276,13 +279,13 @@ def run_decode_bench(
                 _ours, files, path, prompt_ids, num_new, threads, "ggml"
             )
             makers[f"llama.cpp[{stem}]"] = partial(_llama_cpp, path, prompt_ids, num_new, threads)
-            for method in spec:
+            for method in speculation:
                 name = f"ultrafast-ggml-spec-{method}[{stem}]"
-                makers[name] = spec_variant(path, method, name)
+                makers[name] = speculative_runner(path, method, name)
             extra_peers += [
                 f"ultrafast-ggml[{stem}]",
                 f"llama.cpp[{stem}]",
-                *(f"ultrafast-ggml-spec-{m}[{stem}]" for m in spec),
+                *(f"ultrafast-ggml-spec-{m}[{stem}]" for m in speculation),
             ]
         peers = ("transformers",) if "transformers" in peers else ()
         gguf = Path(gguf_paths[0])
@@ -306,7 +309,7 @@ def run_decode_bench(
     results = {}
     for name, runs in samples.items():
         decode_s = statistics.median(d for _, d in runs)
-        stats = getattr(runners[name][0], "spec_stats", None)
+        stats = getattr(runners[name][0], "speculation_stats", None)
         plain = plain_outputs.get(name)
         results[name] = asdict(
             RunResult(
@@ -327,7 +330,7 @@ def run_decode_bench(
         "results": results,
         "notes": notes,
     }
-    if "prediction" in spec:
+    if "prediction" in speculation:
         report["prediction"] = {"edit_rate": prediction_edit_rate, "seed": PREDICTION_SEED}
     return report
 
@@ -371,7 +374,7 @@ def _ratio(result: dict, peer: dict | None) -> str:
 
 
 def main(args) -> int:
-    spec = tuple(m.strip() for m in (args.spec or "").split(",") if m.strip())
+    speculation = tuple(m.strip() for m in (args.speculation or "").split(",") if m.strip())
     report = run_decode_bench(
         args.model,
         num_new=args.new_tokens,
@@ -379,7 +382,7 @@ def main(args) -> int:
         threads=args.threads,
         gguf_type=args.gguf_type,
         gguf_paths=args.gguf,
-        spec=spec,
+        speculation=speculation,
         prediction_edit_rate=args.prediction_edit_rate,
     )
     return write_report(report, args.out, markdown(report))
@@ -401,6 +404,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "each, e.g. f16 vs q8_0 vs hybrid",
     )
     p.add_argument(
+        "--speculation",
         "--spec",
         default="ngram,draft",
         help="speculative variants of our ggml runner to add, comma-separated from "
@@ -413,6 +417,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=0.1,
         metavar="RATE",
         help="fraction of the plain greedy tokens replaced (seeded) to make the prediction "
-        "of --spec prediction (default 0.1)",
+        "of --speculation prediction (default 0.1)",
     )
     add_out(p, "runs/bench_decode.json")

@@ -167,7 +167,7 @@ def main(args) -> int:
     from ultrafast.llm import LLM
 
     n = max(1, args.concurrency)
-    options = {"spec": "off", "num_slots": n, "max_num_seqs": n}
+    options = {"speculation": "off", "num_slots": n, "max_num_seqs": n}
     if args.threads:
         options["n_threads"] = args.threads
     llm = LLM(args.model, **options)

@@ -174,9 +174,9 @@ def run_tier_bench(
     streaming = run_overhead_bench(model, threads, num_slots=num_slots, rounds=rounds)
     # speculative decoding off: this measures the lane (scheduling, preemption, chunked
     # prefill); with drafts a priority event carries several tokens and event gaps stop being
-    # per-token latencies (`bench decode --spec` measures speculation)
+    # per-token latencies (`bench decode --speculation` measures it)
     server = ServerProcess(
-        "--threads", str(threads), "--spec", "off", model=model, num_slots=num_slots
+        "--threads", str(threads), "--speculation", "off", model=model, num_slots=num_slots
     )
     try:
         tiers = asyncio.run(tier_scenario(server.url, num_slots, probes, max_tokens))

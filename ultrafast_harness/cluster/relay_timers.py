@@ -48,7 +48,7 @@ def _request() -> dict:
 def _spec(redis_url: str):
     import argparse
 
-    from ultrafast.cluster.app import ReplicaSpec, with_replica_defaults
+    from ultrafast.cluster.replica import ReplicaSpec, with_replica_defaults
     from ultrafast.config import EngineConfig, ServerConfig
     from ultrafast.config_flags import add_flags, read_config
 
@@ -100,7 +100,7 @@ def run(calls: int) -> dict:
     import ray
     from ray import serve
 
-    from ultrafast.cluster.app import EngineReplica, RayBackends, app_name, deploy_replica
+    from ultrafast.cluster.replica import EngineReplica, RayBackends, app_name, deploy_replica
     from ultrafast.cluster.run import start_ray, wait_running
 
     out: dict = {"ingress_work_us_per_call": _ingress_work_us()}
