@@ -53,8 +53,9 @@ NEED_TOKENS = LONG_CHUNK  # routable prefill tokens in one pass that make the pa
 
 
 # raised when a change moves the wide path's speed (2: packed oneDNN weights, grouped decode
-# attention): routing decisions cached by an earlier revision are timed again
-WIDE_PATH_REVISION = 2
+# attention; 3: prefill attention as bf16 GEMMs): routing decisions cached by an earlier
+# revision are timed again
+WIDE_PATH_REVISION = 3
 
 
 class WideLazy:
