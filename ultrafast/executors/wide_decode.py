@@ -57,10 +57,10 @@ def decode_logits(
         # a KV head's query heads as the query rows: one SDPA with no GQA expansion
         grouped = q.to(BF16).view(len(slots), fw.kv_heads, -1, fw.head_dim)
         a = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
-        x = x + linear(a.reshape(len(slots), -1), layer.o).float()
+        x.add_(linear(a.reshape(len(slots), -1), layer.o))
         h = linear(fw._norm(x, layer.ffn_norm).to(BF16), layer.gate_up)
         gate, up = h.chunk(2, dim=-1)
-        x = x + linear(F.silu(gate) * up, layer.down).float()
+        x.add_(linear(F.silu(gate) * up, layer.down))
     mirror.mark_step(slots, positions)
     return linear(fw._norm(x, fw.norm).to(BF16), fw.lm_head).float()
 
