@@ -1,10 +1,16 @@
 """How every llama.cpp model here is loaded: our ggml executor, the llama.cpp peer, the tests.
 
 llama.cpp's AMX weight buffers (an "extra buffer type" that repacks q8_0 / q4_0 weights for
-Intel AMX tiles) segfault in the first decode on this project's AMX Xeons (llama-cpp-python
-0.3.36 built with -march=native; f16 models are unaffected). Where the CPU has AMX, models load
-without extra buffer types, so our executor and the llama.cpp peer both run llama.cpp's plain
-AVX-512 kernels and stay comparable. ULTRAFAST_GGML_EXTRA_BUFFERS=1 (or 0) forces the choice.
+Intel AMX tiles) die with SIGILL in the first pass on this project's AMX Xeons (llama-cpp-python
+0.3.36, libggml-cpu 0.25.3; f16/bf16 models do not use them). Why, found with gdb and objdump:
+the fault is the first `tileloadd` in `ggml_backend_amx_mul_mat`, and the library's only
+`ldtilecfg` (in that function) loads a configuration with palette 1 and every tile's rows and
+bytes per row zero, so no tile is usable. Not a permission problem: requesting AMX state with
+arch_prctl(ARCH_REQ_XCOMP_PERM) first changes nothing, and oneDNN's AMX kernels (torch) run in
+the same process. Where the CPU has AMX, models load without extra buffer types, so our executor
+and the llama.cpp peer both run llama.cpp's plain AVX-512 kernels and stay comparable; the
+matrix units are reached through oneDNN instead (wide_forward.py).
+ULTRAFAST_GGML_EXTRA_BUFFERS=1 (or 0) forces the choice.
 """
 
 from __future__ import annotations
