@@ -157,6 +157,56 @@ def test_export_after_torch_decodes_holds_them():
         assert np.abs(x - y).max() <= 0.05 * np.abs(x).max() + 1e-2
 
 
+def test_prefill_last_tokens_decode_in_torch_beside_wide_decodes(monkeypatch):
+    """A step whose 1-token rows run in torch takes the wide prefills' last tokens too: their
+    KV goes to the mirror, not through llama.cpp (no llama.cpp pass, no import), the first
+    tokens equal llama.cpp's or diverge at a near-tie, and an export afterwards holds the
+    prompt's KV close to llama.cpp's own prefill."""
+    from ultrafast.executors.ggml_exec import GgmlExecutor
+
+    batch = text_prompts(DEMO_GGUF)[:4]
+    kwargs = dict(KWARGS, num_slots=4)
+    with plain(DEMO_GGUF, **kwargs) as ref:
+        want, margins = generate(ref, batch)
+    with plain(DEMO_GGUF, **kwargs) as ref:  # the prompt's KV alone (and its first token's)
+        ref.execute(StepPlan([seq(i, p, 0) for i, p in enumerate(batch)]))
+        ref_rows = ggml_kv_rows.parse_chunk(ref.export_slot(1, len(batch[1])))
+    passes = {"ggml": 0, "import": 0}
+    real_execute, real_import = GgmlExecutor.execute, GgmlExecutor.import_slot
+
+    def ggml_execute(self, plan):
+        passes["ggml"] += 1
+        return real_execute(self, plan)
+
+    def ggml_import(self, *args):
+        passes["import"] += 1
+        return real_import(self, *args)
+
+    monkeypatch.setattr(GgmlExecutor, "execute", ggml_execute)
+    monkeypatch.setattr(GgmlExecutor, "import_slot", ggml_import)
+    with wide_decoder(DEMO_GGUF, **kwargs) as ex:
+        passes.update({"ggml": 0, "import": 0})  # the start-up timing ran passes
+        first = ex.execute(StepPlan([seq(i, p, 0) for i, p in enumerate(batch)]))
+        assert passes == {"ggml": 0, "import": 0}  # prefill and first tokens all in torch
+        assert [ex.mirror.length(i) for i in range(4)] == [len(p) for p in batch]
+        got = [first.sampled_token_ids[f"r{i}"] for i in range(4)]
+        assert_near_ties([w[:1] for w in want], got, margins)
+        rows = ggml_kv_rows.parse_chunk(ex.export_slot(1, len(batch[1])))  # pushed on demand
+    assert np.array_equal(np.sort(rows.positions), np.sort(ref_rows.positions))
+    for x, y in zip(ref_rows.k + ref_rows.v, rows.k + rows.v):
+        x, y = x.astype(np.float32), y.astype(np.float32)
+        assert np.abs(x - y).max() <= 0.05 * np.abs(x).max() + 1e-2
+
+
+def test_prefill_last_tokens_stay_on_llama_cpp_when_the_step_is_narrow():
+    """Below the decode on-width the last tokens run in llama.cpp's pass over imported KV."""
+    batch = text_prompts(DEMO_GGUF)[:2]
+    with wide_decoder(DEMO_GGUF, on=8, **dict(KWARGS, num_slots=2)) as ex:
+        ex.execute(StepPlan([seq(i, p, 0) for i, p in enumerate(batch)]))
+        assert [ex._slot_lens[i] for i in range(2)] == [len(p) for p in batch]
+        assert [ex.mirror.length(i) for i in range(2)] == [0, 0]
+
+
 def test_bad_decode_fails_alone():
     kwargs = dict(KWARGS, num_slots=5)
     with wide_decoder(DEMO_GGUF, **kwargs) as ex:

@@ -93,8 +93,10 @@ class WideGgmlExecutor(GgmlExecutor):
             and self._check(seq) is None
         )
 
-    def _decodes_in_torch(self, plan: StepPlan) -> list[ScheduledSeq]:
-        """The step's 1-token decodes when they are many enough to run in torch."""
+    def _torch_decodes(self, plan: StepPlan, num_tails: int) -> tuple[list[ScheduledSeq], bool]:
+        """The step's 1-token decodes, and whether this step's 1-token rows run in torch:
+        when they are many enough, counting the `num_tails` last tokens of wide prefill chunks
+        (which then join them: their KV goes to the mirror, not to llama.cpp)."""
         decodes = [
             s
             for s in plan.seqs
@@ -105,9 +107,11 @@ class WideGgmlExecutor(GgmlExecutor):
         ]
         wide = self.decode_force
         if wide is None:
-            wide = self.decode_router.wide(len(decodes))
+            wide = self.decode_router.wide(len(decodes) + num_tails)
         slots = {s.slot_id for s in decodes}
-        return decodes if wide and decodes and len(slots) == len(decodes) else []
+        if not wide or len(slots) != len(decodes) or not (decodes or num_tails):
+            return [], False
+        return decodes, True
 
     def execute(self, plan: StepPlan) -> StepResult:
         if self.wide is None and not self._wide_paused:
@@ -115,13 +119,19 @@ class WideGgmlExecutor(GgmlExecutor):
         if self.wide is None or self._wide_paused:
             return super().execute(plan)
         routed = [s for s in plan.seqs if self._routes(s)]
-        decodes = self._decodes_in_torch(plan)
-        if not routed and not decodes:
+        decodes, in_torch = self._torch_decodes(plan, sum(1 for s in routed if s.num_logits))
+        if not routed and not in_torch:
             return super().execute(plan)
         start_s = time.perf_counter()
         for copy in plan.kv_copies:  # the wide pass reads the slots' earlier KV
             self._copy_prefix(copy.src_slot_id, copy.dst_slot_id, copy.num_tokens)
-        tails, errors = self._wide_prefill(routed, plan.spare_threads) if routed else ([], {})
+        tails, errors = (
+            self._wide_prefill(routed, plan.spare_threads, to_mirror=in_torch)
+            if routed
+            else ([], {})
+        )
+        if in_torch:  # the prefills' last tokens decode beside the step's decodes, in torch
+            decodes, tails = decodes + tails, []
         decoded = self._wide_decode(decodes, plan.spare_threads) if decodes else StepResult()
         wide_s = time.perf_counter() - start_s - decoded.sample_time_s
         taken = {id(s) for s in routed + decodes}
@@ -227,10 +237,12 @@ class WideGgmlExecutor(GgmlExecutor):
     # ---- the wide prefill ----
 
     def _wide_prefill(
-        self, seqs: list[ScheduledSeq], spare_threads: int = 0
+        self, seqs: list[ScheduledSeq], spare_threads: int = 0, to_mirror: bool = False
     ) -> tuple[list[ScheduledSeq], dict[str, str]]:
-        """Compute and import the KV of every seq's tokens but a sampled last one; return those
-        last tokens as 1-token seqs for llama.cpp, and the seqs that failed alone."""
+        """Compute the KV of every seq's tokens but a sampled last one and import it into
+        llama.cpp's slot (`to_mirror`: write it to the torch mirror instead, for a step whose
+        1-token rows decode in torch); return those last tokens as 1-token seqs, and the seqs
+        that failed alone."""
         assert self.wide is not None
         errors: dict[str, str] = {}
         chunks: list[SeqChunk] = []
@@ -238,18 +250,12 @@ class WideGgmlExecutor(GgmlExecutor):
         token_ids: list[int] = []
         positions: list[int] = []
         for seq in seqs:
-            error = self._trim_slot(seq.slot_id, seq.start_position)
-            prior = None
-            if error is None and seq.start_position:
-                prior, error = self._prior_rows(seq)
+            n = len(seq.token_ids) - (1 if seq.num_logits else 0)
+            chunk = SeqChunk(len(token_ids), n, seq.start_position)
+            prior, error = (self._mirror_prior if to_mirror else self._ggml_prior)(seq, chunk)
             if error is not None:
                 errors[seq.request_id] = error
                 continue
-            n = len(seq.token_ids) - (1 if seq.num_logits else 0)
-            chunk = SeqChunk(len(token_ids), n, seq.start_position)
-            if prior is not None:
-                chunk.prior_k = [self.wide.from_gguf_keys(k) for k in prior.k]
-                chunk.prior_v = [self.wide.from_gguf_values(v) for v in prior.v]
             chunks.append(chunk)
             ok.append((seq, prior))
             token_ids += seq.token_ids[:n]
@@ -264,13 +270,38 @@ class WideGgmlExecutor(GgmlExecutor):
         )
         tails = []
         for (seq, prior), chunk in zip(ok, chunks):
-            error = self._import(seq, prior, chunk, keys, values)
+            if to_mirror:
+                error = self._to_mirror(seq, chunk, keys, values)
+            else:
+                error = self._import(seq, prior, chunk, keys, values)
             if error is not None:
                 errors[seq.request_id] = error
             elif seq.num_logits:
                 end = seq.start_position + chunk.num_tokens
                 tails.append(replace(seq, token_ids=seq.token_ids[-1:], start_position=end))
         return tails, errors
+
+    def _ggml_prior(self, seq, chunk: SeqChunk) -> tuple[SlotRows | None, str | None]:
+        """The slot's earlier KV, read from llama.cpp (which gets the chunk's KV after it)."""
+        assert self.wide is not None
+        error = self._trim_slot(seq.slot_id, seq.start_position)
+        if error is not None or not seq.start_position:
+            return None, error
+        prior, error = self._prior_rows(seq)
+        if prior is not None:
+            chunk.prior_k = [self.wide.from_gguf_keys(k) for k in prior.k]
+            chunk.prior_v = [self.wide.from_gguf_values(v) for v in prior.v]
+        return prior, error
+
+    def _mirror_prior(self, seq, chunk: SeqChunk) -> tuple[None, str | None]:
+        """The slot's earlier KV as views of the mirror (pulling from llama.cpp only the rows
+        the mirror lacks), which then takes the chunk's KV too."""
+        assert self.mirror is not None
+        slot, start = seq.slot_id, seq.start_position
+        error = self._torch_slot(slot, start)
+        if error is None and start:
+            chunk.prior_k, chunk.prior_v = self.mirror.rows(slot, 0, start)
+        return None, error
 
     def _prior_rows(self, seq: ScheduledSeq) -> tuple[SlotRows | None, str | None]:
         try:
@@ -280,6 +311,20 @@ class WideGgmlExecutor(GgmlExecutor):
         if not np.array_equal(rows.positions, np.arange(seq.start_position)):
             return None, "wide pass: the slot's KV is not positions [0, start)"
         return rows, None
+
+    def _to_mirror(self, seq, chunk: SeqChunk, keys, values) -> str | None:
+        """The chunk's KV into the mirror after the slot's earlier rows (_mirror_prior): it
+        then holds [0, chunk end), and llama.cpp gets the rows when it next needs the slot
+        (_ggml_slot), as after torch decodes."""
+        assert self.wide is not None and self.mirror is not None
+        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+        self.mirror.put_rows(
+            seq.slot_id,
+            seq.start_position,
+            [self.wide.from_gguf_keys(k[rows].numpy()) for k in keys],
+            [self.wide.from_gguf_values(v[rows].numpy()) for v in values],
+        )
+        return None
 
     def _import(self, seq, prior, chunk: SeqChunk, keys, values) -> str | None:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
