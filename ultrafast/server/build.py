@@ -10,7 +10,8 @@ import gc
 import logging
 
 from ultrafast.config import EngineConfig, ServerConfig, default_session_store
-from ultrafast.llm import build_embedding_engine, build_engine, embedding_pooling
+from ultrafast.engine_sizing import embedding_pooling
+from ultrafast.llm import build_embedding_engine, build_engine
 from ultrafast.model.kv_budget import available_memory_bytes
 from ultrafast.model_defaults import merged_defaults
 from ultrafast.server.admission import Admission, auto_in_flight

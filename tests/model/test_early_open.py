@@ -1,0 +1,81 @@
+"""`serve`'s head start (ultrafast/early_open.py, executors/ggml_open.py): the llama.cpp model
+and context opened on another thread are adopted by the executor that asks for exactly their
+parameters, which then decodes token for token as one that opened its own; anything else is
+closed, and the engine sizes and opens as always."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+from tests.model.test_ggml_executor import PROMPTS, generate  # noqa: E402
+from ultrafast import early_open  # noqa: E402
+from ultrafast.config import DEMO_MODEL_DIR, EngineConfig  # noqa: E402
+from ultrafast.engine_sizing import sized  # noqa: E402
+from ultrafast.executors import ggml_open  # noqa: E402
+from ultrafast.executors.ggml_exec import GgmlExecutor  # noqa: E402
+
+GGUF = DEMO_MODEL_DIR / "demo-code-f16.gguf"
+ARGS = {"num_slots": 4, "max_model_len": 256, "n_threads": 1}
+
+
+def _open_early(**args) -> ggml_open.EarlyOpen:
+    early = ggml_open.register_early(ggml_open.OpenParams.of(GGUF, **args))
+    threading.Thread(target=early.run).start()
+    return early
+
+
+def test_the_executor_adopts_an_early_open_and_decodes_as_its_own():
+    early = _open_early(**ARGS)
+    adopted = GgmlExecutor(GGUF, **ARGS)
+    try:
+        assert adopted._opened is early.result()  # no second model was loaded
+        assert adopted._ctx is not None and adopted.vocab_size > 0
+        tokens = generate(adopted, PROMPTS, 10)
+    finally:
+        adopted.close()
+    assert early.result() is not None and early.result().ctx is None  # closed with it
+    own = GgmlExecutor(GGUF, **ARGS)
+    try:
+        assert generate(own, PROMPTS, 10) == tokens
+    finally:
+        own.close()
+
+
+def test_an_early_open_with_other_parameters_is_closed_not_adopted():
+    early = _open_early(**{**ARGS, "num_slots": 2})
+    own = GgmlExecutor(GGUF, **ARGS)
+    try:
+        assert own._opened is not early.result()
+        assert early.result() is not None and early.result().ctx is None
+        assert own.num_slots == 4
+    finally:
+        own.close()
+
+
+def test_an_early_open_that_fails_leaves_the_executor_to_open_and_report():
+    early = ggml_open.register_early(ggml_open.OpenParams.of(__file__, **ARGS))
+    early.run()  # not a GGUF: llama.cpp cannot load it
+    assert early.result() is None
+    with pytest.raises(Exception, match="could not load"):
+        GgmlExecutor(__file__, **ARGS)
+
+
+def test_the_head_start_sizes_once_for_the_same_config_and_discards_what_was_not_used():
+    config = EngineConfig(model=str(GGUF), num_slots=2, max_model_len=128, n_threads=1)
+    early_open.start(config)
+    assert early_open.sized_for(EngineConfig(model=str(GGUF))) is None  # another config
+    head = early_open._head_start
+    assert head is not None
+    got = early_open.sized_for(config)
+    assert got is not None and got[0] == sized(config)[0]
+    assert early_open.sized_for(config) is None  # the first engine only
+    pending = ggml_open._early
+    assert pending is not None and pending.params.num_slots == 2
+    early_open.discard()  # no executor adopted it
+    assert ggml_open._early is None
+    opened = pending.result()
+    assert opened is not None and opened.ctx is None
