@@ -10,7 +10,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, cast
 
 from ultrafast import early_open
 from ultrafast.config import DEMO_DRAFT_DIR, EngineConfig, default_model_choice
@@ -87,7 +87,10 @@ def build_engine(
     config: EngineConfig,
     priority_itl_target_s: float | None = None,
     default_itl_target_s: float | None = None,
+    defer_grammar: bool = False,
 ) -> tuple[EngineCore, Tokenizer, ModelFiles]:
+    """`defer_grammar`: the grammar runtime is built on first use or when the caller starts
+    it (the server, once ready: grammar/deferred.py)."""
     # sized by `serve`'s early open of the llama.cpp model when it was given this config
     config, files = early_open.sized_for(config) or sized(config)
     tokenizer = load_tokenizer(files, config.chat_template)
@@ -112,7 +115,7 @@ def build_engine(
         speculator=speculator,
         kv_cache=kv_cache_config(config),
         default_itl_target_s=default_itl_target_s,
-        grammar=build_grammar(tokenizer, executor.vocab_size),
+        grammar=build_grammar(tokenizer, executor.vocab_size, defer_grammar),
     )
     return core, tokenizer, files
 
@@ -136,12 +139,21 @@ def kv_cache_config(config: EngineConfig) -> KVCacheConfig:
     )
 
 
-def build_grammar(tokenizer: Tokenizer, vocab_size: int):
+def build_grammar(tokenizer: Tokenizer, vocab_size: int, deferred: bool = False):
     """Constrained decoding for this vocabulary, or None (with a warning) when llguidance
-    cannot use it: the server then refuses response_format as unsupported."""
+    cannot use it: the server then refuses response_format as unsupported. `deferred`: built
+    later, on its first use or at `start()` (grammar/deferred.py: the server's first answer
+    does not wait for it)."""
     from ultrafast.grammar.matcher import GrammarRuntime
     from ultrafast.grammar.tokenizer import GrammarUnavailable
 
+    if deferred and tokenizer.eos_token_ids:  # (without, it is unavailable: said at once)
+        from ultrafast.grammar.deferred import DeferredGrammarRuntime
+
+        deferred_runtime = DeferredGrammarRuntime(
+            lambda: GrammarRuntime.for_tokenizer(tokenizer, vocab_size)
+        )
+        return cast(GrammarRuntime, deferred_runtime)  # its interface, built on first use
     try:
         return GrammarRuntime.for_tokenizer(tokenizer, vocab_size)
     except GrammarUnavailable as exc:
