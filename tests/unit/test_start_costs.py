@@ -79,7 +79,9 @@ def _start(costs, background):
     costs.at_warmup(background)
 
 
-SAFE = ThreadPlan((1,), (1,))  # every core but one of FakeExecutor's two, until measured
+# until measured: a one-token pass on every core but one of FakeExecutor's two, any wider one
+# (a prompt's prefill) on both
+SAFE = ThreadPlan((1, 2), (1, 2))
 
 
 def _costs(model, plan=QUIET):
@@ -92,6 +94,7 @@ def test_nothing_cached_serves_at_once_and_measures_when_idle_then_the_next_star
     _start(costs, background=True)
     assert core.executor.calibrations == 0 and costs.pending and costs.status == "measuring"
     assert core.executor.thread_plan == SAFE
+    assert (SAFE.for_tokens(1), SAFE.for_tokens(37)) == (1, 2)  # a cold start's first prompt
     costs.tick(lambda: False)
     assert core.executor.thread_plan == QUIET and core.idle_speed == SPEED
     assert costs.status == "measured" and not costs.pending and core.cost_resets == 1

@@ -9,10 +9,10 @@ a start used to wait for them before binding its port. Now:
 - a cached result (`$ULTRAFAST_CACHE_DIR/start-costs/<key>.json`, the key hashing the CPU's
   model, flags and usable cores, the model file's path, size and mtime, and the executor's
   flags) is applied at once;
-- with nothing cached the server serves at once on a safe default (every core but one for
-  every pass: safe_threads) and measures in the background: only while the engine has been
-  idle, the measurement giving way between two passes to any request that arrives (and
-  starting again later);
+- with nothing cached the server serves at once on a safe default (every core but one for a
+  one-token pass, every core for a wider one: unmeasured_plan) and measures in the
+  background: only while the engine has been idle, the measurement giving way between two
+  passes to any request that arrives (and starting again later);
 - a plan timed under contention (ggml_threads.py) is used but not cached, and measured again
   after CONTENDED_RECHECK_S;
 - once serving, lone decodes are compared with the plan's timing: when their median over
@@ -53,10 +53,18 @@ NO_ROOM_RETRY_S = 10.0  # a re-check finding no free consecutive slots tries aga
 
 
 def safe_threads(cores: int) -> int:
-    """Threads per pass until measured: every core but one. On a machine whose cores another
-    process also uses, a pass on every core waits at each barrier for a thread that is not
-    running (a 128-token prefill took 1.6 s on two threads against 37 ms on one)."""
+    """Threads per one-token pass until measured: every core but one. On a machine whose
+    cores another process also uses, a pass on every core waits at each barrier for a thread
+    that is not running (a 128-token prefill took 1.6 s on two threads against 37 ms on one)."""
     return max(1, cores - 1)
+
+
+def unmeasured_plan(cores: int) -> ThreadPlan:
+    """The plan until measured: a lone decode (one token: memory-bound, its threads spin
+    against the event loop) on every core but one; any wider pass, a prompt's prefill first of
+    all, on every core, llama.cpp's own default and the fastest for it on an idle machine (a
+    cold start's first 37-token prompt took 300 ms on one of two cores)."""
+    return ThreadPlan((1, 2), (safe_threads(cores), cores))
 
 
 def load_cached(identity: dict) -> tuple[ThreadPlan | None, IdleSpeed | None] | None:
@@ -132,7 +140,7 @@ class StartCosts:
                 log.info("threads per pass width (cached): %s", plan.describe())
             self.status, self._recheck = "cached", True
         elif self.calibrates:
-            self.executor.thread_plan = ThreadPlan((1,), (safe_threads(self.executor.n_threads),))
+            self.executor.thread_plan = unmeasured_plan(self.executor.n_threads)
 
     def at_warmup(self, background: bool) -> None:
         """After the warm-up: nothing (cached), or measure now, or mark them pending; the
@@ -153,7 +161,7 @@ class StartCosts:
             "start costs not cached for this CPU, model and flags: serving now%s; measuring "
             "threads per pass width and idle TTFT in the background while idle (/ready shows "
             "progress)",
-            f" on {plan.threads[0]} thread(s) per pass" if plan else "",
+            f" on threads per pass width {plan.describe()}" if plan else "",
         )
 
     def measure(
