@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -18,6 +19,7 @@ from tests.unit.test_grammar_engine import SCHEMA, SPEC, engine, request, text
 from tests.unit.test_grammar_engine import runtime as runtime  # noqa: F401 (fixture)
 from tests.unit.test_grammar_engine import tok as tok  # noqa: F401 (fixture)
 from tests.unit.test_grammar_overlap import step_until
+from ultrafast.engine.thread import EngineThread
 from ultrafast.grammar.cache import GrammarError
 from ultrafast.grammar.deferred import DeferredGrammarRuntime
 from ultrafast.grammar.matcher import GrammarRuntime
@@ -93,3 +95,22 @@ def test_a_failed_build_refuses_constrained_requests_with_a_400():
 def test_build_grammar_defers_only_when_asked(tok):
     assert isinstance(build_grammar(tok, tok.vocab_size, deferred=True), DeferredGrammarRuntime)
     assert isinstance(build_grammar(tok, tok.vocab_size), GrammarRuntime)
+
+
+def test_the_engine_builds_it_when_first_idle_and_only_then(tok):
+    build = GatedBuild(tok)
+    build.go.set()
+    deferred = DeferredGrammarRuntime(build)
+    core, _ = engine(tok, deferred)
+    assert not deferred.started  # nothing built while the engine is made
+    thread = EngineThread(core).start()
+    try:
+        deadline = time.monotonic() + 10
+        while not deferred.built and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        thread.stop()
+    assert deferred.built and build.builds == 1
+    assert not core.grammar_stage.build_when_idle()  # once
+    plain, _ = engine(tok, GrammarRuntime.for_tokenizer(tok, tok.vocab_size))
+    assert not plain.grammar_stage.build_when_idle()  # a runtime built up front: nothing

@@ -2,13 +2,14 @@
 
 Building the llguidance tokenizer and the first-byte table takes ~0.3 s for the default model
 (49k tokens), all of it Python holding the GIL, and a plain chat answer needs none of it. A
-`DeferredGrammarRuntime` stands in for `GrammarRuntime` from the start: `start()` builds it on
-a thread of its own (serve calls it once the server is ready), and whatever needs it first
-waits for it: a constrained request that arrives before it is built compiles on the compile
-pool once it is there (its prompt prefills meanwhile, as for any compile), so it waits and
-succeeds; it never fails for being early. Where llguidance cannot use the vocabulary the
-build fails as `GrammarRuntime.for_tokenizer` would, and each constrained request is then
-refused with GrammarUnavailable (a 400 `unsupported_parameter`), as before.
+`DeferredGrammarRuntime` stands in for `GrammarRuntime` from the start; the engine builds it
+on its own thread the first time it is idle (GrammarStage.build_when_idle: after the first
+answer when a request comes at once, never beside the start costs' timings). Whatever needs
+it before that waits for it: a constrained request that arrives first compiles on the
+compile pool once it is built (its prompt prefills meanwhile, as for any compile), so it
+waits and succeeds; it never fails for being early. Where llguidance cannot use the
+vocabulary the build fails as `GrammarRuntime.for_tokenizer` would, and each constrained
+request is then refused with GrammarUnavailable (a 400 `unsupported_parameter`), as before.
 """
 
 from __future__ import annotations
@@ -40,16 +41,23 @@ class DeferredGrammarRuntime:
     def built(self) -> bool:
         return self._runtime is not None or self._error is not None
 
+    @property
+    def started(self) -> bool:
+        """Built, or being built (by `start`, `build_quietly` or a first use)."""
+        return self.built or self._lock.locked()
+
     def start(self) -> None:
         """Build on a thread of its own now (no-op once built)."""
         if not self.built:
-            threading.Thread(target=self._get_quietly, name="grammar-build", daemon=True).start()
+            threading.Thread(target=self.build_quietly, name="grammar-build", daemon=True).start()
 
-    def _get_quietly(self) -> None:
+    def build_quietly(self) -> None:
+        """Build now on this thread (or wait for the build under way); a failure is logged
+        once and refuses each constrained request."""
         try:
             self.get()
         except GrammarUnavailable:
-            pass  # logged by get(); each constrained request is refused with it
+            pass
 
     def get(self) -> GrammarRuntime:
         """The runtime (built now if need be); GrammarUnavailable if llguidance cannot use

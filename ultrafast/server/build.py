@@ -167,7 +167,7 @@ def open_model(
         engine_config,
         priority_itl_target_s=config.priority.itl_ms / 1000,
         default_itl_target_s=config.default.itl_ms / 1000 or None,
-        defer_grammar=True,  # built once the server is ready (start_grammar_builds)
+        defer_grammar=True,  # built when the engine is first idle (grammar/deferred.py)
     )
     # warm up on the engine thread, which then serves: see EngineThread.start. From here the
     # server sees the engine only through its read API (server/bridge.py). A model's idle
@@ -253,16 +253,6 @@ def new_runtime(
     admission.priority_reserved = dict(wiring.priority_reserved)
     runtime = ModelRuntime(name, tokenizer, max_model_len, limits, admission)
     return runtime
-
-
-def start_grammar_builds(models: ModelSet) -> None:
-    """Once the server is ready: build each loaded model's deferred grammar runtime in the
-    background (grammar/deferred.py); a constrained request that comes first waits for it."""
-    from ultrafast.grammar.deferred import DeferredGrammarRuntime
-
-    for runtime in models.loaded():
-        if isinstance(runtime.grammar, DeferredGrammarRuntime):
-            runtime.grammar.start()
 
 
 def freeze_startup_heap() -> None:

@@ -222,7 +222,7 @@ def _load(
     stops the server and is raised by `serve` on the main thread."""
     try:
         from ultrafast.server.app import build_app
-        from ultrafast.server.build import build_state, freeze_startup_heap, start_grammar_builds
+        from ultrafast.server.build import build_state, freeze_startup_heap
         from ultrafast.server.unread_body import CloseOnUnreadBody
 
         try:
@@ -236,7 +236,6 @@ def _load(
         if server.should_exit or server._loop is None:
             return
         asyncio.run_coroutine_threadsafe(server.attach(state, app, real_app), server._loop).result()
-        start_grammar_builds(state.models)  # not needed for a plain answer: after ready
     except BaseException as exc:
         loaded["error"] = exc
         server.should_exit = True
