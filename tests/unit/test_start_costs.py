@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ultrafast.engine import start_costs
+from ultrafast.engine import cpu_contention, start_costs
 from ultrafast.engine.idle_speed import IdleSpeed
 from ultrafast.engine.start_costs import StartCosts
 from ultrafast.executors import cost_cache
@@ -65,9 +65,17 @@ class FakeCore:
         self.cost_resets += 1
 
 
+class QuietMachine:
+    busy: float | None = 0.0  # other processes' busy cores (engine/cpu_contention.py)
+
+    def others_busy_cores(self):
+        return self.busy
+
+
 @pytest.fixture
 def model(tmp_path, monkeypatch):
     monkeypatch.setenv("ULTRAFAST_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_contention, "SINCE_IMPORT", QuietMachine())
     monkeypatch.setattr(start_costs, "measure_idle_speed", lambda core: SPEED)
     path = tmp_path / "m.gguf"
     path.write_bytes(b"weights")
@@ -104,6 +112,22 @@ def test_nothing_cached_serves_at_once_and_measures_when_idle_then_the_next_star
     _start(costs2, background=True)
     assert again.executor.calibrations == 0 and costs2.status == "cached"
     assert again.executor.thread_plan == QUIET and again.idle_speed == SPEED
+
+
+@pytest.mark.parametrize("busy", [0.9, 1.5])
+def test_a_busy_machine_serves_every_pass_on_every_core_but_one_until_measured(model, busy):
+    cpu_contention.SINCE_IMPORT.busy = busy
+    core, costs = _costs(model)
+    _start(costs, background=True)
+    assert core.executor.thread_plan == ThreadPlan((1,), (1,))  # a prefill too: no barriers
+    assert costs.pending  # measured when idle, as on a quiet machine
+
+
+def test_unknown_contention_keeps_llama_cpp_s_default_for_wide_passes(model):
+    cpu_contention.SINCE_IMPORT.busy = None  # no /proc, or too short a window
+    core, costs = _costs(model)
+    _start(costs, background=True)
+    assert core.executor.thread_plan == SAFE
 
 
 def test_a_changed_model_file_is_measured_again(model):

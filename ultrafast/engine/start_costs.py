@@ -10,9 +10,10 @@ a start used to wait for them before binding its port. Now:
   model, flags and usable cores, the model file's path, size and mtime, and the executor's
   flags) is applied at once;
 - with nothing cached the server serves at once on a safe default (every core but one for a
-  one-token pass, every core for a wider one: unmeasured_plan) and measures in the
-  background: only while the engine has been idle, the measurement giving way between two
-  passes to any request that arrives (and starting again later);
+  one-token pass, every core for a wider one unless other processes were busy on them:
+  unmeasured_plan) and measures in the background: only while the engine has been idle,
+  the measurement giving way between two passes to any request that arrives (and starting
+  again later);
 - a plan timed under contention (ggml_threads.py) is used but not cached, and measured again
   after CONTENDED_RECHECK_S;
 - once serving, lone decodes are compared with the plan's timing: when their median over
@@ -35,6 +36,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, cast
 
 from ultrafast.cpu_info import cpu_identity
+from ultrafast.engine import cpu_contention
 from ultrafast.engine.idle_speed import CoreView, IdleSpeed, measure_idle_speed
 from ultrafast.executors.base import ThreadCalibration
 from ultrafast.executors.cost_cache import read_cache, write_cache
@@ -59,11 +61,17 @@ def safe_threads(cores: int) -> int:
     return max(1, cores - 1)
 
 
-def unmeasured_plan(cores: int) -> ThreadPlan:
-    """The plan until measured: a lone decode (one token: memory-bound, its threads spin
-    against the event loop) on every core but one; any wider pass, a prompt's prefill first of
-    all, on every core, llama.cpp's own default and the fastest for it on an idle machine (a
-    cold start's first 37-token prompt took 300 ms on one of two cores)."""
+BUSY_NEIGHBOURS_CORES = 0.5  # other processes using this much of our cores: a busy machine
+
+
+def unmeasured_plan(cores: int, others_busy: float | None) -> ThreadPlan:
+    """The plan until measured. A lone decode (one token: memory-bound, its threads spin
+    against the event loop) on every core but one. Any wider pass, a prompt's prefill first
+    of all, on every core (llama.cpp's own default, and the fastest on an idle machine: a cold
+    start's first 37-token prompt took 300 ms on one of two cores) unless other processes kept
+    `others_busy` cores busy meanwhile (engine/cpu_contention.py): then on every core but one."""
+    if others_busy is not None and others_busy >= BUSY_NEIGHBOURS_CORES:
+        return ThreadPlan((1,), (safe_threads(cores),))
     return ThreadPlan((1, 2), (safe_threads(cores), cores))
 
 
@@ -101,6 +109,7 @@ class StartCosts:
         self._last_check = 0.0
         self._recheck = False  # a later measurement: the thread plan only, in free slots
         self._ratios: collections.deque[float] = collections.deque(maxlen=DRIFT_SAMPLES)
+        self._others_busy: float | None = None  # other processes' busy cores before warm-up
 
     @property
     def executor(self) -> ThreadCalibration:  # valid where caps().thread_calibration
@@ -140,7 +149,9 @@ class StartCosts:
                 log.info("threads per pass width (cached): %s", plan.describe())
             self.status, self._recheck = "cached", True
         elif self.calibrates:
-            self.executor.thread_plan = unmeasured_plan(self.executor.n_threads)
+            others_busy = cpu_contention.SINCE_IMPORT.others_busy_cores()
+            self.executor.thread_plan = unmeasured_plan(self.executor.n_threads, others_busy)
+            self._others_busy = others_busy
 
     def at_warmup(self, background: bool) -> None:
         """After the warm-up: nothing (cached), or measure now, or mark them pending; the
@@ -161,8 +172,12 @@ class StartCosts:
             "start costs not cached for this CPU, model and flags: serving now%s; measuring "
             "threads per pass width and idle TTFT in the background while idle (/ready shows "
             "progress)",
-            f" on threads per pass width {plan.describe()}" if plan else "",
+            f" on threads per pass width {plan.describe()}{self._busy_note()}" if plan else "",
         )
+
+    def _busy_note(self) -> str:
+        busy = self._others_busy
+        return "" if busy is None else f" (other processes used {busy:.1f} of our cores)"
 
     def measure(
         self, should_stop: Callable[[], bool] = lambda: False, recheck: bool = False
