@@ -11,12 +11,14 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
+from tests.model.fresh_process import child_only, run_in_fresh_process  # noqa: E402
 from tests.model.test_ggml_executor import PROMPTS, generate  # noqa: E402
 from ultrafast import early_open  # noqa: E402
 from ultrafast.config import DEMO_MODEL_DIR, EngineConfig  # noqa: E402
 from ultrafast.engine_sizing import sized  # noqa: E402
-from ultrafast.executors import ggml_open  # noqa: E402
+from ultrafast.executors import ggml_memory, ggml_open  # noqa: E402
 from ultrafast.executors.ggml_exec import GgmlExecutor  # noqa: E402
+from ultrafast.model.kv_budget import kv_bytes_per_position  # noqa: E402
 
 GGUF = DEMO_MODEL_DIR / "demo-code-f16.gguf"
 ARGS = {"num_slots": 4, "max_model_len": 256, "n_threads": 1}
@@ -79,3 +81,28 @@ def test_the_head_start_sizes_once_for_the_same_config_and_discards_what_was_not
     assert ggml_open._early is None
     opened = pending.result()
     assert opened is not None and opened.ctx is None
+
+
+def test_an_adopted_context_still_hands_its_zeroed_kv_back():
+    """In a fresh interpreter, as test_kv_by_need.py: there the KV is a new mapping."""
+    run_in_fresh_process(__file__, "test_kv_released_after_an_early_open_in_a_fresh_process")
+
+
+def test_kv_released_after_an_early_open_in_a_fresh_process(monkeypatch):
+    child_only()
+    monkeypatch.setattr(ggml_memory, "_OPEN", set())
+    slots, positions = 16, 2048
+    kv_bytes = kv_bytes_per_position(GGUF, None) * slots * positions
+    args = {"num_slots": slots, "max_model_len": positions, "n_threads": 1}
+    early = _open_early(**args)
+    early.result()
+    with_thread_busy = threading.Thread(target=lambda: sum(range(3_000_000)))
+    with_thread_busy.start()  # the importing thread's stand-in, writing under the GIL
+    adopted = GgmlExecutor(GGUF, **args)
+    with_thread_busy.join()
+    try:
+        assert adopted._opened is early.result()
+        assert adopted.released_bytes >= 0.9 * kv_bytes
+        assert generate(adopted, PROMPTS, 8)
+    finally:
+        adopted.close()

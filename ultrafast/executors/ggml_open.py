@@ -191,13 +191,14 @@ class LlamaOpen:
         self.params, self.log = params, log
         self.model = self.ctx = None
         self.architecture = ""
-        self._mappings: list[tuple[int, int]] | None = None  # before the context, to release
+        # the mappings that appeared while the context was made: its zeroed KV among them
+        self._new_ranges: list[tuple[int, int]] = []
         self.released_bytes = 0
 
     def release_zero_pages(self) -> int:
         """The KV pages the context creation zeroed go back to the kernel (once)."""
-        mappings, self._mappings = self._mappings, None
-        self.released_bytes += ggml_memory.release_new_zero_pages(mappings)
+        ranges, self._new_ranges = self._new_ranges, []
+        self.released_bytes += ggml_memory.release_zero_pages(ranges)
         return self.released_bytes
 
     def close(self) -> None:
@@ -243,8 +244,9 @@ def _load_model(opened: LlamaOpen) -> None:
 
 def _create_context(opened: LlamaOpen) -> None:
     params = opened.params
-    opened._mappings = ggml_memory.opening(opened)
+    before = ggml_memory.opening(opened)
     opened.ctx = llama_cpp.llama_init_from_model(opened.model, params.context_params())
+    opened._new_ranges = ggml_memory.new_since(before)  # compared and released later
     if not opened.ctx:
         raise ModelLoadError(
             f"llama.cpp could not create a context (num_slots={params.num_slots}, "
