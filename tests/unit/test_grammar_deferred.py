@@ -103,6 +103,9 @@ def test_the_engine_builds_it_when_first_idle_and_only_then(tok):
     deferred = DeferredGrammarRuntime(build)
     core, _ = engine(tok, deferred)
     assert not deferred.started  # nothing built while the engine is made
+    assert not core.grammar_stage.build_when_idle()  # nor at once: a first request goes first
+    assert not deferred.started
+    core.grammar_stage._build_after_s = time.monotonic()  # (DEFERRED_BUILD_AFTER_S later)
     thread = EngineThread(core).start()
     try:
         deadline = time.monotonic() + 10
