@@ -89,8 +89,8 @@ def build_engine(
     default_itl_target_s: float | None = None,
     defer_grammar: bool = False,
 ) -> tuple[EngineCore, Tokenizer, ModelFiles]:
-    """`defer_grammar`: the grammar runtime is built on first use or when the caller starts
-    it (the server, once ready: grammar/deferred.py)."""
+    """`defer_grammar`: the grammar runtime is built by the engine when it is first idle, or
+    on first use (the server: grammar/deferred.py)."""
     # sized by `serve`'s early open of the llama.cpp model when it was given this config
     config, files = early_open.sized_for(config) or sized(config)
     tokenizer = load_tokenizer(files, config.chat_template)
