@@ -16,8 +16,10 @@ the check and the release; the executor's native threads are idle while its cons
 `serve`'s head start creates the context on a thread of its own while another thread imports
 the server (executors/ggml_open.py): the new ranges are taken right after the creation, on
 that thread, and compared and released later by the executor that adopts the context, on the
-engine-building thread, once the opening thread has ended; the threads running then (the
-importer, the event loop) write memory only while holding the GIL.
+engine-building thread, once the opening thread has ended, and only where they are still
+anonymous mappings then (`still_mapped`: the importer may have unmapped some meanwhile, and
+reading one would fault); the threads running then (the importer, the event loop) write
+memory only while holding the GIL.
 Another context already open in this process (a second resident model, a draft model) could
 have its native threads write a mapping it makes meanwhile (llama.cpp grows its logits buffer
 during a decode): then nothing is released (`opening` returns no snapshot).
@@ -128,6 +130,16 @@ def snapshot() -> list[tuple[int, int]] | None:
         return anonymous_ranges()
     except OSError:
         return None
+
+
+def still_mapped(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of `ranges` that are anonymous mappings now: ranges taken earlier may have
+    been unmapped since (reading them would fault) or mapped as something else."""
+    now = snapshot()
+    if now is None or not ranges:
+        return []
+    gone = new_ranges(now, ranges)  # the parts of `ranges` that no mapping covers now
+    return new_ranges(gone, ranges) if gone else list(ranges)
 
 
 def new_since(before: list[tuple[int, int]] | None) -> list[tuple[int, int]]:

@@ -198,7 +198,8 @@ class LlamaOpen:
     def release_zero_pages(self) -> int:
         """The KV pages the context creation zeroed go back to the kernel (once)."""
         ranges, self._new_ranges = self._new_ranges, []
-        self.released_bytes += ggml_memory.release_zero_pages(ranges)
+        # only what is still mapped: another thread may have unmapped a range since
+        self.released_bytes += ggml_memory.release_zero_pages(ggml_memory.still_mapped(ranges))
         return self.released_bytes
 
     def close(self) -> None:
