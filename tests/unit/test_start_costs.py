@@ -76,6 +76,7 @@ class QuietMachine:
 def model(tmp_path, monkeypatch):
     monkeypatch.setenv("ULTRAFAST_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cpu_contention, "SINCE_IMPORT", QuietMachine())
+    monkeypatch.setattr(start_costs, "FIRST_MEASURE_DELAY_S", 0.0)  # (tested on its own)
     monkeypatch.setattr(start_costs, "measure_idle_speed", lambda core: SPEED)
     path = tmp_path / "m.gguf"
     path.write_bytes(b"weights")
@@ -112,6 +113,19 @@ def test_nothing_cached_serves_at_once_and_measures_when_idle_then_the_next_star
     _start(costs2, background=True)
     assert again.executor.calibrations == 0 and costs2.status == "cached"
     assert again.executor.thread_plan == QUIET and again.idle_speed == SPEED
+
+
+def test_the_first_measurement_waits_for_a_request_that_comes_at_once(model, monkeypatch):
+    monkeypatch.setattr(start_costs, "FIRST_MEASURE_DELAY_S", 60.0)
+    core, costs = _costs(model)
+    _start(costs, background=True)
+    assert costs.pending and not costs.wants_tick()  # idle, but only just warmed up
+    costs.tick(lambda: False)
+    assert core.executor.calibrations == 0 and core.executor.thread_plan == SAFE
+    costs._recheck_at -= 60.0  # the delay has passed
+    assert costs.wants_tick()
+    costs.tick(lambda: False)
+    assert core.executor.thread_plan == QUIET and costs.status == "measured"
 
 
 @pytest.mark.parametrize("busy", [0.9, 1.5])

@@ -52,6 +52,11 @@ DRIFT_FACTOR = 2.0  # ...and this far off (either way) means the plan is measure
 MIN_RECHECK_INTERVAL_S = 300.0  # at most one drift re-check per this long
 CONTENDED_RECHECK_S = 60.0  # a plan timed under contention is measured again after this
 NO_ROOM_RETRY_S = 10.0  # a re-check finding no free consecutive slots tries again after this
+# a start's background measurement waits this long after the warm-up: the first request of a
+# user who starts the server and asks at once (its template and tokens take a moment before
+# it reaches the engine) is served before the timings begin, not queued behind their first
+# passes
+FIRST_MEASURE_DELAY_S = 2.0
 
 
 def safe_threads(cores: int) -> int:
@@ -167,6 +172,7 @@ class StartCosts:
             self.measure()
             return
         self.pending, self.status = True, "measuring"
+        self._recheck_at = time.monotonic() + FIRST_MEASURE_DELAY_S
         plan = self._thread_plan()
         log.info(
             "start costs not cached for this CPU, model and flags: serving now%s; measuring "
