@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 
 from ultrafast.config import EngineConfig, ServerConfig, default_session_store
 from ultrafast.engine_sizing import embedding_pooling
@@ -174,9 +175,14 @@ def open_model(
     # speed is measured at its first load; a reload keeps it (and its admission).
     grammar = core.grammar  # thread-safe: the server compiles with it, the engine matches
     first_load = runtime is None or runtime.engine is None
+    # the tokenizer's first-request costs, beside the engine's warm-up (llama.cpp's passes
+    # run without the GIL): not on the first answer's path
+    warming = threading.Thread(target=tokenizer.warm_up, name="tokenizer-warm-up", daemon=True)
+    warming.start()
     engine = start_engine(
         core, shaper_window_s=config.shaper_window_ms / 1000, measure_speed=first_load
     )
+    warming.join()
     del core
     snapshot = engine.snapshot()
     if runtime is None:  # the server's first model: its admission sets the server's targets
