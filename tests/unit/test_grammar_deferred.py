@@ -117,3 +117,18 @@ def test_the_engine_builds_it_when_first_idle_and_only_then(tok):
     assert not core.grammar_stage.build_when_idle()  # once
     plain, _ = engine(tok, GrammarRuntime.for_tokenizer(tok, tok.vocab_size))
     assert not plain.grammar_stage.build_when_idle()  # a runtime built up front: nothing
+
+
+def test_a_plain_request_does_not_build_it():
+    """The answer-fits check reads the grammar runtime only for a constrained request: the
+    first plain answer once built it on the event loop (0.3-0.5 s of its TTFT)."""
+    from types import SimpleNamespace
+
+    from ultrafast.request import SamplingParams
+    from ultrafast.server.calls import _check_answer_fits
+
+    deferred = DeferredGrammarRuntime(lambda: pytest.fail("built for a plain request"))
+    runtime = SimpleNamespace(grammar=deferred)
+    plain = SimpleNamespace(params=SamplingParams(), max_tokens_param="max_tokens")
+    _check_answer_fits(runtime, plain, 16)
+    assert not deferred.started
