@@ -106,3 +106,25 @@ def test_kv_released_after_an_early_open_in_a_fresh_process(monkeypatch):
         assert generate(adopted, PROMPTS, 8)
     finally:
         adopted.close()
+
+
+def test_the_engine_serve_builds_adopts_the_head_start():
+    """As `serve` does: the head start begins at the bind, then `build_engine` takes its
+    sizing and its executor the opened model (no second load)."""
+    from ultrafast.llm import build_engine
+
+    config = EngineConfig(
+        model=str(GGUF), num_slots=2, max_model_len=128, n_threads=1, wide_pass="off"
+    )
+    early_open.start(config)
+    head = early_open._head_start
+    assert head is not None and head.ready.wait(30)
+    pending = ggml_open._early
+    assert pending is not None  # registered before the sizing was handed over
+    core, _, _ = build_engine(config)
+    try:
+        assert head.taken and ggml_open._early is None
+        assert core.executor._opened is pending.result()  # adopted: no second load
+    finally:
+        early_open.discard()
+        core.close()
