@@ -3,7 +3,7 @@ config sized for them (context length clamped to the model's, the automatic KV s
 and the ggml executor's constructor arguments.
 
 `llm.build_engine` sizes through here, and so does `serve`'s early open of the llama.cpp model
-(server/early_open.py), which must ask for exactly what the executor will ask for: both take
+(early_open.py), which must ask for exactly what the executor will ask for: both take
 the arguments from `ggml_executor_args`. Importing this module does not import torch.
 """
 

@@ -99,8 +99,8 @@ class GgmlExecutor:
             kv_cache_dtype,
             flash_attn,
         )
-        # opened early by `serve` (server/early_open.py) with exactly these parameters, or now
-        self._opened = ggml_open.adopt(params) or open_llama(params, verbose, release=False)
+        # opened early by `serve` (ultrafast/early_open.py) with exactly these parameters, or now
+        self._opened = ggml_open.adopt(params) or open_llama(params, verbose)
         self._model, self._ctx = self._opened.model, self._opened.ctx
         # the KV llama.cpp just zeroed goes back to the kernel until a slot writes it
         self.released_bytes = self._opened.release_zero_pages()

@@ -1,6 +1,6 @@
 """Opening a llama.cpp model and its serving context: the ggml executor's first step, which
-`serve` may start early on a thread of its own (server/early_open.py) and the executor then
-adopts.
+`serve` may start early on a thread of its own (ultrafast/early_open.py) and the executor
+then adopts.
 
 llama.cpp's model load and context creation (which clears every slot's KV) take most of a
 second for the default model, in C through ctypes, which releases the GIL: on a thread of their
@@ -10,9 +10,9 @@ opened early with exactly its parameters (`OpenParams`). This module imports lla
 so an early open does not wait for the engine's imports.
 
 The KV memory that the context creation zeroed goes back to the kernel (ggml_memory.py). That
-release must not run while another thread could write memory without the GIL; an early open
-therefore defers it (`release=False`) to the adopting executor's constructor, on the thread
-that builds the engine, when the opening thread has ended.
+release must not run while another thread could write memory without the GIL, so it is the
+executor's constructor that makes it, on the thread that builds the engine, when an early
+open's thread has ended (and only where the ranges are still mapped: ggml_memory.py).
 """
 
 from __future__ import annotations
@@ -212,9 +212,9 @@ class LlamaOpen:
         self.ctx = self.model = None
 
 
-def open_llama(params: OpenParams, verbose: bool = False, release: bool = True) -> LlamaOpen:
-    """Load the model and create the serving context; ModelLoadError says why not. `release`
-    False: the zeroed KV is released later (`LlamaOpen.release_zero_pages`)."""
+def open_llama(params: OpenParams, verbose: bool = False) -> LlamaOpen:
+    """Load the model and create the serving context; ModelLoadError says why not. The
+    zeroed KV is released by the executor that takes it (`LlamaOpen.release_zero_pages`)."""
     opened = LlamaOpen(params, _init_native(verbose))
     try:
         _load_model(opened)
@@ -222,8 +222,6 @@ def open_llama(params: OpenParams, verbose: bool = False, release: bool = True) 
     except BaseException:
         opened.close()
         raise
-    if release:
-        opened.release_zero_pages()
     return opened
 
 
@@ -256,7 +254,7 @@ def _create_context(opened: LlamaOpen) -> None:
 
 
 class EarlyOpen:
-    """`open_llama` run early on another thread (server/early_open.py's), for an executor to
+    """`open_llama` run early on another thread (ultrafast/early_open.py's), for an executor to
     adopt: registered first (`register_early`), then `run` on that thread."""
 
     def __init__(self, params: OpenParams):
@@ -266,7 +264,7 @@ class EarlyOpen:
 
     def run(self) -> None:
         try:
-            self.opened = open_llama(self.params, release=False)
+            self.opened = open_llama(self.params)
         except Exception:  # the executor opens again itself, and reports the failure
             self.opened = None
         finally:
