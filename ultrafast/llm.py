@@ -10,24 +10,23 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, cast
 
+from ultrafast import early_open
 from ultrafast.config import DEMO_DRAFT_DIR, EngineConfig, default_model_choice
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.core.types import TokenLogprobs
 from ultrafast.engine.core import EngineCore
 from ultrafast.engine.draft_model import DraftModelProposer
 from ultrafast.engine.speculation import SpeculationConfig, Speculator
-from ultrafast.kvcache.manager import KVCacheConfig
-from ultrafast.model.kv_budget import (
-    auto_num_slots,
-    available_memory_bytes,
-    check_kv_fits,
-    kv_bytes_per_position,
+from ultrafast.engine_sizing import (
+    executor_kind,
+    ggml_executor_args,
+    sized,
 )
+from ultrafast.kvcache.manager import KVCacheConfig
 from ultrafast.model_files import (
     ModelFiles,
-    gguf_for,
     load_tokenizer,
     resolve_model,
     tokenizer_fingerprint,
@@ -38,20 +37,8 @@ from ultrafast.tokenizer import StopStringMatcher, Tokenizer
 log = logging.getLogger(__name__)
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _executor_kind(config: EngineConfig) -> str:
-    if config.executor == "auto":
-        return "torch" if _cuda_available() else "ggml"
-    return config.executor
-
-
 def build_executor(config: EngineConfig, files: ModelFiles):
-    kind = _executor_kind(config)
+    kind = executor_kind(config)
     if kind == "fake":  # load and fault tests: deterministic tokens, no weights
         from ultrafast.executors.fake_exec import FakeExecutor
 
@@ -64,10 +51,7 @@ def build_executor(config: EngineConfig, files: ModelFiles):
     if kind == "ggml":
         from ultrafast.executors.ggml_exec import GgmlExecutor
 
-        gguf_path = gguf_for(files, config.gguf_type)
-        check_kv_fits(
-            gguf_path, None, config.num_slots, config.max_model_len, files.max_position_embeddings
-        )  # a clear error before llama.cpp's
+        gguf_path, args = ggml_executor_args(config, files)  # also what serve opens early
         executor_class: type[GgmlExecutor] = GgmlExecutor
         wide: dict[str, Any] = {}
         if config.wide_pass != "off":  # imports torch: only when asked for
@@ -75,17 +59,7 @@ def build_executor(config: EngineConfig, files: ModelFiles):
 
             executor_class = WideGgmlExecutor
             wide = {"wide_pass": config.wide_pass, "by_need": True}  # executors/wide_lazy.py
-        return executor_class(
-            gguf_path,
-            num_slots=config.num_slots,
-            max_model_len=config.max_model_len,
-            n_threads=config.n_threads,
-            n_threads_batch=config.n_threads_batch,
-            threads_auto=config.n_threads is None and config.n_threads_batch is None,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            flash_attn=config.flash_attn,
-            **wide,
-        )
+        return executor_class(gguf_path, **args, **wide)
     from ultrafast.executors.torch_exec import TorchExecutor
 
     return TorchExecutor(
@@ -109,34 +83,17 @@ def torch_weights(files: ModelFiles) -> Path:
     return files.hf_dir
 
 
-def with_capacity(config: EngineConfig, files: ModelFiles) -> EngineConfig:
-    """`num_slots` 0 (auto) sized from free memory for the ggml executor (its per-slot KV is
-    host memory); the torch and fake executors keep the fixed default. `max_num_seqs` 0 =
-    every slot may run."""
-    num_slots = config.num_slots
-    if not num_slots:
-        per_position = None
-        if _executor_kind(config) == "ggml":
-            per_position = kv_bytes_per_position(gguf_for(files, config.gguf_type), None)
-        num_slots, why = auto_num_slots(
-            per_position, config.max_model_len, available_memory_bytes()
-        )
-        log.info("KV slots (auto): %s", why)
-    return replace(config, num_slots=num_slots, max_num_seqs=config.max_num_seqs or num_slots)
-
-
 def build_engine(
     config: EngineConfig,
     priority_itl_target_s: float | None = None,
     default_itl_target_s: float | None = None,
+    defer_grammar: bool = False,
 ) -> tuple[EngineCore, Tokenizer, ModelFiles]:
-    files = resolve_model(config.model)
-    if files.max_position_embeddings:
-        config = replace(
-            config, max_model_len=min(config.max_model_len, files.max_position_embeddings)
-        )
+    """`defer_grammar`: the grammar runtime is built by the engine when it is first idle, or
+    on first use (the server: grammar/deferred.py)."""
+    # sized by `serve`'s early open of the llama.cpp model when it was given this config
+    config, files = early_open.sized_for(config) or sized(config)
     tokenizer = load_tokenizer(files, config.chat_template)
-    config = with_capacity(config, files)
     executor = build_executor(config, files)
     try:
         speculator = build_speculator(config, files)
@@ -158,20 +115,9 @@ def build_engine(
         speculator=speculator,
         kv_cache=kv_cache_config(config),
         default_itl_target_s=default_itl_target_s,
-        grammar=build_grammar(tokenizer, executor.vocab_size),
+        grammar=build_grammar(tokenizer, executor.vocab_size, defer_grammar),
     )
     return core, tokenizer, files
-
-
-def embedding_pooling(model: str) -> str | None:
-    """The pooling a model file declares ("mean", "cls", "last"): an embedding model. None for
-    a chat model or an HF directory (embedding models are served from GGUF files)."""
-    path = Path(model)
-    if path.suffix != ".gguf" or not path.is_file():
-        return None
-    from ultrafast.executors.ggml_embed import gguf_pooling
-
-    return gguf_pooling(str(path))
 
 
 def build_embedding_engine(model: str, n_threads: int | None = None):
@@ -193,12 +139,21 @@ def kv_cache_config(config: EngineConfig) -> KVCacheConfig:
     )
 
 
-def build_grammar(tokenizer: Tokenizer, vocab_size: int):
+def build_grammar(tokenizer: Tokenizer, vocab_size: int, deferred: bool = False):
     """Constrained decoding for this vocabulary, or None (with a warning) when llguidance
-    cannot use it: the server then refuses response_format as unsupported."""
+    cannot use it: the server then refuses response_format as unsupported. `deferred`: built
+    later, on its first use or at `start()` (grammar/deferred.py: the server's first answer
+    does not wait for it)."""
     from ultrafast.grammar.matcher import GrammarRuntime
     from ultrafast.grammar.tokenizer import GrammarUnavailable
 
+    if deferred and tokenizer.eos_token_ids:  # (without, it is unavailable: said at once)
+        from ultrafast.grammar.deferred import DeferredGrammarRuntime
+
+        deferred_runtime = DeferredGrammarRuntime(
+            lambda: GrammarRuntime.for_tokenizer(tokenizer, vocab_size)
+        )
+        return cast(GrammarRuntime, deferred_runtime)  # its interface, built on first use
     try:
         return GrammarRuntime.for_tokenizer(tokenizer, vocab_size)
     except GrammarUnavailable as exc:

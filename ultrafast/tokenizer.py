@@ -257,6 +257,11 @@ class Tokenizer:
             ids = ids + [self.eos_token_id]
         return ids
 
+    def warm_up(self) -> None:
+        """Build what the first chat request would otherwise build: `encode_literal`'s twin
+        tokenizer (a JSON round trip of the vocabulary: 0.16 s for 49k tokens)."""
+        self.encode_literal("")
+
     def encode_literal(self, text: str) -> list[int]:
         """Ids of `text` with special-token text spelled out as plain text (llama.cpp's
         parse_special=false; user-defined added tokens are still matched): how a chat message's

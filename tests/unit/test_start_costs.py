@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ultrafast.engine import start_costs
+from ultrafast.engine import cpu_contention, start_costs
 from ultrafast.engine.idle_speed import IdleSpeed
 from ultrafast.engine.start_costs import StartCosts
 from ultrafast.executors import cost_cache
@@ -65,9 +65,18 @@ class FakeCore:
         self.cost_resets += 1
 
 
+class QuietMachine:
+    busy: float | None = 0.0  # other processes' busy cores (engine/cpu_contention.py)
+
+    def others_busy_cores(self):
+        return self.busy
+
+
 @pytest.fixture
 def model(tmp_path, monkeypatch):
     monkeypatch.setenv("ULTRAFAST_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_contention, "SINCE_IMPORT", QuietMachine())
+    monkeypatch.setattr(start_costs, "FIRST_MEASURE_DELAY_S", 0.0)  # (tested on its own)
     monkeypatch.setattr(start_costs, "measure_idle_speed", lambda core: SPEED)
     path = tmp_path / "m.gguf"
     path.write_bytes(b"weights")
@@ -79,7 +88,9 @@ def _start(costs, background):
     costs.at_warmup(background)
 
 
-SAFE = ThreadPlan((1,), (1,))  # every core but one of FakeExecutor's two, until measured
+# until measured: a one-token pass on every core but one of FakeExecutor's two, any wider one
+# (a prompt's prefill) on both
+SAFE = ThreadPlan((1, 2), (1, 2))
 
 
 def _costs(model, plan=QUIET):
@@ -92,6 +103,7 @@ def test_nothing_cached_serves_at_once_and_measures_when_idle_then_the_next_star
     _start(costs, background=True)
     assert core.executor.calibrations == 0 and costs.pending and costs.status == "measuring"
     assert core.executor.thread_plan == SAFE
+    assert (SAFE.for_tokens(1), SAFE.for_tokens(37)) == (1, 2)  # a cold start's first prompt
     costs.tick(lambda: False)
     assert core.executor.thread_plan == QUIET and core.idle_speed == SPEED
     assert costs.status == "measured" and not costs.pending and core.cost_resets == 1
@@ -101,6 +113,35 @@ def test_nothing_cached_serves_at_once_and_measures_when_idle_then_the_next_star
     _start(costs2, background=True)
     assert again.executor.calibrations == 0 and costs2.status == "cached"
     assert again.executor.thread_plan == QUIET and again.idle_speed == SPEED
+
+
+def test_the_first_measurement_waits_for_a_request_that_comes_at_once(model, monkeypatch):
+    monkeypatch.setattr(start_costs, "FIRST_MEASURE_DELAY_S", 60.0)
+    core, costs = _costs(model)
+    _start(costs, background=True)
+    assert costs.pending and not costs.wants_tick()  # idle, but only just warmed up
+    costs.tick(lambda: False)
+    assert core.executor.calibrations == 0 and core.executor.thread_plan == SAFE
+    costs._recheck_at -= 60.0  # the delay has passed
+    assert costs.wants_tick()
+    costs.tick(lambda: False)
+    assert core.executor.thread_plan == QUIET and costs.status == "measured"
+
+
+@pytest.mark.parametrize("busy", [0.9, 1.5])
+def test_a_busy_machine_serves_every_pass_on_every_core_but_one_until_measured(model, busy):
+    cpu_contention.SINCE_IMPORT.busy = busy
+    core, costs = _costs(model)
+    _start(costs, background=True)
+    assert core.executor.thread_plan == ThreadPlan((1,), (1,))  # a prefill too: no barriers
+    assert costs.pending  # measured when idle, as on a quiet machine
+
+
+def test_unknown_contention_keeps_llama_cpp_s_default_for_wide_passes(model):
+    cpu_contention.SINCE_IMPORT.busy = None  # no /proc, or too short a window
+    core, costs = _costs(model)
+    _start(costs, background=True)
+    assert core.executor.thread_plan == SAFE
 
 
 def test_a_changed_model_file_is_measured_again(model):

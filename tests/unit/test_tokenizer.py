@@ -94,3 +94,16 @@ def test_templates_may_test_tools_bare_as_transformers_defines_it(tok):
     )
     assert qwen_like.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
     assert qwen_like.apply_chat_template([{"role": "user", "content": "x"}], tools=[1]) == "Tx"
+
+
+def test_warm_up_builds_the_literal_twin_before_the_first_request():
+    """Start-up warms it beside the engine's warm-up (server/build.py): the first chat
+    request then finds it built, and it encodes as one built on first use."""
+    from ultrafast.config import DEMO_MODEL_DIR
+
+    warm, cold = Tokenizer.from_dir(DEMO_MODEL_DIR), Tokenizer.from_dir(DEMO_MODEL_DIR)
+    assert warm._literal_tok is None
+    warm.warm_up()
+    assert warm._literal_tok is not None
+    text = "<|im_start|>user hi<|im_end|>"
+    assert warm.encode_literal(text) == cold.encode_literal(text)

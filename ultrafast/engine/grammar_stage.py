@@ -15,6 +15,7 @@ compile are kept short and leave a core to the compile (COMPILE_*).
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,10 @@ COMPILE_SPARE_THREADS = 1
 # whose steps outlast a compile hides the compile in its prefill, and a step on one core fewer
 # would cost more than the compile it speeds up
 COMPILE_STEP_S = 0.002
+# a deferred grammar runtime is built at the engine's first idle moment this long after the
+# engine was made: a first request that comes at once (a user who starts the server and asks)
+# is answered first; a constrained request before then builds it at once (grammar/deferred.py)
+DEFERRED_BUILD_AFTER_S = 3.0
 FORCED_DRAFT_RETRY_STEPS = 64  # steps without forced drafts before one is tried again
 # calls that reuse "no forced draft pays" before it is recomputed from the step costs: the
 # search is a Python loop over draft lengths, run for every constrained seq
@@ -60,6 +65,7 @@ class GrammarStage:
         """`measured_costs` off (SpeculationConfig.use_measured_costs): every forced token rides."""
         self.runtime = runtime
         self.measured_costs = measured_costs
+        self._build_after_s = time.monotonic() + DEFERRED_BUILD_AFTER_S
         self._run_kept = run_kept
         self._abort = abort
         self.compiling: dict[str, Request] = {}  # admitted while their grammar compiles
@@ -69,6 +75,20 @@ class GrammarStage:
         self.forced_idle_steps = 0  # calls of forced_drafts_worth that proposed none
         # (forced tokens available, lone stream) -> calls left that may reuse "none pay"
         self._forced_none_memo: dict[tuple[int, bool], int] = {}
+
+    def build_when_idle(self) -> bool:
+        """The engine is idle: build a deferred grammar runtime now (DEFERRED_BUILD_AFTER_S
+        after the engine was made), on the engine thread, so that its ~0.3 s neither delays
+        the server's first answer nor runs beside the start costs' timings; True if it was
+        built now."""
+        from ultrafast.grammar.deferred import DeferredGrammarRuntime
+
+        if not isinstance(self.runtime, DeferredGrammarRuntime) or self.runtime.started:
+            return False
+        if time.monotonic() < self._build_after_s:
+            return False
+        self.runtime.build_quietly()
+        return True
 
     def admit(self, request: Request) -> None:
         """A new request: its matcher now (a cached or finished compile), or it waits in

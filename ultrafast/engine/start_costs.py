@@ -9,10 +9,11 @@ a start used to wait for them before binding its port. Now:
 - a cached result (`$ULTRAFAST_CACHE_DIR/start-costs/<key>.json`, the key hashing the CPU's
   model, flags and usable cores, the model file's path, size and mtime, and the executor's
   flags) is applied at once;
-- with nothing cached the server serves at once on a safe default (every core but one for
-  every pass: safe_threads) and measures in the background: only while the engine has been
-  idle, the measurement giving way between two passes to any request that arrives (and
-  starting again later);
+- with nothing cached the server serves at once on a safe default (every core but one for a
+  one-token pass, every core for a wider one unless other processes were busy on them:
+  unmeasured_plan) and measures in the background: only while the engine has been idle,
+  the measurement giving way between two passes to any request that arrives (and starting
+  again later);
 - a plan timed under contention (ggml_threads.py) is used but not cached, and measured again
   after CONTENDED_RECHECK_S;
 - once serving, lone decodes are compared with the plan's timing: when their median over
@@ -35,6 +36,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, cast
 
 from ultrafast.cpu_info import cpu_identity
+from ultrafast.engine import cpu_contention
 from ultrafast.engine.idle_speed import CoreView, IdleSpeed, measure_idle_speed
 from ultrafast.executors.base import ThreadCalibration
 from ultrafast.executors.cost_cache import read_cache, write_cache
@@ -50,13 +52,32 @@ DRIFT_FACTOR = 2.0  # ...and this far off (either way) means the plan is measure
 MIN_RECHECK_INTERVAL_S = 300.0  # at most one drift re-check per this long
 CONTENDED_RECHECK_S = 60.0  # a plan timed under contention is measured again after this
 NO_ROOM_RETRY_S = 10.0  # a re-check finding no free consecutive slots tries again after this
+# a start's background measurement waits this long after the warm-up: the first request of a
+# user who starts the server and asks at once (its template and tokens take a moment before
+# it reaches the engine) is served before the timings begin, not queued behind their first
+# passes
+FIRST_MEASURE_DELAY_S = 2.0
 
 
 def safe_threads(cores: int) -> int:
-    """Threads per pass until measured: every core but one. On a machine whose cores another
-    process also uses, a pass on every core waits at each barrier for a thread that is not
-    running (a 128-token prefill took 1.6 s on two threads against 37 ms on one)."""
+    """Threads per one-token pass until measured: every core but one. On a machine whose
+    cores another process also uses, a pass on every core waits at each barrier for a thread
+    that is not running (a 128-token prefill took 1.6 s on two threads against 37 ms on one)."""
     return max(1, cores - 1)
+
+
+BUSY_NEIGHBOURS_CORES = 0.5  # other processes using this much of our cores: a busy machine
+
+
+def unmeasured_plan(cores: int, others_busy: float | None) -> ThreadPlan:
+    """The plan until measured. A lone decode (one token: memory-bound, its threads spin
+    against the event loop) on every core but one. Any wider pass, a prompt's prefill first
+    of all, on every core (llama.cpp's own default, and the fastest on an idle machine: a cold
+    start's first 37-token prompt took 300 ms on one of two cores) unless other processes kept
+    `others_busy` cores busy meanwhile (engine/cpu_contention.py): then on every core but one."""
+    if others_busy is not None and others_busy >= BUSY_NEIGHBOURS_CORES:
+        return ThreadPlan((1,), (safe_threads(cores),))
+    return ThreadPlan((1, 2), (safe_threads(cores), cores))
 
 
 def load_cached(identity: dict) -> tuple[ThreadPlan | None, IdleSpeed | None] | None:
@@ -93,6 +114,7 @@ class StartCosts:
         self._last_check = 0.0
         self._recheck = False  # a later measurement: the thread plan only, in free slots
         self._ratios: collections.deque[float] = collections.deque(maxlen=DRIFT_SAMPLES)
+        self._others_busy: float | None = None  # other processes' busy cores before warm-up
 
     @property
     def executor(self) -> ThreadCalibration:  # valid where caps().thread_calibration
@@ -132,7 +154,9 @@ class StartCosts:
                 log.info("threads per pass width (cached): %s", plan.describe())
             self.status, self._recheck = "cached", True
         elif self.calibrates:
-            self.executor.thread_plan = ThreadPlan((1,), (safe_threads(self.executor.n_threads),))
+            others_busy = cpu_contention.SINCE_IMPORT.others_busy_cores()
+            self.executor.thread_plan = unmeasured_plan(self.executor.n_threads, others_busy)
+            self._others_busy = others_busy
 
     def at_warmup(self, background: bool) -> None:
         """After the warm-up: nothing (cached), or measure now, or mark them pending; the
@@ -148,13 +172,18 @@ class StartCosts:
             self.measure()
             return
         self.pending, self.status = True, "measuring"
+        self._recheck_at = time.monotonic() + FIRST_MEASURE_DELAY_S
         plan = self._thread_plan()
         log.info(
             "start costs not cached for this CPU, model and flags: serving now%s; measuring "
             "threads per pass width and idle TTFT in the background while idle (/ready shows "
             "progress)",
-            f" on {plan.threads[0]} thread(s) per pass" if plan else "",
+            f" on threads per pass width {plan.describe()}{self._busy_note()}" if plan else "",
         )
+
+    def _busy_note(self) -> str:
+        busy = self._others_busy
+        return "" if busy is None else f" (other processes used {busy:.1f} of our cores)"
 
     def measure(
         self, should_stop: Callable[[], bool] = lambda: False, recheck: bool = False

@@ -169,7 +169,9 @@ class EngineThread:
                 if not self.core.has_work():
                     if handled:
                         self.read.publish(force=True)
-                    elif start_costs.wants_tick():  # idle for a whole inbox wait
+                    elif self.core.grammar_stage.build_when_idle():  # idle for an inbox wait
+                        continue  # (a deferred grammar runtime built: grammar/deferred.py)
+                    elif start_costs.wants_tick():
                         start_costs.tick(self._work_waiting)
                         self.read.publish(force=True)
                     continue

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 import llama_cpp
 import numpy as np
 
-from ultrafast.executors.ggml_exec import ModelLoadError, _init_native, _meta_str
+from ultrafast.executors.ggml_open import _init_native, _meta_str
 from ultrafast.executors.llama_cpp_params import NumpyBatch, model_params
+from ultrafast.model.config import ModelLoadError
 
 POOLING_NAMES = {
     llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean",

@@ -16,10 +16,7 @@ loop per token, and each token's `seq_id` pointer points into one contiguous int
 
 from __future__ import annotations
 
-import collections
 import ctypes
-import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,109 +25,27 @@ import llama_cpp
 import numpy as np
 
 from ultrafast.core.types import ScheduledSeq, StepPlan, StepResult
-from ultrafast.executors import ggml_calibration, ggml_memory, ggml_state
+from ultrafast.executors import ggml_calibration, ggml_open, ggml_state
 from ultrafast.executors.base import ExecutorCaps
+from ultrafast.executors.ggml_open import (
+    KV_CACHE_DTYPES,
+    LlamaOpen,
+    OpenParams,
+    _init_native,
+    open_llama,
+    physical_cores,
+)
 from ultrafast.executors.ggml_threads import THREAD_MARGIN, ThreadPlan
 from ultrafast.executors.llama_cpp_params import NumpyBatch
-from ultrafast.executors.llama_cpp_params import model_params as llama_model_params
 from ultrafast.executors.prompt_scoring import scoring_problem, split_prompt_rows
 from ultrafast.kvcache.fingerprint import file_sha256, kv_fingerprint
-from ultrafast.model.config import ModelLoadError
 from ultrafast.sampling.sampler import sample_keeping_deferred, sample_kept_row
-
-_LOG_LEVEL_ERROR = 4  # ggml_log_level: 3 is WARN, 4 ERROR, 5 CONT
-_LOG_LEVEL_CONT = 5
-_KV_CACHE_DTYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # ggml_type ids of the K/V cache tensors
-
-
-class _NativeLog:
-    """Process-wide llama.cpp/ggml log sink (llama.cpp has one global logger).
-
-    Silent by default, but always remembers the last error lines so a failure can say why.
-    The ctypes callback must stay referenced for as long as llama.cpp may call it.
-    """
-
-    def __init__(self) -> None:
-        self.to_stderr = False
-        self.errors: collections.deque[str] = collections.deque(maxlen=8)
-        self._last_level = 0
-        self.callback = llama_cpp.llama_log_callback(self._on_log)
-        llama_cpp.llama_log_set(self.callback, ctypes.c_void_p(0))
-
-    def _on_log(self, level: int, text: bytes, _user_data) -> None:
-        level = self._last_level if level == _LOG_LEVEL_CONT else level
-        self._last_level = level
-        message = text.decode("utf-8", errors="replace") if text else ""
-        if level == _LOG_LEVEL_ERROR:
-            self.errors.append(message.strip())
-        if self.to_stderr:
-            sys.stderr.write(message)
-
-    def take_errors(self) -> str:
-        text = " | ".join(line for line in self.errors if line)
-        self.errors.clear()
-        return text
-
-
-_native_log: _NativeLog | None = None
 
 # llama_get_logits with an integer restype: the binding's POINTER(c_float) result costs a cast
 _llama_get_logits = ctypes.cast(llama_cpp.llama_get_logits, ctypes.c_void_p).value
 if _llama_get_logits is None:
     raise ImportError("the loaded libllama has no llama_get_logits")
 _get_logits_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(_llama_get_logits)
-
-
-def _init_native(verbose: bool) -> _NativeLog:
-    global _native_log
-    if _native_log is None:
-        _native_log = _NativeLog()
-        llama_cpp.llama_backend_init()
-    _native_log.to_stderr = verbose
-    return _native_log
-
-
-def _meta_str(model, key: str) -> str:
-    buf = ctypes.create_string_buffer(256)
-    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
-    return buf.value.decode("utf-8", errors="replace") if n >= 0 else ""
-
-
-def _unservable(model, arch: str, max_model_len: int, n_ctx_train: int) -> str | None:
-    """Why this executor cannot serve a model llama.cpp loaded, or None. Never the architecture
-    itself: only what our slot model needs (decoder-only, KV that can be cut at a position)."""
-    if llama_cpp.llama_model_has_encoder(model):
-        return f"{arch!r} is an encoder-decoder model; only decoder-only models are served"
-    if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
-        return (
-            f"{arch!r} keeps a recurrent state, which cannot be rolled back to a position "
-            "(prefix caching and speculation need that); it is not served yet"
-        )
-    # learned position embeddings (no RoPE) have no row past the trained context
-    if llama_cpp.llama_model_rope_type(model) < 0 and 0 < n_ctx_train < max_model_len:
-        return (
-            f"{arch!r} has no RoPE and was trained on {n_ctx_train} positions; "
-            f"--max-model-len {max_model_len} exceeds them"
-        )
-    return None
-
-
-def physical_cores() -> int:
-    """Physical cores among the CPUs this process may run on (hyperthreads slow ggml down)."""
-    cpus = os.sched_getaffinity(0)
-    cores = set()
-    for cpu in cpus:
-        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            cores.add(
-                (
-                    (topology / "physical_package_id").read_text().strip(),
-                    (topology / "core_id").read_text().strip(),
-                )
-            )
-        except OSError:
-            return len(cpus)
-    return max(1, len(cores))
 
 
 def _slot_of(seq: ScheduledSeq) -> int:
@@ -155,8 +70,9 @@ class GgmlExecutor:
         verbose: bool = False,
     ) -> None:
         self._ctx = self._model = None  # close() / __del__ work however far __init__ gets
-        if kv_cache_dtype not in _KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {sorted(_KV_CACHE_DTYPES)}")
+        self._opened: LlamaOpen | None = None
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}")
         if num_slots < 1 or max_model_len < 1 or max_num_batched_tokens < 1:
             raise ValueError("num_slots, max_model_len and max_num_batched_tokens must be >= 1")
         if not Path(gguf_path).is_file():
@@ -173,41 +89,32 @@ class GgmlExecutor:
         self.thread_plan: ThreadPlan | None = None
         self._threads_now = (self.n_threads, self.n_threads_batch)
         self._log = _init_native(verbose)
-
-        model_params = llama_model_params()
-        model_params.n_gpu_layers = 0
-        self._model = llama_cpp.llama_model_load_from_file(str(gguf_path).encode(), model_params)
-        if not self._model:
-            reason = self._log.take_errors() or "no reason given"
-            raise ModelLoadError(f"llama.cpp could not load {gguf_path}: {reason}")
+        params = OpenParams.of(
+            gguf_path,
+            num_slots,
+            max_model_len,
+            self.n_threads,
+            self.n_threads_batch,
+            max_num_batched_tokens,
+            kv_cache_dtype,
+            flash_attn,
+        )
+        # opened early by `serve` (ultrafast/early_open.py) with exactly these parameters, or now
+        self._opened = ggml_open.adopt(params) or open_llama(params, verbose)
+        self._model, self._ctx = self._opened.model, self._opened.ctx
+        # the KV llama.cpp just zeroed goes back to the kernel until a slot writes it
+        self.released_bytes = self._opened.release_zero_pages()
         # Sizes come from llama.cpp, whatever the architecture: our own model code is not asked
-        self.architecture = _meta_str(self._model, "general.architecture")
+        self.architecture = self._opened.architecture
         self.vocab_size = llama_cpp.llama_vocab_n_tokens(
             llama_cpp.llama_model_get_vocab(self._model)
         )
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
         self.n_layer = llama_cpp.llama_model_n_layer(self._model)
         self.n_embd = llama_cpp.llama_model_n_embd(self._model)
-        problem = _unservable(self._model, self.architecture, max_model_len, self.n_ctx_train)
-        if problem:
-            self.close()
-            raise ModelLoadError(f"{gguf_path}: {problem}")
-
-        params = self._context_params(num_slots, max_model_len, max_num_batched_tokens)
         # a KV stream per slot, and llama.cpp then splits a step into ubatches of equal tokens
         # per sequence: one forward pass per distinct length (decodes + a prefill = 2 passes)
         self.one_pass_per_length = num_slots > 1
-        mappings = ggml_memory.opening(self)
-        self._ctx = llama_cpp.llama_init_from_model(self._model, params)
-        if not self._ctx:
-            errors = self._log.take_errors()
-            self.close()
-            raise ModelLoadError(
-                f"llama.cpp could not create a context "
-                f"(num_slots={num_slots}, max_model_len={max_model_len}): {errors}"
-            )
-        # the KV llama.cpp just zeroed goes back to the kernel until a slot writes it
-        self.released_bytes = ggml_memory.release_new_zero_pages(mappings)
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         # llama.cpp may clamp n_batch (e.g. to n_ctx); plans are checked against what it kept
         self.max_num_batched_tokens = min(
@@ -218,28 +125,6 @@ class GgmlExecutor:
         self._logits = np.empty((0, self.vocab_size), dtype=np.float32)
         self.last_logits = self._logits  # the last step's sampled rows (a view, valid until next)
         self._alloc_batch(max_num_batched_tokens)
-
-    def _context_params(self, num_slots: int, max_model_len: int, max_batch: int):
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = num_slots * max_model_len
-        params.n_batch = params.n_ubatch = max_batch
-        params.n_seq_max = num_slots
-        # a KV stream per slot: a step attends only to the cells of its own slots. (One unified
-        # pool let seq_cp share cells, but every step then attended over all resident cells,
-        # prefix-cache leftovers of idle slots included: half speed for a lone stream.)
-        params.kv_unified = False
-        # llama.cpp runs a forward pass of one token on n_threads and any larger one (a
-        # prefill chunk, a draft verification, several sequences' decodes) on n_threads_batch
-        params.n_threads, params.n_threads_batch = self.n_threads, self.n_threads_batch
-        params.flash_attn_type = (
-            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if self.flash_attn
-            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
-        # f32: exact vs torch
-        params.type_k = params.type_v = _KV_CACHE_DTYPES[self.kv_cache_dtype]
-        params.no_perf = True
-        return params
 
     def _alloc_batch(self, capacity: int) -> None:
         self._numpy_batch = b = NumpyBatch(capacity, output_flags=0)
@@ -470,11 +355,8 @@ class GgmlExecutor:
 
     def close(self) -> None:
         """Free the context, then the model. Safe to call more than once."""
-        ggml_memory.closed(self)
-        if self._ctx:
-            llama_cpp.llama_free(self._ctx)
-        if self._model:
-            llama_cpp.llama_model_free(self._model)
+        if self._opened is not None:
+            self._opened.close()
         self._ctx = self._model = None
 
     def __enter__(self) -> GgmlExecutor:

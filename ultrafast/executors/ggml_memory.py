@@ -13,6 +13,13 @@ Safety: only mappings new since `snapshot()` and at least MIN_REGION_BYTES long 
 (other threads' small allocations are not), and each chunk is compared with zeros and released
 with the GIL held (memcmp and madvise through ctypes.PyDLL), so no Python thread writes between
 the check and the release; the executor's native threads are idle while its constructor runs.
+`serve`'s head start creates the context on a thread of its own while another thread imports
+the server (executors/ggml_open.py): the new ranges are taken right after the creation, on
+that thread, and compared and released later by the executor that adopts the context, on the
+engine-building thread, once the opening thread has ended, and only where they are still
+anonymous mappings then (`still_mapped`: the importer may have unmapped some meanwhile, and
+reading one would fault); the threads running then (the importer, the event loop) write
+memory only while holding the GIL.
 Another context already open in this process (a second resident model, a draft model) could
 have its native threads write a mapping it makes meanwhile (llama.cpp grows its logits buffer
 during a decode): then nothing is released (`opening` returns no snapshot).
@@ -125,9 +132,17 @@ def snapshot() -> list[tuple[int, int]] | None:
         return None
 
 
-def release_new_zero_pages(before: list[tuple[int, int]] | None) -> int:
-    """Release the all-zero pages of the large mappings made since `before`; bytes released."""
-    if before is None:
-        return 0
-    after = snapshot()
-    return 0 if after is None else release_zero_pages(new_ranges(before, after))
+def still_mapped(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of `ranges` that are anonymous mappings now: ranges taken earlier may have
+    been unmapped since (reading them would fault) or mapped as something else."""
+    now = snapshot()
+    if now is None or not ranges:
+        return []
+    gone = new_ranges(now, ranges)  # the parts of `ranges` that no mapping covers now
+    return new_ranges(gone, ranges) if gone else list(ranges)
+
+
+def new_since(before: list[tuple[int, int]] | None) -> list[tuple[int, int]]:
+    """The parts of the anonymous mappings now that `before` did not cover ([] for None)."""
+    after = None if before is None else snapshot()
+    return [] if before is None or after is None else new_ranges(before, after)

@@ -81,6 +81,9 @@ class GgufMetadata:
         return self.fields.get(f"{self.architecture}.{name}", default)
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     def __init__(self, buf, size: int):
         self.buf, self.size, self.pos = buf, size, 0
@@ -101,6 +104,25 @@ class _Cursor:
         # llama.cpp keeps raw bytes; a token that is not valid UTF-8 still needs a stable key
         return bytes(self.buf[start : start + n]).decode("utf-8", errors="surrogateescape")
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in a row: `string()` with the cursor in locals (a vocabulary's
+        100k strings at every start: 0.26 s of the default model's header before)."""
+        buf, size, pos = self.buf, self.size, self.pos
+        length = _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > size:
+                raise _Truncated()
+            n = length(buf, pos)[0]
+            pos += 8
+            if pos + n > size:
+                raise _Truncated()
+            append(bytes(buf[pos : pos + n]).decode("utf-8", errors="surrogateescape"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, vtype: int):
         if vtype in _SCALARS:
             return self.scalar(*_SCALARS[vtype])
@@ -117,7 +139,7 @@ class _Cursor:
             if etype == _STRING:
                 if count * 8 > self.size - self.pos:
                     raise _Truncated()
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             if etype == _ARRAY:
                 if count > self.size - self.pos:
                     raise _Truncated()

@@ -200,12 +200,17 @@ def _merges(meta: GgufMetadata, vocab: dict[str, int]) -> list[tuple[str, str]]:
 
 def _pieces(tokens: list[str], types: list[int]) -> list[bytes]:
     decoder = _byte_decoder()
+    alphabet = frozenset(decoder)
+    # each byte-level character to the byte it stands for, as a latin-1 character: one
+    # translate and encode per token instead of a generator over its characters (49k
+    # tokens: 0.45 s at start before)
+    to_latin1 = str.maketrans({c: chr(b) for c, b in decoder.items()})
     pieces = []
     for text, kind in zip(tokens, types):
         if kind in (CONTROL, UNKNOWN, USER_DEFINED):
             pieces.append(text.encode("utf-8", errors="surrogateescape"))
-        elif kind == NORMAL and all(c in decoder for c in text):
-            pieces.append(bytes(decoder[c] for c in text))
+        elif kind == NORMAL and alphabet.issuperset(text):
+            pieces.append(text.translate(to_latin1).encode("latin-1"))
         elif kind == NORMAL:  # not byte-level text: llama.cpp prints it as it is
             pieces.append(text.encode("utf-8", errors="surrogateescape"))
         else:

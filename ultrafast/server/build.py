@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 
 from ultrafast.config import EngineConfig, ServerConfig, default_session_store
-from ultrafast.llm import build_embedding_engine, build_engine, embedding_pooling
+from ultrafast.engine_sizing import embedding_pooling
+from ultrafast.llm import build_embedding_engine, build_engine
 from ultrafast.model.kv_budget import available_memory_bytes
 from ultrafast.model_defaults import merged_defaults
 from ultrafast.server.admission import Admission, auto_in_flight
@@ -166,15 +168,21 @@ def open_model(
         engine_config,
         priority_itl_target_s=config.priority.itl_ms / 1000,
         default_itl_target_s=config.default.itl_ms / 1000 or None,
+        defer_grammar=True,  # built when the engine is first idle (grammar/deferred.py)
     )
     # warm up on the engine thread, which then serves: see EngineThread.start. From here the
     # server sees the engine only through its read API (server/bridge.py). A model's idle
     # speed is measured at its first load; a reload keeps it (and its admission).
     grammar = core.grammar  # thread-safe: the server compiles with it, the engine matches
     first_load = runtime is None or runtime.engine is None
+    # the tokenizer's first-request costs, beside the engine's warm-up (llama.cpp's passes
+    # run without the GIL): not on the first answer's path
+    warming = threading.Thread(target=tokenizer.warm_up, name="tokenizer-warm-up", daemon=True)
+    warming.start()
     engine = start_engine(
         core, shaper_window_s=config.shaper_window_ms / 1000, measure_speed=first_load
     )
+    warming.join()
     del core
     snapshot = engine.snapshot()
     if runtime is None:  # the server's first model: its admission sets the server's targets

@@ -455,8 +455,10 @@ def _check_answer_fits(runtime: ModelRuntime, call: CallInput, max_tokens: int) 
     """400 naming the schema keyword when the shortest answer the schema allows cannot fit in
     the token budget even at the vocabulary's longest token: it would only end cut."""
     spec = call.params.grammar
+    if spec is None or not spec.min_chars:  # (a deferred grammar runtime is not built for it)
+        return
     longest = getattr(runtime.grammar, "max_token_bytes", None)
-    if spec is None or not spec.min_chars or not isinstance(longest, int):
+    if not isinstance(longest, int):
         return
     if spec.min_chars > max_tokens * longest:
         chars = "unbounded" if spec.min_chars == float("inf") else f"{spec.min_chars:.0f}"

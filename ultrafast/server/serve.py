@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, cast
 
 import uvicorn
 
+from ultrafast import early_open
 from ultrafast.config import EngineConfig, ServerConfig
 from ultrafast.server.auth import RedactingFilter
 from ultrafast.server.http_timeouts import protocol_class
@@ -148,6 +149,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     elif config.host not in LOOPBACK_HOSTS:
         log.warning("listening on %s: reachable from other machines", config.host)
     sock = bind_listen_socket(config.host, config.port)  # a taken port: reported now
+    early_open.start(engine_config)  # llama.cpp opens the model beside the imports below
     print(
         f"ultrafast: listening on http://{config.host}:{config.port}, loading the model", flush=True
     )
@@ -223,7 +225,10 @@ def _load(
         from ultrafast.server.build import build_state, freeze_startup_heap
         from ultrafast.server.unread_body import CloseOnUnreadBody
 
-        state = loaded["state"] = build_state(engine_config, config)
+        try:
+            state = loaded["state"] = build_state(engine_config, config)
+        finally:
+            early_open.discard()  # a model the head start opened and nothing adopted
         real_app = CloseOnUnreadBody(build_app(state))  # an early 413 closes, no draining
         loaded["unwatch_gc"] = state.metrics.watch_gc()
         freeze_startup_heap()

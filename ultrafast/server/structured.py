@@ -64,6 +64,7 @@ async def wait_compiled(future: Future, param: str) -> None:
     started (it goes on under llguidance's work limits; its outcome is cached for the next
     call)."""
     from ultrafast.grammar.cache import GrammarError
+    from ultrafast.grammar.tokenizer import GrammarUnavailable
 
     left = COMPILE_TIMEOUT_S - (time.monotonic() - getattr(future, "started_s", time.monotonic()))
     try:
@@ -73,6 +74,10 @@ async def wait_compiled(future: Future, param: str) -> None:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), max(left, 0.0))
     except GrammarError as exc:
         raise bad_request("invalid_schema", param, f"the schema does not compile: {exc}") from None
+    except GrammarUnavailable:  # a deferred grammar runtime that could not be built
+        raise unsupported_parameter(
+            param.split(".")[0], "constrained decoding is not available for this model"
+        ) from None
     except asyncio.TimeoutError:
         raise APIError(
             400,
