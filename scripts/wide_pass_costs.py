@@ -4,9 +4,11 @@
 
 prints, as JSON, median milliseconds of: 16 prompts x 102 tokens prefilled in steps of at most
 512 tokens (5 + 5 + 5 + 1 prompts, as the engine's default token budget cuts them), one step
-of 15 decodes plus one 102-token prompt, and decode steps of 1, 4 and 16 sequences (these
-stay on llama.cpp on both paths), each the whole `execute()` including the KV import and
-sampling. Default model: runs/models/smollm2/SmolLM2-135M-Instruct.bf16.gguf.
+of 15 decodes plus one 102-token prompt, and decode steps of 1, 4 and 16 sequences (on the
+wide path, steps from the decode width measured at start run in torch), each the whole
+`execute()` including the KV moves and sampling. Default model:
+runs/models/smollm2/SmolLM2-135M-Instruct.bf16.gguf. `--tree=DIR` times another checkout's
+code (a before/after on the same machine, interleaved by running both in turn).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_TREE = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--tree=")), None)
+sys.path.insert(0, _TREE or str(Path(__file__).resolve().parent.parent))
 
 from ultrafast.core.types import ScheduledSeq, StepPlan  # noqa: E402
 from ultrafast.executors.wide_exec import WideGgmlExecutor  # noqa: E402
@@ -69,6 +72,7 @@ def main() -> None:
     parser.add_argument("gguf", nargs="?", default=str(DEFAULT))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tree", help="=DIR: time that checkout's code (read before imports)")
     args = parser.parse_args()
     ex = WideGgmlExecutor(
         args.gguf,
