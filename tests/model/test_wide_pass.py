@@ -318,3 +318,24 @@ def test_wide_weights_are_packed_for_onednn_where_supported():
     fw = WideForward(DEMO_GGUF, 64)
     layer = fw.layers[0]
     assert all(w.is_mkldnn for w in (layer.qkv, layer.o, layer.gate_up, layer.down, fw.lm_head))
+
+
+def test_a_tied_bf16_head_shares_the_embedding(monkeypatch):
+    """A tied lm_head that is the bf16 embedding (a large vocabulary) is not copied to pack it:
+    the copy would cost a second embedding's memory."""
+    from ultrafast.executors import wide_forward
+
+    if _bf16_unavailable():
+        pytest.skip(f"wide pass not available: {_bf16_unavailable()}")
+    monkeypatch.setattr(wide_forward, "_F32_EMBEDDING_MAX_BYTES", 0)  # embed kept bf16
+    fw = wide_forward.WideForward(DEMO_GGUF, 64)
+    tied = "output.weight" not in {t.name for t in _gguf_tensor_infos(DEMO_GGUF)}
+    if not tied:
+        pytest.skip("the demo model has its own lm_head")
+    assert fw.lm_head is fw.embed
+
+
+def _gguf_tensor_infos(path):
+    from ultrafast.model.gguf_meta import read_gguf_metadata
+
+    return read_gguf_metadata(path).tensors

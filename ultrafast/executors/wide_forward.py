@@ -85,7 +85,12 @@ class WideForward:
         # the final norm and the bf16 lm_head serve wide decode steps (wide_decode.py)
         self.norm: torch.Tensor | None = tensors.pop("model.norm.weight", None)
         lm_head = tensors.pop("lm_head.weight", None)
-        self.lm_head = pack((embed if lm_head is None else lm_head).to(BF16))
+        # packed (a copy in oneDNN's layout), except a tied head beside a bf16 embedding (a
+        # large vocabulary): the two share one tensor, as a second copy costs more memory
+        # than the packing saves time
+        tied_bf16 = lm_head is None and self.embed.dtype == BF16
+        head = embed if lm_head is None else lm_head
+        self.lm_head = self.embed if tied_bf16 else pack(head.to(BF16))
         cos, sin = rope_tables(config, max_positions)
         self.cos, self.sin = cos, sin  # float32 [positions, head_dim]
         self.eps = config.rms_norm_eps
