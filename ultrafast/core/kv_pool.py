@@ -219,8 +219,12 @@ class KVSlotPool:
         return near if near is not None and self._beside_lasting(near) else None
 
     def _beside_lasting(self, slot: Slot) -> bool:
+        return self._lasting_neighbours(slot) > 0
+
+    def _lasting_neighbours(self, slot: Slot) -> int:
+        """How many of the slot's two neighbours run a lasting request."""
         i, slots = slot.slot_id, self.slots
-        return any(
+        return sum(
             0 <= j < len(slots) and slots[j].owner is not None and slots[j].lasting
             for j in (i - 1, i + 1)
         )
@@ -241,16 +245,15 @@ class KVSlotPool:
         idle = [s for s in slots if s.owner is None and s is not exclude]
         if not idle:
             return None
-        last = len(slots) - 1
         sign = -1 if lasting else 1
 
         def key(s: Slot) -> tuple[int, bool, int, int]:
-            i = s.slot_id
-            before, after = slots[i - 1] if i > 0 else None, slots[i + 1] if i < last else None
-            neighbours = sum(
-                n is not None and n.owner is not None and n.lasting for n in (before, after)
+            return (
+                sign * self._lasting_neighbours(s),
+                bool(s.hashes),
+                s.last_used,
+                -sign * s.slot_id,
             )
-            return sign * neighbours, bool(s.hashes), s.last_used, sign * -i
 
         return min(idle, key=key)
 

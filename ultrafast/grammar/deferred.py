@@ -36,6 +36,7 @@ class DeferredGrammarRuntime:
         self._error: GrammarUnavailable | None = None
         self._lock = threading.Lock()  # one build, whoever asks first
         self._waiting = 0  # compiles waiting for the build
+        self._count_lock = threading.Lock()
 
     @property
     def built(self) -> bool:
@@ -109,7 +110,8 @@ class DeferredGrammarRuntime:
         `pool` (never on the caller's thread)."""
         if self._runtime is not None:
             return self._runtime.start_compile(spec, pool)
-        self._waiting += 1
+        with self._count_lock:  # counted here (the event loop), uncounted on the pool
+            self._waiting += 1
         self.start()
         return pool.submit(self._compile_after_build, spec)
 
@@ -117,7 +119,8 @@ class DeferredGrammarRuntime:
         try:
             runtime = self.get()
         finally:
-            self._waiting -= 1
+            with self._count_lock:
+                self._waiting -= 1
         runtime.compile(spec)
 
     def matcher(self, spec: GrammarSpec, request_eos_ids: tuple[int, ...]) -> GrammarMatcher:
