@@ -177,19 +177,22 @@ class WideForward:
         """One sequence's T queries [T, heads, d] over its P + T keys and values
         [kv_heads, P + T, d] (the last T its own, causal): [T, heads * d] bf16.
 
-        Two bf16 GEMMs per KV head (each KV head's query heads stacked as rows: no GQA
-        expansion) around a float32 softmax: 2-3x faster than torch's CPU SDPA, which falls to
-        its unfused math path with GQA at these sizes. The probabilities stay float32 for the
-        second product (bf16 ones cost 1-2% of the deepest keys for 2% of the speed)."""
+        torch's fused CPU attention (flash, bf16 GEMMs, no [T, P + T] score matrix in memory),
+        its GQA grouping instead of expanded K/V: 4-8x faster than two bf16 GEMMs around a
+        materialized float32 softmax at 512-token chunks, whose elementwise passes over the
+        scores took most of a long prompt's pass (docs/benchmarks-history.md, 2026-12-06)."""
         t, total = q.shape[0], k.shape[1]
-        group = self.heads // self.kv_heads
-        rows = q.transpose(0, 1).reshape(self.kv_heads, group * t, self.head_dim)
-        scores = torch.bmm(rows, k.transpose(1, 2)).float().view(self.kv_heads, group, t, total)
-        visible = torch.arange(total)[None, :] <= torch.arange(total - t, total)[:, None]
-        scores = scores.mul_(self.head_dim**-0.5).masked_fill_(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(self.kv_heads, group * t, total)
-        out = torch.bmm(probs, v.float()).view(self.heads, t, self.head_dim)
-        return out.transpose(0, 1).reshape(t, -1).to(BF16)
+        queries, keys, values = q.transpose(0, 1)[None], k[None], v[None]
+        if total == t:  # no earlier KV: the plain causal triangle
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, is_causal=True, enable_gqa=True
+            )
+        else:  # query i (position P + i) sees keys [0, P + i]
+            visible = torch.arange(total)[None, :] <= torch.arange(total - t, total)[:, None]
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=visible, enable_gqa=True
+            )
+        return out[0].transpose(0, 1).reshape(t, -1)
 
 
 def _weights(meta, config: ModelConfig):
