@@ -157,6 +157,61 @@ def test_export_after_torch_decodes_holds_them():
         assert np.abs(x - y).max() <= 0.05 * np.abs(x).max() + 1e-2
 
 
+def run_schedule(ex, batch: list[list[int]], steps: int = 8, margins_of: bool = True):
+    """Slots 0-1 prefill alone (2 last tokens: a narrow step, on llama.cpp), then the others
+    prefill beside their decodes (a wide step), then every slot decodes: the tokens, and per
+    slot the top-2 margins from llama.cpp's rows (meaningful for the plain executor only)."""
+    out: list[list[int]] = [[] for _ in batch]
+    margins: list[list[float]] = [[] for _ in batch]
+    plan = [seq(i, batch[i], 0) for i in (0, 1)]
+    plans = [plan]
+    for step in range(steps):
+        result = ex.execute(StepPlan(plans[-1]))
+        assert not result.errors, result.errors
+        rows = np.sort(ex.last_logits, axis=-1) if margins_of else None
+        for row, s in enumerate(sorted(plans[-1], key=lambda s: s.slot_id)):
+            if rows is not None:
+                margins[s.slot_id].append(float(rows[row, -1] - rows[row, -2]))
+        for s in plans[-1]:
+            out[s.slot_id] += result.sampled_token_ids[s.request_id]
+        decodes = [
+            seq(i, out[i][-1:], len(batch[i]) + len(out[i]) - 1) for i in range(len(batch)) if out[i]
+        ]
+        new = [seq(i, batch[i], 0) for i in range(2, len(batch))] if step == 0 else []
+        plans.append(decodes + new)
+    return out, margins
+
+
+def test_a_prefill_beside_llama_cpp_rows_goes_to_the_mirror(monkeypatch):
+    """With wide decode on, a chunk whose step's 1-token rows run on llama.cpp writes its KV to
+    the mirror; llama.cpp gets it by one push per slot when it runs the last token, and the
+    next torch step pulls only the rows llama.cpp computed since (no export of the prompt back),
+    with the tokens equal to llama.cpp's or diverging at a near-tie."""
+    batch = text_prompts(DEMO_GGUF)[:6]
+    kwargs = dict(KWARGS, num_slots=6)
+    with plain(DEMO_GGUF, **kwargs) as ref:
+        want, margins = run_schedule(ref, batch)
+    moves = counting_moves(monkeypatch)
+    pulled: list[int] = []
+    real_pull = wide_decode.pull
+
+    def pull(ex, slot, end):
+        pulled.append(end - ex.mirror.length(slot))
+        return real_pull(ex, slot, end)
+
+    monkeypatch.setattr(wide_decode, "pull", pull)
+    with wide_decoder(DEMO_GGUF, **kwargs) as ex:
+        moves.update(pull=0, push=0)
+        ex.execute(StepPlan([seq(i, batch[i], 0) for i in (0, 1)]))
+        assert [ex.mirror.length(i) for i in (0, 1)] == [len(batch[0]) - 1, len(batch[1]) - 1]
+        assert moves == {"pull": 0, "push": 2}
+    with wide_decoder(DEMO_GGUF, **kwargs) as ex:
+        pulled.clear()
+        got, _ = run_schedule(ex, batch, margins_of=False)
+        assert pulled and max(pulled) == 1, pulled  # only the last tokens' rows came back
+    assert_near_ties(want, got, margins)
+
+
 def test_prefill_last_tokens_decode_in_torch_beside_wide_decodes(monkeypatch):
     """A step whose 1-token rows run in torch takes the wide prefills' last tokens too: their
     KV goes to the mirror, not through llama.cpp (no llama.cpp pass, no import), the first
@@ -199,12 +254,13 @@ def test_prefill_last_tokens_decode_in_torch_beside_wide_decodes(monkeypatch):
 
 
 def test_prefill_last_tokens_stay_on_llama_cpp_when_the_step_is_narrow():
-    """Below the decode on-width the last tokens run in llama.cpp's pass over imported KV."""
+    """Below the decode on-width the last tokens run in llama.cpp's pass, over the chunk's KV
+    pushed from the mirror (which keeps it for the slot's later torch steps)."""
     batch = text_prompts(DEMO_GGUF)[:2]
     with wide_decoder(DEMO_GGUF, on=8, **dict(KWARGS, num_slots=2)) as ex:
         ex.execute(StepPlan([seq(i, p, 0) for i, p in enumerate(batch)]))
         assert [ex._slot_lens[i] for i in range(2)] == [len(p) for p in batch]
-        assert [ex.mirror.length(i) for i in range(2)] == [0, 0]
+        assert [ex.mirror.length(i) for i in range(2)] == [len(p) - 1 for p in batch]
 
 
 def test_bad_decode_fails_alone():

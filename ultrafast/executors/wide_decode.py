@@ -29,8 +29,8 @@ from ultrafast.executors.wide_forward import BF16, WideForward
 from ultrafast.executors.wide_kv_mirror import KVMirror
 
 
-def new_mirror(fw: WideForward, max_len: int) -> KVMirror:
-    return KVMirror(fw.num_layers, fw.kv_heads, fw.head_dim, max_len)
+def new_mirror(fw: WideForward, max_len: int, max_rows: int | None = None) -> KVMirror:
+    return KVMirror(fw.num_layers, fw.kv_heads, fw.head_dim, max_len, max_rows)
 
 
 @torch.inference_mode()

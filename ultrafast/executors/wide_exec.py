@@ -74,13 +74,13 @@ class WideGgmlExecutor(GgmlExecutor):
         """With the wide forward in self.wide: its KV mirror, and from which width decode
         steps run in torch, timed in `slots` (wide_decode_route.py); the status clause."""
         assert self.wide is not None
-        self.mirror = wide_decode.new_mirror(self.wide, self.max_model_len)
+        self.mirror = wide_decode.new_mirror(self.wide, self.max_model_len, self.num_slots)
         return plan_wide_decode(self, self.wide_lazy.mode, slots, should_stop)
 
     def use_wide_decode(self, on_width: int) -> None:
         """A cached decision: the mirror, and decode steps from `on_width` in torch (0: none)."""
         assert self.wide is not None
-        self.mirror = wide_decode.new_mirror(self.wide, self.max_model_len)
+        self.mirror = wide_decode.new_mirror(self.wide, self.max_model_len, self.num_slots)
         self.decode_router = DecodeRouter(on_width)
 
     # ---- routing ----
@@ -125,8 +125,14 @@ class WideGgmlExecutor(GgmlExecutor):
         start_s = time.perf_counter()
         for copy in plan.kv_copies:  # the wide pass reads the slots' earlier KV
             self._copy_prefix(copy.src_slot_id, copy.dst_slot_id, copy.num_tokens)
+        # with wide decode on, a chunk's KV goes to the mirror even when this step's 1-token
+        # rows (its last token among them) run on llama.cpp: llama.cpp gets the rows by one
+        # push when it runs the slot (_ggml_slot), while a chunk imported into llama.cpp came
+        # back by export + parse + convert at the slot's first torch decode (pull), and a
+        # chunked prompt's second chunk exported the first to attend over it
+        to_mirror = in_torch or self.decode_router.on_width > 0
         tails, errors = (
-            self._wide_prefill(routed, plan.spare_threads, to_mirror=in_torch)
+            self._wide_prefill(routed, plan.spare_threads, to_mirror=to_mirror)
             if routed
             else ([], {})
         )

@@ -1,10 +1,12 @@
 """The torch side's copy of llama.cpp's slots for wide decode steps (executors/wide_decode.py).
 
 Per layer one K and one V tensor `[rows, kv_heads, capacity, head_dim]` bf16 (HF layout: RoPE
-halves, not llama.cpp's interleaved pairs), indexed by slot id. Both sizes grow by need: rows
-to the highest slot id that ran a wide decode, capacity (by a quarter at least, in steps of 64)
-to the longest position reached, so the mirror costs about (highest slot + 1) x the longest
-wide-decoded sequence, never every slot's `max_model_len`; it does not shrink.
+halves, not llama.cpp's interleaved pairs), indexed by slot id. Both sizes grow by need, by
+half at least (a growth copies every tensor: 16 streams arriving one by one once grew it 16
+times): rows to the highest slot id that ran in torch (capped at `max_rows`, the slot count),
+capacity (in steps of 64) to the longest position reached, so the mirror costs about 1.5 x
+(highest slot + 1) x the longest sequence it saw, never every slot's `max_model_len`; it does
+not shrink.
 `lens[slot]` says that positions [0, lens[slot]) hold that slot's KV; which side is ahead of
 the other is the executor's business (wide_exec.py), this class only stores.
 """
@@ -18,9 +20,11 @@ _STEP = 64  # capacity grows in multiples of this many positions, by a quarter a
 
 
 class KVMirror:
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_len: int) -> None:
+    def __init__(
+        self, num_layers: int, kv_heads: int, head_dim: int, max_len: int, max_rows=None
+    ) -> None:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.max_len = max_len
+        self.max_len, self.max_rows = max_len, max_rows
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.lens: dict[int, int] = {}
@@ -41,9 +45,12 @@ class KVMirror:
 
     def reserve(self, slot: int, end: int) -> None:
         """Room for `slot`'s positions [0, end)."""
-        rows, capacity = max(self._rows, slot + 1), self._capacity
+        rows, capacity = self._rows, self._capacity
+        if rows <= slot:
+            rows = max(slot + 1, rows + rows // 2)
+            rows = rows if self.max_rows is None else max(slot + 1, min(rows, self.max_rows))
         if capacity < end:
-            wanted = max(end, capacity + capacity // 4)
+            wanted = max(end, capacity + capacity // 2)
             capacity = min(self.max_len, -(-wanted // _STEP) * _STEP)
         if (rows, capacity) != (self._rows, self._capacity):
             self._resize(rows, capacity)
