@@ -174,9 +174,8 @@ def run_schedule(ex, batch: list[list[int]], steps: int = 8, margins_of: bool = 
                 margins[s.slot_id].append(float(rows[row, -1] - rows[row, -2]))
         for s in plans[-1]:
             out[s.slot_id] += result.sampled_token_ids[s.request_id]
-        decodes = [
-            seq(i, out[i][-1:], len(batch[i]) + len(out[i]) - 1) for i in range(len(batch)) if out[i]
-        ]
+        started = [i for i in range(len(batch)) if out[i]]
+        decodes = [seq(i, out[i][-1:], len(batch[i]) + len(out[i]) - 1) for i in started]
         new = [seq(i, batch[i], 0) for i in range(2, len(batch))] if step == 0 else []
         plans.append(decodes + new)
     return out, margins
@@ -331,3 +330,31 @@ def test_masks_and_kept_rows_work_on_torch_decodes():
             ("r2", kept.sampled_token_ids["r2"]),
         ]:
             assert tokens == want.sampled_token_ids[rid]
+
+
+@pytest.mark.parametrize("slots", [[1, 3, 4], [0, 6]])  # a range with a gap; a wide scatter
+def test_decode_rows_do_not_depend_on_where_the_slots_lie(slots):
+    """A step over scattered slots (attended as a masked range, or gathered) gives each row the
+    logits and KV the same step gives over slots side by side."""
+    import torch
+
+    from ultrafast.executors.wide_forward import BF16, WideForward
+
+    fw = WideForward(DEMO_GGUF, 64)
+    gen = torch.Generator().manual_seed(0)
+    lengths, tokens = [9, 14, 5][: len(slots)], [7, 11, 13][: len(slots)]
+    prior = [
+        [torch.randn(fw.kv_heads, n, fw.head_dim, generator=gen).to(BF16) for _ in fw.layers]
+        for n in lengths
+    ]
+    rows = []
+    for placement in (list(range(len(slots))), slots):
+        mirror = wide_decode.new_mirror(fw, 64, 8)
+        for slot, kv in zip(placement, prior):
+            mirror.put_rows(slot, 0, kv, [t.flip(-1) for t in kv])
+        logits = wide_decode.decode_logits(fw, mirror, tokens, placement, lengths)
+        new_k = mirror.rows(placement[-1], lengths[-1], lengths[-1] + 1)[0][3]
+        rows.append((logits, new_k))
+    (a, ka), (b, kb) = rows
+    assert torch.allclose(a, b, atol=1e-4, rtol=0), (a - b).abs().max()
+    assert torch.equal(ka, kb)
