@@ -358,3 +358,34 @@ def test_decode_rows_do_not_depend_on_where_the_slots_lie(slots):
     (a, ka), (b, kb) = rows
     assert torch.allclose(a, b, atol=1e-4, rtol=0), (a - b).abs().max()
     assert torch.equal(ka, kb)
+
+
+def test_long_prefills_last_tokens_decode_in_torch_in_a_narrow_step(monkeypatch):
+    """Last tokens whose chunks went to the mirror with more rows than a push to llama.cpp is
+    worth (PUSH_ROWS_OVER_A_PASS) decode in torch even in a narrow step: no push before the
+    first tokens; llama.cpp gets each slot's rows by one push at its first pass over the slot,
+    and every token equals llama.cpp's or diverges at a near-tie."""
+    from ultrafast.executors.wide_exec import PUSH_ROWS_OVER_A_PASS
+
+    tokens = heldout_tokens(DEMO_GGUF, 400)
+    batch = [tokens[:150], tokens[200:350]]
+    assert 2 * 149 >= PUSH_ROWS_OVER_A_PASS
+    kwargs = dict(KWARGS, num_slots=2)
+    with plain(DEMO_GGUF, **kwargs) as ref:
+        want, margins = generate(ref, batch)
+    moves = counting_moves(monkeypatch)
+    with wide_decoder(DEMO_GGUF, **kwargs) as ex:
+        moves.update(pull=0, push=0)
+        result = ex.execute(StepPlan([seq(i, p, 0) for i, p in enumerate(batch)]))
+        assert moves == {"pull": 0, "push": 0}
+        assert [ex.mirror.length(i) for i in range(2)] == [150, 150]  # last tokens in torch
+        got = [result.sampled_token_ids[f"r{i}"] for i in range(2)]
+        for _ in range(NEW_TOKENS - 1):  # 2-wide decodes: narrow, on llama.cpp
+            plan = [seq(i, got[i][-1:], len(batch[i]) + len(got[i]) - 1) for i in range(2)]
+            result = ex.execute(StepPlan(plan))
+            assert not result.errors, result.errors
+            for i in range(2):
+                got[i] += result.sampled_token_ids[f"r{i}"]
+        assert moves == {"pull": 0, "push": 2}
+        assert [ex._slot_lens[i] for i in range(2)] == [150 + NEW_TOKENS - 1] * 2
+    assert_near_ties(want, got, margins)

@@ -33,6 +33,8 @@ from ultrafast.sampling.sampler import sample_keeping_deferred
 
 log = logging.getLogger(__name__)
 
+PUSH_ROWS_OVER_A_PASS = 256  # rows whose push to llama.cpp costs about one torch decode pass
+
 
 class WideGgmlExecutor(GgmlExecutor):
     """GgmlExecutor plus the wide prefill path; `wide_pass` is auto (measured), on or off."""
@@ -136,8 +138,8 @@ class WideGgmlExecutor(GgmlExecutor):
             if routed
             else ([], {})
         )
-        if in_torch:  # the prefills' last tokens decode beside the step's decodes, in torch
-            decodes, tails = decodes + tails, []
+        if in_torch or self._tails_cost_a_push(tails, to_mirror):
+            decodes, tails = decodes + tails, []  # the prefills' last tokens decode in torch
         decoded = self._wide_decode(decodes, plan.spare_threads) if decodes else StepResult()
         wide_s = time.perf_counter() - start_s - decoded.sample_time_s
         taken = {id(s) for s in routed + decodes}
@@ -147,6 +149,20 @@ class WideGgmlExecutor(GgmlExecutor):
         _merge(result, decoded)
         result.execute_time_s += wide_s
         return result
+
+    def _tails_cost_a_push(self, tails: list[ScheduledSeq], to_mirror: bool) -> bool:
+        """Whether last tokens whose chunks went to the mirror decode in torch although the
+        step is narrow: when llama.cpp lacks so many of their rows that pushing them costs more
+        than a torch pass. Measured on the 2-core AMX Xeon, SmolLM2 bf16: a push ~0.1 ms a row
+        (1,000 rows 75-113 ms), a 1-row torch decode 30-55 ms; 16 streams of 1,000-token
+        prompts spent up to 1.8 s of a step pushing 4 prompts for their last tokens, slots
+        that decode in torch a few steps later."""
+        if not to_mirror or not tails or self.mirror is None:
+            return False
+        lacking = sum(
+            max(0, self.mirror.length(t.slot_id) - self._slot_lens[t.slot_id]) for t in tails
+        )
+        return lacking >= PUSH_ROWS_OVER_A_PASS
 
     # ---- wide decode steps (wide_decode.py) and the KV moves they need ----
 
