@@ -8,10 +8,10 @@ the same weights plus the final norm and lm_head kept here.
 
 Layout: the residual stream is float32, each linear layer takes bf16 activations against bf16
 weights (q/k/v and gate/up fused: one GEMM each; packed once into oneDNN's layout where that
-works, packed_linear.py), norms and RoPE run in float32, attention is
-two bf16 GEMMs per sequence and layer over the slot's earlier KV (from llama.cpp) plus the
-chunk (`_causal_attention`). The
-last layer stops after its K/V: nothing reads its output. Keys come out in llama.cpp's layout
+works, packed_linear.py), norms and RoPE run in float32, attention is torch's fused bf16
+SDPA per sequence and layer over the slot's earlier KV (from llama.cpp or the torch mirror)
+plus the chunk (`_causal_attention`). The last layer stops after its K/V: nothing reads its
+output. Keys come out in llama.cpp's layout
 (interleaved RoPE pairs for the "llama" arch, whose q/k rows converters permute).
 """
 
@@ -178,7 +178,7 @@ class WideForward:
         [kv_heads, P + T, d] (the last T its own, causal): [T, heads * d] bf16.
 
         torch's fused CPU attention (flash, bf16 GEMMs, no [T, P + T] score matrix in memory),
-        its GQA grouping instead of expanded K/V: 4-8x faster than two bf16 GEMMs around a
+        its GQA grouping instead of expanded K/V: 6-10x faster than two bf16 GEMMs around a
         materialized float32 softmax at 512-token chunks, whose elementwise passes over the
         scores took most of a long prompt's pass (docs/benchmarks-history.md, 2026-12-06)."""
         t, total = q.shape[0], k.shape[1]
