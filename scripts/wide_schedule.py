@@ -106,7 +106,7 @@ def main() -> None:
     with ex:
         for _ in range(args.runs):
             row = run(ex, prompts, args.new_tokens)
-            print(json.dumps({"tree": _TREE or "this checkout", **vars(args), **row}), flush=True)
+            print(json.dumps({**vars(args), "tree": _TREE or "this checkout", **row}), flush=True)
 
 
 if __name__ == "__main__":
