@@ -2,8 +2,8 @@
 once and each generates G tokens (greedy, EOS ignored); every step holds the running decodes
 first, then FCFS prefill chunks up to 512 tokens (the engine's default budget):
 
-    .venv/bin/python scripts/wide_schedule.py [--tree DIR] [--prompts 16] [--prompt-tokens 1000]
-        [--new-tokens 32] [--runs 2] [--model GGUF]
+    .venv/bin/python scripts/wide_schedule.py [--tree=DIR] [--prompts 16] [--prompt-tokens 1000]
+        [--new-tokens 32] [--runs 2] [--vary 0.2] [--model GGUF]
 
 prints one JSON line per run: wall seconds, tok/s, median time to a prompt's first token, steps.
 Why: through the server, 16 streams ran within +-20% of each other from run to run on the 2-core
@@ -88,6 +88,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--vary", type=float, default=0.0, help="prompt lengths spread by +-this fraction"
+    )
     args = parser.parse_args()
     ex = WideGgmlExecutor(
         args.model,
@@ -99,10 +102,11 @@ def main() -> None:
         wide_pass="on",
     )
     vocab = ex.vocab_size - 10
-    prompts = [
-        [(i * 131 + j * 7 + 3) % vocab + 5 for j in range(args.prompt_tokens)]
+    lengths = [  # a fixed spread: the same lengths in every run and checkout
+        round(args.prompt_tokens * (1 + args.vary * ((i * 37 % 17) / 8 - 1)))
         for i in range(args.prompts)
     ]
+    prompts = [[(i * 131 + j * 7 + 3) % vocab + 5 for j in range(n)] for i, n in enumerate(lengths)]
     with ex:
         for _ in range(args.runs):
             row = run(ex, prompts, args.new_tokens)

@@ -342,3 +342,32 @@ def _gguf_tensor_infos(path):
     from ultrafast.model.gguf_meta import read_gguf_metadata
 
     return read_gguf_metadata(path).tensors
+
+
+def test_prefill_rows_are_padded_to_few_gemm_shapes(monkeypatch):
+    """A wide prefill runs its GEMMs on `padded_rows(T)` rows (oneDNN builds a primitive per
+    row count: few shapes, few builds), returns exactly T rows, and those equal an unpadded
+    pass's up to bf16 rounding."""
+    import torch
+
+    from ultrafast.executors import wide_forward as wf
+
+    sizes = (1, 32, 33, 48, 49, 102, 500, 512)
+    assert [wf.padded_rows(n) for n in sizes] == [1, 32, 48, 48, 64, 112, 512, 512]
+    fw = wf.WideForward(DEMO_GGUF, 256)
+    seen: list[int] = []
+    real = wf.linear
+
+    def counted(x, weight, bias=None):
+        seen.append(x.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(wf, "linear", counted)
+    ids, positions = torch.arange(5, 105), torch.arange(100)
+    chunks = [wf.SeqChunk(0, 60, 0), wf.SeqChunk(60, 40, 0)]
+    keys, values = fw.kv(ids, positions, chunks)
+    assert set(seen) == {112} and keys[0].shape[0] == values[0].shape[0] == 100
+    monkeypatch.setattr(wf, "padded_rows", lambda n: n)
+    exact_keys, exact_values = fw.kv(ids, positions, chunks)
+    for got, want in zip(keys + values, exact_keys + exact_values):
+        assert torch.allclose(got, want, rtol=0, atol=0.02 * float(want.abs().max()))

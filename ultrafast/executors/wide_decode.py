@@ -65,11 +65,12 @@ def decode_logits(
     x = fw.embed[torch.tensor(tokens, dtype=torch.long)].float()
     cos, sin = fw.cos[pos][:, None], fw.sin[pos][:, None]
     for i, layer in enumerate(fw.layers):
-        q, k, v = fw._qkv(x, layer, cos, sin)
-        mirror.write_step(i, slot_t, pos, k.to(BF16), v.to(BF16))
+        qk, v = fw._qkv(x, layer, cos, sin)
+        qk = qk.to(BF16)
+        mirror.write_step(i, slot_t, pos, qk[:, fw.heads :], v)
         keys, values = mirror.step_view(i, select, length)
         # a KV head's query heads as the query rows: one SDPA with no GQA expansion
-        grouped = q.to(BF16).view(len(slots), fw.kv_heads, -1, fw.head_dim)
+        grouped = qk[:, : fw.heads].view(len(slots), fw.kv_heads, -1, fw.head_dim)
         if gaps:
             grouped = grouped.new_zeros((span, *grouped.shape[1:])).index_copy_(0, at, grouped)
         a = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
