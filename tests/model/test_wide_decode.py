@@ -252,6 +252,55 @@ def test_prefill_last_tokens_decode_in_torch_beside_wide_decodes(monkeypatch):
         assert np.abs(x - y).max() <= 0.05 * np.abs(x).max() + 1e-2
 
 
+def test_short_chunks_ride_along_a_torch_step(monkeypatch):
+    """A prefill chunk shorter than the wide path's threshold joins a step that runs in torch
+    anyway (its KV goes to the mirror, its last token decodes with the others): no llama.cpp
+    pass in that step, and every token equals llama.cpp's or diverges at a near-tie. Alone
+    (no torch pass in the step) it stays on llama.cpp."""
+    from ultrafast.executors.ggml_exec import GgmlExecutor
+
+    batch = text_prompts(DEMO_GGUF)[:5]
+    kwargs = dict(KWARGS, num_slots=5)
+    ggml_passes = []
+    real_execute = GgmlExecutor.execute
+
+    def ggml_execute(self, plan):
+        ggml_passes.append(sorted(s.slot_id for s in plan.seqs))
+        return real_execute(self, plan)
+
+    def schedule(ex):
+        """Slots 0-3 prefill alone; then slot 4's whole prompt beside their 4 decodes."""
+        first = ex.execute(StepPlan([seq(i, batch[i], 0) for i in range(4)]))
+        out = [first.sampled_token_ids[f"r{i}"] for i in range(4)] + [[]]
+        ggml_passes.clear()
+        plan = [seq(i, out[i][-1:], len(batch[i])) for i in range(4)] + [seq(4, batch[4], 0)]
+        for _ in range(4):
+            result = ex.execute(StepPlan(plan))
+            assert not result.errors, result.errors
+            for s in plan:
+                out[s.slot_id] += result.sampled_token_ids[s.request_id]
+            plan = [seq(i, out[i][-1:], len(batch[i]) + len(out[i]) - 1) for i in range(5)]
+        return out
+
+    monkeypatch.setattr(GgmlExecutor, "execute", ggml_execute)
+    with plain(DEMO_GGUF, **kwargs) as ref:
+        want = schedule(ref)
+    with wide_decoder(DEMO_GGUF, **kwargs) as ex:
+        ex.wide_min_tokens = 1 + max(len(p) for p in batch)  # no chunk routes on its own
+        got = schedule(ex)
+        assert ggml_passes == [], ggml_passes  # slot 4's prompt and first token in torch
+        assert ex.mirror.length(4) == len(batch[4]) + 3
+        assert ex._slot_lens[4] == 0  # llama.cpp never ran it
+    assert [len(o) for o in got] == [len(o) for o in want]
+    for w, g in zip(want, got):  # a divergence may only follow a near-tie; the demo model
+        assert w[:2] == g[:2]  # decides its first tokens by wide margins
+    with wide_decoder(DEMO_GGUF, **kwargs) as ex:
+        ex.wide_min_tokens = 1 + max(len(p) for p in batch)
+        ggml_passes.clear()
+        ex.execute(StepPlan([seq(4, batch[4], 0)]))  # alone: nothing runs in torch
+        assert ggml_passes == [[4]] and ex.mirror.length(4) == 0
+
+
 def test_prefill_last_tokens_stay_on_llama_cpp_when_the_step_is_narrow():
     """Below the decode on-width the last tokens run in llama.cpp's pass, over the chunk's KV
     pushed from the mirror (which keeps it for the slot's later torch steps)."""

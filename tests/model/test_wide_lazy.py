@@ -140,13 +140,42 @@ def test_a_cached_decision_skips_the_timing(monkeypatch):
         batch = long_prompts(ex.vocab_size)
         step(ex, [batch[0][:39]] * 7)  # 273 tokens under the cached threshold: no need
         assert ex.wide_lazy.state == "by need"
-        step(ex, [batch[0][:40]] * 7)  # 280 at it: the load starts
-        ex.wide_lazy.wait_loaded(120)
         wide_passes = count_wide_passes(ex, monkeypatch)
-        step(ex, [batch[1]], first_slot=7)  # takes the weights, then the path
-        assert ex.wide_min_tokens == 40 and wide_passes == [1]
+        step(ex, [batch[0][:40]] * 7)  # 280 at it: the load starts, the pass waits for it
+        assert ex.wide_min_tokens == 40 and wide_passes == [7]
         assert ex.wide_status.startswith("on (on, routing cached)")
+        step(ex, [batch[1]], first_slot=7)
+        assert wide_passes == [7, 1]
         assert ex.decode_router.on_width == 6 and ex.mirror is not None  # cached as well
+
+
+def test_a_slow_load_leaves_the_needing_pass_on_llama_cpp(monkeypatch):
+    """With a cached decision the needing pass waits at most LOAD_WAIT_S for the weights;
+    a load that takes longer goes on in the background while passes run on llama.cpp."""
+    import threading
+
+    from ultrafast.executors import cost_cache, wide_forward, wide_lazy
+
+    with by_need() as ex:
+        decision = {"wide_min_tokens": 40, "decode_on_width": 6, "status": "x"}
+        cost_cache.write_cache(ex.wide_lazy.identity(), decision)
+    release = threading.Event()
+    real = wide_forward.WideForward
+
+    def slow(*args, **kwargs):
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wide_forward, "WideForward", slow)
+    monkeypatch.setattr(wide_lazy, "LOAD_WAIT_S", 0.2)
+    with by_need() as ex:
+        wide_passes = count_wide_passes(ex, monkeypatch)
+        step(ex, long_prompts(ex.vocab_size))
+        assert ex.wide_lazy.state == "loading" and not wide_passes
+        release.set()
+        ex.wide_lazy.wait_loaded(120)
+        step(ex, [long_prompts(ex.vocab_size)[1]], first_slot=4)
+        assert wide_passes == [1] and ex.wide_lazy.state == "on"
 
 
 def test_a_cached_off_decision_never_loads_the_weights():

@@ -87,13 +87,29 @@ class WideGgmlExecutor(GgmlExecutor):
 
     # ---- routing ----
 
-    def _routes(self, seq: ScheduledSeq) -> bool:
+    def _routes(self, seq: ScheduledSeq, min_tokens: int) -> bool:
         return (
-            len(seq.token_ids) >= max(2, self.wide_min_tokens)
+            len(seq.token_ids) >= max(2, min_tokens)
             and seq.num_logits <= 1
             and not seq.num_prompt_logits
             and self._check(seq) is None
         )
+
+    def _torch_rows(self, plan: StepPlan) -> tuple[list[ScheduledSeq], list[ScheduledSeq], bool]:
+        """The step's prefill chunks for the wide pass, its 1-token decodes for torch, and
+        whether those decode in torch. With wide decode on, a step that runs a torch pass
+        anyway takes every prefill chunk along, however short: its KV goes to the mirror
+        either way, while on llama.cpp a 20-50 token chunk cost a push of the slot's earlier
+        rows and a 120-290 ms pass in a served 16-stream step (a 512-token budget leaves such
+        remainders), against a few ms more rows in the torch pass."""
+        routed = [s for s in plan.seqs if self._routes(s, self.wide_min_tokens)]
+        decodes, in_torch = self._torch_decodes(plan, sum(1 for s in routed if s.num_logits))
+        if self.decode_router.on_width > 0 and (routed or in_torch):
+            along = [s for s in plan.seqs if self._routes(s, 2)]
+            if len(along) > len(routed):
+                routed = along
+                decodes, in_torch = self._torch_decodes(plan, sum(1 for s in along if s.num_logits))
+        return routed, decodes, in_torch
 
     def _torch_decodes(self, plan: StepPlan, num_tails: int) -> tuple[list[ScheduledSeq], bool]:
         """The step's 1-token decodes, and whether this step's 1-token rows run in torch:
@@ -120,8 +136,7 @@ class WideGgmlExecutor(GgmlExecutor):
             self.wide_lazy.on_pass(plan)  # loads on first need; takes the weights once in
         if self.wide is None or self._wide_paused:
             return super().execute(plan)
-        routed = [s for s in plan.seqs if self._routes(s)]
-        decodes, in_torch = self._torch_decodes(plan, sum(1 for s in routed if s.num_logits))
+        routed, decodes, in_torch = self._torch_rows(plan)
         if not routed and not in_torch:
             return super().execute(plan)
         start_s = time.perf_counter()

@@ -11,10 +11,14 @@ the first answer on the default model, for a path only long prompts use. Now:
   SHORT_CHUNK tokens when undecided) hold NEED_TOKENS tokens together (the long timing
   chunk's length: where the path's gain is measured; a chat question of 30-60 tokens is no
   need, its gain a few ms against ~370 MiB of weights on the default model, while a step of
-  16 such prompts, or one long prompt, is) runs on llama.cpp as every pass does until the
-  path is ready, and starts a background thread that builds the bf16 weights at low CPU priority (a
-  thread, not the engine thread: the dequantization takes seconds, and passes keep running
-  meanwhile; at nice 10 it yields the cores to the engine's passes);
+  16 such prompts, or one long prompt, is) starts a background thread that builds the bf16
+  weights at low CPU priority (a thread, not the engine thread: the dequantization takes
+  seconds on a large model, and passes keep running meanwhile; at nice 10 it yields the cores
+  to the engine's passes). With a cached decision that pass waits up to LOAD_WAIT_S for them
+  and then takes the path: a small model's load (SmolLM2: 0.8-1.9 s on the 2-core AMX Xeon)
+  costs less than the pass on llama.cpp beside the loader (a served 16-stream step of 512
+  prompt tokens took 2.5 s, then every slot's KV had to be pulled into the torch mirror).
+  Otherwise, and past the wait, passes run on llama.cpp until the path is ready;
 - a cached decision applies when the weights are in; otherwise both paths are timed when the
   engine is next idle (engine/start_costs.py's idle tick), in a slot that holds nothing,
   giving way to any request that arrives; the decision is cached, and where the wide path is
@@ -49,6 +53,7 @@ from ultrafast.executors.wide_route import (
 log = logging.getLogger("ultrafast.executors.wide_exec")
 
 LOADER_NICE = 10  # the weight loader's niceness: the engine's passes come first
+LOAD_WAIT_S = 3.0  # the needing pass waits this long for the weights of a cached decision
 NEED_TOKENS = LONG_CHUNK  # routable prefill tokens in one pass that make the path needed
 
 
@@ -129,6 +134,8 @@ class WideLazy:
             routable = sum(n for n in lengths if n >= self.threshold)
             if routable >= NEED_TOKENS:
                 self._start_loading(routable)
+                if self.min_tokens is not None and self._loader is not None:
+                    self._loader.join(LOAD_WAIT_S)  # the decision is known: wait, then use it
         self.poll()
 
     def poll(self) -> None:
