@@ -91,7 +91,21 @@ def assert_switching_parity(gguf, monkeypatch):
     assert_near_ties(want, got, margins)
 
 
-def test_demo_switching_greedy_parity(monkeypatch):
+@pytest.fixture(params=["kernel", "sdpa"])
+def attention(request, monkeypatch):
+    """Each decode attention path in turn (decode_attention.py): the C kernel where it builds
+    here, torch's SDPA path (its fallback) always."""
+    if request.param == "kernel":
+        kernel, status = wide_decode.attention_choice.__wrapped__(9, 3, 64)
+        if kernel is None:
+            pytest.skip(f"no C kernel here: {status}")
+        monkeypatch.setattr(wide_decode, "attention_choice", lambda *a: (kernel, status))
+    else:
+        monkeypatch.setattr(wide_decode, "attention_choice", lambda *a: (None, "sdpa"))
+    return request.param
+
+
+def test_demo_switching_greedy_parity(monkeypatch, attention):
     assert_switching_parity(DEMO_GGUF, monkeypatch)
 
 
@@ -382,7 +396,7 @@ def test_masks_and_kept_rows_work_on_torch_decodes():
 
 
 @pytest.mark.parametrize("slots", [[1, 3, 4], [0, 6]])  # a range with a gap; a wide scatter
-def test_decode_rows_do_not_depend_on_where_the_slots_lie(slots):
+def test_decode_rows_do_not_depend_on_where_the_slots_lie(slots, attention):
     """A step over scattered slots (attended as a masked range, or gathered) gives each row the
     logits and KV the same step gives over slots side by side."""
     import torch
@@ -407,6 +421,38 @@ def test_decode_rows_do_not_depend_on_where_the_slots_lie(slots):
     (a, ka), (b, kb) = rows
     assert torch.allclose(a, b, atol=1e-4, rtol=0), (a - b).abs().max()
     assert torch.equal(ka, kb)
+
+
+def test_the_kernel_step_agrees_with_the_sdpa_step(monkeypatch):
+    """The C kernel's decode step and the SDPA path's give close logits and the same KV rows
+    (SDPA rounds the queries to bf16, the kernel keeps them float32)."""
+    import torch
+
+    from ultrafast.executors.wide_forward import BF16, WideForward
+
+    fw = WideForward(DEMO_GGUF, 64)
+    kernel, status = wide_decode.attention_choice.__wrapped__(fw.heads, fw.kv_heads, fw.head_dim)
+    if kernel is None:
+        pytest.skip(f"no C kernel here: {status}")
+    gen = torch.Generator().manual_seed(1)
+    lengths, slots, tokens = [9, 30, 17, 1], [0, 2, 3, 5], [7, 11, 13, 17]
+    prior = [
+        [torch.randn(fw.kv_heads, n, fw.head_dim, generator=gen).to(BF16) for _ in fw.layers]
+        for n in lengths
+    ]
+    out = []
+    for choice in ((kernel, status), (None, "sdpa")):
+        monkeypatch.setattr(wide_decode, "attention_choice", lambda *a, c=choice: c)
+        mirror = wide_decode.new_mirror(fw, 64, 8)
+        for slot, kv in zip(slots, prior):
+            mirror.put_rows(slot, 0, kv, [t.flip(-1) for t in kv])
+        logits = wide_decode.decode_logits(fw, mirror, tokens, slots, lengths)
+        out.append((logits, [mirror.rows(s, 0, n + 1)[0][0] for s, n in zip(slots, lengths)]))
+    (a, ka), (b, kb) = out
+    scale = b.abs().max()
+    assert (a - b).abs().max() <= 0.02 * scale, ((a - b).abs().max(), scale)
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+    assert all(torch.equal(x, y) for x, y in zip(ka, kb))  # layer 0's K: before attention
 
 
 def test_long_prefills_last_tokens_decode_in_torch_in_a_narrow_step(monkeypatch):

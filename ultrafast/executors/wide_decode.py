@@ -19,19 +19,46 @@ query-row axis (exact, and about 1.5x faster than SDPA's GQA expansion at 16 slo
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ultrafast.executors import ggml_kv_rows
+from ultrafast.executors import decode_attention, ggml_kv_rows
+from ultrafast.executors.decode_attention import Kernel
 from ultrafast.executors.ggml_kv_rows import SlotRows
 from ultrafast.executors.packed_linear import linear
 from ultrafast.executors.wide_forward import BF16, WideForward
 from ultrafast.executors.wide_kv_mirror import KVMirror
 
+log = logging.getLogger(__name__)
+
 
 def new_mirror(fw: WideForward, max_len: int, max_rows: int | None = None) -> KVMirror:
     return KVMirror(fw.num_layers, fw.kv_heads, fw.head_dim, max_len, max_rows)
+
+
+@functools.cache
+def attention_choice(heads: int, kv_heads: int, head_dim: int) -> tuple[Kernel | None, str]:
+    """The decode attention this model's steps use (decode_attention.py), chosen once per
+    shape by timing the C kernel against this module's SDPA path; and its status clause."""
+    kernel, status = decode_attention.choose(heads, kv_heads, head_dim, _time_sdpa)
+    log.info("wide decode: %s", status)
+    return kernel, status
+
+
+def _time_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lens) -> float:
+    """Seconds of the SDPA path's attention (below) on the kernel timing's shape."""
+    batch, heads, dim = q.shape
+    length = keys.shape[2]
+    mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]
+    started = time.perf_counter()
+    grouped = q.to(BF16).view(batch, keys.shape[1], -1, dim)
+    F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
+    return time.perf_counter() - started
 
 
 @torch.inference_mode()
@@ -45,6 +72,9 @@ def decode_logits(
         mirror.reserve(slot, position + 1)
     pos = torch.tensor(positions, dtype=torch.long)
     slot_t = torch.tensor(slots, dtype=torch.long)
+    kernel, _ = attention_choice(fw.heads, fw.kv_heads, fw.head_dim)
+    if kernel is not None:
+        return _kernel_step(fw, mirror, kernel, tokens, slots, positions, pos, slot_t)
     length = max(positions) + 1
     mask = torch.arange(length)[None, :] <= pos[:, None]
     span = slots[-1] - slots[0] + 1
@@ -77,6 +107,27 @@ def decode_logits(
         if gaps:
             a = a.index_select(0, at)
         x.add_(linear(a.reshape(len(slots), -1), layer.o))
+        h = linear(fw._norm(x, layer.ffn_norm).to(BF16), layer.gate_up)
+        gate, up = h.chunk(2, dim=-1)
+        x.add_(linear(F.silu(gate) * up, layer.down))
+    mirror.mark_step(slots, positions)
+    return linear(fw._norm(x, fw.norm).to(BF16), fw.lm_head).float()
+
+
+def _kernel_step(fw, mirror, kernel, tokens, slots, positions, pos, slot_t) -> torch.Tensor:
+    """decode_logits with the C kernel's attention: each slot's mirror row read in place, no
+    mask, no gather, whatever rows the slots hold."""
+    assert fw.lm_head is not None and fw.norm is not None
+    lens = pos + 1
+    x = fw.embed[torch.tensor(tokens, dtype=torch.long)].float()
+    cos, sin = fw.cos[pos][:, None], fw.sin[pos][:, None]
+    for i, layer in enumerate(fw.layers):
+        qk, v = fw._qkv(x, layer, cos, sin)
+        mirror.write_step(i, slot_t, pos, qk[:, fw.heads :].to(BF16), v)
+        a = decode_attention.attend(
+            kernel, qk[:, : fw.heads], mirror.keys[i], mirror.values[i], slot_t, lens
+        )
+        x.add_(linear(a.to(BF16).view(len(slots), -1), layer.o))
         h = linear(fw._norm(x, layer.ffn_norm).to(BF16), layer.gate_up)
         gate, up = h.chunk(2, dim=-1)
         x.add_(linear(F.silu(gate) * up, layer.down))

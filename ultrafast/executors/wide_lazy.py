@@ -41,6 +41,7 @@ import torch
 from ultrafast.core.types import StepPlan
 from ultrafast.cpu_info import cpu_identity
 from ultrafast.executors.cost_cache import read_cache, write_cache
+from ultrafast.executors.wide_decode import attention_choice
 from ultrafast.executors.wide_route import (
     LONG_CHUNK,
     OFF_STATUS,
@@ -159,10 +160,13 @@ class WideLazy:
             pass
         started = time.monotonic()
         try:
-            self._loaded = WideForward(self.ex.gguf_path, self.ex.max_model_len)
+            forward = WideForward(self.ex.gguf_path, self.ex.max_model_len)
         except Exception as exc:  # noqa: BLE001 - any failure leaves llama.cpp serving
             self._load_error = f"{type(exc).__name__}: {exc}"
             return
+        # the decode attention kernel built and timed here too, off the engine thread
+        attention_choice(forward.heads, forward.kv_heads, forward.head_dim)
+        self._loaded = forward
         from ultrafast.executors.packed_linear import pack_support
 
         why_plain = pack_support()
@@ -195,6 +199,8 @@ class WideLazy:
         self.ex.wide, self.ex.wide_min_tokens = forward, min_tokens
         if not timed:  # a cached decision: the decode width comes from the cache too
             self.ex.use_wide_decode(self.decode_width)
+        if self.ex.decode_router.on_width > 0:
+            status += "; " + attention_choice(forward.heads, forward.kv_heads, forward.head_dim)[1]
         self._loaded, self.state, self.status = None, "on", status
         log.info("wide passes: %s", status)
 
