@@ -40,14 +40,22 @@ def by_need(mode="on"):
 
 
 def count_wide_passes(ex, monkeypatch) -> list[int]:
+    """The prefill chunks of each torch pass: into llama.cpp (wide decode off) or over the
+    mirror (on)."""
     calls: list[int] = []
-    real = ex._wide_prefill
+    prefill, step = ex._wide_prefill, ex._torch_step
 
-    def spy(seqs, spare_threads=0, **kwargs):
+    def spy_prefill(seqs, spare_threads=0):
         calls.append(len(seqs))
-        return real(seqs, spare_threads, **kwargs)
+        return prefill(seqs, spare_threads)
 
-    monkeypatch.setattr(ex, "_wide_prefill", spy)
+    def spy_step(chunks, decodes, spare_threads):
+        if chunks:
+            calls.append(len(chunks))
+        return step(chunks, decodes, spare_threads)
+
+    monkeypatch.setattr(ex, "_wide_prefill", spy_prefill)
+    monkeypatch.setattr(ex, "_torch_step", spy_step)
     return calls
 
 

@@ -307,7 +307,9 @@ def test_bad_chunks_fail_alone_with_a_reason():
         )
         assert "holds 0 positions, cannot start at 10" in result.errors["r1"]
         assert "out of range" in result.errors["r2"]
-        assert len(result.sampled_token_ids["r0"]) == 1 and ex._slot_lens[0] == len(good)
+        assert len(result.sampled_token_ids["r0"]) == 1
+        held = ex.mirror.length(0) if ex.decode_router.on_width else ex._slot_lens[0]
+        assert held == len(good)  # in the torch mirror with wide decode on, else in llama.cpp
 
 
 def test_wide_weights_are_packed_for_onednn_where_supported():

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ from ultrafast.executors import decode_attention, ggml_kv_rows
 from ultrafast.executors.decode_attention import Kernel
 from ultrafast.executors.ggml_kv_rows import SlotRows
 from ultrafast.executors.packed_linear import linear
-from ultrafast.executors.wide_forward import BF16, WideForward
+from ultrafast.executors.wide_forward import BF16, WideForward, padded_rows
 from ultrafast.executors.wide_kv_mirror import KVMirror
 
 log = logging.getLogger(__name__)
@@ -61,78 +62,156 @@ def _time_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lens) 
     return time.perf_counter() - started
 
 
+class DecodeRows:
+    """The 1-token decode rows of a torch pass (`slots` sorted and distinct, each holding
+    exactly [0, position) in the mirror): each layer writes their K/V row to the mirror and
+    attends over the slot's rows, by the C kernel where chosen (decode_attention.py), else by
+    SDPA over views of the slots' range (gaps masked, a wide scatter gathered)."""
+
+    def __init__(self, fw: WideForward, mirror: KVMirror, slots: list[int], positions: list[int]):
+        self.fw, self.mirror, self.slots, self.positions = fw, mirror, slots, positions
+        self.pos = torch.tensor(positions, dtype=torch.long)
+        self.slot_t = torch.tensor(slots, dtype=torch.long)
+        self.lens = self.pos + 1
+        self.kernel, _ = attention_choice(fw.heads, fw.kv_heads, fw.head_dim)
+        if self.kernel is None:
+            self._sdpa_setup()
+
+    def _sdpa_setup(self) -> None:
+        slots, pos = self.slots, self.pos
+        self.length = length = max(self.positions) + 1
+        mask = torch.arange(length)[None, :] <= pos[:, None]
+        span = slots[-1] - slots[0] + 1
+        # the slots' K/V as views of the mirror when they lie within 1.5x their count: the
+        # gaps' rows are attended too, masked to one position and dropped (16 slots over 22
+        # rows at 1,100 positions: 20% faster than gathering the step's rows into a copy per
+        # layer; over 31 rows 30% slower, as SDPA still reads a masked row's keys)
+        in_range = 2 * span <= 3 * len(slots)
+        self.select = slice(slots[0], slots[-1] + 1) if in_range else self.slot_t
+        self.gaps = in_range and span != len(slots)
+        self.at = self.slot_t - slots[0]  # the step's rows within the range
+        self.span = span
+        if self.gaps:
+            ranged = torch.zeros(span, length, dtype=torch.bool)
+            ranged[:, 0] = True  # an idle row sees one key: no empty softmax
+            ranged[self.at] = mask
+            mask = ranged
+        self.mask = mask[:, None, None, :]
+
+    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """[D, heads * d] bf16 from the rows' float32 RoPE'd q|k and bf16 v."""
+        fw, mirror, n = self.fw, self.mirror, len(self.slots)
+        mirror.write_step(layer, self.slot_t, self.pos, qk[:, fw.heads :].to(BF16), v)
+        if self.kernel is not None:
+            keys, values = mirror.keys[layer], mirror.values[layer]
+            a = decode_attention.attend(
+                self.kernel, qk[:, : fw.heads], keys, values, self.slot_t, self.lens
+            )
+            return a.to(BF16).view(n, -1)
+        keys, values = mirror.step_view(layer, self.select, self.length)
+        # a KV head's query heads as the query rows: one SDPA with no GQA expansion
+        grouped = qk[:, : fw.heads].to(BF16).view(n, fw.kv_heads, -1, fw.head_dim)
+        if self.gaps:
+            grouped = grouped.new_zeros((self.span, *grouped.shape[1:])).index_copy_(
+                0, self.at, grouped
+            )
+        a = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self.mask)
+        if self.gaps:
+            a = a.index_select(0, self.at)
+        return a.reshape(n, -1)
+
+    def done(self) -> None:
+        self.mirror.mark_step(self.slots, self.positions)
+
+
+class PrefillRows:
+    """The prefill chunks of a torch pass, every token of each (`chunks[j]` of slot `slots[j]`,
+    its rows [start, start + n) of the flat batch; the slot holds [0, position) in the mirror):
+    each layer writes the chunks' K/V to the mirror and attends each over its earlier rows
+    (views of the mirror) and its own (wide_forward's fused causal SDPA)."""
+
+    def __init__(self, fw: WideForward, mirror: KVMirror, slots: list[int], chunks: list):
+        self.fw, self.mirror, self.slots, self.chunks = fw, mirror, slots, chunks
+        for slot, c in zip(slots, chunks):  # (the mirror has room: step_logits reserved it)
+            if c.position:
+                c.prior_k, c.prior_v = mirror.rows(slot, 0, c.position)
+
+    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        fw, mirror = self.fw, self.mirror
+        qk = qk.to(BF16)
+        for slot, c in zip(self.slots, self.chunks):
+            rows, at = slice(c.start, c.start + c.num_tokens), slice(c.position, c.end)
+            mirror.keys[layer][slot, :, at] = qk[rows, fw.heads :].transpose(0, 1)
+            mirror.values[layer][slot, :, at] = v[rows].transpose(0, 1)
+        return fw._attend(layer, qk[:, : fw.heads], qk[:, fw.heads :], v, self.chunks)
+
+    def done(self) -> None:
+        for slot, c in zip(self.slots, self.chunks):
+            self.mirror.lens[slot] = c.end
+
+
 @torch.inference_mode()
+def step_logits(
+    fw: WideForward,
+    mirror: KVMirror,
+    prefill: tuple[list[int], list[int], list, list[int]] | None,
+    decodes: tuple[list[int], list[int], list[int]] | None,
+    logits_of: Sequence[int] = (),
+) -> torch.Tensor:
+    """One torch pass over a step's prefill chunks and 1-token decodes together (one read of
+    the weights where two passes read them twice): `prefill` = (token ids, positions, chunks,
+    slots), `decodes` = (tokens, slots sorted, positions). Every row's K/V goes to the
+    mirror. Returns float32 logits of the last rows of the chunks numbered in `logits_of`,
+    then of every decode, in that order."""
+    assert fw.lm_head is not None and fw.norm is not None
+    ids, positions = ([], []) if prefill is None else (list(prefill[0]), list(prefill[1]))
+    rows = padded_rows(len(ids)) if ids else 0
+    ids += [0] * (rows - len(ids))  # padding rows: attended by no one, dropped
+    positions += [0] * (rows - len(positions))
+    for slot, end in _room(prefill, decodes):
+        mirror.reserve(slot, end)
+    parts: list = []
+    if prefill is not None:
+        parts.append(PrefillRows(fw, mirror, prefill[3], prefill[2]))
+    if decodes is not None:
+        parts.append(DecodeRows(fw, mirror, decodes[1], decodes[2]))
+        ids, positions = ids + decodes[0], positions + decodes[2]
+    pos = torch.tensor(positions, dtype=torch.long)
+    x = fw.embed[torch.tensor(ids, dtype=torch.long)].float()
+    cos, sin = fw.cos[pos][:, None], fw.sin[pos][:, None]
+    splits = [rows, len(ids) - rows] if len(parts) == 2 else [len(ids)]
+    for i, layer in enumerate(fw.layers):
+        qk, v = fw._qkv(x, layer, cos, sin)
+        attended = [
+            part.attend(i, q, w) for part, q, w in zip(parts, qk.split(splits), v.split(splits))
+        ]
+        a = attended[0] if len(attended) == 1 else torch.cat(attended)
+        x.add_(linear(a, layer.o))  # in place: no float copy of the product
+        h = linear(fw._norm(x, layer.ffn_norm).to(BF16), layer.gate_up)
+        gate, up = h.chunk(2, dim=-1)
+        x.add_(linear(F.silu(gate) * up, layer.down))
+    for part in parts:
+        part.done()
+    chunks = [] if prefill is None else prefill[2]
+    wanted = [chunks[j].start + chunks[j].num_tokens - 1 for j in logits_of]
+    wanted += range(rows, len(ids))
+    return linear(fw._norm(x[wanted], fw.norm).to(BF16), fw.lm_head).float()
+
+
+def _room(prefill, decodes) -> list[tuple[int, int]]:
+    """(slot, end) of every row the pass writes: reserved before any view of the mirror."""
+    room = [] if prefill is None else [(s, c.end) for s, c in zip(prefill[3], prefill[2])]
+    if decodes is not None:
+        room += [(s, p + 1) for s, p in zip(decodes[1], decodes[2])]
+    return room
+
+
 def decode_logits(
     fw: WideForward, mirror: KVMirror, tokens: list[int], slots: list[int], positions: list[int]
 ) -> torch.Tensor:
     """float32 [B, vocab] logits of one decode step (`slots` sorted and distinct, each holding
     exactly [0, position) in the mirror); the step's K/V rows are written to the mirror."""
-    assert fw.lm_head is not None and fw.norm is not None
-    for slot, position in zip(slots, positions):
-        mirror.reserve(slot, position + 1)
-    pos = torch.tensor(positions, dtype=torch.long)
-    slot_t = torch.tensor(slots, dtype=torch.long)
-    kernel, _ = attention_choice(fw.heads, fw.kv_heads, fw.head_dim)
-    if kernel is not None:
-        return _kernel_step(fw, mirror, kernel, tokens, slots, positions, pos, slot_t)
-    length = max(positions) + 1
-    mask = torch.arange(length)[None, :] <= pos[:, None]
-    span = slots[-1] - slots[0] + 1
-    # the slots' K/V as views of the mirror when they lie within 1.5x their count: the gaps'
-    # rows are attended too, masked to one position and dropped (16 slots over 22 rows at 1,100
-    # positions: 20% faster than gathering the step's rows into a copy per layer; over 31
-    # rows 30% slower, as SDPA still reads a masked row's keys)
-    in_range = 2 * span <= 3 * len(slots)
-    select = slice(slots[0], slots[-1] + 1) if in_range else slot_t
-    gaps = in_range and span != len(slots)
-    at = slot_t - slots[0]  # the step's rows within the range
-    if gaps:
-        ranged = torch.zeros(span, length, dtype=torch.bool)
-        ranged[:, 0] = True  # an idle row sees one key: no empty softmax
-        ranged[at] = mask
-        mask = ranged
-    mask = mask[:, None, None, :]
-    x = fw.embed[torch.tensor(tokens, dtype=torch.long)].float()
-    cos, sin = fw.cos[pos][:, None], fw.sin[pos][:, None]
-    for i, layer in enumerate(fw.layers):
-        qk, v = fw._qkv(x, layer, cos, sin)
-        qk = qk.to(BF16)
-        mirror.write_step(i, slot_t, pos, qk[:, fw.heads :], v)
-        keys, values = mirror.step_view(i, select, length)
-        # a KV head's query heads as the query rows: one SDPA with no GQA expansion
-        grouped = qk[:, : fw.heads].view(len(slots), fw.kv_heads, -1, fw.head_dim)
-        if gaps:
-            grouped = grouped.new_zeros((span, *grouped.shape[1:])).index_copy_(0, at, grouped)
-        a = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
-        if gaps:
-            a = a.index_select(0, at)
-        x.add_(linear(a.reshape(len(slots), -1), layer.o))
-        h = linear(fw._norm(x, layer.ffn_norm).to(BF16), layer.gate_up)
-        gate, up = h.chunk(2, dim=-1)
-        x.add_(linear(F.silu(gate) * up, layer.down))
-    mirror.mark_step(slots, positions)
-    return linear(fw._norm(x, fw.norm).to(BF16), fw.lm_head).float()
-
-
-def _kernel_step(fw, mirror, kernel, tokens, slots, positions, pos, slot_t) -> torch.Tensor:
-    """decode_logits with the C kernel's attention: each slot's mirror row read in place, no
-    mask, no gather, whatever rows the slots hold."""
-    assert fw.lm_head is not None and fw.norm is not None
-    lens = pos + 1
-    x = fw.embed[torch.tensor(tokens, dtype=torch.long)].float()
-    cos, sin = fw.cos[pos][:, None], fw.sin[pos][:, None]
-    for i, layer in enumerate(fw.layers):
-        qk, v = fw._qkv(x, layer, cos, sin)
-        mirror.write_step(i, slot_t, pos, qk[:, fw.heads :].to(BF16), v)
-        a = decode_attention.attend(
-            kernel, qk[:, : fw.heads], mirror.keys[i], mirror.values[i], slot_t, lens
-        )
-        x.add_(linear(a.to(BF16).view(len(slots), -1), layer.o))
-        h = linear(fw._norm(x, layer.ffn_norm).to(BF16), layer.gate_up)
-        gate, up = h.chunk(2, dim=-1)
-        x.add_(linear(F.silu(gate) * up, layer.down))
-    mirror.mark_step(slots, positions)
-    return linear(fw._norm(x, fw.norm).to(BF16), fw.lm_head).float()
+    return step_logits(fw, mirror, None, (tokens, slots, positions))
 
 
 def pull(executor, slot: int, end: int) -> str | None:

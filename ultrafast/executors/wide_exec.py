@@ -33,8 +33,6 @@ from ultrafast.sampling.sampler import sample_keeping_deferred
 
 log = logging.getLogger(__name__)
 
-PUSH_ROWS_OVER_A_PASS = 256  # rows whose push to llama.cpp costs about one torch decode pass
-
 
 class WideGgmlExecutor(GgmlExecutor):
     """GgmlExecutor plus the wide prefill path; `wide_pass` is auto (measured), on or off."""
@@ -142,71 +140,58 @@ class WideGgmlExecutor(GgmlExecutor):
         start_s = time.perf_counter()
         for copy in plan.kv_copies:  # the wide pass reads the slots' earlier KV
             self._copy_prefix(copy.src_slot_id, copy.dst_slot_id, copy.num_tokens)
-        # with wide decode on, a chunk's KV goes to the mirror even when this step's 1-token
-        # rows (its last token among them) run on llama.cpp: llama.cpp gets the rows by one
-        # push when it runs the slot (_ggml_slot), while a chunk imported into llama.cpp came
-        # back by export + parse + convert at the slot's first torch decode (pull), and a
-        # chunked prompt's second chunk exported the first to attend over it
-        to_mirror = in_torch or self.decode_router.on_width > 0
-        tails, errors = (
-            self._wide_prefill(routed, plan.spare_threads, to_mirror=to_mirror)
-            if routed
-            else ([], {})
-        )
-        if in_torch or self._tails_cost_a_push(tails, to_mirror):
-            decodes, tails = decodes + tails, []  # the prefills' last tokens decode in torch
-        decoded = self._wide_decode(decodes, plan.spare_threads) if decodes else StepResult()
-        wide_s = time.perf_counter() - start_s - decoded.sample_time_s
+        tails: list[ScheduledSeq] = []
+        if self.decode_router.on_width > 0:  # wide decode on: one torch pass over the mirror
+            decodes = decodes if in_torch else []
+            done = self._torch_step(routed, decodes, plan.spare_threads)
+        else:  # the chunks' KV into llama.cpp, their last tokens in its pass below
+            decodes = []
+            tails, errors = self._wide_prefill(routed, plan.spare_threads)
+            done = StepResult(errors=errors)
+        wide_s = time.perf_counter() - start_s - done.sample_time_s
         taken = {id(s) for s in routed + decodes}
         rest = [s for s in plan.seqs if id(s) not in taken] + tails
         result = super().execute(replace(plan, seqs=rest, kv_copies=[])) if rest else StepResult()
-        result.errors.update(errors)
-        _merge(result, decoded)
+        _merge(result, done)
         result.execute_time_s += wide_s
         return result
 
-    def _tails_cost_a_push(self, tails: list[ScheduledSeq], to_mirror: bool) -> bool:
-        """Whether last tokens whose chunks went to the mirror decode in torch although the
-        step is narrow: when llama.cpp lacks so many of their rows that pushing them costs more
-        than a torch pass. Measured on the 2-core AMX Xeon, SmolLM2 bf16: a push ~0.1 ms a row
-        (1,000 rows 75-113 ms), a 1-row torch decode 30-55 ms; 16 streams of 1,000-token
-        prompts spent up to 1.8 s of a step pushing 4 prompts for their last tokens, slots
-        that decode in torch a few steps later."""
-        if not to_mirror or not tails or self.mirror is None:
-            return False
-        lacking = sum(
-            max(0, self.mirror.length(t.slot_id) - self._slot_lens[t.slot_id]) for t in tails
-        )
-        return lacking >= PUSH_ROWS_OVER_A_PASS
-
     # ---- wide decode steps (wide_decode.py) and the KV moves they need ----
 
-    def _wide_decode(self, seqs: list[ScheduledSeq], spare_threads: int) -> StepResult:
+    def _torch_step(
+        self, chunks: list[ScheduledSeq], decodes: list[ScheduledSeq], spare_threads: int
+    ) -> StepResult:
+        """The step's prefill chunks (every token; the last one's logits too) and 1-token
+        decodes as one torch pass over the mirror (wide_decode.step_logits: one read of the
+        weights where a prefill pass and a decode pass read them twice), sampled here; a seq
+        whose slot cannot be made ready fails alone."""
         assert self.wide is not None and self.mirror is not None
         errors: dict[str, str] = {}
-        ready = []
-        for seq in sorted(seqs, key=lambda s: s.slot_id):
-            error = self._torch_slot(seq.slot_id, seq.start_position)
-            if error is None:
-                ready.append(seq)
-            else:
-                errors[seq.request_id] = error
+        chunks = [s for s in chunks if self._ready(s, errors)]
+        decodes = sorted((s for s in decodes if self._ready(s, errors)), key=lambda s: s.slot_id)
         result = StepResult()
-        if ready:
-            self._set_torch_threads(spare_threads, len(ready))
-            logits = wide_decode.decode_logits(
-                self.wide,
-                self.mirror,
-                [s.token_ids[0] for s in ready],
-                [s.slot_id for s in ready],
-                [s.start_position for s in ready],
-            ).numpy()
-            self.last_decode_logits = logits
+        if chunks or decodes:
+            prefill, logits_of = _prefill_rows(chunks)
+            decoding = None
+            if decodes:
+                slots, starts = [s.slot_id for s in decodes], [s.start_position for s in decodes]
+                decoding = ([s.token_ids[0] for s in decodes], slots, starts)
+            self._set_torch_threads(spare_threads, len(prefill[0]) if prefill else len(decodes))
+            logits = wide_decode.step_logits(self.wide, self.mirror, prefill, decoding, logits_of)
+            rows = logits.numpy()
+            self.last_decode_logits = rows[len(logits_of) :]
             sampled_s = time.perf_counter()
-            result = sample_keeping_deferred(ready, logits)
+            result = sample_keeping_deferred([chunks[j] for j in logits_of] + decodes, rows)
             result.sample_time_s = time.perf_counter() - sampled_s
         result.errors.update(errors)
         return result
+
+    def _ready(self, seq: ScheduledSeq, errors: dict[str, str]) -> bool:
+        """The mirror made to hold exactly the seq's earlier positions, or its error noted."""
+        error = self._torch_slot(seq.slot_id, seq.start_position)
+        if error is not None:
+            errors[seq.request_id] = error
+        return error is None
 
     def _torch_slot(self, slot: int, start: int) -> str | None:
         """Make the mirror hold exactly [0, start) of `slot` (pulling llama.cpp's newer rows);
@@ -274,12 +259,11 @@ class WideGgmlExecutor(GgmlExecutor):
     # ---- the wide prefill ----
 
     def _wide_prefill(
-        self, seqs: list[ScheduledSeq], spare_threads: int = 0, to_mirror: bool = False
+        self, seqs: list[ScheduledSeq], spare_threads: int = 0
     ) -> tuple[list[ScheduledSeq], dict[str, str]]:
-        """Compute the KV of every seq's tokens but a sampled last one and import it into
-        llama.cpp's slot (`to_mirror`: write it to the torch mirror instead, for a step whose
-        1-token rows decode in torch); return those last tokens as 1-token seqs, and the seqs
-        that failed alone."""
+        """Without wide decode: compute the KV of every seq's tokens but a sampled last one
+        and import it into llama.cpp's slot; return those last tokens as 1-token seqs (for
+        llama.cpp's pass), and the seqs that failed alone."""
         assert self.wide is not None
         errors: dict[str, str] = {}
         chunks: list[SeqChunk] = []
@@ -289,7 +273,7 @@ class WideGgmlExecutor(GgmlExecutor):
         for seq in seqs:
             n = len(seq.token_ids) - (1 if seq.num_logits else 0)
             chunk = SeqChunk(len(token_ids), n, seq.start_position)
-            prior, error = (self._mirror_prior if to_mirror else self._ggml_prior)(seq, chunk)
+            prior, error = self._ggml_prior(seq, chunk)
             if error is not None:
                 errors[seq.request_id] = error
                 continue
@@ -307,15 +291,11 @@ class WideGgmlExecutor(GgmlExecutor):
         )
         tails = []
         for (seq, prior), chunk in zip(ok, chunks):
-            if to_mirror:
-                error = self._to_mirror(seq, chunk, keys, values)
-            else:
-                error = self._import(seq, prior, chunk, keys, values)
+            error = self._import(seq, prior, chunk, keys, values)
             if error is not None:
                 errors[seq.request_id] = error
             elif seq.num_logits:
-                end = seq.start_position + chunk.num_tokens
-                tails.append(replace(seq, token_ids=seq.token_ids[-1:], start_position=end))
+                tails.append(replace(seq, token_ids=seq.token_ids[-1:], start_position=chunk.end))
         return tails, errors
 
     def _ggml_prior(self, seq, chunk: SeqChunk) -> tuple[SlotRows | None, str | None]:
@@ -330,16 +310,6 @@ class WideGgmlExecutor(GgmlExecutor):
             chunk.prior_v = [self.wide.from_gguf_values(v) for v in prior.v]
         return prior, error
 
-    def _mirror_prior(self, seq, chunk: SeqChunk) -> tuple[None, str | None]:
-        """The slot's earlier KV as views of the mirror (pulling from llama.cpp only the rows
-        the mirror lacks), which then takes the chunk's KV too."""
-        assert self.mirror is not None
-        slot, start = seq.slot_id, seq.start_position
-        error = self._torch_slot(slot, start)
-        if error is None and start:
-            chunk.prior_k, chunk.prior_v = self.mirror.rows(slot, 0, start)
-        return None, error
-
     def _prior_rows(self, seq: ScheduledSeq) -> tuple[SlotRows | None, str | None]:
         try:
             rows = ggml_kv_rows.parse_chunk(self.export_slot(seq.slot_id, seq.start_position))
@@ -348,20 +318,6 @@ class WideGgmlExecutor(GgmlExecutor):
         if not np.array_equal(rows.positions, np.arange(seq.start_position)):
             return None, "wide pass: the slot's KV is not positions [0, start)"
         return rows, None
-
-    def _to_mirror(self, seq, chunk: SeqChunk, keys, values) -> str | None:
-        """The chunk's KV into the mirror after the slot's earlier rows (_mirror_prior): it
-        then holds [0, chunk end), and llama.cpp gets the rows when it next needs the slot
-        (_ggml_slot), as after torch decodes."""
-        assert self.wide is not None and self.mirror is not None
-        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        self.mirror.put_rows(
-            seq.slot_id,
-            seq.start_position,
-            [self.wide.from_gguf_keys(k[rows].numpy()) for k in keys],
-            [self.wide.from_gguf_values(v[rows].numpy()) for v in values],
-        )
-        return None
 
     def _import(self, seq, prior, chunk: SeqChunk, keys, values) -> str | None:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
@@ -395,3 +351,19 @@ def _merge(result: StepResult, other: StepResult) -> None:
     result.errors.update(other.errors)
     result.kept_logits.update(other.kept_logits)
     result.sample_time_s += other.sample_time_s
+
+
+def _prefill_rows(chunks: list[ScheduledSeq]):
+    """step_logits' prefill argument (None without chunks), and which chunks sample."""
+    if not chunks:
+        return None, []
+    token_ids: list[int] = []
+    positions: list[int] = []
+    rows = []
+    for seq in chunks:
+        n = len(seq.token_ids)
+        rows.append(SeqChunk(len(token_ids), n, seq.start_position))
+        token_ids += seq.token_ids
+        positions += range(seq.start_position, seq.start_position + n)
+    logits_of = [j for j, s in enumerate(chunks) if s.num_logits]
+    return (token_ids, positions, rows, [s.slot_id for s in chunks]), logits_of

@@ -59,6 +59,11 @@ class SeqChunk:
     prior_k: list[torch.Tensor] | None = None
     prior_v: list[torch.Tensor] | None = None
 
+    @property
+    def end(self) -> int:
+        """The position after the chunk's last token."""
+        return self.position + self.num_tokens
+
 
 def padded_rows(rows: int) -> int:
     """The row count a prefill pass runs on: exact up to 32, above it the next multiple of 16
