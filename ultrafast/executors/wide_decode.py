@@ -32,7 +32,7 @@ from ultrafast.executors import decode_attention, ggml_kv_rows
 from ultrafast.executors.decode_attention import Kernel
 from ultrafast.executors.ggml_kv_rows import SlotRows
 from ultrafast.executors.packed_linear import linear
-from ultrafast.executors.wide_forward import BF16, WideForward, padded_rows
+from ultrafast.executors.wide_forward import BF16, WideForward, causal_mask, padded_rows
 from ultrafast.executors.wide_kv_mirror import KVMirror
 
 log = logging.getLogger(__name__)
@@ -127,23 +127,26 @@ class DecodeRows:
 class PrefillRows:
     """The prefill chunks of a torch pass, every token of each (`chunks[j]` of slot `slots[j]`,
     its rows [start, start + n) of the flat batch; the slot holds [0, position) in the mirror):
-    each layer writes the chunks' K/V to the mirror and attends each over its earlier rows
-    (views of the mirror) and its own (wide_forward's fused causal SDPA)."""
+    each layer writes the chunks' K/V to the mirror, then attends each chunk over the mirror's
+    [0, end) of its slot in place (no copy of the earlier rows), with the causal mask built
+    once per pass, not per layer (wide_forward's fused SDPA)."""
 
     def __init__(self, fw: WideForward, mirror: KVMirror, slots: list[int], chunks: list):
         self.fw, self.mirror, self.slots, self.chunks = fw, mirror, slots, chunks
-        for slot, c in zip(slots, chunks):  # (the mirror has room: step_logits reserved it)
-            if c.position:
-                c.prior_k, c.prior_v = mirror.rows(slot, 0, c.position)
+        self.masks = [causal_mask(c.num_tokens, c.end) if c.position else None for c in chunks]
 
     def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        fw, mirror = self.fw, self.mirror
+        fw, heads = self.fw, self.fw.heads
         qk = qk.to(BF16)
-        for slot, c in zip(self.slots, self.chunks):
-            rows, at = slice(c.start, c.start + c.num_tokens), slice(c.position, c.end)
-            mirror.keys[layer][slot, :, at] = qk[rows, fw.heads :].transpose(0, 1)
-            mirror.values[layer][slot, :, at] = v[rows].transpose(0, 1)
-        return fw._attend(layer, qk[:, : fw.heads], qk[:, fw.heads :], v, self.chunks)
+        out = torch.zeros(qk.shape[0], heads * fw.head_dim, dtype=BF16)  # padding rows: 0
+        for slot, c, mask in zip(self.slots, self.chunks, self.masks):
+            rows = slice(c.start, c.start + c.num_tokens)
+            keys = self.mirror.keys[layer][slot, :, : c.end]
+            values = self.mirror.values[layer][slot, :, : c.end]
+            keys[:, c.position :] = qk[rows, heads:].transpose(0, 1)
+            values[:, c.position :] = v[rows].transpose(0, 1)
+            out[rows] = fw._causal_attention(qk[rows, :heads], keys, values, mask)
+        return out
 
     def done(self) -> None:
         for slot, c in zip(self.slots, self.chunks):

@@ -59,9 +59,9 @@ NEED_TOKENS = LONG_CHUNK  # routable prefill tokens in one pass that make the pa
 
 
 # raised when a change moves the wide path's speed (2: packed oneDNN weights, grouped decode
-# attention; 3: prefill attention as bf16 GEMMs): routing decisions cached by an earlier
-# revision are timed again
-WIDE_PATH_REVISION = 3
+# attention; 3: prefill attention as bf16 GEMMs; 4: the C decode attention kernel, prefill and
+# decodes in one pass): routing decisions cached by an earlier revision are timed again
+WIDE_PATH_REVISION = 4
 
 
 class WideLazy:
