@@ -347,12 +347,23 @@ def test_on_width_from_measurements():
     assert on_width({4: (0.02, 0.03), 16: (0.1, 0.2)}) is None
 
 
-def test_start_measures_decode_widths_and_leaves_slots_empty():
+def test_start_measures_decode_widths_and_leaves_slots_empty(monkeypatch):
     """The start times decode steps of 4, 8 and 16 slots (their contexts prefilled a slot a
-    step, within a small step budget), says what it measured, and leaves every slot empty."""
+    step, within a small step budget) on both paths (the torch one really in torch: the
+    router is not on yet while it is timed), says what it measured, and leaves every slot
+    empty."""
+    torch_widths: list[int] = []
+    real = wide_decode.step_logits
+
+    def spy(fw, mirror, prefill, decodes, *args):
+        torch_widths.append(0 if decodes is None else len(decodes[1]))
+        return real(fw, mirror, prefill, decodes, *args)
+
+    monkeypatch.setattr(wide_decode, "step_logits", spy)
     kwargs = dict(num_slots=16, max_model_len=128, max_num_batched_tokens=128, n_threads=1)
     with wide(DEMO_GGUF, flash_attn=True, **kwargs) as ex:
         print(ex.wide_status)
+        assert {4, 8, 16} <= set(torch_widths), torch_widths
         assert "16 wide" in ex.wide_status and "decode steps of >= " in ex.wide_status
         assert ex.decode_router.on_width in (4, 8, 16)
         assert ex._slot_lens == [0] * 16 and all(n == 0 for n in ex.mirror.lens.values())

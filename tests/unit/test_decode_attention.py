@@ -29,13 +29,14 @@ def problem(heads: int, kv_heads: int, dim: int, lens: list[int], seed: int = 0)
     keys = torch.randn(n_rows, kv_heads, capacity, dim, generator=gen).to(torch.bfloat16)
     values = torch.randn(n_rows, kv_heads, capacity, dim, generator=gen).to(torch.bfloat16)
     wide = torch.randn(len(lens), heads + kv_heads, dim, generator=gen) * 3  # a q|k row
-    rows = torch.randperm(n_rows, generator=gen)[: len(lens)]  # scattered, any order
-    return wide[:, :heads], keys, values, rows, torch.tensor(lens, dtype=torch.int64)
+    rows = torch.randperm(n_rows, generator=gen)[: len(lens)].tolist()  # scattered, any order
+    return wide[:, :heads], keys, values, da.rows_of(rows, lens)
 
 
-def reference(q, keys, values, rows, lens) -> torch.Tensor:
+def reference(q, keys, values, at: da.Rows) -> torch.Tensor:
     """float32 attention of each row's query heads over its own positions (GQA by groups)."""
     heads, kv_heads = q.shape[1], keys.shape[1]
+    rows, lens = at.rows, at.lens
     out = []
     for b in range(len(rows)):
         k = keys[rows[b], :, : lens[b]].float().repeat_interleave(heads // kv_heads, 0)
@@ -58,9 +59,9 @@ def test_kernel_matches_float_attention(shape, variant):
     kernel = kernel_or_skip(flags)
     if variant == "portable":
         assert kernel.kind == "portable"
-    q, keys, values, rows, lens = problem(*shape, LENS)
-    got = da.attend(kernel, q, keys, values, rows, lens)
-    want = reference(q, keys, values, rows, lens)
+    q, keys, values, rows = problem(*shape, LENS)
+    got = da.attend(kernel, q, keys, values, rows)
+    want = reference(q, keys, values, rows)
     assert got.shape == want.shape
     assert (got - want).abs().max() <= 2e-5 * want.abs().max() + 1e-6
 
@@ -73,23 +74,25 @@ def test_the_native_build_uses_avx512_where_the_cpu_has_it():
 
 def test_wrong_calls_are_refused_before_c():
     kernel = kernel_or_skip()
-    q, keys, values, rows, lens = problem(9, 3, 64, [5, 9])
+    q, keys, values, rows = problem(9, 3, 64, [5, 9])
     bad = [
-        (q.to(torch.bfloat16), keys, values, rows, lens),  # queries not float32
-        (q, keys.float(), values, rows, lens),  # keys not bf16
-        (q, keys, values[:, :, :4], rows, lens),  # mismatched shapes
-        (q, keys, values, rows + keys.shape[0], lens),  # a row outside the mirror
-        (q, keys, values, rows, lens + keys.shape[2]),  # past the capacity
-        (q, keys, values, rows, lens * 0),  # nothing to attend
-        (q, keys, values, rows.int(), lens),  # int32 rows
-        (q, keys, values, rows[:1], lens),  # a row missing
+        (q.to(torch.bfloat16), keys, values, rows),  # queries not float32
+        (q, keys.float(), values, rows),  # keys not bf16
+        (q, keys, values[:, :, :4], rows),  # mismatched shapes
+        (q, keys, values, da.rows_of([0, keys.shape[0]], [5, 9])),  # a row outside the mirror
+        (q, keys, values, da.rows_of([0, -1], [5, 9])),
+        (q, keys, values, da.rows_of([0, 1], [5, keys.shape[2] + 1])),  # past the capacity
+        (q, keys, values, da.rows_of([0, 1], [0, 9])),  # nothing to attend
+        (q, keys, values, da.rows_of([0], [5])),  # a row missing
     ]
     for args in bad:
         with pytest.raises(ValueError):
             da.attend(kernel, *args)
-    q, keys, values, rows, lens = problem(9, 3, 32, [5, 9])  # head_dim 32: no kernel
+    with pytest.raises(ValueError):
+        da.rows_of([0, 1], [5])
+    q, keys, values, rows = problem(9, 3, 32, [5, 9])  # head_dim 32: no kernel
     with pytest.raises(ValueError, match="no kernel"):
-        da.attend(kernel, q, keys, values, rows, lens)
+        da.attend(kernel, q, keys, values, rows)
 
 
 def test_without_a_compiler_the_step_keeps_sdpa_and_says_why(monkeypatch):

@@ -118,38 +118,52 @@ def unsupported(heads: int, kv_heads: int, head_dim: int) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Which mirror row each query row reads and how many positions: int64 tensors for the
+    kernel, their bounds as ints, checked once per step rather than per layer."""
+
+    rows: torch.Tensor
+    lens: torch.Tensor
+    row_bounds: tuple[int, int]
+    len_bounds: tuple[int, int]
+
+
+def rows_of(rows: list[int], lens: list[int]) -> Rows:
+    if len(rows) != len(lens) or not rows:
+        raise ValueError("one row and one length per query row")
+    return Rows(
+        torch.tensor(rows, dtype=torch.int64),
+        torch.tensor(lens, dtype=torch.int64),
+        (min(rows), max(rows)),
+        (min(lens), max(lens)),
+    )
+
+
 def attend(
-    kernel: Kernel,
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    rows: torch.Tensor,
-    lens: torch.Tensor,
+    kernel: Kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: Rows
 ) -> torch.Tensor:
     """float32 [B, heads, d]: each entry's queries (q: float32 [B, heads, d], rows of any
-    stride, each row's heads contiguous) over positions [0, lens[b]) of mirror row rows[b]
-    (keys, values: bf16 [rows, kv_heads, capacity, d] contiguous)."""
+    stride, each row's heads contiguous) over positions [0, rows.lens[b]) of mirror row
+    rows.rows[b] (keys, values: bf16 [rows, kv_heads, capacity, d] contiguous)."""
     batch, heads, dim = q.shape
     n_rows, kv_heads, capacity, _ = keys.shape
     # the checks that keep a wrong call from reading outside the tensors
     if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != dim:
         raise ValueError("queries must be float32 with each row's heads contiguous")
-    if keys.dtype != torch.bfloat16 or not keys.is_contiguous() or keys.shape != values.shape:
-        raise ValueError("keys and values must be contiguous bf16 of one shape")
-    if values.dtype != torch.bfloat16 or not values.is_contiguous():
-        raise ValueError("keys and values must be contiguous bf16 of one shape")
-    if rows.dtype != torch.int64 or lens.dtype != torch.int64 or len(rows) != batch:
-        raise ValueError("rows and lens must be int64, one per query row")
-    if len(lens) != batch or not rows.is_contiguous() or not lens.is_contiguous():
-        raise ValueError("rows and lens must be int64, one per query row")
-    if batch and (int(rows.min()) < 0 or int(rows.max()) >= n_rows):
+    for t in (keys, values):
+        if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape != keys.shape:
+            raise ValueError("keys and values must be contiguous bf16 of one shape")
+    if len(rows.rows) != batch:
+        raise ValueError("one mirror row per query row")
+    if rows.row_bounds[0] < 0 or rows.row_bounds[1] >= n_rows:
         raise ValueError("a row outside the mirror")
-    if batch and (int(lens.min()) < 1 or int(lens.max()) > capacity):
+    if rows.len_bounds[0] < 1 or rows.len_bounds[1] > capacity:
         raise ValueError("a length outside [1, capacity]")
     out = torch.empty(batch, heads, dim, dtype=torch.float32)
     status = kernel.lib.decode_attention(
-        q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), rows.data_ptr(),
-        lens.data_ptr(), batch, heads, kv_heads, dim, capacity, dim**-0.5,
+        q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), rows.rows.data_ptr(),
+        rows.lens.data_ptr(), batch, heads, kv_heads, dim, capacity, dim**-0.5,
         torch.get_num_threads(), out.data_ptr(),
     )  # fmt: skip
     if status != 0:
@@ -157,14 +171,14 @@ def attend(
     return out
 
 
-def sdpa_reference(q, keys, values, rows, lens) -> torch.Tensor:
-    """The same product by torch's SDPA per entry (tests, and the timing's rival)."""
+def sdpa_reference(q, keys, values, rows: Rows) -> torch.Tensor:
+    """The same product by torch's SDPA per entry (tests)."""
     batch, heads, dim = q.shape
     kv_heads = keys.shape[1]
     out = []
     for b in range(batch):
-        k = keys[rows[b], :, : lens[b]][None]
-        v = values[rows[b], :, : lens[b]][None]
+        k = keys[rows.rows[b], :, : rows.lens[b]][None]
+        v = values[rows.rows[b], :, : rows.lens[b]][None]
         grouped = q[b].to(torch.bfloat16).view(1, kv_heads, heads // kv_heads, dim)
         out.append(F.scaled_dot_product_attention(grouped, k, v)[0].reshape(heads, dim))
     return torch.stack(out).float()
@@ -193,12 +207,11 @@ def _time_both(kernel: Kernel, heads: int, kv_heads: int, dim: int, sdpa_step):
     keys = torch.randn(slots, kv_heads, length, dim, generator=gen).to(torch.bfloat16)
     values = torch.randn(slots, kv_heads, length, dim, generator=gen).to(torch.bfloat16)
     q = torch.randn(slots, heads, dim, generator=gen)
-    rows = torch.arange(slots)
-    lens = torch.full((slots,), length, dtype=torch.int64)
+    rows = rows_of(list(range(slots)), [length] * slots)
     best = [float("inf"), float("inf")]
     for _ in range(7):  # interleaved, best of: the machine's drift hits both alike
         started = time.perf_counter()
-        attend(kernel, q, keys, values, rows, lens)
+        attend(kernel, q, keys, values, rows)
         best[0] = min(best[0], time.perf_counter() - started)
-        best[1] = min(best[1], sdpa_step(q, keys, values, lens))
+        best[1] = min(best[1], sdpa_step(q, keys, values, rows.lens))
     return best[0], best[1]

@@ -72,9 +72,10 @@ class DecodeRows:
         self.fw, self.mirror, self.slots, self.positions = fw, mirror, slots, positions
         self.pos = torch.tensor(positions, dtype=torch.long)
         self.slot_t = torch.tensor(slots, dtype=torch.long)
-        self.lens = self.pos + 1
         self.kernel, _ = attention_choice(fw.heads, fw.kv_heads, fw.head_dim)
-        if self.kernel is None:
+        if self.kernel is not None:
+            self.rows = decode_attention.rows_of(slots, [p + 1 for p in positions])
+        else:
             self._sdpa_setup()
 
     def _sdpa_setup(self) -> None:
@@ -104,9 +105,7 @@ class DecodeRows:
         mirror.write_step(layer, self.slot_t, self.pos, qk[:, fw.heads :].to(BF16), v)
         if self.kernel is not None:
             keys, values = mirror.keys[layer], mirror.values[layer]
-            a = decode_attention.attend(
-                self.kernel, qk[:, : fw.heads], keys, values, self.slot_t, self.lens
-            )
+            a = decode_attention.attend(self.kernel, qk[:, : fw.heads], keys, values, self.rows)
             return a.to(BF16).view(n, -1)
         keys, values = mirror.step_view(layer, self.select, self.length)
         # a KV head's query heads as the query rows: one SDPA with no GQA expansion

@@ -102,12 +102,18 @@ class WideGgmlExecutor(GgmlExecutor):
         remainders), against a few ms more rows in the torch pass."""
         routed = [s for s in plan.seqs if self._routes(s, self.wide_min_tokens)]
         decodes, in_torch = self._torch_decodes(plan, sum(1 for s in routed if s.num_logits))
-        if self.decode_router.on_width > 0 and (routed or in_torch):
+        if self._over_mirror() and (routed or in_torch):
             along = [s for s in plan.seqs if self._routes(s, 2)]
             if len(along) > len(routed):
                 routed = along
                 decodes, in_torch = self._torch_decodes(plan, sum(1 for s in along if s.num_logits))
         return routed, decodes, in_torch
+
+    def _over_mirror(self) -> bool:
+        """Whether torch passes run over the KV mirror: wide decode on (a measured on width),
+        or forced by a measurement (the decode width's own timing, wide_decode_route.py)."""
+        forced = bool(self.decode_force)
+        return self.mirror is not None and (self.decode_router.on_width > 0 or forced)
 
     def _torch_decodes(self, plan: StepPlan, num_tails: int) -> tuple[list[ScheduledSeq], bool]:
         """The step's 1-token decodes, and whether this step's 1-token rows run in torch:
@@ -141,7 +147,7 @@ class WideGgmlExecutor(GgmlExecutor):
         for copy in plan.kv_copies:  # the wide pass reads the slots' earlier KV
             self._copy_prefix(copy.src_slot_id, copy.dst_slot_id, copy.num_tokens)
         tails: list[ScheduledSeq] = []
-        if self.decode_router.on_width > 0:  # wide decode on: one torch pass over the mirror
+        if self._over_mirror():  # wide decode on: one torch pass over the mirror
             decodes = decodes if in_torch else []
             done = self._torch_step(routed, decodes, plan.spare_threads)
         else:  # the chunks' KV into llama.cpp, their last tokens in its pass below

@@ -30,6 +30,7 @@ from ultrafast.config import DEMO_MODEL_DIR, REPO_ROOT
 from ultrafast.cpu_info import describe_cpu
 from ultrafast.weight_format import cpu_flags, resolve_outtype
 from ultrafast_harness.bench.latency_plot import plot_latencies
+from ultrafast_harness.bench.machine_quiet import wait_quiet
 from ultrafast_harness.bench.serve_client import stream_chat
 from ultrafast_harness.bench.serve_plan import Level, interleaved, levels_of
 from ultrafast_harness.bench.serve_prompts import make_prompts
@@ -327,8 +328,14 @@ def run_serve_bench(args) -> dict:
         running = start_servers(server_specs(args, model), args, model, out, report)
         rows = {name: {} for name in running}
         for r, level, name in interleaved(list(running), bench_levels(args), args.rounds):
-            print(f"bench serve: round {r} level {level.key}: {name}", flush=True)
+            waited_s, busy = wait_quiet()  # the previous server's work must not leak in
+            print(
+                f"bench serve: round {r} level {level.key}: {name} (machine quiet after "
+                f"{waited_s:.1f} s: {busy:.2f} cores busy)",
+                flush=True,
+            )
             result = asyncio.run(run_level(running[name], level, r, args, model))
+            result["quiet_wait_s"], result["busy_cores_before"] = waited_s, busy
             rows[name].setdefault(level.key, []).append(result)
         if "ours" in running and args.priority_probes > 0:
             probe = asyncio.run(priority_probe(running["ours"], args, model))

@@ -80,6 +80,9 @@ def merge_rounds(rounds: list[dict]) -> dict:
     prompt_sizes = [r["prompt_tokens"] for r in rounds if r.get("prompt_tokens") is not None]
     return {
         "rounds": len(rounds),
+        # how long each round waited for a quiet machine, and how busy it was then
+        "quiet_wait_s": max((r.get("quiet_wait_s", 0.0) for r in rounds), default=0.0),
+        "busy_cores_before": max((r.get("busy_cores_before", 0.0) for r in rounds), default=0.0),
         "requests": sum(r["requests"] for r in rounds),
         "errors": sum(r["errors"] for r in rounds),
         "error_messages": dict(errors),
