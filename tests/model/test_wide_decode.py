@@ -226,6 +226,50 @@ def test_a_narrow_prefill_runs_wholly_in_torch(monkeypatch):
     assert_near_ties(want, got, margins)
 
 
+def test_few_decodes_ride_along_a_prefill_pass(monkeypatch):
+    """Two decodes (under the on width of 8) beside a prefill chunk join its torch pass: no
+    llama.cpp pass and no push in that step; the same two alone run on llama.cpp, after one
+    push per slot; the tokens equal llama.cpp's or diverge at a near-tie."""
+    from ultrafast.executors.ggml_exec import GgmlExecutor
+
+    batch = text_prompts(DEMO_GGUF)[:3]
+    kwargs = dict(KWARGS, num_slots=3)
+    ggml_passes: list[list[int]] = []
+    real_execute = GgmlExecutor.execute
+
+    def ggml_execute(self, plan):
+        ggml_passes.append(sorted(s.slot_id for s in plan.seqs))
+        return real_execute(self, plan)
+
+    def schedule(ex, moves=None):
+        first = ex.execute(StepPlan([seq(i, batch[i], 0) for i in (0, 1)]))
+        out = [first.sampled_token_ids[f"r{i}"] for i in (0, 1)] + [[]]
+        ggml_passes.clear()
+        if moves is not None:
+            moves.update(pull=0, push=0)
+        plan = [seq(i, out[i], len(batch[i])) for i in (0, 1)] + [seq(2, batch[2], 0)]
+        result = ex.execute(StepPlan(plan))  # 2 decodes + a prefill: one torch pass
+        if moves is not None:
+            assert ggml_passes == [] and moves == {"pull": 0, "push": 0}, (ggml_passes, moves)
+        for s in plan:
+            out[s.slot_id] += result.sampled_token_ids[s.request_id]
+        plan = [seq(i, out[i][-1:], len(batch[i]) + 1) for i in (0, 1)]
+        result = ex.execute(StepPlan(plan))  # the 2 decodes alone: narrow, on llama.cpp
+        if moves is not None:
+            assert ggml_passes == [[0, 1]] and moves["push"] == 2, (ggml_passes, moves)
+        for s in plan:
+            out[s.slot_id] += result.sampled_token_ids[s.request_id]
+        return out
+
+    monkeypatch.setattr(GgmlExecutor, "execute", ggml_execute)
+    with plain(DEMO_GGUF, **kwargs) as ref:
+        want = schedule(ref)
+    moves = counting_moves(monkeypatch)
+    with wide_decoder(DEMO_GGUF, on=8, **kwargs) as ex:
+        got = schedule(ex, moves)
+    assert want == got  # the demo model decides these tokens by wide margins
+
+
 def test_prefill_last_tokens_decode_in_torch_beside_wide_decodes(monkeypatch):
     """A step whose 1-token rows run in torch takes the wide prefills' last tokens too: their
     KV goes to the mirror, not through llama.cpp (no llama.cpp pass, no import), the first

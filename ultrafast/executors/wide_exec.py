@@ -95,19 +95,26 @@ class WideGgmlExecutor(GgmlExecutor):
 
     def _torch_rows(self, plan: StepPlan) -> tuple[list[ScheduledSeq], list[ScheduledSeq], bool]:
         """The step's prefill chunks for the wide pass, its 1-token decodes for torch, and
-        whether those decode in torch. With wide decode on, a step that runs a torch pass
-        anyway takes every prefill chunk along, however short: its KV goes to the mirror
-        either way, while on llama.cpp a 20-50 token chunk cost a push of the slot's earlier
-        rows and a 120-290 ms pass in a served 16-stream step (a 512-token budget leaves such
-        remainders), against a few ms more rows in the torch pass."""
+        whether those decode in torch.
+
+        With wide decode on, a step whose decodes (counting the chunks that sample) reach the
+        on width, or that holds a chunk long enough for the wide path, runs one torch pass,
+        and everything else that can joins it: every prefill chunk however short (on
+        llama.cpp a 20-50 token remainder of the 512-token budget cost a push and a 120-290 ms
+        pass in a served 16-stream step) and every decode however few (beside a 512-token
+        chunk two decodes had cost a 67-400 ms llama.cpp pass and a push of each slot's
+        ~1,000 rows, 95-164 ms, in a served run of four long prompts); a few more rows in a
+        pass that runs anyway cost milliseconds."""
         routed = [s for s in plan.seqs if self._routes(s, self.wide_min_tokens)]
-        decodes, in_torch = self._torch_decodes(plan, sum(1 for s in routed if s.num_logits))
-        if self._over_mirror() and (routed or in_torch):
-            along = [s for s in plan.seqs if self._routes(s, 2)]
-            if len(along) > len(routed):
-                routed = along
-                decodes, in_torch = self._torch_decodes(plan, sum(1 for s in along if s.num_logits))
-        return routed, decodes, in_torch
+        if not self._over_mirror():
+            return routed, [], False
+        along = [s for s in plan.seqs if self._routes(s, 2)]
+        decodes = self._decodes(plan)
+        wide = self.decode_force
+        if wide is None:
+            tails = sum(1 for s in along if s.num_logits)
+            wide = self.decode_router.wide(len(decodes) + tails) or bool(routed)
+        return (along, decodes, True) if wide else (routed, [], False)
 
     def _over_mirror(self) -> bool:
         """Whether torch passes run over the KV mirror: wide decode on (a measured on width),
@@ -115,10 +122,8 @@ class WideGgmlExecutor(GgmlExecutor):
         forced = bool(self.decode_force)
         return self.mirror is not None and (self.decode_router.on_width > 0 or forced)
 
-    def _torch_decodes(self, plan: StepPlan, num_tails: int) -> tuple[list[ScheduledSeq], bool]:
-        """The step's 1-token decodes, and whether this step's 1-token rows run in torch:
-        when they are many enough, counting the `num_tails` last tokens of wide prefill chunks
-        (which then join them: their KV goes to the mirror, not to llama.cpp)."""
+    def _decodes(self, plan: StepPlan) -> list[ScheduledSeq]:
+        """The step's 1-token decodes that can run in torch (none if two share a slot)."""
         decodes = [
             s
             for s in plan.seqs
@@ -127,13 +132,7 @@ class WideGgmlExecutor(GgmlExecutor):
             and not s.num_prompt_logits
             and self._check(s) is None
         ]
-        wide = self.decode_force
-        if wide is None:
-            wide = self.decode_router.wide(len(decodes) + num_tails)
-        slots = {s.slot_id for s in decodes}
-        if not wide or len(slots) != len(decodes) or not (decodes or num_tails):
-            return [], False
-        return decodes, True
+        return decodes if len({s.slot_id for s in decodes}) == len(decodes) else []
 
     def execute(self, plan: StepPlan) -> StepResult:
         if self.wide is None and not self._wide_paused:
