@@ -5,6 +5,7 @@ fake peer that speaks CRLF server-sent events and refuses with a status and a me
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -200,6 +201,31 @@ def test_process_tree_is_found_and_measured():
             subprocess.run(["kill", str(pid)], check=False)
         parent.kill()
         parent.wait()
+
+
+def test_a_paused_sampler_samples_nothing_until_resumed(monkeypatch):
+    from ultrafast_harness.bench import serve_servers
+
+    calls: list[int] = []
+    monkeypatch.setattr(serve_servers, "tree_pids", lambda root: calls.append(root) or [root])
+    rss = PeakRss(os.getpid(), interval_s=0.01)
+    try:
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls  # sampling while active
+        rss.pause()  # one last sample, then none
+        time.sleep(0.05)  # a sample already under way may end
+        paused = len(calls)
+        time.sleep(0.2)
+        assert len(calls) == paused
+        rss.resume()
+        deadline = time.monotonic() + 10
+        while len(calls) == paused and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(calls) > paused
+    finally:
+        rss.stop()
 
 
 async def _fake_peer(reader, writer):

@@ -298,6 +298,7 @@ def start_servers(specs: dict, args, model: BenchModel, out: Path, report: dict)
             "env": spec.env,
         }
         asyncio.run(warm_up(server, model, args))
+        server.memory.pause()  # sampled again during its own levels only
     return running
 
 
@@ -334,7 +335,11 @@ def run_serve_bench(args) -> dict:
                 f"{waited_s:.1f} s: {busy:.2f} cores busy)",
                 flush=True,
             )
-            result = asyncio.run(run_level(running[name], level, r, args, model))
+            running[name].memory.resume()
+            try:
+                result = asyncio.run(run_level(running[name], level, r, args, model))
+            finally:
+                running[name].memory.pause()
             result["quiet_wait_s"], result["busy_cores_before"] = waited_s, busy
             rows[name].setdefault(level.key, []).append(result)
         if "ours" in running and args.priority_probes > 0:
