@@ -270,6 +270,41 @@ def test_few_decodes_ride_along_a_prefill_pass(monkeypatch):
     assert want == got  # the demo model decides these tokens by wide margins
 
 
+def test_a_prefix_held_only_by_the_mirror_is_copied_there(monkeypatch):
+    """A prefix-cache hit whose source slot was prefilled in torch copies the prefix within
+    the mirror (no push of the source slot to llama.cpp); the continuation's tokens equal
+    llama.cpp's or diverge at a near-tie, and llama.cpp gets the rows when it runs the slot."""
+    from ultrafast.core.types import KVCopy
+
+    first, second = text_prompts(DEMO_GGUF)[:2]
+    shared = 12
+    other = first[:shared] + second[shared:]  # the same first 12 tokens, then its own
+
+    def schedule(ex, moves=None):
+        ex.execute(StepPlan([seq(0, first, 0)]))
+        if moves is not None:
+            moves.update(pull=0, push=0)
+        copy = KVCopy(src_slot_id=0, dst_slot_id=1, num_tokens=shared)
+        plan = StepPlan([seq(1, other[shared:], shared)], kv_copies=[copy])
+        out = ex.execute(plan).sampled_token_ids["r1"]
+        if moves is not None:
+            assert moves == {"pull": 0, "push": 0}, moves
+            assert ex.mirror.length(1) == len(other) and ex._slot_lens[1] == 0
+        for _ in range(3):  # narrow decodes on llama.cpp: slot 1's rows pushed once
+            step = [seq(1, out[-1:], len(other) + len(out) - 1)]
+            out += ex.execute(StepPlan(step)).sampled_token_ids["r1"]
+        return out
+
+    kwargs = dict(KWARGS, num_slots=2)
+    with plain(DEMO_GGUF, **kwargs) as ref:
+        want = schedule(ref)
+    moves = counting_moves(monkeypatch)
+    with wide_decoder(DEMO_GGUF, **kwargs) as ex:
+        got = schedule(ex, moves)
+        assert moves["push"] == 1 and ex._slot_lens[1] == len(other) + 3
+    assert want == got  # the demo model decides these tokens by wide margins
+
+
 def test_prefill_last_tokens_decode_in_torch_beside_wide_decodes(monkeypatch):
     """A step whose 1-token rows run in torch takes the wide prefills' last tokens too: their
     KV goes to the mirror, not through llama.cpp (no llama.cpp pass, no import), the first

@@ -232,6 +232,16 @@ class WideGgmlExecutor(GgmlExecutor):
         return super()._trim_slot(slot_id, start_position)
 
     def _copy_prefix(self, src_slot_id: int, dst_slot_id: int, num_tokens: int) -> None:
+        mirror, src, dst = self.mirror, src_slot_id, dst_slot_id
+        if mirror is not None and src != dst and self._slot_lens[src] < num_tokens:
+            if num_tokens <= mirror.length(src):
+                # the prefix lives in the mirror only (a prompt prefilled in torch): copied
+                # there, not by pushing the whole source slot to llama.cpp first (768 rows,
+                # 113 ms, to copy a 32-token system prompt in a served run); llama.cpp's dst
+                # forgets its rows and gets them by a push when it next runs the slot
+                mirror.copy_prefix(src, dst, num_tokens)
+                super()._trim_slot(dst, 0)
+                return
         self._ggml_slot(src_slot_id, self.max_model_len)
         super()._copy_prefix(src_slot_id, dst_slot_id, num_tokens)
         if self.mirror is not None:  # the copy is llama.cpp's: the mirror pulls it if needed

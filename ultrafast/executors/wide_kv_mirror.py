@@ -81,6 +81,15 @@ class KVMirror:
             self.values[i][slot, :, start : start + n] = values[i]
         self.lens[slot] = start + n
 
+    @torch.inference_mode()
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """dst := src's positions [0, n) (a prefix-cache hit between slots)."""
+        self.reserve(dst, n)
+        for tensors in (self.keys, self.values):
+            for t in tensors:
+                t[dst, :, :n] = t[src, :, :n]
+        self.lens[dst] = n
+
     def rows(self, slot: int, start: int, end: int) -> tuple[list, list]:
         """Per layer [kv_heads, end - start, head_dim] views of the slot's positions."""
         keys = [k[slot, :, start:end] for k in self.keys]
