@@ -1,20 +1,22 @@
-"""Wide decode steps in torch: one token per slot for many slots, over the KV mirror.
+"""Torch passes over the KV mirror: a step's prefill chunks and 1-token decodes as one forward.
 
 Why: a 16-wide decode costs llama.cpp's AVX-512 kernels ~100 ms on the 2-core AMX Xeon and a
 bf16 oneDNN forward ~35-47 ms (`../shared/notes/amx-wide-pass-design.md`), while a 1-2 wide
-step is cheaper on llama.cpp. So steps of many 1-token decodes run here (wide_exec.py routes
-them, wide_decode_route.py measures from which width) and the rest stays on llama.cpp.
+step is cheaper on llama.cpp; and a prefill pass and a decode pass in one step read the
+weights twice where one forward reads them once. So `step_logits` runs a step's chunks
+(`PrefillRows`: every token, attended over the slot's mirror rows in place) and its decodes
+(`DecodeRows`) together (wide_exec.py routes them, wide_decode_route.py measures from which
+width decodes alone come here) and the rest stays on llama.cpp.
 
 The weights are the wide prefill's (wide_forward.py: fused bf16 q/k/v and gate/up, float32
 residual, norms, RoPE) plus the final norm and the bf16 lm_head. Each slot's KV lives in the
 torch mirror (wide_kv_mirror.py); the two moves between it and llama.cpp's slot are here:
 `pull` reads the rows llama.cpp computed since the mirror last saw the slot, `push` writes the
 rows torch computed into llama.cpp's slot (through the per-sequence state API, ggml_kv_rows.py),
-each moving only the delta. Attention: the step's slots (sorted) lie within a range of at most
-1.5x their count in the common case, so K/V are views of that range (the gaps' rows masked
-and dropped; a wider scatter gathers a copy); one SDPA per layer over the longest slot's
-length with a per-row mask of each slot's own length, each KV head's query heads taking the
-query-row axis (exact, and about 1.5x faster than SDPA's GQA expansion at 16 slots).
+each moving only the delta. Decode attention: the C kernel of decode_attention.py where it is
+built and faster here, else one SDPA per layer over the step's slots (views of their range
+where the sorted slots lie within 1.5x their count, gaps masked and dropped; a wider scatter
+gathers a copy) with a per-row length mask, each KV head's query heads on the query-row axis.
 """
 
 from __future__ import annotations

@@ -1,12 +1,20 @@
-"""The ggml executor with wide passes: prefill chunks' KV computed by a bf16 PyTorch forward.
+"""The ggml executor with wide passes: bf16 PyTorch forwards where they beat llama.cpp.
 
 A step's long prefill chunks (at least `wide_min_tokens` tokens, the crossover measured at
-start by wide_route.py) leave the llama.cpp batch: the wide forward (wide_forward.py) computes
-the KV of all their tokens but the last, over the slot's earlier KV exported from llama.cpp,
-and the result is imported into the slot (ggml_kv_rows.py + the per-sequence state API). The
-last token of a chunk that samples then runs in llama.cpp with the step's decodes, so logits,
-sampling, kept rows and every other contract stay the plain GgmlExecutor's. Decodes,
-draft verifications and prompt scoring never leave llama.cpp.
+start by wide_route.py) leave the llama.cpp batch. Two cases:
+
+- wide decode off: the wide forward (wide_forward.py) computes the KV of all their tokens but
+  the last, over the slot's earlier KV exported from llama.cpp, and imports it into the slot
+  (ggml_kv_rows.py + the per-sequence state API); the last token of a chunk that samples runs
+  in llama.cpp with the step's decodes.
+- wide decode on (a measured on width, wide_decode_route.py): the step is one torch pass over
+  the KV mirror (wide_decode.step_logits): every token of its prefill chunks, their first
+  tokens sampled from it, and its 1-token decodes when they reach the on width or a long chunk
+  runs anyway; everything else that can run in it joins it. llama.cpp gets a slot's rows by
+  a push when it next runs the slot (_ggml_slot), and the mirror pulls what llama.cpp wrote.
+
+Sampling, kept rows and masks are the same sample_keeping_deferred either way. Draft
+verifications and prompt scoring never leave llama.cpp.
 """
 
 from __future__ import annotations
