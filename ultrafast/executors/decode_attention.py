@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ultrafast.config import cache_dir
 from ultrafast.cpu_info import cpu_identity
@@ -169,19 +168,6 @@ def attend(
     if status != 0:
         raise ValueError(f"no kernel for {heads} heads over {kv_heads}, head_dim {dim}")
     return out
-
-
-def sdpa_reference(q, keys, values, rows: Rows) -> torch.Tensor:
-    """The same product by torch's SDPA per entry (tests)."""
-    batch, heads, dim = q.shape
-    kv_heads = keys.shape[1]
-    out = []
-    for b in range(batch):
-        k = keys[rows.rows[b], :, : rows.lens[b]][None]
-        v = values[rows.rows[b], :, : rows.lens[b]][None]
-        grouped = q[b].to(torch.bfloat16).view(1, kv_heads, heads // kv_heads, dim)
-        out.append(F.scaled_dot_product_attention(grouped, k, v)[0].reshape(heads, dim))
-    return torch.stack(out).float()
 
 
 def choose(heads: int, kv_heads: int, head_dim: int, sdpa_step) -> tuple[Kernel | None, str]:
