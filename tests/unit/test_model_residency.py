@@ -219,6 +219,29 @@ def test_keep_alive_zero_forever_and_default():
     asyncio.run(run())
 
 
+def test_keep_alive_zero_is_not_undone_by_a_preload():
+    """A call that said keep_alive 0 unloads its model; a steady call pattern must not load it
+    straight back (seen in the e2e residency test on a slow machine: `loading` after the call)."""
+
+    async def run():
+        h = Harness({"a": 10, "b": 10}, budget=0)
+        for t in (0.0, 10.0):  # a is called every 10 s
+            h.now = t
+            await h.call("a")
+        h.now = 20.0
+        await h.call("a", keep_alive=0.0)
+        await h.settle()
+        assert status(h)["a"] == UNLOADED
+        h.now = 30.0  # the period's guess (30 s) is due: still the client's 0 wins
+        h.registry.tick()
+        await h.settle()
+        assert status(h)["a"] == UNLOADED and h.registry.loads["preload"] == 0
+        await h.call("a")  # a call with the default keep_alive: preloads may follow again
+        assert h.registry.entries["a"].keep_alive_s != 0
+
+    asyncio.run(run())
+
+
 def test_pinned_model_stays_and_too_large_is_refused():  # B60
     async def run():
         h = Harness({"p": 10, "a": 10, "big": 25}, budget=30, pinned=("p",))

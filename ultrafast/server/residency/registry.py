@@ -8,7 +8,8 @@ budget: the least recently used idle model is evicted to make room; a model with
 flight, or pinned, never is. `keep_alive` (Ollama's semantics, per request or the server's
 default) unloads an idle model after that long; 0 unloads it when its calls are done.
 A background tick also preloads a model shortly before the predictor (predictor.py) expects
-its next call, when that does not evict a model expected sooner.
+its next call, when that does not evict a model expected sooner, and never a model whose
+latest call said keep_alive 0.
 
 Errors name the model: 404 for an unknown name, 503 for a model larger than the budget, one
 that failed to load (e.g. its file disappeared while it was not resident), or a load that
@@ -376,6 +377,8 @@ class ModelRegistry:
         for e in self.entries.values():
             if e.status != UNLOADED or now - e.failed_s < RETRY_FAILED_PRELOAD_S:
                 continue
+            if e.keep_alive_s == 0:  # its latest call asked to unload it when done: a guess
+                continue  # must not load it straight back (only a new call does)
             eta = self.predictor.next_use(e.name, now)
             if eta is None:
                 continue
