@@ -62,6 +62,7 @@ class KVMirror:
         for tensors in (self.keys, self.values):
             grown = _lazy_zeros((self.num_layers, *shape)).unbind(0)
             for slot, n in self.lens.items():  # written positions only: the rest stays unpaged
+                n = min(n, self._capacity)
                 if n:
                     for new, old in zip(grown, tensors):
                         new[slot, :, :n] = old[slot, :, :n]
