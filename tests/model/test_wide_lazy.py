@@ -104,6 +104,8 @@ def test_the_wide_path_is_used_once_ready_and_its_decision_cached(monkeypatch):
         assert ex.wide_lazy.state == "loading"
         ready(ex)
         assert ex.wide is not None and ex.wide_status.startswith("on (on): prefill chunks of")
+        assert f"; {ex.wide.fused_status}" in ex.wide_status  # the elementwise path, said once
+        assert ex.wide_status.count("elementwise: ") == 1
         assert ex._slot_lens[3] == 0  # the timing's scratch slot left empty
         wide_passes = count_wide_passes(ex, monkeypatch)
         step(ex, [batch[1]], first_slot=4)  # once on, any chunk from the threshold takes it
@@ -152,6 +154,7 @@ def test_a_cached_decision_skips_the_timing(monkeypatch):
         step(ex, [batch[0][:40]] * 7)  # 280 at it: the load starts, the pass waits for it
         assert ex.wide_min_tokens == 40 and wide_passes == [7]
         assert ex.wide_status.startswith("on (on, routing cached)")
+        assert ex.wide_status.count("elementwise: ") == 1
         step(ex, [batch[1]], first_slot=7)
         assert wide_passes == [7, 1]
         assert ex.decode_router.on_width == 6 and ex.mirror is not None  # cached as well

@@ -7,10 +7,9 @@ K/V rows once in float32 with a vectorized softmax: 2.5-4x faster on the 2-core 
 (16 slots, 30 / 200 / 1,100 positions: 22 / 95 / 665 us against 97 / 248 / 1,686 us a
 layer), and exact to float rounding where SDPA rounds the queries to bf16.
 
-The build: `cc -O3 -march=native -fopenmp -shared` into the cache directory (kernels/, named
-by the source, compiler and CPU flags), ~0.4 s once per machine; its OpenMP is the libgomp
-torch loaded (same soname), so both share one thread pool. `load()` says why not where there
-is no compiler or the build fails; `choose()` times kernel and SDPA on the model's shape and
+The build (native_build.py): `cc -O3 -march=native -fopenmp -shared` into the cache
+directory, ~0.4 s once per machine, sharing torch's OpenMP pool. `load()` says why not where
+there is no compiler or the build fails; `choose()` times kernel and SDPA on the model's shape and
 keeps the faster (a portable build without AVX-512 may lose): a path by measurement.
 """
 
@@ -18,25 +17,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from ultrafast.config import cache_dir
-from ultrafast.cpu_info import cpu_identity
+from ultrafast.executors.native_build import build_library
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "decode_attention.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 HEAD_DIMS = (64, 128)  # the kernel's head sizes; others keep SDPA
 MAX_GROUP = 16  # query heads per KV head (MAX_GROUP in the C file)
 
@@ -54,25 +44,11 @@ def load() -> Kernel | str:
 
 
 def build(extra_flags: tuple[str, ...] = ()) -> Kernel | str:
-    """The kernel built with FLAGS + `extra_flags` (tests build the portable variant with
-    -mno-avx512f), or why there is none (one line)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return "no C compiler (cc or gcc) on PATH"
-    flags = [*FLAGS, *extra_flags]
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        source + " ".join([compiler, *flags, repr(sorted(cpu_identity().items()))]).encode()
-    ).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"decode_attention-{key}.so"
-    if not path.exists():
-        error = _build(compiler, flags, path)
-        if error is not None:
-            return error
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        return f"the built kernel does not load: {exc}"
+    """The kernel built with native_build's flags + `extra_flags` (tests build the portable
+    variant with -mno-avx512f), or why there is none (one line)."""
+    lib = build_library("decode_attention", extra_flags)
+    if isinstance(lib, str):
+        return lib
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
@@ -82,31 +58,6 @@ def build(extra_flags: tuple[str, ...] = ()) -> Kernel | str:
     ]  # fmt: skip
     lib.kernel_kind.restype = ctypes.c_char_p
     return Kernel(lib, lib.kernel_kind().decode())
-
-
-def _build(compiler: str, flags: list[str], path: Path) -> str | None:
-    """Compile into a temporary file, then rename: a concurrent build or a reader never sees
-    a half-written library."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *flags, "-o", tmp, str(SOURCE)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if done.returncode != 0:
-            lines = (done.stderr or done.stdout).strip().splitlines()
-            return f"the kernel did not compile: {lines[-1] if lines else done.returncode}"
-        os.replace(tmp, path)
-        return None
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"the kernel did not compile: {exc}"
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def unsupported(heads: int, kv_heads: int, head_dim: int) -> str | None:

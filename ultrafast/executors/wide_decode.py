@@ -182,7 +182,7 @@ def step_logits(
         ids, positions = ids + decodes[0], positions + decodes[2]
     pos = torch.tensor(positions, dtype=torch.long)
     x = fw.embed[torch.tensor(ids, dtype=torch.long)].float()
-    cos, sin = fw.cos[pos][:, None], fw.sin[pos][:, None]
+    cos, sin = fw.cos[pos], fw.sin[pos]
     splits = [rows, len(ids) - rows] if len(parts) == 2 else [len(ids)]
     for i, layer in enumerate(fw.layers):
         qk, v = fw._qkv(x, layer, cos, sin)
@@ -191,15 +191,13 @@ def step_logits(
         ]
         a = attended[0] if len(attended) == 1 else torch.cat(attended)
         x.add_(linear(a, layer.o))  # in place: no float copy of the product
-        h = linear(fw._norm(x, layer.ffn_norm).to(BF16), layer.gate_up)
-        gate, up = h.chunk(2, dim=-1)
-        x.add_(linear(F.silu(gate) * up, layer.down))
+        x.add_(fw.mlp(x, layer))
     for part in parts:
         part.done()
     chunks = [] if prefill is None else prefill[2]
     wanted = [chunks[j].start + chunks[j].num_tokens - 1 for j in logits_of]
     wanted += range(rows, len(ids))
-    return linear(fw._norm(x[wanted], fw.norm).to(BF16), fw.lm_head).float()
+    return linear(fw.norm_bf16(x[wanted], fw.norm), fw.lm_head).float()
 
 
 def _room(prefill, decodes) -> list[tuple[int, int]]:

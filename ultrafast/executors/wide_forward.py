@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ultrafast.executors import fused_ops
 from ultrafast.executors.packed_linear import linear, pack
 from ultrafast.model.config import ModelConfig
 from ultrafast.model.gguf_meta import read_gguf_metadata
@@ -108,6 +109,10 @@ class WideForward:
         self.eps = config.rms_norm_eps
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
+        # the fused elementwise ops (fused_ops.py) where they win here; None: torch's ops
+        self.fused, self.fused_status = fused_ops.choice(
+            config.hidden_size, config.intermediate_size, self.heads + self.kv_heads, self.head_dim
+        )
 
     @property
     def num_layers(self) -> int:
@@ -116,10 +121,25 @@ class WideForward:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)  # one fused op, same numbers
 
+    def norm_bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The RMS norm of float32 rows as the bf16 input of the next GEMM."""
+        if self.fused is not None:
+            return fused_ops.norm_bf16(self.fused, x, weight, self.eps)
+        return self._norm(x, weight).to(BF16)
+
+    def mlp(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
+        """The MLP's output for float32 rows x (before the residual add)."""
+        h = linear(self.norm_bf16(x, layer.ffn_norm), layer.gate_up)
+        if self.fused is not None:
+            act = fused_ops.silu_mul(self.fused, h)
+        else:
+            act = fused_ops.torch_silu_mul(h)
+        return linear(act, layer.down)
+
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return x * cos[:, None] + rotated * sin[:, None]
 
     @torch.inference_mode()
     def kv(
@@ -137,7 +157,7 @@ class WideForward:
         if extra:
             token_ids, positions = F.pad(token_ids, (0, extra)), F.pad(positions, (0, extra))
         x = self.embed[token_ids].float()
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        cos, sin = self.cos[positions], self.sin[positions]
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         last = len(self.layers) - 1
@@ -150,9 +170,7 @@ class WideForward:
             qk = qk.to(BF16)
             attended = self._attend(i, qk[:, : self.heads], qk[:, self.heads :], v, seqs)
             x.add_(linear(attended, layer.o))  # in place: no float copy of the product
-            h = linear(self._norm(x, layer.ffn_norm).to(BF16), layer.gate_up)
-            gate, up = h.chunk(2, dim=-1)
-            x.add_(linear(F.silu(gate) * up, layer.down))
+            x.add_(self.mlp(x, layer))
         if extra:
             return [k[:rows] for k in keys], [v[:rows] for v in values]
         return keys, values
@@ -162,10 +180,12 @@ class WideForward:
         first), and the values bf16 [T, kv_heads, d]. One RoPE over q and k together: a decode
         step is a thousand small ops, each a parallel region a busy core can stall."""
         num_tokens, d, heads = x.shape[0], self.head_dim, self.heads
-        h = linear(self._norm(x, layer.attn_norm).to(BF16), layer.qkv, layer.qkv_bias)
+        h = linear(self.norm_bf16(x, layer.attn_norm), layer.qkv, layer.qkv_bias)
         k_end = (heads + self.kv_heads) * d
-        qk = h[:, :k_end].float().view(num_tokens, heads + self.kv_heads, d)
         v = h[:, k_end:].view(num_tokens, self.kv_heads, d)
+        if self.fused is not None and layer.q_norm is None:  # one fused pass: bf16 -> RoPE'd
+            return fused_ops.rope(self.fused, h, heads + self.kv_heads, d, cos, sin), v
+        qk = h[:, :k_end].float().view(num_tokens, heads + self.kv_heads, d)
         if layer.q_norm is not None and layer.k_norm is not None:
             q, k = self._norm(qk[:, :heads], layer.q_norm), self._norm(qk[:, heads:], layer.k_norm)
             qk = torch.cat([q, k], dim=1)

@@ -199,6 +199,7 @@ class WideLazy:
         self.ex.wide, self.ex.wide_min_tokens = forward, min_tokens
         if not timed:  # a cached decision: the decode width comes from the cache too
             self.ex.use_wide_decode(self.decode_width)
+        status += "; " + forward.fused_status
         if self.ex.decode_router.on_width > 0:
             status += "; " + attention_choice(forward.heads, forward.kv_heads, forward.head_dim)[1]
         self._loaded, self.state, self.status = None, "on", status

@@ -1,0 +1,183 @@
+/* Fused elementwise steps of the wide passes (executors/fused_ops.py), each one pass over its
+ * rows where torch runs three to six ops (and as many parallel regions, temporaries and
+ * dtype copies):
+ *
+ *   rms_norm_bf16  out = bf16(x * rsqrt(mean(x^2) + eps) * w)       x float32, w float32
+ *   rope_f32       q|k heads of a bf16 projection, RoPE'd, as float32 (HF "halves" layout:
+ *                  x_i pairs with x_{i + d/2}; cos/sin rows [rows, d], their halves equal)
+ *   silu_mul_bf16  out = bf16(silu(gate) * up)                       gate|up bf16 [rows, 2n]
+ *
+ * Layouts: every row may have its own stride (elements); outputs are contiguous. Work splits
+ * over rows with OpenMP (torch's libgomp, same soname: one thread pool) when a call is big
+ * enough to pay for a parallel region, else it runs on the calling thread.
+ * bf16 rounding is to nearest even, NaN kept NaN (as torch's .to(torch.bfloat16)).
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define GRAIN 32768 /* elements below which a call runs on one thread (torch's grain size) */
+
+static inline float bf16_to_float(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if (isnan(f)) return (uint16_t)((v.u >> 16) | 0x40); /* quiet, sign kept */
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 k) {
+    const __m256i h = _mm256_maskz_loadu_epi16(k, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* 16 floats to bf16, nearest even, NaN kept NaN */
+static inline __m256i to_bf16x16(__m512 f) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(f);
+#else
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+#endif
+}
+
+static inline void store_bf16x16(uint16_t *p, __mmask16 k, __m512 f) {
+    _mm256_mask_storeu_epi16(p, k, to_bf16x16(f));
+}
+
+static inline __mmask16 tail(int64_t n, int64_t i) {
+    return n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+}
+
+/* e^x for x <= 0 (see decode_attention.c): degree-7 polynomial of 2^f, scalef by 2^n */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* silu(g) = g * sigmoid(g), sigmoid from e = e^-|g| <= 1: 1/(1+e) for g >= 0, e/(1+e) below */
+static inline __m512 silu16(__m512 g) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(e, _mm512_set1_ps(1.f)));
+    const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sig = _mm512_mask_mul_ps(inv, neg, inv, e);
+    return _mm512_mul_ps(g, sig);
+}
+
+static void norm_row(const float *x, const float *w, uint16_t *out, int64_t dim, float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 16) {
+        const __m512 v = _mm512_maskz_loadu_ps(tail(dim, i), x + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps);
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < dim; i += 16) {
+        const __mmask16 k = tail(dim, i);
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), s);
+        store_bf16x16(out + i, k, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(k, w + i)));
+    }
+}
+
+static void silu_mul_row(const uint16_t *h, uint16_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = tail(n, i);
+        const __m512 g = load_bf16x16(h + i, k), u = load_bf16x16(h + n + i, k);
+        store_bf16x16(out + i, k, _mm512_mul_ps(silu16(g), u));
+    }
+}
+
+static void rope_head(const uint16_t *x, const float *c, const float *s, float *out, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i += 16) {
+        const __mmask16 k = tail(half, i);
+        const __m512 a = load_bf16x16(x + i, k), b = load_bf16x16(x + half + i, k);
+        const __m512 lo = _mm512_fmsub_ps(a, _mm512_maskz_loadu_ps(k, c + i),
+                                          _mm512_mul_ps(b, _mm512_maskz_loadu_ps(k, s + i)));
+        const __m512 hi = _mm512_fmadd_ps(b, _mm512_maskz_loadu_ps(k, c + half + i),
+                                          _mm512_mul_ps(a, _mm512_maskz_loadu_ps(k, s + half + i)));
+        _mm512_mask_storeu_ps(out + i, k, lo);
+        _mm512_mask_storeu_ps(out + half + i, k, hi);
+    }
+}
+
+const char *kernel_kind(void) { return "avx512"; }
+
+#else /* portable C: the compiler vectorizes what it can */
+
+static void norm_row(const float *x, const float *w, uint16_t *out, int64_t dim, float eps) {
+    float acc = 0.f;
+    for (int64_t i = 0; i < dim; i++) acc += x[i] * x[i];
+    const float scale = 1.0f / sqrtf(acc / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++) out[i] = float_to_bf16(x[i] * scale * w[i]);
+}
+
+static void silu_mul_row(const uint16_t *h, uint16_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        out[i] = float_to_bf16(silu(bf16_to_float(h[i])) * bf16_to_float(h[n + i]));
+}
+
+static void rope_head(const uint16_t *x, const float *c, const float *s, float *out, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = bf16_to_float(x[i]), b = bf16_to_float(x[half + i]);
+        out[i] = a * c[i] - b * s[i];
+        out[half + i] = b * c[half + i] + a * s[half + i];
+    }
+}
+
+const char *kernel_kind(void) { return "portable"; }
+
+#endif
+
+int rms_norm_bf16(const float *x, int64_t x_stride, const float *w, uint16_t *out, int64_t rows,
+                  int64_t dim, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim >= GRAIN)
+    for (int64_t r = 0; r < rows; r++) norm_row(x + r * x_stride, w, out + r * dim, dim, eps);
+    return 0;
+}
+
+int silu_mul_bf16(const uint16_t *h, int64_t h_stride, uint16_t *out, int64_t rows, int64_t n,
+                  int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= GRAIN)
+    for (int64_t r = 0; r < rows; r++) silu_mul_row(h + r * h_stride, out + r * n, n);
+    return 0;
+}
+
+/* h: bf16 rows (stride h_stride) whose first `heads` x d elements are the q|k heads; row r
+ * turns by cos / sin rows r (float32 [rows, d]); out float32 [rows, heads, d] contiguous */
+int rope_f32(const uint16_t *h, int64_t h_stride, const float *cos, const float *sin, float *out,
+             int64_t rows, int64_t heads, int64_t d, int threads) {
+    if (d % 2) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads * d >= GRAIN)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < heads; j++)
+            rope_head(h + r * h_stride + j * d, cos + r * d, sin + r * d,
+                      out + (r * heads + j) * d, d);
+    return 0;
+}
