@@ -562,3 +562,43 @@ def test_long_prefills_first_tokens_come_from_torch_in_a_narrow_step(monkeypatch
         assert moves == {"pull": 0, "push": 2}
         assert [ex._slot_lens[i] for i in range(2)] == [150 + NEW_TOKENS - 1] * 2
     assert_near_ties(want, got, margins)
+
+
+def test_narrow_decodes_over_long_mirror_only_slots_stay_in_torch(monkeypatch):
+    """Two decodes (under the on width) whose slots' rows live in the mirror alone, at least
+    STAY_ROWS of them together, stay in torch: no push, no llama.cpp pass (pushing two slots of
+    1,123 rows cost 210 ms served, and llama.cpp's narrow step was no faster at that length);
+    the tokens equal llama.cpp's or diverge at a near-tie. The same slots under the threshold
+    are pushed and decode on llama.cpp (the test above)."""
+    from ultrafast.executors import wide_exec
+    from ultrafast.executors.ggml_exec import GgmlExecutor
+
+    monkeypatch.setattr(wide_exec, "STAY_ROWS", 300)  # two 150-token prompts reach it
+    tokens = heldout_tokens(DEMO_GGUF, 400)
+    batch = [tokens[:150], tokens[200:350]]
+    kwargs = dict(KWARGS, num_slots=2)
+    with plain(DEMO_GGUF, **kwargs) as ref:
+        want, margins = generate(ref, batch)
+    ggml_passes: list[int] = []
+    real_execute = GgmlExecutor.execute
+
+    def ggml_execute(self, plan):
+        ggml_passes.append(len(plan.seqs))
+        return real_execute(self, plan)
+
+    monkeypatch.setattr(GgmlExecutor, "execute", ggml_execute)
+    moves = counting_moves(monkeypatch)
+    with wide_decoder(DEMO_GGUF, **kwargs) as ex:
+        ggml_passes.clear()  # (the start's own timing ran llama.cpp passes)
+        moves.update(pull=0, push=0)
+        result = ex.execute(StepPlan([seq(i, p, 0) for i, p in enumerate(batch)]))
+        got = [result.sampled_token_ids[f"r{i}"] for i in range(2)]
+        for _ in range(NEW_TOKENS - 1):  # 2-wide decodes: narrow, yet over 300 mirror rows
+            plan = [seq(i, got[i][-1:], len(batch[i]) + len(got[i]) - 1) for i in range(2)]
+            result = ex.execute(StepPlan(plan))
+            assert not result.errors, result.errors
+            for i in range(2):
+                got[i] += result.sampled_token_ids[f"r{i}"]
+        assert moves["push"] == 0 and ggml_passes == []
+        assert [ex.mirror.length(i) for i in range(2)] == [150 + NEW_TOKENS - 1] * 2
+    assert_near_ties(want, got, margins)

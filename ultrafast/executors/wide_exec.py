@@ -41,6 +41,13 @@ from ultrafast.sampling.sampler import sample_keeping_deferred
 
 log = logging.getLogger(__name__)
 
+# A narrow decode step (under the router's width) whose slots hold at least this many rows in
+# the mirror alone stays in torch: pushing them costs ~0.1 ms a row (two slots of 1,123 rows:
+# 210 ms, then a 310 ms first step), and at such lengths llama.cpp's narrow step was no faster
+# than torch's (2 decodes at 1,100 positions: 52-65 ms against 30-44 ms for torch's 4, served,
+# 2-core AMX Xeon). Shorter slots are pushed once and decode on llama.cpp (17 vs ~30 ms).
+STAY_ROWS = 512
+
 
 class WideGgmlExecutor(GgmlExecutor):
     """GgmlExecutor plus the wide prefill path; `wide_pass` is auto (measured), on or off."""
@@ -122,7 +129,16 @@ class WideGgmlExecutor(GgmlExecutor):
         if wide is None:
             tails = sum(1 for s in along if s.num_logits)
             wide = self.decode_router.wide(len(decodes) + tails) or bool(routed)
+            wide = wide or self._unpushed_rows(decodes) >= STAY_ROWS
         return (along, decodes, True) if wide else (routed, [], False)
+
+    def _unpushed_rows(self, decodes: list[ScheduledSeq]) -> int:
+        """The rows only the mirror holds of the decodes' slots: what llama.cpp would need
+        pushed before it could run them."""
+        assert self.mirror is not None
+        return sum(
+            max(0, self.mirror.length(s.slot_id) - self._slot_lens[s.slot_id]) for s in decodes
+        )
 
     def _over_mirror(self) -> bool:
         """Whether torch passes run over the KV mirror: wide decode on (a measured on width),
