@@ -169,7 +169,9 @@ class EngineConfig:
         },
     )
     max_num_batched_tokens: int = 512  # token budget per step
-    max_prefill_chunk_tokens: int = 256  # chunked prefill size
+    # chunked prefill size: the whole budget, so concurrent long prompts finish their prefill
+    # one after another (first come, first served) instead of in lockstep pairs
+    max_prefill_chunk_tokens: int = 512
     # queued requests over all tiers: a waiting request holds only its token ids, so this is a
     # memory bound, not a latency one (admission refuses on predicted wait first)
     max_waiting: int = 4096

@@ -5,6 +5,7 @@ import collections
 import pytest
 
 from tests.unit.engine_driver import prompt, run_all
+from ultrafast.config import EngineConfig
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.engine.core import EngineCore
 from ultrafast.executors.fake_exec import FakeExecutor, reference_tokens
@@ -45,6 +46,28 @@ def test_long_prompt_is_chunked_and_samples_only_at_the_end():
     assert [len(s.token_ids) for s in chunks[:3]] == [20, 20, 10]
     assert [s.num_logits for s in chunks[:3]] == [0, 0, 1]
     assert out["a"] == reference_tokens(prompt(2, 50), 12)
+
+
+def test_by_default_long_prompts_prefill_one_after_another():
+    """The default chunk is the whole step budget: of two long prompts that arrive together
+    the first takes every prefill token until its last chunk, so its first token comes after
+    half the work instead of both coming at the end (in lockstep chunks of half the budget,
+    4 x 1,000-token prompts on the AMX Xeon: first tokens 1.24 / 1.24 / 2.74 / 2.74 s against
+    0.65 / 1.44 / 2.19 / 2.91 s)."""
+    config = SchedulerConfig()
+    assert config.max_prefill_chunk_tokens == config.max_num_batched_tokens
+    served = EngineConfig(model="m")  # the server's engine: the same defaults
+    assert served.max_prefill_chunk_tokens == served.max_num_batched_tokens
+    executor = FakeExecutor(num_slots=4, max_model_len=2048)
+    engine = EngineCore(executor, SchedulerConfig(max_num_seqs=4, max_model_len=2048))
+    long_prompt = config.max_num_batched_tokens + 100
+    engine.add_request(Request("a", prompt(6, long_prompt), GREEDY))
+    engine.add_request(Request("b", prompt(7, long_prompt), GREEDY))
+    engine.step()
+    engine.step()
+    first, second = ([(s.request_id, s.num_tokens) for s in p.seqs] for p in executor.plans)
+    assert first == [("a", config.max_num_batched_tokens)]
+    assert second == [("a", 100), ("b", config.max_num_batched_tokens - 100)]
 
 
 def test_decodes_go_before_new_prefill_and_priority_first():
