@@ -145,3 +145,10 @@ def test_a_disagreeing_op_is_not_used(monkeypatch):
     monkeypatch.setattr(fo, "torch_silu_mul", lambda h: fo.F.silu(h.chunk(2, -1)[1]))
     ops, status = fo.choice.__wrapped__(64, 128, 6, 32)
     assert ops is None and "fused silu_mul disagrees" in status
+
+
+def test_a_shape_the_ops_refuse_keeps_torch():
+    if isinstance(fo.build(), str):
+        pytest.skip("no fused ops here")
+    ops, status = fo.choice.__wrapped__(64, 128, 6, 33)  # an odd head size: no RoPE halves
+    assert ops is None and status.startswith("elementwise: torch (the fused rope: ")

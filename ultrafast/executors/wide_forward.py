@@ -8,7 +8,8 @@ the same weights plus the final norm and lm_head kept here.
 
 Layout: the residual stream is float32, each linear layer takes bf16 activations against bf16
 weights (q/k/v and gate/up fused: one GEMM each; packed once into oneDNN's layout where that
-works, packed_linear.py), norms and RoPE run in float32, attention is torch's fused bf16
+works, packed_linear.py), norms and RoPE run in float32 (fused C kernels where they win,
+fused_ops.py), attention is torch's fused bf16
 SDPA per sequence and layer over the slot's earlier KV (from llama.cpp or the torch mirror)
 plus the chunk (`_causal_attention`). The last layer stops after its K/V: nothing reads its
 output. Keys come out in llama.cpp's layout
