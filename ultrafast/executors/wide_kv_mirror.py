@@ -21,7 +21,7 @@ import mmap
 import torch
 
 BF16 = torch.bfloat16
-_STEP = 64  # capacity grows in multiples of this many positions, by a quarter at least
+_STEP = 64  # capacity grows in multiples of this many positions, by half at least
 
 
 class KVMirror:
