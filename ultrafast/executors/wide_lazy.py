@@ -200,7 +200,7 @@ class WideLazy:
         self.ex.wide, self.ex.wide_min_tokens = forward, min_tokens
         if not timed:  # a cached decision: the decode width comes from the cache too
             self.ex.use_wide_decode(self.decode_width)
-        status += "; " + forward.fused_status
+            status += "; " + forward.fused_status  # (a timed status, as cached, says it)
         if self.ex.decode_router.on_width > 0:
             status += "; " + attention_choice(forward.heads, forward.kv_heads, forward.head_dim)[1]
         self._loaded, self.state, self.status = None, "on", status
@@ -224,6 +224,7 @@ class WideLazy:
             min_tokens, status = time_wide_path(self.ex, self.mode, slot, should_stop)
             if min_tokens is not None:  # decode steps: timed in the free slots too
                 status += "; " + self.ex.start_wide_decode(free_slots, should_stop)
+                status += "; " + self._loaded.fused_status
         finally:
             self.ex.wide = None
         self._remember(min_tokens, status)
