@@ -86,6 +86,20 @@ def test_running_sequences_add_their_share_of_each_step_to_the_wait():
     assert priority(admission(running=10), 30).tier == PRIORITY  # 30 + 70 ms: within 250
 
 
+def test_a_refusal_never_reports_its_wait_as_zero():
+    """A tiny model's queue adds tens of microseconds (one running decode of the demo model):
+    against a target it cannot meet, the refusal's figures keep that wait visible (the e2e
+    tier test once read `queue_wait_ms` 0.0 from a refusal rounded to 0.1 ms)."""
+    tiny = StepCostSnapshot(base_s=0.0002, per_token_s=0.00003, per_seq_s=0.0)
+    config = replace(CONFIG, priority=replace(CONFIG.priority, ttft_ms=0.001))
+    adm = Admission(config, step_costs=lambda: tiny, num_running=lambda: 1)
+    with pytest.raises(APIError) as refused:
+        priority(adm, 4)
+    extra = refused.value.extra
+    assert extra["queue_wait_ms"] == pytest.approx(0.03)
+    assert extra["predicted_ttft_ms"] > extra["queue_wait_ms"] > 0
+
+
 def test_lower_tier_prefill_queued_is_not_ahead_of_a_priority_request():
     adm = admission()
     adm.admit(adm.reserve(DEFAULT), 2000, auto=False)  # a long default prompt waits

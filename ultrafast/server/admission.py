@@ -267,10 +267,11 @@ class Admission:
             "priority_slo_unattainable",
             "service_tier",
             headers={"Retry-After": str(max(1, math.ceil(over_s)))},
-            extra={
-                "predicted_ttft_ms": round((wait_s + own_s) * 1000, 1),
-                "queue_wait_ms": round(wait_s * 1000, 1),
-                "target_ttft_ms": round(target_ms, 1),
+            extra={  # to the microsecond: a small model's wait is a few tens of them, and a
+                # refusal must not report the wait that caused it as 0.0 ms
+                "predicted_ttft_ms": round((wait_s + own_s) * 1000, 3),
+                "queue_wait_ms": round(wait_s * 1000, 3),
+                "target_ttft_ms": round(target_ms, 3),
             },
         )
 
@@ -290,7 +291,7 @@ class Admission:
             "wait_over_target",
             "service_tier",
             headers={"Retry-After": str(max(1, math.ceil(over_s)))},
-            extra={"queue_wait_ms": round(wait_s * 1000, 1), "target_ttft_ms": round(target_ms, 1)},
+            extra={"queue_wait_ms": round(wait_s * 1000, 3), "target_ttft_ms": round(target_ms, 3)},
         )
 
     def _move(self, ticket: Ticket, tier: ServiceTier) -> None:
