@@ -33,7 +33,7 @@ def build_library(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL |
     source = KERNELS / f"{name}.c"
     flags = [*FLAGS, *extra_flags]
     key = hashlib.sha256(
-        source.read_bytes()
+        _sources_bytes(source)
         + " ".join([compiler, *flags, repr(sorted(cpu_identity().items()))]).encode()
     ).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"{name}-{key}.so"
@@ -45,6 +45,13 @@ def build_library(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL |
         return ctypes.CDLL(str(path))
     except OSError as exc:
         return f"the built kernel does not load: {exc}"
+
+
+def _sources_bytes(source: Path) -> bytes:
+    """The kernel's source and every header of the folder it may include: editing a shared
+    header must rebuild the kernels that use it, not load a stale cached library."""
+    headers = sorted(KERNELS.glob("*.h"))
+    return b"".join(path.read_bytes() for path in [source, *headers])
 
 
 def _compile(compiler: str, flags: list[str], source: Path, path: Path) -> str | None:

@@ -16,44 +16,13 @@
  * Returns 0, or -1 for a shape this file has no kernel for (dim other than 64 or 128, a group
  * over MAX_GROUP): the caller keeps SDPA.
  */
-#include <math.h>
-#include <stdint.h>
 
 #define BLOCK 64      /* key rows scored before the softmax update and the V pass */
 #define MAX_GROUP 16  /* query heads per kv head */
 
-static inline float bf16_to_float(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
+#include "vec_math.h"
 
 #ifdef __AVX512F__
-#include <immintrin.h>
-
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* e^x for x <= 0 on 16 lanes: 2^(x log2 e) as 2^n * 2^f with f in [-0.5, 0.5], 2^f by its
- * degree-7 Taylor polynomial in f ln 2 (relative error < 1e-8, below float rounding), 2^n by
- * scalef; inputs under -87 give 0 to float precision. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-    __m512 p = _mm512_set1_ps(1.f / 5040);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* s[0, n) <- e^(s - max); returns their sum */
 static inline float exp_block(float *s, int n, float max) {
@@ -88,7 +57,7 @@ static inline __attribute__((always_inline)) void attend(
         const int n = len - t0 < BLOCK ? (int)(len - t0) : BLOCK;
         for (int t = 0; t < n; t++) {
             __m512 kf[8];
-            for (int c = 0; c < chunks; c++) kf[c] = load_bf16x16(k + (t0 + t) * dim + 16 * c);
+            for (int c = 0; c < chunks; c++) kf[c] = load_bf16x16(k + (t0 + t) * dim + 16 * c, 0xFFFF);
             for (int g = 0; g < group; g++) {
                 __m512 d = _mm512_mul_ps(qs[g][0], kf[0]);
                 for (int c = 1; c < chunks; c++) d = _mm512_fmadd_ps(qs[g][c], kf[c], d);
@@ -106,7 +75,7 @@ static inline __attribute__((always_inline)) void attend(
         }
         for (int t = 0; t < n; t++) {
             __m512 vf[8];
-            for (int c = 0; c < chunks; c++) vf[c] = load_bf16x16(v + (t0 + t) * dim + 16 * c);
+            for (int c = 0; c < chunks; c++) vf[c] = load_bf16x16(v + (t0 + t) * dim + 16 * c, 0xFFFF);
             for (int g = 0; g < group; g++) {
                 const __m512 p = _mm512_set1_ps(s[g][t]);
                 for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);

@@ -12,16 +12,9 @@
  * enough to pay for a parallel region, else it runs on the calling thread.
  * bf16 rounding is to nearest even, NaN kept NaN (as torch's .to(torch.bfloat16)).
  */
-#include <math.h>
-#include <stdint.h>
+#include "vec_math.h"
 
 #define GRAIN 32768 /* elements below which a call runs on one thread (torch's grain size) */
-
-static inline float bf16_to_float(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
 
 static inline uint16_t float_to_bf16(float f) {
     union { uint32_t u; float f; } v;
@@ -34,11 +27,6 @@ static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 #ifdef __AVX512F__
 #include <immintrin.h>
-
-static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 k) {
-    const __m256i h = _mm256_maskz_loadu_epi16(k, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 /* 16 floats to bf16, nearest even, NaN kept NaN */
 static inline __m256i to_bf16x16(__m512 f) {
@@ -61,23 +49,6 @@ static inline void store_bf16x16(uint16_t *p, __mmask16 k, __m512 f) {
 
 static inline __mmask16 tail(int64_t n, int64_t i) {
     return n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-}
-
-/* e^x for x <= 0 (see decode_attention.c): degree-7 polynomial of 2^f, scalef by 2^n */
-static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-    __m512 p = _mm512_set1_ps(1.f / 5040);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* silu(g) = g * sigmoid(g), sigmoid from e = e^-|g| <= 1: 1/(1+e) for g >= 0, e/(1+e) below */
