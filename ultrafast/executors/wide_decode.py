@@ -34,7 +34,8 @@ from ultrafast.executors import decode_attention, ggml_kv_rows
 from ultrafast.executors.decode_attention import Kernel
 from ultrafast.executors.ggml_kv_rows import SlotRows
 from ultrafast.executors.packed_linear import linear
-from ultrafast.executors.wide_forward import BF16, WideForward, causal_mask, padded_rows
+from ultrafast.executors.prefill_attention import causal_mask
+from ultrafast.executors.wide_forward import BF16, WideForward, padded_rows
 from ultrafast.executors.wide_kv_mirror import KVMirror
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,10 @@ class PrefillRows:
 
     def __init__(self, fw: WideForward, mirror: KVMirror, slots: list[int], chunks: list):
         self.fw, self.mirror, self.slots, self.chunks = fw, mirror, slots, chunks
-        self.masks = [causal_mask(c.num_tokens, c.end) if c.position else None for c in chunks]
+        self.masks = [  # SDPA's masks; the AMX kernel needs none
+            causal_mask(c.num_tokens, c.end) if c.position and fw.prefill_kernel is None else None
+            for c in chunks
+        ]
 
     def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         fw, heads = self.fw, self.fw.heads

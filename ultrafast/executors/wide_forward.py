@@ -9,9 +9,9 @@ the same weights plus the final norm and lm_head kept here.
 Layout: the residual stream is float32, each linear layer takes bf16 activations against bf16
 weights (q/k/v and gate/up fused: one GEMM each; packed once into oneDNN's layout where that
 works, packed_linear.py), norms and RoPE run in float32 (fused C kernels where they win,
-fused_ops.py), attention is torch's fused bf16
-SDPA per sequence and layer over the slot's earlier KV (from llama.cpp or the torch mirror)
-plus the chunk (`_causal_attention`). The last layer stops after its K/V: nothing reads its
+fused_ops.py), attention runs per sequence and layer over the slot's earlier KV (from
+llama.cpp or the torch mirror) plus the chunk (`_causal_attention`): on AMX tiles where that
+kernel wins (prefill_attention.py), else torch's fused bf16 SDPA. The last layer stops after its K/V: nothing reads its
 output. Keys come out in llama.cpp's layout
 (interleaved RoPE pairs for the "llama" arch, whose q/k rows converters permute).
 """
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ultrafast.executors import fused_ops
+from ultrafast.executors import fused_ops, prefill_attention
 from ultrafast.executors.packed_linear import linear, pack
 from ultrafast.model.config import ModelConfig
 from ultrafast.model.gguf_meta import read_gguf_metadata
@@ -114,6 +114,15 @@ class WideForward:
         self.fused, self.fused_status = fused_ops.choice(
             config.hidden_size, config.intermediate_size, self.heads + self.kv_heads, self.head_dim
         )
+        # the AMX prefill attention kernel (prefill_attention.py) where it wins; None: SDPA
+        self.prefill_kernel, self.prefill_status = prefill_attention.choose(
+            self.heads, self.kv_heads, self.head_dim
+        )
+
+    @property
+    def kernels_status(self) -> str:
+        """Which native kernels the passes use, and why: the status line's clauses."""
+        return f"{self.fused_status}; {self.prefill_status}"
 
     @property
     def num_layers(self) -> int:
@@ -225,32 +234,13 @@ class WideForward:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
     ):
         """One sequence's T queries [T, heads, d] over its P + T keys and values
-        [kv_heads, P + T, d] (the last T its own, causal): [T, heads * d] bf16.
-
-        torch's fused CPU attention (flash, bf16 GEMMs, no [T, P + T] score matrix in memory),
-        its GQA grouping instead of expanded K/V: 6-10x faster than two bf16 GEMMs around a
-        materialized float32 softmax at 512-token chunks, whose elementwise passes over the
-        scores took most of a long prompt's pass (docs/benchmarks-history.md, 2026-12-06)."""
-        t, total = q.shape[0], k.shape[1]
-        queries, keys, values = q.transpose(0, 1)[None], k[None], v[None]
-        if total == t:  # no earlier KV: the plain causal triangle
-            out = F.scaled_dot_product_attention(
-                queries, keys, values, is_causal=True, enable_gqa=True
-            )
-        else:  # query i (position P + i) sees keys [0, P + i]
-            mask = causal_mask(t, total) if mask is None else mask
-            out = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=mask, enable_gqa=True
-            )
-        return out[0].transpose(0, 1).reshape(t, -1)
-
-
-def causal_mask(t: int, total: int) -> torch.Tensor:
-    """The additive bf16 mask [t, total] of t queries at positions [total - t, total): 0 where
-    query i sees key j <= total - t + i, else -inf. Additive rather than bool: SDPA turns a
-    bool mask into this on every call (per layer), 13% of a 512-query attention at 1,000 keys."""
-    hidden = torch.arange(total)[None, :] > torch.arange(total - t, total)[:, None]
-    return torch.zeros(t, total, dtype=BF16).masked_fill_(hidden, float("-inf"))
+        [kv_heads, P + T, d] (the last T its own, causal): [T, heads * d] bf16. The AMX kernel
+        where it was chosen, else torch's fused SDPA (`mask`: causal_mask(T, P + T), built
+        once per pass by the caller, or here): both without a [T, P + T] score matrix in
+        memory, both grouping query heads instead of expanding K/V."""
+        if self.prefill_kernel is not None:
+            return prefill_attention.attend(self.prefill_kernel, q, k, v)
+        return prefill_attention.sdpa(q, k, v, mask)
 
 
 def _weights(meta, config: ModelConfig):

@@ -60,9 +60,10 @@ NEED_TOKENS = LONG_CHUNK  # routable prefill tokens in one pass that make the pa
 
 # raised when a change moves the wide path's speed (2: packed oneDNN weights, grouped decode
 # attention; 3: prefill attention as bf16 GEMMs; 4: the C decode attention kernel, prefill and
-# decodes in one pass; 5: the fused elementwise C ops): routing decisions cached by an earlier
+# decodes in one pass; 5: the fused elementwise C ops; 6: the AMX prefill attention kernel):
+# routing decisions cached by an earlier
 # revision are timed again
-WIDE_PATH_REVISION = 5
+WIDE_PATH_REVISION = 6
 
 
 class WideLazy:
@@ -200,7 +201,7 @@ class WideLazy:
         self.ex.wide, self.ex.wide_min_tokens = forward, min_tokens
         if not timed:  # a cached decision: the decode width comes from the cache too
             self.ex.use_wide_decode(self.decode_width)
-            status += "; " + forward.fused_status  # (a timed status, as cached, says it)
+            status += "; " + forward.kernels_status  # (a timed status, as cached, says it)
         if self.ex.decode_router.on_width > 0:
             status += "; " + attention_choice(forward.heads, forward.kv_heads, forward.head_dim)[1]
         self._loaded, self.state, self.status = None, "on", status
@@ -224,7 +225,7 @@ class WideLazy:
             min_tokens, status = time_wide_path(self.ex, self.mode, slot, should_stop)
             if min_tokens is not None:  # decode steps: timed in the free slots too
                 status += "; " + self.ex.start_wide_decode(free_slots, should_stop)
-                status += "; " + self._loaded.fused_status
+                status += "; " + self._loaded.kernels_status
         finally:
             self.ex.wide = None
         self._remember(min_tokens, status)

@@ -80,7 +80,7 @@ def plan_wide_path(executor, mode: str) -> str:
         executor.wide = None
     else:
         executor.wide_min_tokens = min_tokens
-        status += "; " + executor.wide.fused_status
+        status += "; " + executor.wide.kernels_status
     return status
 
 
