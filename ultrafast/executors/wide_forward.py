@@ -11,8 +11,8 @@ weights (q/k/v and gate/up fused: one GEMM each; packed once into oneDNN's layou
 works, packed_linear.py), norms and RoPE run in float32 (fused C kernels where they win,
 fused_ops.py), attention runs per sequence and layer over the slot's earlier KV (from
 llama.cpp or the torch mirror) plus the chunk (`_causal_attention`): on AMX tiles where that
-kernel wins (prefill_attention.py), else torch's fused bf16 SDPA. The last layer stops after its K/V: nothing reads its
-output. Keys come out in llama.cpp's layout
+kernel wins (prefill_attention.py), else torch's fused bf16 SDPA. The last layer stops after
+its K/V: nothing reads its output. Keys come out in llama.cpp's layout
 (interleaved RoPE pairs for the "llama" arch, whose q/k rows converters permute).
 """
 
