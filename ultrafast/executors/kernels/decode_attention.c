@@ -55,6 +55,14 @@ static inline __attribute__((always_inline)) void attend(
     }
     for (int64_t t0 = 0; t0 < len; t0 += BLOCK) {
         const int n = len - t0 < BLOCK ? (int)(len - t0) : BLOCK;
+        /* the next block's K and V rows asked for now: at long context the step reads them
+         * from DRAM (~12 MB a layer at 16 x 1,000), and the hardware prefetcher alone left
+         * ~10% of the bandwidth unused */
+        const int64_t ahead = len - t0 - BLOCK < BLOCK ? len - t0 - BLOCK : BLOCK;
+        for (int64_t i = 0; i < ahead * dim; i += 32) {
+            _mm_prefetch((const char *)(k + (t0 + BLOCK) * dim + i), _MM_HINT_T0);
+            _mm_prefetch((const char *)(v + (t0 + BLOCK) * dim + i), _MM_HINT_T0);
+        }
         for (int t = 0; t < n; t++) {
             __m512 kf[8];
             for (int c = 0; c < chunks; c++) kf[c] = load_bf16x16(k + (t0 + t) * dim + 16 * c, 0xFFFF);
