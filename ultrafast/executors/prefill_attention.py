@@ -94,8 +94,8 @@ def attend(kernel: Kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 
 def sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask=None) -> torch.Tensor:
-    """torch's fused attention on the same call (`mask`: the additive causal mask of
-    wide_forward.causal_mask, built by the caller once per pass)."""
+    """torch's fused attention on the same call (`mask`: `causal_mask(T, total)`, built by
+    the caller once per pass, or here)."""
     t, total = q.shape[0], keys.shape[1]
     queries, k, v = q.transpose(0, 1)[None], keys[None], values[None]
     if total == t:  # no earlier KV: the plain causal triangle
@@ -135,15 +135,22 @@ def choose(heads: int, kv_heads: int, head_dim: int) -> tuple[Kernel | None, str
     ours, theirs = attend(kernel, q, keys, values), sdpa(q, keys, values, mask)
     if not torch.allclose(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2):
         return None, f"prefill attention: torch SDPA (the {kernel.kind} kernel disagrees)"
-    best = [float("inf"), float("inf")]
-    for _ in range(7):  # interleaved, best of: the machine's drift hits both alike
-        for i, call in enumerate(
-            (lambda: attend(kernel, q, keys, values), lambda: sdpa(q, keys, values, mask))
-        ):
-            started = time.perf_counter()
-            call()
-            best[i] = min(best[i], time.perf_counter() - started)
+    best = _best_of_interleaved(
+        lambda: attend(kernel, q, keys, values), lambda: sdpa(q, keys, values, mask)
+    )
     figures = f"{best[0] * 1e6:.0f} vs {best[1] * 1e6:.0f} us a layer at 512 after 512"
     if best[0] >= best[1]:
         return None, f"prefill attention: torch SDPA (the {kernel.kind} kernel: {figures})"
     return kernel, f"prefill attention: {kernel.kind} C kernel ({figures} for SDPA)"
+
+
+def _best_of_interleaved(*calls, rounds: int = 7) -> list[float]:
+    """Each call's best time over `rounds` rounds, the calls interleaved in every round: the
+    machine's drift (1.5-2x within minutes here) hits them alike."""
+    best = [float("inf")] * len(calls)
+    for _ in range(rounds):
+        for i, call in enumerate(calls):
+            started = time.perf_counter()
+            call()
+            best[i] = min(best[i], time.perf_counter() - started)
+    return best

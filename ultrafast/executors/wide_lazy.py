@@ -61,8 +61,7 @@ NEED_TOKENS = LONG_CHUNK  # routable prefill tokens in one pass that make the pa
 # raised when a change moves the wide path's speed (2: packed oneDNN weights, grouped decode
 # attention; 3: prefill attention as bf16 GEMMs; 4: the C decode attention kernel, prefill and
 # decodes in one pass; 5: the fused elementwise C ops; 6: the AMX prefill attention kernel):
-# routing decisions cached by an earlier
-# revision are timed again
+# routing decisions cached by an earlier revision are timed again
 WIDE_PATH_REVISION = 6
 
 
