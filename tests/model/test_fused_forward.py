@@ -65,6 +65,17 @@ def greedy(
     return tokens, margins
 
 
+def assert_equal_or_near_ties(got_tokens, want_tokens, margins, reference: str) -> None:
+    """Each prompt's tokens equal the reference's, or part where the reference's top-2 logits
+    were within NEAR_TIE (printed); at least half the prompts equal throughout."""
+    for j, (got, want) in enumerate(zip(got_tokens, want_tokens)):
+        if got != want:
+            at = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            print(f"prompt {j}: diverges at token {at}, {reference} margin {margins[j][at]:.3f}")
+            assert margins[j][at] < NEAR_TIE
+    assert sum(g == w for g, w in zip(got_tokens, want_tokens)) >= len(want_tokens) // 2
+
+
 @pytest.mark.parametrize("model", ["demo", "smollm2"])
 def test_fused_ops_keep_the_greedy_tokens(model):
     if _bf16_unavailable():
@@ -78,12 +89,7 @@ def test_fused_ops_keep_the_greedy_tokens(model):
     fused = fw.fused
     fw.fused = None
     torch_tokens, margins = greedy(fw, batch)
-    for j, (got, want) in enumerate(zip(fused_tokens, torch_tokens)):
-        if got != want:
-            at = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-            print(f"prompt {j}: diverges at token {at}, torch margin {margins[j][at]:.3f}")
-            assert margins[j][at] < NEAR_TIE
-    assert sum(f == t for f, t in zip(fused_tokens, torch_tokens)) >= len(batch) // 2
+    assert_equal_or_near_ties(fused_tokens, torch_tokens, margins, "torch")
     ids = torch.tensor(batch[0])
     want_k, want_v = fw.kv(ids, torch.arange(len(ids)), [SeqChunk(0, len(ids), 0)])
     fw.fused = fused
@@ -106,15 +112,7 @@ def test_the_amx_prefill_attention_keeps_the_greedy_tokens(model):
     fw.prefill_kernel = None
     sdpa_tokens, margins = greedy(fw, batch, split=True)
     fw.prefill_kernel = kernel
-    for j, (got, want) in enumerate(zip(kernel_tokens, sdpa_tokens)):
-        if got != want:
-            at = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-            print(f"prompt {j}: diverges at token {at}, SDPA margin {margins[j][at]:.3f}")
-            assert margins[j][at] < NEAR_TIE
-    assert sum(k == t for k, t in zip(kernel_tokens, sdpa_tokens)) >= len(batch) // 2
+    assert_equal_or_near_ties(kernel_tokens, sdpa_tokens, margins, "SDPA")
     # and one pass over whole prompts agrees with the two-chunk passes
     whole_tokens, margins = greedy(fw, batch)
-    for j, (got, want) in enumerate(zip(kernel_tokens, whole_tokens)):
-        if got != want:
-            at = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-            assert margins[j][at] < NEAR_TIE
+    assert_equal_or_near_ties(kernel_tokens, whole_tokens, margins, "one-pass")
