@@ -168,10 +168,21 @@ class EngineConfig:
             **reads("num_slots"),
         },
     )
-    max_num_batched_tokens: int = 512  # token budget per step
-    # chunked prefill size: the whole budget, so concurrent long prompts finish their prefill
-    # one after another (first come, first served) instead of in lockstep pairs
-    max_prefill_chunk_tokens: int = 512
+    max_num_batched_tokens: int = field(  # token budget per step
+        default=512,
+        metadata=flag(
+            "--max-num-batched-tokens",
+            "engine",
+            "tokens one step may hold, prompt chunks and decodes together (default 512); a "
+            "larger budget prefills long prompts in fewer, wider passes, a smaller one keeps "
+            "running streams' token gaps short",
+            type=int,
+            bounds=(16, 16384),
+        ),
+    )
+    # chunked prefill size, 0 = the whole budget: concurrent long prompts then finish their
+    # prefill one after another (first come, first served) instead of in lockstep pairs
+    max_prefill_chunk_tokens: int = 0
     # queued requests over all tiers: a waiting request holds only its token ids, so this is a
     # memory bound, not a latency one (admission refuses on predicted wait first)
     max_waiting: int = 4096
@@ -386,7 +397,14 @@ class EngineConfig:
         ),
     )
 
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """The largest prefill chunk a request gets in one step (0 in the field: the budget)."""
+        return self.max_prefill_chunk_tokens or self.max_num_batched_tokens
+
     def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_prefill_chunk_tokens < 0:
+            raise ValueError("max_num_batched_tokens must be >= 1, max_prefill_chunk_tokens >= 0")
         if self.short_first_window_s < 0:
             raise ValueError("short_first_window_s must be >= 0")
         if self.kv_host_cache_gb < 0 or self.kv_disk_gb <= 0:

@@ -103,7 +103,7 @@ def build_engine(
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        max_prefill_chunk_tokens=config.max_prefill_chunk_tokens,
+        max_prefill_chunk_tokens=config.prefill_chunk_tokens,
         max_model_len=config.max_model_len,
         max_waiting=config.max_waiting,
         short_first_window_s=config.short_first_window_s,

@@ -122,3 +122,16 @@ def test_max_num_seqs_has_its_own_flag_and_follows_num_slots_without_it():
     assert "max_num_seqs" not in read()  # 0: every slot, once the slots are known
     with pytest.raises(ValueError, match="cannot exceed num_slots"):
         EngineConfig(model="m", **read("--num-slots", "2", "--max-num-seqs", "3"))
+
+
+def test_the_step_budget_has_a_flag_and_the_prefill_chunk_follows_it():
+    parser = _serve_parser()
+
+    def config(*argv: str) -> EngineConfig:
+        return EngineConfig(model="m", **read_config(EngineConfig, parser.parse_args(list(argv))))
+
+    assert config().max_num_batched_tokens == config().prefill_chunk_tokens == 512
+    wide = config("--max-num-batched-tokens", "2048")
+    assert (wide.max_num_batched_tokens, wide.prefill_chunk_tokens) == (2048, 2048)
+    with pytest.raises(ValueError, match="--max-num-batched-tokens 8"):
+        config("--max-num-batched-tokens", "8")

@@ -1,5 +1,7 @@
 """The engine step's parts: capabilities an executor declares, the step budget, the inbox."""
 
+import pytest
+
 from ultrafast.core.scheduler import SchedulerConfig
 from ultrafast.engine.core import EngineCore
 from ultrafast.engine.read_api import (
@@ -98,3 +100,22 @@ def test_the_inbox_carries_typed_items_and_the_read_api_is_a_member():
         engine._handle(item)
     assert engine.core.scheduler.reserved_priority_seats == {"acme": 1}
     assert "r" not in engine.core.scheduler.requests  # added, then aborted
+
+
+def test_decode_only_steps_keep_a_prompt_token_at_its_measured_cost():
+    """A phase of decode steps alone (every token its own sequence, each reading a long KV)
+    must not make a prompt token cost what a decode costs: that priced 16 queued 1,000-token
+    prompts at ~32 s and refused them (429)."""
+    costs = StepCostModel()
+    for _ in range(30):  # one stream: 10 ms a step, 0.2 ms a token (prefill and decode)
+        costs.observe(1, 512, 0.010 + 512 * 0.0002)
+        costs.observe(1, 1, 0.010 + 0.0002)
+    assert costs.per_token_s == pytest.approx(0.0002, rel=0.01)
+    for _ in range(20):  # then only decodes, widths 16 .. 2: 2.1 ms more for each sequence
+        for width in range(16, 1, -1):
+            costs.observe(width, width, 0.010 + 0.0021 * (width - 1) + 0.0002 * width)
+    assert costs.per_token_s == pytest.approx(0.0002, rel=0.01)
+    assert costs.per_seq_s == pytest.approx(0.0021, rel=0.05)
+    wide_decode = costs.base_s + 15 * costs.per_seq_s + 16 * costs.per_token_s
+    assert wide_decode == pytest.approx(0.010 + 0.0021 * 15 + 0.0002 * 16, rel=0.05)
+    assert 16_000 * costs.per_token_s < 4.0  # 16 x 1,000 prompt tokens: ~3.2 s, not ~37 s

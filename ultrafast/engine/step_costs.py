@@ -91,10 +91,22 @@ class StepCostModel:
                 self._per_seq_s, self._per_token_s = per_seq, per_token
                 self._base_s = max(y - per_seq * s - per_token * t, 0.0)
                 return
-        slope = cov_ty / var_t  # tokens alone (e.g. a single stream: prefills and decodes)
-        if slope > 0:
-            self._per_seq_s, self._per_token_s = 0.0, slope
-            self._base_s = max(y - slope * t, 0.0)
+        slope = cov_ty / var_t
+        if slope <= 0:
+            return
+        known = self._per_token_s
+        if var_s > 0.25 and known is not None and known < slope:
+            # sequences grew with tokens (decode steps only): the slope is what one more
+            # decode costs, its own KV read included (~2.3 ms at 1,000 positions against
+            # ~0.2 ms a prompt token, 2-core AMX Xeon). As a token's cost it priced 16 queued
+            # 1,000-token prompts at ~32 s and refused them (429); a token keeps its last
+            # measured cost and the rest of the slope is the sequence's
+            self._per_seq_s = slope - known
+            self._base_s = max(y - self._per_seq_s * s - known * t, 0.0)
+            return
+        # tokens alone (e.g. a single stream: prefills and decodes)
+        self._per_seq_s, self._per_token_s = 0.0, slope
+        self._base_s = max(y - slope * t, 0.0)
 
     def token_budget(self, target_s: float, minimum: int = 1) -> int | None:
         """Tokens a step may hold and still take <= target_s, counting every token past the
