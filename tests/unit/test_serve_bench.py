@@ -23,9 +23,12 @@ from ultrafast_harness.bench.serve_client import stream_chat
 from ultrafast_harness.bench.serve_plan import Level, interleaved, levels_of
 from ultrafast_harness.bench.serve_servers import (
     PeakRss,
+    alone,
     cpu_list,
+    freeze_group,
     llama_cpp_spec,
     ours_spec,
+    thaw_group,
     tree_pids,
     vllm_spec,
 )
@@ -385,3 +388,67 @@ def test_long_prompt_levels_plot_beside_the_short_ones(tmp_path):
     paths = write_outputs(report, tmp_path / "serve.json")
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| ours | long 4 |" in paths["md"].read_text()
+
+
+def _states(pids: list[int]) -> set[str]:
+    """Each process's state letter (/proc/PID/stat: T = stopped)."""
+    out = set()
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        out.add(stat[stat.rindex(")") + 2])
+    return out
+
+
+def test_a_frozen_server_group_stops_whole_and_thaws():
+    code = "import subprocess, time; subprocess.Popen(['sleep', '30']); time.sleep(30)"
+    group = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while len(tree_pids(group.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = tree_pids(group.pid)
+        assert len(pids) == 2 and "T" not in _states(pids)
+        freeze_group(group.pid)
+        deadline = time.monotonic() + 10
+        while _states(pids) != {"T"} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _states(pids) == {"T"}  # the leader and its child
+        thaw_group(group.pid)
+        deadline = time.monotonic() + 10
+        while "T" in _states(pids) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "T" not in _states(pids)
+    finally:
+        os.killpg(group.pid, 9)
+        group.wait()
+    freeze_group(group.pid)  # a group gone meanwhile: nothing to do, no error
+    thaw_group(group.pid)
+
+
+class _Server:
+    def __init__(self, log: list, name: str):
+        self.log, self.name = log, name
+
+    def freeze(self):
+        self.log.append(("freeze", self.name))
+
+    def thaw(self):
+        self.log.append(("thaw", self.name))
+
+
+def test_every_other_server_is_frozen_during_a_level_and_thawed_after_a_failure():
+    log: list = []
+    running = {n: _Server(log, n) for n in ("ours", "vllm-bound", "vllm-unbound")}
+    with alone(running, "vllm-bound"):
+        assert sorted(log) == [("freeze", "ours"), ("freeze", "vllm-unbound")]
+    assert sorted(log[2:]) == [("thaw", "ours"), ("thaw", "vllm-unbound")]
+    log.clear()
+    with pytest.raises(RuntimeError), alone(running, "ours"):
+        raise RuntimeError("the level failed")
+    assert sorted(log) == [
+        ("freeze", "vllm-bound"),
+        ("freeze", "vllm-unbound"),
+        ("thaw", "vllm-bound"),
+        ("thaw", "vllm-unbound"),
+    ]

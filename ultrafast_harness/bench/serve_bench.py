@@ -38,6 +38,7 @@ from ultrafast_harness.bench.serve_servers import (
     SERVED_NAME,
     RunningServer,
     ServerSpec,
+    alone,
     llama_cpp_spec,
     ours_spec,
     vllm_spec,
@@ -329,21 +330,23 @@ def run_serve_bench(args) -> dict:
         running = start_servers(server_specs(args, model), args, model, out, report)
         rows = {name: {} for name in running}
         for r, level, name in interleaved(list(running), bench_levels(args), args.rounds):
-            waited_s, busy = wait_quiet()  # the previous server's work must not leak in
-            print(
-                f"bench serve: round {r} level {level.key}: {name} (machine quiet after "
-                f"{waited_s:.1f} s: {busy:.2f} cores busy)",
-                flush=True,
-            )
-            running[name].memory.resume()
-            try:
-                result = asyncio.run(run_level(running[name], level, r, args, model))
-            finally:
-                running[name].memory.pause()
+            with alone(running, name):  # the others frozen: no idle wake-ups beside it
+                waited_s, busy = wait_quiet()  # the previous server's work must not leak in
+                print(
+                    f"bench serve: round {r} level {level.key}: {name} (machine quiet after "
+                    f"{waited_s:.1f} s: {busy:.2f} cores busy)",
+                    flush=True,
+                )
+                running[name].memory.resume()
+                try:
+                    result = asyncio.run(run_level(running[name], level, r, args, model))
+                finally:
+                    running[name].memory.pause()
             result["quiet_wait_s"], result["busy_cores_before"] = waited_s, busy
             rows[name].setdefault(level.key, []).append(result)
         if "ours" in running and args.priority_probes > 0:
-            probe = asyncio.run(priority_probe(running["ours"], args, model))
+            with alone(running, "ours"):
+                probe = asyncio.run(priority_probe(running["ours"], args, model))
             report["servers"]["ours"]["priority_probe"] = probe
     finally:
         for name, server in running.items():
