@@ -1,8 +1,9 @@
 """The order `ultrafast bench serve` runs its levels in: servers interleaved per level.
 
-Every server is started first (one at a time, so each start is timed alone) and stays up; then
-each level (a stream count at the short prompt length, a stream count at the long prompt
-length, the burst) runs on every server in turn before the next level starts. A machine whose
+Every server is started first (one at a time, so each start is timed alone) and stays up, the
+others frozen while one runs a level (serve_servers.alone); then each level (a stream count at
+the short prompt length, a stream count at the long prompt length, the burst) runs on every
+server in turn before the next level starts. A machine whose
 speed drifts over minutes (a neighbour, thermal limits) then weighs on every server's figure of
 a level alike, instead of on whichever server ran last. The server order rotates from level to
 level and round to round, so no server always runs first (a cold cache) or last.
