@@ -1,13 +1,15 @@
-"""The wide decode step's C attention kernel (executors/decode_attention.py): exact to float
-rounding against a float32 reference for the head sizes and groups it serves, in its AVX-512
-and portable builds; wrong calls refused before they reach C; without a compiler the step
-keeps torch's SDPA and says why."""
+"""The wide decode step's C attention kernel (executors/decode_attention.py): its float
+builds (AVX-512, portable) exact to float rounding against a float32 reference, its bf16
+build (AVX512-BF16) exact to the rounding of its bf16 probabilities against the same reference
+over queries rounded as it rounds them, for the head sizes and groups it serves; wrong calls
+refused before they reach C; without a compiler the step keeps torch's SDPA and says why."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from ultrafast.cpu_info import matrix_features
 from ultrafast.executors import decode_attention as da
 
 
@@ -50,26 +52,53 @@ SHAPES = [(9, 3, 64), (8, 8, 64), (32, 4, 128), (14, 2, 64)]  # SmolLM2, MHA, 8-
 LENS = [1, 63, 64, 65, 300, 7]  # around the kernel's 64-row blocks and 16-lane tails
 
 
-@pytest.mark.parametrize("variant", ["native", "portable"])
+VARIANTS = {  # name -> the build's extra flags, the kind it must report
+    "native": ((), None),
+    "float-avx512": (("-mno-avx512bf16",), "avx512"),
+    "portable": (("-mno-avx512f",), "portable"),
+}
+
+
+def rounded_queries(q: torch.Tensor) -> torch.Tensor:
+    """The queries as the bf16 build sees them: scaled to base-2 scores, rounded to bf16."""
+    to_base2 = q.shape[-1] ** -0.5 * 1.4426950408889634
+    return (q * to_base2).to(torch.bfloat16).float() / to_base2
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_matches_float_attention(shape, variant):
-    flags = () if variant == "native" else ("-mno-avx512f",)
-    if variant == "portable" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
-        pytest.skip("not an x86 CPU: -mno-avx512f is no flag here")
+    flags, kind = VARIANTS[variant]
+    if flags and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("not an x86 CPU: -mno-avx512* are no flags here")
+    if kind == "avx512" and not matrix_features()["avx512"]:
+        pytest.skip("this CPU has no AVX-512: no float AVX-512 build to test")
     kernel = kernel_or_skip(flags)
-    if variant == "portable":
-        assert kernel.kind == "portable"
+    if kind is not None:
+        assert kernel.kind == kind
     q, keys, values, rows = problem(*shape, LENS)
     got = da.attend(kernel, q, keys, values, rows)
-    want = reference(q, keys, values, rows)
-    assert got.shape == want.shape
-    assert (got - want).abs().max() <= 2e-5 * want.abs().max() + 1e-6
+    if kernel.kind == "avx512-bf16":
+        # its probabilities are bf16 (8 significant bits): errors of ~2^-9 of a value,
+        # averaging out over the keys; the queries' rounding is the reference's too
+        want = reference(rounded_queries(q), keys, values, rows)
+        assert (got - want).abs().max() <= 2e-3 * want.abs().max()
+        assert (got - want).abs().mean() <= 2e-4 * want.abs().max()
+        # and against queries kept whole: the queries' rounding alone (~5e-3 here)
+        exact = reference(q, keys, values, rows)
+        assert (got - exact).abs().max() <= 2e-2 * exact.abs().max()
+    else:
+        want = reference(q, keys, values, rows)
+        assert (got - want).abs().max() <= 2e-5 * want.abs().max() + 1e-6
+    assert got.shape == (len(rows.rows), shape[0], shape[2])
 
 
-def test_the_native_build_uses_avx512_where_the_cpu_has_it():
-    if "avx512" not in torch.backends.cpu.get_cpu_capability().lower():
+def test_the_native_build_uses_the_widest_instructions_the_cpu_has():
+    features = matrix_features()
+    if not features["avx512"]:
         pytest.skip("this CPU has no AVX-512: the native build is the portable one")
-    assert kernel_or_skip().kind == "avx512"
+    want = "avx512-bf16" if features["avx512_bf16"] else "avx512"
+    assert kernel_or_skip().kind == want
 
 
 def test_wrong_calls_are_refused_before_c():

@@ -3,9 +3,12 @@ this CPU at first use, or torch's SDPA where it cannot be built or is not faster
 
 Why: in a 16-slot torch decode step, SDPA's flash kernel spent ~0.5 ms a layer on 48 tiny
 problems (3 query heads against ~200 keys each) at ~7 GB/s; the C kernel reads each slot's
-K/V rows once in float32 with a vectorized softmax: 2.5-4x faster on the 2-core AMX Xeon
-(16 slots, 30 / 200 / 1,100 positions: 22 / 95 / 665 us against 97 / 248 / 1,686 us a
-layer), and exact to float rounding where SDPA rounds the queries to bf16.
+K/V rows once with a vectorized softmax: 2.5-4x faster on the 2-core AMX Xeon (16 slots,
+30 / 200 / 1,100 positions: 22 / 95 / 665 us against 97 / 248 / 1,686 us a layer). Three
+builds, by what the compiler targets: "avx512-bf16" (bf16 dot products on AVX512-BF16:
+queries and probabilities rounded to bf16, as SDPA and the AMX prefill kernel round theirs;
+a 16-slot step at 1,074 positions 23.5 against 28 ms for the float build, the keys read at
+~17 against ~14 GB/s), "avx512" (float32, exact to float rounding) and "portable".
 
 The build (native_build.py): `cc -O3 -march=native -fopenmp -shared` into the cache
 directory, ~0.4 s once per machine, sharing torch's OpenMP pool. `load()` says why not where
@@ -34,7 +37,7 @@ MAX_GROUP = 16  # query heads per KV head (MAX_GROUP in the C file)
 @dataclass
 class Kernel:
     lib: ctypes.CDLL
-    kind: str  # "avx512" or "portable"
+    kind: str  # "avx512-bf16", "avx512" or "portable"
 
 
 @functools.cache
@@ -45,7 +48,7 @@ def load() -> Kernel | str:
 
 def build(extra_flags: tuple[str, ...] = ()) -> Kernel | str:
     """The kernel built with native_build's flags + `extra_flags` (tests build the portable
-    variant with -mno-avx512f), or why there is none (one line)."""
+    variants with -mno-avx512f or -mno-avx512bf16), or why there is none (one line)."""
     lib = build_library("decode_attention", extra_flags)
     if isinstance(lib, str):
         return lib
