@@ -602,3 +602,41 @@ def test_narrow_decodes_over_long_mirror_only_slots_stay_in_torch(monkeypatch):
         assert moves["push"] == 0 and ggml_passes == []
         assert [ex.mirror.length(i) for i in range(2)] == [150 + NEW_TOKENS - 1] * 2
     assert_near_ties(want, got, margins)
+
+
+def test_a_mixed_pass_pads_its_whole_row_count(monkeypatch):
+    """Chunks + decodes run their GEMMs on padded_rows(chunk rows + decodes) rows, a row count
+    oneDNN has a primitive for (a new count cost ~10-20 ms a step, served), and give the
+    logits an unpadded pass gives, to bf16 rounding."""
+    import torch
+
+    from ultrafast.executors import wide_forward as wf
+
+    fw = wf.WideForward(DEMO_GGUF, 256)
+    seen: list[int] = []
+    real = wide_decode.linear
+
+    def counted(x, weight, bias=None):
+        seen.append(x.shape[0])
+        return real(x, weight, bias)
+
+    def mixed_pass() -> torch.Tensor:
+        mirror = wide_decode.new_mirror(fw, 256, 8)
+        for slot in range(3):  # three slots hold 20 positions each, then decode
+            ids = list(range(10 + slot, 30 + slot))
+            chunk = [wf.SeqChunk(0, 20, 0)]
+            wide_decode.step_logits(fw, mirror, (ids, list(range(20)), chunk, [slot]), None)
+        seen.clear()
+        prefill = (list(range(40, 80)), list(range(40)), [wf.SeqChunk(0, 40, 0)], [3])
+        return wide_decode.step_logits(
+            fw, mirror, prefill, ([5, 6, 7], [0, 1, 2], [20, 20, 20]), logits_of=[0]
+        )
+
+    monkeypatch.setattr(wide_decode, "linear", counted)
+    padded = mixed_pass()
+    assert set(seen[:-1]) == {wf.padded_rows(43)} == {48}  # the lm_head takes 4 rows
+    monkeypatch.setattr(wide_decode, "padded_rows", lambda n: n)
+    exact = mixed_pass()
+    assert set(seen[:-1]) == {43}
+    assert padded.shape == exact.shape == (4, fw.lm_head.shape[0])
+    assert torch.allclose(padded, exact, rtol=0, atol=0.02 * float(exact.abs().max()))

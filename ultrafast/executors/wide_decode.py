@@ -173,7 +173,12 @@ def step_logits(
     then of every decode, in that order."""
     assert fw.lm_head is not None and fw.norm is not None
     ids, positions = ([], []) if prefill is None else (list(prefill[0]), list(prefill[1]))
-    rows = padded_rows(len(ids)) if ids else 0
+    # the pass's whole row count (chunks, padding, decodes) is padded_rows': oneDNN builds a
+    # primitive per row count, ~10-20 ms at a new one (30-layer MLP at 1,031 rows: 113 ms
+    # the first time, 99 after, AMX Xeon), and chunks + k decodes made a new count of most
+    # served steps while streams joined (MLP 114-134 ms where 1,024 rows took 103)
+    decoding = 0 if decodes is None else len(decodes[0])
+    rows = padded_rows(len(ids) + decoding) - decoding if ids else 0
     ids += [0] * (rows - len(ids))  # padding rows: attended by no one, dropped
     positions += [0] * (rows - len(positions))
     for slot, end in _room(prefill, decodes):

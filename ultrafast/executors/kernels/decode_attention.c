@@ -60,6 +60,15 @@ static inline __mmask16 first_lanes(int n) {
 static inline __m512 scores16(const __m512bh *qb, const uint16_t *k, int64_t t0, int n,
                               const int dim) {
     __m512 d[16];
+    if (n >= 16) { /* the common case, without a test per key: unrolled, in registers */
+        for (int t = 0; t < 16; t++) {
+            d[t] = _mm512_setzero_ps();
+            for (int c = 0; c < dim / 32; c++)
+                d[t] = _mm512_dpbf16_ps(
+                    d[t], qb[c], as_bh(_mm512_loadu_si512(k + (t0 + t) * dim + 32 * c)));
+        }
+        return sum16(d);
+    }
     for (int t = 0; t < 16; t++) {
         d[t] = _mm512_setzero_ps();
         if (t < n)
