@@ -260,3 +260,32 @@ def test_weights_that_fail_to_load_leave_every_pass_on_llama_cpp(monkeypatch):
         step(ex, batch, first_slot=2)  # takes the outcome: off, and this pass on llama.cpp
         assert ex.wide is None and not ex.wide_lazy.wants_time()
         assert ex.wide_status == "off (the bf16 weights did not load: OSError: the GGUF went away)"
+
+
+def test_the_load_builds_every_gemm_row_count_a_step_can_have(monkeypatch):
+    """oneDNN builds a primitive per GEMM row count (~10-20 ms a served step at a new one):
+    the background load runs one layer's GEMMs at every count a step of the executor's budget
+    beside its slots' decodes can have (padded_rows' values), so no step builds one."""
+    from ultrafast.executors import wide_forward as wf
+
+    assert wf.gemm_row_counts(40, 8) == list(range(1, 33)) + [48]
+    counts = wf.gemm_row_counts(512, 32)
+    assert counts == list(range(1, 33)) + list(range(48, 545, 16))
+    assert max(wf.gemm_row_counts(16384, 64)) == wf.WARM_ROWS_MAX
+    seen: list[tuple[int, int]] = []
+    real = wf.linear
+
+    def counted(x, weight, bias=None):
+        seen.append((x.shape[0], x.shape[1]))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(wf, "linear", counted)
+    with by_need() as ex:
+        batch = long_prompts(ex.vocab_size)
+        step(ex, batch)  # needs the wide path: the load starts
+        ex.wide_lazy.wait_loaded(120)
+        want = wf.gemm_row_counts(ex.max_num_batched_tokens, ex.num_slots)
+        hidden = ex.wide_lazy._loaded.config.hidden_size
+        warmed = [rows for rows, width in seen if width == hidden]
+        # q/k/v, o and gate/up read hidden-size rows: three GEMMs at each count, in order
+        assert warmed[: 3 * len(want)] == [r for r in want for _ in range(3)]

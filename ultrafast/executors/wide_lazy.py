@@ -153,7 +153,7 @@ class WideLazy:
         self._loader.start()
 
     def _load(self) -> None:
-        from ultrafast.executors.wide_forward import WideForward
+        from ultrafast.executors.wide_forward import WideForward, gemm_row_counts
 
         try:  # a thread's own niceness on Linux; torch's pool threads made here inherit it
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICE)
@@ -165,8 +165,10 @@ class WideLazy:
         except Exception as exc:  # noqa: BLE001 - any failure leaves llama.cpp serving
             self._load_error = f"{type(exc).__name__}: {exc}"
             return
-        # the decode attention kernel built and timed here too, off the engine thread
+        # the decode attention kernel built and timed here too, off the engine thread, and
+        # oneDNN's primitives for every row count a step can have
         attention_choice(forward.heads, forward.kv_heads, forward.head_dim)
+        forward.warm_gemms(gemm_row_counts(self.ex.max_num_batched_tokens, self.ex.num_slots))
         self._loaded = forward
         from ultrafast.executors.packed_linear import pack_support
 
