@@ -5,8 +5,12 @@ halves, not llama.cpp's interleaved pairs), indexed by slot id. The tensors live
 private mappings: a page costs memory only once written (reads of the rest see the kernel's
 zero page), and a replaced tensor's mapping goes back to the system at once. So the rows
 cover every slot from the first use (`max_rows`, the slot count: a row costs nothing until its
-slot writes), and the capacity grows by need, by half at least, in steps of 64, to the longest
-position reached (never past `max_len`): a growth copies each slot's written positions only.
+slot writes), and so does the capacity: `FIRST_CAPACITY` positions (2,048, at most `max_len`)
+from the first use, a position costing nothing until written; past it the capacity grows by
+need, by half at least, in steps of 64 (never past `max_len`): a growth copies each slot's
+written positions only. Why not grow from the first positions: each growth copies every
+slot's rows (32 slots after a level of short prompts: ~170 MB, 20-45 ms), and the first
+1,000-token prompts after short ones paid three, ~45 ms in each of their first steps.
 The mirror's memory is about the positions the slots hold, not rows x capacity (16 streams of
 1,128 tokens: 0.4 GiB resident where the zero-filled tensors held 0.7-1.1 GiB, plus the freed
 copies of every growth that malloc kept).
@@ -22,6 +26,7 @@ import torch
 
 BF16 = torch.bfloat16
 _STEP = 64  # capacity grows in multiples of this many positions, by half at least
+FIRST_CAPACITY = 2048  # positions from the first use (at most max_len): paged in as written
 
 
 class KVMirror:
@@ -51,7 +56,7 @@ class KVMirror:
             rows = max(slot + 1, rows + rows // 2)
             rows = rows if self.max_rows is None else max(slot + 1, self.max_rows)
         if capacity < end:
-            wanted = max(end, capacity + capacity // 2)
+            wanted = max(end, capacity + capacity // 2, FIRST_CAPACITY)
             capacity = min(self.max_len, -(-wanted // _STEP) * _STEP)
         if (rows, capacity) != (self._rows, self._capacity):
             self._resize(rows, capacity)
