@@ -69,6 +69,16 @@ def test_equal_to_a_float64_reference(t, total):
     assert_close(pa.attend(kernel, q, keys, values), reference(q, keys, values))
 
 
+def test_a_call_after_a_longer_one_reads_nothing_of_it():
+    """The packed K/V buffer is kept per thread between calls (a fresh one per call was paged
+    in anew each time): a shorter call after a longer one, and a longer one after it, each
+    equal to the reference (no stale keys past a call's own)."""
+    kernel = kernel_or_skip()
+    for seed, (t, total) in enumerate([(64, 900), (20, 37), (7, 7), (300, 1200), (16, 100)]):
+        q, keys, values = problem(t, total, seed=seed)
+        assert_close(pa.attend(kernel, q, keys, values), reference(q, keys, values))
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 1)])
 def test_other_query_groupings(heads, kv_heads):
     kernel = kernel_or_skip()
