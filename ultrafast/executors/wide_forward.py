@@ -74,7 +74,7 @@ def padded_rows(rows: int) -> int:
     return rows if rows <= 32 else -(-rows // 16) * 16
 
 
-WARM_ROWS_MAX = 2048  # row counts warmed at load at most: beyond, a build is ~1% of a pass
+WARM_ROWS_MAX = 2048  # row counts built at load at most: a longer pass pays a few % once
 
 
 def gemm_row_counts(max_tokens: int, max_decodes: int) -> list[int]:
@@ -135,7 +135,7 @@ class WideForward:
         """Run one layer's GEMMs once at each row count: oneDNN builds a primitive per row
         count (~0.3 ms a GEMM at 16 rows, ~4 ms at 528, AMX Xeon) and keeps it for every
         layer and thread, so a served step never pays one (a new count had cost a step
-        10-20 ms). ~0.3 s for a 512-token budget, at load, off the engine thread."""
+        10-20 ms). ~0.4 s for a 512-token budget, at load, off the engine thread."""
         layer = self.layers[0]
         gemms = ((layer.qkv, layer.qkv_bias), (layer.o, None), (layer.gate_up, None))
         for rows in row_counts:

@@ -168,7 +168,10 @@ class WideLazy:
         # the decode attention kernel built and timed here too, off the engine thread, and
         # oneDNN's primitives for every row count a step can have
         attention_choice(forward.heads, forward.kv_heads, forward.head_dim)
-        forward.warm_gemms(gemm_row_counts(self.ex.max_num_batched_tokens, self.ex.num_slots))
+        try:  # a speed-up only: the passes build what they meet if this fails
+            forward.warm_gemms(gemm_row_counts(self.ex.max_num_batched_tokens, self.ex.num_slots))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("wide passes: GEMM row counts not built ahead (%s)", exc)
         self._loaded = forward
         from ultrafast.executors.packed_linear import pack_support
 
