@@ -29,6 +29,7 @@ from tests.model.test_wide_pass import (
     seq,
     smollm2_bf16,
     smollm2_q4_1,
+    spy_gemm_rows,
     text_prompts,
     wide,
 )
@@ -613,12 +614,6 @@ def test_a_mixed_pass_pads_its_whole_row_count(monkeypatch):
     from ultrafast.executors import wide_forward as wf
 
     fw = wf.WideForward(DEMO_GGUF, 256)
-    seen: list[int] = []
-    real = wide_decode.linear
-
-    def counted(x, weight, bias=None):
-        seen.append(x.shape[0])
-        return real(x, weight, bias)
 
     def mixed_pass() -> torch.Tensor:
         mirror = wide_decode.new_mirror(fw, 256, 8)
@@ -632,11 +627,11 @@ def test_a_mixed_pass_pads_its_whole_row_count(monkeypatch):
             fw, mirror, prefill, ([5, 6, 7], [0, 1, 2], [20, 20, 20]), logits_of=[0]
         )
 
-    monkeypatch.setattr(wide_decode, "linear", counted)
+    seen = spy_gemm_rows(monkeypatch, wide_decode)
     padded = mixed_pass()
-    assert set(seen[:-1]) == {wf.padded_rows(43)} == {48}  # the lm_head takes 4 rows
+    assert {r for r, _ in seen[:-1]} == {wf.padded_rows(43)} == {48}  # the lm_head: 4 rows
     monkeypatch.setattr(wide_decode, "padded_rows", lambda n: n)
     exact = mixed_pass()
-    assert set(seen[:-1]) == {43}
+    assert {r for r, _ in seen[:-1]} == {43}
     assert padded.shape == exact.shape == (4, fw.lm_head.shape[0])
     assert torch.allclose(padded, exact, rtol=0, atol=0.02 * float(exact.abs().max()))

@@ -19,6 +19,7 @@ from tests.model.test_wide_pass import (  # noqa: E402
     plain,
     prompts,
     seq,
+    spy_gemm_rows,
 )
 from ultrafast.core.types import StepPlan  # noqa: E402
 
@@ -272,14 +273,7 @@ def test_the_load_builds_every_gemm_row_count_a_step_can_have(monkeypatch):
     counts = wf.gemm_row_counts(512, 32)
     assert counts == list(range(1, 33)) + list(range(48, 545, 16))
     assert max(wf.gemm_row_counts(16384, 64)) == wf.WARM_ROWS_MAX
-    seen: list[tuple[int, int]] = []
-    real = wf.linear
-
-    def counted(x, weight, bias=None):
-        seen.append((x.shape[0], x.shape[1]))
-        return real(x, weight, bias)
-
-    monkeypatch.setattr(wf, "linear", counted)
+    seen = spy_gemm_rows(monkeypatch, wf)
     with by_need() as ex:
         batch = long_prompts(ex.vocab_size)
         step(ex, batch)  # needs the wide path: the load starts

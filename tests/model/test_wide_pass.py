@@ -346,6 +346,20 @@ def _gguf_tensor_infos(path):
     return read_gguf_metadata(path).tensors
 
 
+def spy_gemm_rows(monkeypatch, module) -> list[tuple[int, int]]:
+    """(rows, input width) of every GEMM `module.linear` runs from now on (oneDNN builds a
+    primitive per row count: the tests of padding and of the load's builds read them)."""
+    seen: list[tuple[int, int]] = []
+    real = module.linear
+
+    def counted(x, weight, bias=None):
+        seen.append((x.shape[0], x.shape[1]))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(module, "linear", counted)
+    return seen
+
+
 def test_prefill_rows_are_padded_to_few_gemm_shapes(monkeypatch):
     """A wide prefill runs its GEMMs on `padded_rows(T)` rows (oneDNN builds a primitive per
     row count: few shapes, few builds), returns exactly T rows, and those equal an unpadded
@@ -357,18 +371,11 @@ def test_prefill_rows_are_padded_to_few_gemm_shapes(monkeypatch):
     sizes = (1, 32, 33, 48, 49, 102, 500, 512)
     assert [wf.padded_rows(n) for n in sizes] == [1, 32, 48, 48, 64, 112, 512, 512]
     fw = wf.WideForward(DEMO_GGUF, 256)
-    seen: list[int] = []
-    real = wf.linear
-
-    def counted(x, weight, bias=None):
-        seen.append(x.shape[0])
-        return real(x, weight, bias)
-
-    monkeypatch.setattr(wf, "linear", counted)
+    seen = spy_gemm_rows(monkeypatch, wf)
     ids, positions = torch.arange(5, 105), torch.arange(100)
     chunks = [wf.SeqChunk(0, 60, 0), wf.SeqChunk(60, 40, 0)]
     keys, values = fw.kv(ids, positions, chunks)
-    assert set(seen) == {112} and keys[0].shape[0] == values[0].shape[0] == 100
+    assert {rows for rows, _ in seen} == {112} and keys[0].shape[0] == values[0].shape[0] == 100
     monkeypatch.setattr(wf, "padded_rows", lambda n: n)
     exact_keys, exact_values = fw.kv(ids, positions, chunks)
     for got, want in zip(keys + values, exact_keys + exact_values):
