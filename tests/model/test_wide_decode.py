@@ -306,6 +306,43 @@ def test_a_prefix_held_only_by_the_mirror_is_copied_there(monkeypatch):
     assert want == got  # the demo model decides these tokens by wide margins
 
 
+def test_a_prefix_only_llama_cpp_holds_is_pulled_once_for_every_copy(monkeypatch):
+    """Copies of a prefix that only llama.cpp's slot holds (a slot it filled: a shared system
+    prompt) pull it into the source slot's mirror once; every later copy is a mirror copy,
+    not a pull into each new slot. The continuations equal llama.cpp's."""
+    from ultrafast.core.types import KVCopy
+
+    prompts = text_prompts(DEMO_GGUF)[:3]
+    shared = 12
+    others = [prompts[0][:shared] + p[shared:] for p in prompts[1:]]
+    kwargs = dict(KWARGS, num_slots=3)
+    with plain(DEMO_GGUF, **kwargs) as ref:
+        ref.execute(StepPlan([seq(0, prompts[0], 0)]))
+        payload = ref.export_slot(0, len(prompts[0]))
+
+    def schedule(ex, moves=None):
+        ex.import_slot(0, payload, len(prompts[0]))  # slot 0: llama.cpp's rows only
+        if moves is not None:
+            moves.update(pull=0, push=0)
+        outs = []
+        for dst, other in enumerate(others, start=1):
+            copy = KVCopy(src_slot_id=0, dst_slot_id=dst, num_tokens=shared)
+            plan = StepPlan([seq(dst, other[shared:], shared)], kv_copies=[copy])
+            outs.append(ex.execute(plan).sampled_token_ids[f"r{dst}"])
+            if moves is not None:
+                assert ex.mirror.length(dst) == len(other)  # the chunk ran in torch
+        return outs
+
+    with plain(DEMO_GGUF, **kwargs) as ref:
+        want = schedule(ref)
+    moves = counting_moves(monkeypatch)
+    with wide_decoder(DEMO_GGUF, **kwargs) as ex:
+        got = schedule(ex, moves)
+        assert moves == {"pull": 1, "push": 0}, moves
+        assert ex.mirror.length(0) == shared
+    assert want == got  # the demo model decides these tokens by wide margins
+
+
 def test_prefill_last_tokens_decode_in_torch_beside_wide_decodes(monkeypatch):
     """A step whose 1-token rows run in torch takes the wide prefills' last tokens too: their
     KV goes to the mirror, not through llama.cpp (no llama.cpp pass, no import), the first

@@ -257,19 +257,34 @@ class WideGgmlExecutor(GgmlExecutor):
 
     def _copy_prefix(self, src_slot_id: int, dst_slot_id: int, num_tokens: int) -> None:
         mirror, src, dst = self.mirror, src_slot_id, dst_slot_id
-        if mirror is not None and src != dst and self._slot_lens[src] < num_tokens:
-            if num_tokens <= mirror.length(src):
-                # the prefix lives in the mirror only (a prompt prefilled in torch): copied
-                # there, not by pushing the whole source slot to llama.cpp first (768 rows,
-                # 113 ms, to copy a 32-token system prompt in a served run); llama.cpp's dst
-                # forgets its rows and gets them by a push when it next runs the slot
-                mirror.copy_prefix(src, dst, num_tokens)
-                super()._trim_slot(dst, 0)
-                return
+        if mirror is not None and src != dst and mirror.length(src) < num_tokens:
+            if num_tokens <= self._slot_lens[src]:
+                # the prefix is llama.cpp's only (a slot it filled, e.g. a shared system
+                # prompt): the source's mirror takes it once, so this copy and the next ones
+                # are mirror copies, not a pull into every new slot (a state export, 3-5 ms of
+                # a ~50 ms batch-1 TTFT, 2-core AMX Xeon); a refused pull changes nothing
+                wide_decode.pull(self, src, num_tokens)
+        mirrored = mirror is not None and src != dst and num_tokens <= mirror.length(src)
+        if mirrored and self._slot_lens[src] < num_tokens:
+            # the prefix lives in the mirror only (a prompt prefilled in torch): copied
+            # there, not by pushing the whole source slot to llama.cpp first (768 rows,
+            # 113 ms, to copy a 32-token system prompt in a served run); llama.cpp's dst
+            # forgets its rows and gets them by a push when it next runs the slot
+            mirror.copy_prefix(src, dst, num_tokens)
+            super()._trim_slot(dst, 0)
+            return
         self._ggml_slot(src_slot_id, self.max_model_len)
         super()._copy_prefix(src_slot_id, dst_slot_id, num_tokens)
-        if self.mirror is not None:  # the copy is llama.cpp's: the mirror pulls it if needed
-            self.mirror.trim(dst_slot_id, 0 if src_slot_id != dst_slot_id else num_tokens)
+        if mirror is None:
+            return
+        if mirrored:
+            # both hold it (the source prefilled in torch, then decoded on llama.cpp): the
+            # mirror copies it too, or the next torch pass pulls it back from llama.cpp, a
+            # state export of the whole source slot (4-5 ms of a batch-1 TTFT of ~50 ms for a
+            # 24-token system prompt, 2-core AMX Xeon)
+            mirror.copy_prefix(src, dst, num_tokens)
+        else:  # the copy is llama.cpp's: the mirror pulls it if needed
+            mirror.trim(dst_slot_id, 0 if src_slot_id != dst_slot_id else num_tokens)
 
     def export_slot(self, slot_id: int, num_tokens: int) -> bytes:
         self._ggml_slot(slot_id, self.max_model_len)
