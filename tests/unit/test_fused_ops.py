@@ -1,7 +1,8 @@
 """The wide passes' fused elementwise ops (executors/fused_ops.py): each agrees with a float64
 reference to bf16 rounding (and with torch's ops) on row counts and widths around the
 kernel's 16-lane tails and its one-thread / OpenMP split, on strided rows, in the AVX-512 and
-portable builds; NaN stays NaN; wrong calls are refused before they reach C; without a
+portable builds; RoPE stored to bf16 queries and the mirror's K/V rows equals RoPE rounded,
+written only where asked; NaN stays NaN; wrong calls are refused before they reach C; without a
 compiler, or where torch is faster, the passes keep torch's ops and say why."""
 
 from __future__ import annotations
@@ -90,6 +91,32 @@ def test_rope_turns_each_head_by_its_rows_angles(ops, rows, heads, dim):
     assert torch.allclose(got, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (3, 1, 40)])
+def test_rope_store_is_rope_rounded_with_k_and_v_written_in_place(ops, rows, heads, kv_heads, dim):
+    """The queries are rope's rounded to bf16; the keys (rope's k heads, rounded) and the
+    values (copied) land in the mirror's rows of the chunk, nowhere else."""
+    gen = torch.Generator().manual_seed(rows * heads + dim)
+    width = (heads + 2 * kv_heads) * dim
+    h = (torch.randn(rows, width + 8, generator=gen) * 3).to(BF16)[:, :width]  # strided rows
+    angles = torch.rand(rows, dim // 2, generator=gen) * 100
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+    keys = torch.full((3, kv_heads, rows + 20, dim), 7.0, dtype=BF16)  # [slots, heads, pos, d]
+    values = torch.full_like(keys, 7.0)
+    at = slice(5, 5 + rows)  # the chunk's positions in slot 1
+    q = fo.rope_store(ops, h, heads, dim, cos, sin, keys[1, :, at], values[1, :, at])
+    turned = fo.rope(ops, h, heads + kv_heads, dim, cos, sin).to(BF16)
+    assert q.dtype == BF16 and q.shape == (rows, heads, dim)
+    assert torch.equal(q, turned[:, :heads])
+    assert torch.equal(keys[1, :, at], turned[:, heads:].transpose(0, 1))
+    v = h[:, (heads + kv_heads) * dim :].reshape(rows, kv_heads, dim)
+    assert torch.equal(values[1, :, at], v.transpose(0, 1))
+    for t in (keys, values):  # nothing outside the chunk's rows changed
+        untouched = torch.ones_like(t, dtype=torch.bool)
+        untouched[1, :, at] = False
+        assert (t[untouched] == 7.0).all()
+
+
 def test_nan_stays_nan_and_rounding_is_to_nearest_even(ops):
     x = torch.ones(2, 32)
     x[1, 3] = float("nan")
@@ -119,6 +146,16 @@ def test_wrong_calls_are_refused_before_c(ops):
         fo.rope(ops, h, 2, 64, torch.ones(3, 64), sin)  # a cos row short
     with pytest.raises(ValueError):
         fo.rope(ops, h, 2, 64, torch.ones(64, 4).t(), sin)  # not contiguous
+    mirror = torch.zeros(2, 1, 8, 64, dtype=BF16)  # [slots, kv heads, positions, d]
+    keys, values = mirror[0, :, :4], mirror[1, :, :4]
+    with pytest.raises(ValueError):
+        fo.rope_store(ops, h, 1, 64, cos, sin, keys, values[:, :3])  # a destination short
+    with pytest.raises(ValueError):
+        fo.rope_store(ops, h, 1, 64, cos, sin, keys, values.float())  # float destinations
+    with pytest.raises(ValueError):
+        fo.rope_store(ops, h, 1, 64, cos, sin, keys.transpose(1, 2), values)  # not rows
+    with pytest.raises(ValueError):
+        fo.rope_store(ops, h, 2, 64, cos, sin, keys, values)  # 2 + 2 heads of 64 > 128
 
 
 def test_without_a_compiler_the_passes_keep_torch_and_say_why(monkeypatch):

@@ -47,7 +47,8 @@ def build(extra_flags: tuple[str, ...] = ()) -> FusedOps | str:
     lib.rms_norm_bf16.argtypes = [_P, _I64, _P, _P, _I64, _I64, _F, _INT]
     lib.silu_mul_bf16.argtypes = [_P, _I64, _P, _I64, _I64, _INT]
     lib.rope_f32.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]
-    for fn in (lib.rms_norm_bf16, lib.silu_mul_bf16, lib.rope_f32):
+    lib.rope_store_bf16.argtypes = [_P, _I64, _P, _P, _P, _P, _P] + [_I64] * 5 + [_INT]
+    for fn in (lib.rms_norm_bf16, lib.silu_mul_bf16, lib.rope_f32, lib.rope_store_bf16):
         fn.restype = ctypes.c_int
     lib.kernel_kind.restype = ctypes.c_char_p
     return FusedOps(lib, lib.kernel_kind().decode())
@@ -110,6 +111,42 @@ def rope(
         dim, torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def rope_store(
+    ops: FusedOps,
+    h: torch.Tensor,
+    heads: int,
+    dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+) -> torch.Tensor:
+    """A prefill chunk's projection rows h (bf16 [T, >= (heads + 2 kv_heads) * dim]: q, k, v
+    heads) as attention reads them: returns the RoPE'd queries bf16 [T, heads, dim]; writes
+    the RoPE'd keys to `keys` and the values to `values` (bf16 [kv_heads, T, dim] views of the
+    KV mirror, one stride per head, each row's dims contiguous). Equal to `rope` rounded to
+    bf16, with no float copy of q|k and no transposing copies into the mirror."""
+    rows = h.shape[0]
+    kv_heads = keys.shape[0]
+    if not _rows_ok(h, BF16, (heads + 2 * kv_heads) * dim) or dim % 2:
+        raise ValueError("rope_store: bf16 rows of q, k and v heads, an even head size")
+    for table in (cos, sin):
+        if table.dtype != torch.float32 or table.shape != (rows, dim) or not table.is_contiguous():
+            raise ValueError("rope_store: contiguous float32 cos / sin, a row per row")
+    for t in (keys, values):
+        if t.dtype != BF16 or t.shape != (kv_heads, rows, dim) or t.stride()[1:] != (dim, 1):
+            raise ValueError("rope_store: bf16 [kv_heads, T, dim] destinations, rows contiguous")
+    if values.stride(0) != keys.stride(0):
+        raise ValueError("rope_store: keys and values with one head stride")
+    q = torch.empty(rows, heads, dim, dtype=BF16)
+    ops.lib.rope_store_bf16(
+        h.data_ptr(), h.stride(0), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+        keys.data_ptr(), values.data_ptr(), keys.stride(0), rows, heads, kv_heads, dim,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return q
 
 
 # ---- torch's versions (the reference and the fallback) ------------------------------------

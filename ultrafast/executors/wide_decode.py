@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ultrafast.executors import decode_attention, ggml_kv_rows
+from ultrafast.executors import decode_attention, fused_ops, ggml_kv_rows
 from ultrafast.executors.decode_attention import Kernel
 from ultrafast.executors.ggml_kv_rows import SlotRows
 from ultrafast.executors.packed_linear import linear
@@ -102,9 +102,10 @@ class DecodeRows:
             mask = ranged
         self.mask = mask[:, None, None, :]
 
-    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """[D, heads * d] bf16 from the rows' float32 RoPE'd q|k and bf16 v."""
+    def attend(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """[D, heads * d] bf16 from the rows' projection h (bf16 q|k|v heads) and RoPE rows."""
         fw, mirror, n = self.fw, self.mirror, len(self.slots)
+        qk, v = fw.rope_qk(h, fw.layers[layer], cos, sin)
         mirror.write_step(layer, self.slot_t, self.pos, qk[:, fw.heads :].to(BF16), v)
         if self.kernel is not None:
             keys, values = mirror.keys[layer], mirror.values[layer]
@@ -140,17 +141,30 @@ class PrefillRows:
             for c in chunks
         ]
 
-    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        fw, heads = self.fw, self.fw.heads
-        qk = qk.to(BF16)
-        out = torch.zeros(qk.shape[0], heads * fw.head_dim, dtype=BF16)  # padding rows: 0
+    def attend(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """[T, heads * d] bf16 from the rows' projection h (bf16 q|k|v heads) and RoPE rows.
+        Where the fused ops store it (fused_ops.rope_store), RoPE writes the bf16 queries and
+        the chunk's K/V rows into the mirror in one pass: a float q|k, its bf16 cast and two
+        transposing copies were ~6 ms of a 512-token step's ~130 (2-core AMX Xeon)."""
+        fw, heads, store = self.fw, self.fw.heads, self.fw.stores_rope(self.fw.layers[layer])
+        if not store:
+            qk, v = fw.rope_qk(h, fw.layers[layer], cos, sin)
+            qk = qk.to(BF16)
+        out = torch.zeros(h.shape[0], heads * fw.head_dim, dtype=BF16)  # padding rows: 0
         for slot, c, mask in zip(self.slots, self.chunks, self.masks):
             rows = slice(c.start, c.start + c.num_tokens)
             keys = self.mirror.keys[layer][slot, :, : c.end]
             values = self.mirror.values[layer][slot, :, : c.end]
-            keys[:, c.position :] = qk[rows, heads:].transpose(0, 1)
-            values[:, c.position :] = v[rows].transpose(0, 1)
-            out[rows] = fw._causal_attention(qk[rows, :heads], keys, values, mask)
+            if store:
+                q = fused_ops.rope_store(
+                    fw.fused, h[rows], heads, fw.head_dim, cos[rows], sin[rows],
+                    keys[:, c.position :], values[:, c.position :],
+                )  # fmt: skip
+            else:
+                keys[:, c.position :] = qk[rows, heads:].transpose(0, 1)
+                values[:, c.position :] = v[rows].transpose(0, 1)
+                q = qk[rows, :heads]
+            out[rows] = fw._causal_attention(q, keys, values, mask)
         return out
 
     def done(self) -> None:
@@ -194,9 +208,10 @@ def step_logits(
     cos, sin = fw.cos[pos], fw.sin[pos]
     splits = [rows, len(ids) - rows] if len(parts) == 2 else [len(ids)]
     for i, layer in enumerate(fw.layers):
-        qk, v = fw._qkv(x, layer, cos, sin)
+        h = fw.qkv_proj(x, layer)
         attended = [
-            part.attend(i, q, w) for part, q, w in zip(parts, qk.split(splits), v.split(splits))
+            part.attend(i, *rows)
+            for part, rows in zip(parts, zip(h.split(splits), cos.split(splits), sin.split(splits)))
         ]
         a = attended[0] if len(attended) == 1 else torch.cat(attended)
         x.add_(linear(a, layer.o))  # in place: no float copy of the product

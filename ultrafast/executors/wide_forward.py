@@ -212,10 +212,23 @@ class WideForward:
 
     def _qkv(self, x: torch.Tensor, layer: Layer, cos: torch.Tensor, sin: torch.Tensor):
         """The query and key heads after RoPE as one float32 [T, heads + kv_heads, d] (queries
-        first), and the values bf16 [T, kv_heads, d]. One RoPE over q and k together: a decode
-        step is a thousand small ops, each a parallel region a busy core can stall."""
-        num_tokens, d, heads = x.shape[0], self.head_dim, self.heads
-        h = linear(self.norm_bf16(x, layer.attn_norm), layer.qkv, layer.qkv_bias)
+        first), and the values bf16 [T, kv_heads, d]."""
+        return self.rope_qk(self.qkv_proj(x, layer), layer, cos, sin)
+
+    def qkv_proj(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
+        """The attention's input projection of float32 rows x: bf16 [T, (heads + 2 kv_heads)
+        * d], the q, k and v heads in that order."""
+        return linear(self.norm_bf16(x, layer.attn_norm), layer.qkv, layer.qkv_bias)
+
+    def stores_rope(self, layer: Layer) -> bool:
+        """Can fused_ops.rope_store take this layer's projection straight to bf16 queries and
+        the mirror's K/V rows (the fused ops, no q/k norms)?"""
+        return self.fused is not None and layer.q_norm is None
+
+    def rope_qk(self, h: torch.Tensor, layer: Layer, cos: torch.Tensor, sin: torch.Tensor):
+        """`_qkv` from the projection h. One RoPE over q and k together: a decode step is a
+        thousand small ops, each a parallel region a busy core can stall."""
+        num_tokens, d, heads = h.shape[0], self.head_dim, self.heads
         k_end = (heads + self.kv_heads) * d
         v = h[:, k_end:].view(num_tokens, self.kv_heads, d)
         if self.fused is not None and layer.q_norm is None:  # one fused pass: bf16 -> RoPE'd

@@ -6,12 +6,17 @@
  *   rope_f32       q|k heads of a bf16 projection, RoPE'd, as float32 (HF "halves" layout:
  *                  x_i pairs with x_{i + d/2}; cos/sin rows [rows, d], their halves equal)
  *   silu_mul_bf16  out = bf16(silu(gate) * up)                       gate|up bf16 [rows, 2n]
+ *   rope_store_bf16  rope_f32's math rounded to bf16: the q heads to a contiguous output,
+ *                  the k heads and the v heads (copied) into per-head destinations (the KV
+ *                  mirror's rows), so a prefill chunk's attention reads them with no copy
  *
  * Layouts: every row may have its own stride (elements); outputs are contiguous. Work splits
  * over rows with OpenMP (torch's libgomp, same soname: one thread pool) when a call is big
  * enough to pay for a parallel region, else it runs on the calling thread.
  * bf16 rounding is to nearest even, NaN kept NaN (as torch's .to(torch.bfloat16)).
  */
+#include <string.h>
+
 #include "vec_math.h"
 
 #define GRAIN 32768 /* elements below which a call runs on one thread (torch's grain size) */
@@ -97,6 +102,21 @@ static void rope_head(const uint16_t *x, const float *c, const float *s, float *
     }
 }
 
+static void rope_head_bf16(const uint16_t *x, const float *c, const float *s, uint16_t *out,
+                           int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i += 16) {
+        const __mmask16 k = tail(half, i);
+        const __m512 a = load_bf16x16(x + i, k), b = load_bf16x16(x + half + i, k);
+        const __m512 lo = _mm512_fmsub_ps(a, _mm512_maskz_loadu_ps(k, c + i),
+                                          _mm512_mul_ps(b, _mm512_maskz_loadu_ps(k, s + i)));
+        const __m512 hi = _mm512_fmadd_ps(b, _mm512_maskz_loadu_ps(k, c + half + i),
+                                          _mm512_mul_ps(a, _mm512_maskz_loadu_ps(k, s + half + i)));
+        store_bf16x16(out + i, k, lo);
+        store_bf16x16(out + half + i, k, hi);
+    }
+}
+
 const char *kernel_kind(void) { return "avx512"; }
 
 #else /* portable C: the compiler vectorizes what it can */
@@ -119,6 +139,16 @@ static void rope_head(const uint16_t *x, const float *c, const float *s, float *
         const float a = bf16_to_float(x[i]), b = bf16_to_float(x[half + i]);
         out[i] = a * c[i] - b * s[i];
         out[half + i] = b * c[half + i] + a * s[half + i];
+    }
+}
+
+static void rope_head_bf16(const uint16_t *x, const float *c, const float *s, uint16_t *out,
+                           int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = bf16_to_float(x[i]), b = bf16_to_float(x[half + i]);
+        out[i] = float_to_bf16(a * c[i] - b * s[i]);
+        out[half + i] = float_to_bf16(b * c[half + i] + a * s[half + i]);
     }
 }
 
@@ -150,5 +180,26 @@ int rope_f32(const uint16_t *h, int64_t h_stride, const float *cos, const float 
         for (int64_t j = 0; j < heads; j++)
             rope_head(h + r * h_stride + j * d, cos + r * d, sin + r * d,
                       out + (r * heads + j) * d, d);
+    return 0;
+}
+
+/* h: bf16 rows (stride h_stride) of heads q heads, kv_heads k heads, kv_heads v heads of d
+ * each; q out bf16 [rows, heads, d] contiguous; k head j of row r to
+ * k_dst + j * head_stride + r * d, the same for v (v copied, k RoPE'd as the queries) */
+int rope_store_bf16(const uint16_t *h, int64_t h_stride, const float *cos, const float *sin,
+                    uint16_t *q, uint16_t *k_dst, uint16_t *v_dst, int64_t head_stride,
+                    int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, int threads) {
+    if (d % 2) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (rows * (heads + 2 * kv_heads) * d >= GRAIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *x = h + r * h_stride;
+        const float *c = cos + r * d, *s = sin + r * d;
+        for (int64_t j = 0; j < heads; j++) rope_head_bf16(x + j * d, c, s, q + (r * heads + j) * d, d);
+        for (int64_t j = 0; j < kv_heads; j++) {
+            rope_head_bf16(x + (heads + j) * d, c, s, k_dst + j * head_stride + r * d, d);
+            memcpy(v_dst + j * head_stride + r * d, x + (heads + kv_heads + j) * d, d * 2);
+        }
+    }
     return 0;
 }
