@@ -47,7 +47,8 @@ def build(extra_flags: tuple[str, ...] = ()) -> FusedOps | str:
     lib.rms_norm_bf16.argtypes = [_P, _I64, _P, _P, _I64, _I64, _F, _INT]
     lib.silu_mul_bf16.argtypes = [_P, _I64, _P, _I64, _I64, _INT]
     lib.rope_f32.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]
-    lib.rope_store_bf16.argtypes = [_P, _I64, _P, _P, _P, _P, _P] + [_I64] * 5 + [_INT]
+    lib.rope_store_bf16.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64]
+    lib.rope_store_bf16.argtypes += [_INT]
     for fn in (lib.rms_norm_bf16, lib.silu_mul_bf16, lib.rope_f32, lib.rope_store_bf16):
         fn.restype = ctypes.c_int
     lib.kernel_kind.restype = ctypes.c_char_p

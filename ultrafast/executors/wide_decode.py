@@ -156,6 +156,7 @@ class PrefillRows:
             keys = self.mirror.keys[layer][slot, :, : c.end]
             values = self.mirror.values[layer][slot, :, : c.end]
             if store:
+                assert fw.fused is not None
                 q = fused_ops.rope_store(
                     fw.fused, h[rows], heads, fw.head_dim, cos[rows], sin[rows],
                     keys[:, c.position :], values[:, c.position :],

@@ -265,7 +265,7 @@ class WideGgmlExecutor(GgmlExecutor):
                 # a ~50 ms batch-1 TTFT, 2-core AMX Xeon); a refused pull changes nothing
                 wide_decode.pull(self, src, num_tokens)
         mirrored = mirror is not None and src != dst and num_tokens <= mirror.length(src)
-        if mirrored and self._slot_lens[src] < num_tokens:
+        if mirror is not None and mirrored and self._slot_lens[src] < num_tokens:
             # the prefix lives in the mirror only (a prompt prefilled in torch): copied
             # there, not by pushing the whole source slot to llama.cpp first (768 rows,
             # 113 ms, to copy a 32-token system prompt in a served run); llama.cpp's dst
