@@ -88,7 +88,10 @@ static void silu_mul_row(const uint16_t *h, uint16_t *out, int64_t n) {
     }
 }
 
-static void rope_head(const uint16_t *x, const float *c, const float *s, float *out, int64_t d) {
+/* one head of x turned by RoPE (HF halves: x_i pairs with x_{i+d/2}) into out, float32 or
+ * (as_bf16) bf16 */
+static void rope_head(const uint16_t *x, const float *c, const float *s, void *out, int64_t d,
+                      int as_bf16) {
     const int64_t half = d / 2;
     for (int64_t i = 0; i < half; i += 16) {
         const __mmask16 k = tail(half, i);
@@ -97,23 +100,13 @@ static void rope_head(const uint16_t *x, const float *c, const float *s, float *
                                           _mm512_mul_ps(b, _mm512_maskz_loadu_ps(k, s + i)));
         const __m512 hi = _mm512_fmadd_ps(b, _mm512_maskz_loadu_ps(k, c + half + i),
                                           _mm512_mul_ps(a, _mm512_maskz_loadu_ps(k, s + half + i)));
-        _mm512_mask_storeu_ps(out + i, k, lo);
-        _mm512_mask_storeu_ps(out + half + i, k, hi);
-    }
-}
-
-static void rope_head_bf16(const uint16_t *x, const float *c, const float *s, uint16_t *out,
-                           int64_t d) {
-    const int64_t half = d / 2;
-    for (int64_t i = 0; i < half; i += 16) {
-        const __mmask16 k = tail(half, i);
-        const __m512 a = load_bf16x16(x + i, k), b = load_bf16x16(x + half + i, k);
-        const __m512 lo = _mm512_fmsub_ps(a, _mm512_maskz_loadu_ps(k, c + i),
-                                          _mm512_mul_ps(b, _mm512_maskz_loadu_ps(k, s + i)));
-        const __m512 hi = _mm512_fmadd_ps(b, _mm512_maskz_loadu_ps(k, c + half + i),
-                                          _mm512_mul_ps(a, _mm512_maskz_loadu_ps(k, s + half + i)));
-        store_bf16x16(out + i, k, lo);
-        store_bf16x16(out + half + i, k, hi);
+        if (as_bf16) {
+            store_bf16x16((uint16_t *)out + i, k, lo);
+            store_bf16x16((uint16_t *)out + half + i, k, hi);
+        } else {
+            _mm512_mask_storeu_ps((float *)out + i, k, lo);
+            _mm512_mask_storeu_ps((float *)out + half + i, k, hi);
+        }
     }
 }
 
@@ -133,22 +126,21 @@ static void silu_mul_row(const uint16_t *h, uint16_t *out, int64_t n) {
         out[i] = float_to_bf16(silu(bf16_to_float(h[i])) * bf16_to_float(h[n + i]));
 }
 
-static void rope_head(const uint16_t *x, const float *c, const float *s, float *out, int64_t d) {
+static void rope_head(const uint16_t *x, const float *c, const float *s, void *out, int64_t d,
+                      int as_bf16) {
     const int64_t half = d / 2;
     for (int64_t i = 0; i < half; i++) {
         const float a = bf16_to_float(x[i]), b = bf16_to_float(x[half + i]);
-        out[i] = a * c[i] - b * s[i];
-        out[half + i] = b * c[half + i] + a * s[half + i];
-    }
-}
-
-static void rope_head_bf16(const uint16_t *x, const float *c, const float *s, uint16_t *out,
-                           int64_t d) {
-    const int64_t half = d / 2;
-    for (int64_t i = 0; i < half; i++) {
-        const float a = bf16_to_float(x[i]), b = bf16_to_float(x[half + i]);
-        out[i] = float_to_bf16(a * c[i] - b * s[i]);
-        out[half + i] = float_to_bf16(b * c[half + i] + a * s[half + i]);
+        /* explicit fmaf: the same rounding whatever the compiler contracts, and the
+         * AVX-512 build's (fmsub / fmadd), so the float and bf16 outputs agree */
+        const float lo = fmaf(a, c[i], -(b * s[i])), hi = fmaf(b, c[half + i], a * s[half + i]);
+        if (as_bf16) {
+            ((uint16_t *)out)[i] = float_to_bf16(lo);
+            ((uint16_t *)out)[half + i] = float_to_bf16(hi);
+        } else {
+            ((float *)out)[i] = lo;
+            ((float *)out)[half + i] = hi;
+        }
     }
 }
 
@@ -179,7 +171,7 @@ int rope_f32(const uint16_t *h, int64_t h_stride, const float *cos, const float 
     for (int64_t r = 0; r < rows; r++)
         for (int64_t j = 0; j < heads; j++)
             rope_head(h + r * h_stride + j * d, cos + r * d, sin + r * d,
-                      out + (r * heads + j) * d, d);
+                      out + (r * heads + j) * d, d, 0);
     return 0;
 }
 
@@ -195,9 +187,10 @@ int rope_store_bf16(const uint16_t *h, int64_t h_stride, const float *cos, const
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *x = h + r * h_stride;
         const float *c = cos + r * d, *s = sin + r * d;
-        for (int64_t j = 0; j < heads; j++) rope_head_bf16(x + j * d, c, s, q + (r * heads + j) * d, d);
+        for (int64_t j = 0; j < heads; j++)
+            rope_head(x + j * d, c, s, q + (r * heads + j) * d, d, 1);
         for (int64_t j = 0; j < kv_heads; j++) {
-            rope_head_bf16(x + (heads + j) * d, c, s, k_dst + j * head_stride + r * d, d);
+            rope_head(x + (heads + j) * d, c, s, k_dst + j * head_stride + r * d, d, 1);
             memcpy(v_dst + j * head_stride + r * d, x + (heads + kv_heads + j) * d, d * 2);
         }
     }
