@@ -146,16 +146,22 @@ def test_wrong_calls_are_refused_before_c(ops):
         fo.rope(ops, h, 2, 64, torch.ones(3, 64), sin)  # a cos row short
     with pytest.raises(ValueError):
         fo.rope(ops, h, 2, 64, torch.ones(64, 4).t(), sin)  # not contiguous
+    qkv = torch.randn(4, 192).to(BF16)  # one q, one k and one v head of 64
     mirror = torch.zeros(2, 1, 8, 64, dtype=BF16)  # [slots, kv heads, positions, d]
     keys, values = mirror[0, :, :4], mirror[1, :, :4]
+    fo.rope_store(ops, qkv, 1, 64, cos, sin, keys, values)  # the call the refusals vary
     with pytest.raises(ValueError):
-        fo.rope_store(ops, h, 1, 64, cos, sin, keys, values[:, :3])  # a destination short
+        fo.rope_store(ops, qkv, 1, 64, cos, sin, keys, values[:, :3])  # a destination short
     with pytest.raises(ValueError):
-        fo.rope_store(ops, h, 1, 64, cos, sin, keys, values.float())  # float destinations
+        fo.rope_store(ops, qkv, 1, 64, cos, sin, keys, values.float())  # float destinations
+    columns = torch.zeros(1, 64, 4, dtype=BF16).transpose(1, 2)  # [1, 4, 64], dims strided
     with pytest.raises(ValueError):
-        fo.rope_store(ops, h, 1, 64, cos, sin, keys.transpose(1, 2), values)  # not rows
+        fo.rope_store(ops, qkv, 1, 64, cos, sin, keys, columns)  # rows not contiguous
+    apart = torch.zeros(1, 4, 64, dtype=BF16)  # right shape, another head stride than keys
     with pytest.raises(ValueError):
-        fo.rope_store(ops, h, 2, 64, cos, sin, keys, values)  # 2 + 2 heads of 64 > 128
+        fo.rope_store(ops, qkv, 1, 64, cos, sin, keys, apart)
+    with pytest.raises(ValueError):
+        fo.rope_store(ops, qkv, 2, 64, cos, sin, keys, values)  # 2 + 1 + 1 heads of 64 > 192
 
 
 def test_without_a_compiler_the_passes_keep_torch_and_say_why(monkeypatch):
