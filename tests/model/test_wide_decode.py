@@ -659,16 +659,19 @@ def test_a_mixed_pass_pads_its_whole_row_count(monkeypatch):
             chunk = [wf.SeqChunk(0, 20, 0)]
             wide_decode.step_logits(fw, mirror, (ids, list(range(20)), chunk, [slot]), None)
         seen.clear()
+        head.clear()
         prefill = (list(range(40, 80)), list(range(40)), [wf.SeqChunk(0, 40, 0)], [3])
         return wide_decode.step_logits(
             fw, mirror, prefill, ([5, 6, 7], [0, 1, 2], [20, 20, 20]), logits_of=[0]
         )
 
-    seen = spy_gemm_rows(monkeypatch, wide_decode)
+    seen = spy_gemm_rows(monkeypatch, wf)  # the layers' GEMMs (WideForward.run_layers)
+    head = spy_gemm_rows(monkeypatch, wide_decode)  # the lm_head's
     padded = mixed_pass()
-    assert {r for r, _ in seen[:-1]} == {wf.padded_rows(43)} == {48}  # the lm_head: 4 rows
+    assert {r for r, _ in seen} == {wf.padded_rows(43)} == {48}
+    assert [r for r, _ in head] == [4]  # the chunk's last row and the 3 decodes
     monkeypatch.setattr(wide_decode, "padded_rows", lambda n: n)
     exact = mixed_pass()
-    assert {r for r, _ in seen[:-1]} == {43}
+    assert {r for r, _ in seen} == {43}
     assert padded.shape == exact.shape == (4, fw.lm_head.shape[0])
     assert torch.allclose(padded, exact, rtol=0, atol=0.02 * float(exact.abs().max()))

@@ -19,7 +19,6 @@ from tests.model.test_wide_pass import (  # noqa: E402
     plain,
     prompts,
     seq,
-    spy_gemm_rows,
 )
 from ultrafast.core.types import StepPlan  # noqa: E402
 
@@ -226,6 +225,17 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _tensors(layer):
+    """A layer's tensors, a matrix's packed and (where kept) plain copies both."""
+    from ultrafast.executors.packed_linear import Weight
+
+    for value in vars(layer).values():
+        if isinstance(value, Weight):
+            yield from (t for t in (value.packed, value.plain) if t is not None)
+        elif value is not None:
+            yield value
+
+
 def test_idle_rss_in_a_fresh_process():
     child_only()
     with by_need() as ex:
@@ -237,9 +247,7 @@ def test_idle_rss_in_a_fresh_process():
         ex.wide_lazy.poll()
         forward = ex.wide_lazy._loaded
         assert forward is not None and ex.wide is None
-        tensors = [forward.embed] + [
-            t for layer in forward.layers for t in vars(layer).values() if t is not None
-        ]
+        tensors = [forward.embed] + [t for layer in forward.layers for t in _tensors(layer)]
         weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
         grew = _rss() - idle
         print(f"bf16 forward {weight_bytes / 2**20:.1f} MiB, RSS grew {grew / 2**20:.1f} MiB")
@@ -265,24 +273,33 @@ def test_weights_that_fail_to_load_leave_every_pass_on_llama_cpp(monkeypatch):
 
 def test_the_load_builds_every_gemm_row_count_a_step_can_have(monkeypatch):
     """oneDNN builds a primitive per GEMM row count (~10-20 ms a served step at a new one):
-    the background load runs one layer's GEMMs at every count a step of the executor's budget
-    beside its slots' decodes can have (padded_rows' values), so no step builds one."""
+    the background load runs each of one layer's GEMMs at every count a step of the
+    executor's budget beside its slots' decodes can have (padded_rows' values), so no step
+    builds one."""
+    from ultrafast.executors import packed_linear
     from ultrafast.executors import wide_forward as wf
 
     assert wf.gemm_row_counts(40, 8) == list(range(1, 33)) + [48]
     counts = wf.gemm_row_counts(512, 32)
     assert counts == list(range(1, 33)) + list(range(48, 545, 16))
     assert max(wf.gemm_row_counts(16384, 64)) == wf.WARM_ROWS_MAX
-    seen = spy_gemm_rows(monkeypatch, wf)
+    built: list[tuple[int, object]] = []
+    real = packed_linear.linear
+
+    def spy(x, weight, bias=None):
+        built.append((x.shape[0], weight))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(packed_linear, "linear", spy)  # the one warm() calls
     with by_need() as ex:
         batch = long_prompts(ex.vocab_size)
         step(ex, batch)  # needs the wide path: the load starts
         ex.wide_lazy.wait_loaded(120)
         want = wf.gemm_row_counts(ex.max_num_batched_tokens, ex.num_slots)
-        hidden = ex.wide_lazy._loaded.config.hidden_size
-        warmed = [rows for rows, width in seen if width == hidden]
-        # q/k/v, o and gate/up read hidden-size rows: three GEMMs at each count, in order
-        assert warmed[: 3 * len(want)] == [r for r in want for _ in range(3)]
+        first = ex.wide_lazy._loaded.layers[0]
+        for kind in wf.GEMM_KINDS:  # each count built (then maybe timed) in order
+            packed = getattr(first, kind).packed
+            assert list(dict.fromkeys(r for r, w in built if w is packed)) == want, kind
 
 
 def test_a_failed_gemm_build_still_loads_the_wide_path(monkeypatch):

@@ -322,7 +322,38 @@ def test_wide_weights_are_packed_for_onednn_where_supported():
         pytest.skip(f"no packed bf16 weights here: {_bf16_unavailable() or pack_support()}")
     fw = WideForward(DEMO_GGUF, 64)
     layer = fw.layers[0]
-    assert all(w.is_mkldnn for w in (layer.qkv, layer.o, layer.gate_up, layer.down, fw.lm_head))
+    matrices = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    assert all(w.packed.is_mkldnn for w in matrices) and fw.lm_head.is_mkldnn
+
+
+def test_warm_gemms_keeps_plain_weights_only_for_the_row_counts_measured_faster(monkeypatch):
+    """warm_gemms times each matrix kind on the first layer (packed_linear.warm) and gives
+    every layer that kind's choice; the plain copies of the other kinds are freed. A pass at
+    a chosen row count runs the plain GEMM and computes the same KV."""
+    import torch
+
+    from ultrafast.executors import wide_forward as wf
+    from ultrafast.executors.packed_linear import pack_support
+
+    if _bf16_unavailable() or pack_support():
+        pytest.skip(f"no packed bf16 weights here: {_bf16_unavailable() or pack_support()}")
+    fw = wf.WideForward(DEMO_GGUF, 64)
+    first_o = fw.layers[0].o
+    monkeypatch.setattr(
+        wf, "warm", lambda w, rows, bias=None: frozenset({48}) if w is first_o else frozenset()
+    )
+    fw.warm_gemms([16, 48])
+    assert all(layer.o.plain_rows == {48} and layer.o.plain is not None for layer in fw.layers)
+    others = [getattr(layer, kind) for layer in fw.layers for kind in ("qkv", "gate_up", "down")]
+    assert all(w.plain is None and not w.plain_rows for w in others)
+    assert "o at 1 (48-48)" in fw.gemm_status
+    ids, positions = torch.arange(5, 53), torch.arange(48)
+    plain_keys, plain_values = fw.kv(ids, positions, [wf.SeqChunk(0, 48, 0)])
+    for layer in fw.layers:
+        layer.o.keep_plain_for(frozenset())
+    keys, values = fw.kv(ids, positions, [wf.SeqChunk(0, 48, 0)])
+    for got, want in zip(plain_keys + plain_values, keys + values):
+        assert torch.allclose(got, want, rtol=0, atol=0.02 * float(want.abs().max()))
 
 
 def test_a_tied_bf16_head_shares_the_embedding(monkeypatch):

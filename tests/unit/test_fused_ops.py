@@ -58,6 +58,25 @@ def test_norm_is_the_rms_norm_rounded_once(ops, rows, dim):
 
 
 @pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dim", DIMS)
+def test_add_norm_adds_in_place_then_norms_the_sum(ops, rows, dim):
+    """x += y exactly as torch adds, and the norm of the sum bit-equal to norm_bf16's: the
+    fused residual add changes no number of the pass."""
+    gen = torch.Generator().manual_seed(rows * dim + 1)
+    wide = torch.randn(rows, dim + 5, generator=gen) * 4
+    x = wide[:, 1 : 1 + dim]  # strided rows, updated in place
+    y = (torch.randn(rows, dim + 3, generator=gen) * 3).to(BF16)[:, :dim]
+    weight = torch.rand(dim, generator=gen) + 0.5
+    want_x = x + y.float()
+    untouched = wide[:, 0].clone(), wide[:, 1 + dim :].clone()
+    got = fo.add_norm_bf16(ops, x, y, weight, 1e-5)
+    assert torch.equal(x, want_x)
+    assert torch.equal(wide[:, 0], untouched[0]) and torch.equal(wide[:, 1 + dim :], untouched[1])
+    assert torch.equal(got, fo.norm_bf16(ops, want_x, weight, 1e-5))
+    assert got.dtype == BF16 and got.shape == (rows, dim)
+
+
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n", [1536, 40, 17])
 def test_silu_mul_is_one_rounding_of_the_float_product(ops, rows, n):
     gen = torch.Generator().manual_seed(rows + n)
@@ -136,6 +155,13 @@ def test_wrong_calls_are_refused_before_c(ops):
         fo.norm_bf16(ops, x, torch.ones(31), 1e-5)  # a weight of another width
     with pytest.raises(ValueError):
         fo.norm_bf16(ops, x.t(), torch.ones(4), 1e-5)  # columns, not rows
+    y = torch.randn(4, 32).to(BF16)
+    with pytest.raises(ValueError):
+        fo.add_norm_bf16(ops, x, y.float(), torch.ones(32), 1e-5)  # a float branch
+    with pytest.raises(ValueError):
+        fo.add_norm_bf16(ops, x, y[:3], torch.ones(32), 1e-5)  # a branch a row short
+    with pytest.raises(ValueError):
+        fo.add_norm_bf16(ops, x, y, torch.ones(32, dtype=torch.float64), 1e-5)  # the weight
     with pytest.raises(ValueError):
         fo.silu_mul(ops, torch.randn(4, 33).to(BF16))  # odd: no gate | up split
     h = torch.randn(4, 128).to(BF16)

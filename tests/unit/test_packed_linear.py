@@ -53,3 +53,54 @@ def test_unsupported_packing_keeps_plain_weights(monkeypatch):
     assert pack(weight) is weight
     x = _bf16(4, 8, seed=8)
     assert torch.equal(linear(x, pack(weight)), F.linear(x, weight))
+
+
+@needs_packing
+def test_a_weight_multiplies_its_plain_row_counts_on_the_plain_tensor(monkeypatch):
+    """`linear` on a `Weight` takes the plain tensor at the row counts measured faster there
+    and the packed one at every other; both give F.linear's products."""
+    matrix = _bf16(96, 64, seed=9)
+    w = packed_linear.weight(matrix)
+    assert w.packed.is_mkldnn and w.plain is matrix
+    w.keep_plain_for(frozenset({3}))
+    packed_calls = []
+    real = packed_linear._packed_linear
+    monkeypatch.setattr(
+        packed_linear, "_packed_linear", lambda *a: packed_calls.append(1) or real(*a)
+    )
+    for rows, on_packed in ((3, 0), (4, 1)):
+        x = _bf16(rows, 64, seed=rows)
+        got = linear(x, w)
+        assert len(packed_calls) == on_packed
+        torch.testing.assert_close(got.float(), F.linear(x, matrix).float(), rtol=1e-2, atol=1e-2)
+
+
+def _fake_clock(plain_share: dict[int, float]):
+    """A timer for `warm`: the packed call takes 1 s, the plain one plain_share[rows] s."""
+
+    def seconds_of(call) -> float:
+        rows = call.args[0].shape[0]
+        return plain_share[rows] if call.func is F.linear else 1.0
+
+    return seconds_of
+
+
+def test_warm_keeps_the_plain_tensor_only_where_it_wins_by_the_margin():
+    w = packed_linear.Weight(_bf16(32, 16, seed=10), _bf16(32, 16, seed=10))
+    shares = {16: 1.2, 48: 0.5, 64: 0.9}  # slower; clearly faster; a near-tie
+    faster = packed_linear.warm(w, shares, seconds_of=_fake_clock(shares))
+    assert faster == {48}
+    w.keep_plain_for(faster)
+    assert w.plain is not None and w.plain_rows == {48}
+    w.keep_plain_for(frozenset())  # no row count needs it: its memory goes
+    assert w.plain is None and w.plain_rows == frozenset()
+
+
+def test_warm_without_a_plain_copy_only_builds():
+    """Where packing is unsupported the weight is plain already: nothing to choose."""
+    w = packed_linear.Weight(_bf16(32, 16, seed=11))
+    timed = []
+    assert (
+        packed_linear.warm(w, [1, 16], seconds_of=lambda call: timed.append(call) or 0.0) == set()
+    )
+    assert timed == []

@@ -4,8 +4,9 @@ agree with torch's and are faster; else torch's ops (wide_forward.py keeps both)
 Why: between its GEMMs a wide pass layer ran ~20 torch ops (the norms with their bf16 copies,
 RoPE as float copy + cat + neg + two muls + add, silu then mul): ~25% of a 512-token prefill
 pass on the 2-core AMX Xeon, and in a 16-slot decode step hundreds of tiny ops a step, each a
-Python dispatch. Three fused calls do the same work in one pass over the rows each:
-`norm_bf16` (RMS norm to bf16), `rope` (q|k heads of the bf16 projection to RoPE'd float32)
+Python dispatch. The fused calls do the same work in one pass over the rows each:
+`norm_bf16` (RMS norm to bf16), `add_norm_bf16` (the residual add before it), `rope` (q|k
+heads of the bf16 projection to RoPE'd float32; `rope_store` to the attention's bf16 inputs)
 and `silu_mul` (silu(gate) * up to bf16). Numbers: the same float math, one bf16 rounding
 where torch rounds silu's output before the product (so closer to float32).
 
@@ -45,11 +46,13 @@ def build(extra_flags: tuple[str, ...] = ()) -> FusedOps | str:
     if isinstance(lib, str):
         return lib
     lib.rms_norm_bf16.argtypes = [_P, _I64, _P, _P, _I64, _I64, _F, _INT]
+    lib.add_rms_norm_bf16.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _F, _INT]
     lib.silu_mul_bf16.argtypes = [_P, _I64, _P, _I64, _I64, _INT]
     lib.rope_f32.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]
     lib.rope_store_bf16.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64]
     lib.rope_store_bf16.argtypes += [_INT]
-    for fn in (lib.rms_norm_bf16, lib.silu_mul_bf16, lib.rope_f32, lib.rope_store_bf16):
+    fns = (lib.rms_norm_bf16, lib.add_rms_norm_bf16, lib.silu_mul_bf16, lib.rope_f32)
+    for fn in (*fns, lib.rope_store_bf16):
         fn.restype = ctypes.c_int
     lib.kernel_kind.restype = ctypes.c_char_p
     return FusedOps(lib, lib.kernel_kind().decode())
@@ -77,6 +80,25 @@ def norm_bf16(ops: FusedOps, x: torch.Tensor, weight: torch.Tensor, eps: float) 
     ops.lib.rms_norm_bf16(
         x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, dim, eps,
         torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def add_norm_bf16(
+    ops: FusedOps, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """x += y (float32 rows x, bf16 rows y [T, dim]: a residual stream and its branch's
+    output), then `norm_bf16` of the sum: one pass where the add and the norm each read x
+    (a mixed-dtype torch add alone was ~5% of a 512-token prefill pass, AMX Xeon)."""
+    rows, dim = x.shape
+    if not _rows_ok(x, torch.float32, dim) or not _rows_ok(y, BF16, dim) or y.shape != x.shape:
+        raise ValueError("add_norm: float32 rows x and bf16 rows y of one shape")
+    if weight.dtype != torch.float32 or weight.shape != (dim,) or not weight.is_contiguous():
+        raise ValueError("add_norm: one contiguous float32 weight per column")
+    out = torch.empty(rows, dim, dtype=BF16)
+    ops.lib.add_rms_norm_bf16(
+        x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), weight.data_ptr(), out.data_ptr(),
+        rows, dim, eps, torch.get_num_threads(),
     )  # fmt: skip
     return out
 
@@ -157,6 +179,12 @@ def torch_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return F.rms_norm(x, (x.shape[-1],), weight, eps).to(BF16)
 
 
+def torch_add_norm_bf16(
+    x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    return torch_norm_bf16(x.add_(y), weight, eps)
+
+
 def torch_silu_mul(h: torch.Tensor) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -205,8 +233,14 @@ def choice(dim: int, inter: int, qk_heads: int, head_dim: int) -> tuple[FusedOps
 
 def _pairs(ops, x, weight, gate_up, h, qk_heads: int, head_dim: int, cos, sin) -> list:
     """(name, fused call, torch call) of each op on one set of inputs."""
+    y = gate_up[:, : x.shape[1]]  # bf16 rows of x's width: the residual branch's output
     return [
         ("norm", lambda: norm_bf16(ops, x, weight, 1e-5), lambda: torch_norm_bf16(x, weight, 1e-5)),
+        (  # on copies of x: each call adds to its rows
+            "add_norm",
+            lambda: add_norm_bf16(ops, x.clone(), y, weight, 1e-5),
+            lambda: torch_add_norm_bf16(x.clone(), y, weight, 1e-5),
+        ),
         ("silu_mul", lambda: silu_mul(ops, gate_up), lambda: torch_silu_mul(gate_up)),
         (
             "rope",

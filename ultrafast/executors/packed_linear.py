@@ -10,11 +10,21 @@ freezes weights); the packed tensor is the same size and its products are the sa
 Where the op is missing or its products differ from `F.linear`'s (a build without mkldnn, a
 oneDNN without bf16 kernels on this CPU), weights stay plain tensors and `linear` is `F.linear`:
 `pack_support()` says which, once, for the wide path's start-up line.
+
+The packed kernel is not the faster one at every row count: on the AMX Xeon the plain weight's
+kernel ran a prefill step's 512-row products with 576 outputs (attention output, MLP down)
+~1.4x faster (o 0.30 vs 0.45 us a row, down 0.83 vs 1.2), and twice slower at 496 and 528
+rows, while the packed one won every shape at 16-256 rows. So a `Weight` keeps both where a
+measurement at load (`faster_plain_rows`, interleaved, best of several) found row counts the
+plain kernel wins by a clear margin, and `linear` picks by the row count.
 """
 
 from __future__ import annotations
 
 import functools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -50,11 +60,80 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return _reorder(weight.contiguous())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x @ weight.T + bias for a packed or a plain weight."""
+@dataclass(eq=False)
+class Weight:
+    """One matrix [out, in]: `packed` (oneDNN's layout where pack_support(), else the plain
+    tensor) and, while `plain_rows` names row counts whose product runs faster on the plain
+    tensor's kernel, `plain` (None once no row count needs it: its memory freed)."""
+
+    packed: torch.Tensor
+    plain: torch.Tensor | None = None
+    plain_rows: frozenset[int] = frozenset()
+
+    def keep_plain_for(self, rows: frozenset[int]) -> None:
+        """Use the plain tensor at these row counts only; drop it when there are none."""
+        self.plain_rows = rows if self.plain is not None else frozenset()
+        if not self.plain_rows:
+            self.plain = None
+
+
+def weight(matrix: torch.Tensor) -> Weight:
+    """`matrix` packed, its plain tensor kept until `Weight.keep_plain_for` decides."""
+    packed = pack(matrix)
+    return Weight(packed, matrix if packed is not matrix else None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | Weight, bias: torch.Tensor | None = None):
+    """x @ weight.T + bias for a packed or a plain weight, or a `Weight` by x's row count."""
+    if isinstance(weight, Weight):
+        if weight.plain is not None and x.numel() // x.shape[-1] in weight.plain_rows:
+            return F.linear(x, weight.plain, bias)
+        weight = weight.packed
     if weight.is_mkldnn:
         return _packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+PLAIN_MARGIN = 0.85  # the plain kernel must take under this share of the packed one's time
+TIMING_ROUNDS = 5
+
+
+def warm(
+    w: Weight,
+    row_counts: Iterable[int],
+    bias: torch.Tensor | None = None,
+    seconds_of: Callable[[Callable[[], object]], float] | None = None,
+) -> frozenset[int]:
+    """Build oneDNN's primitive for `w` at every row count (~0.3 ms a GEMM at 16 rows, ~4 ms
+    at 528 on the AMX Xeon: a served step must not pay one) and return the row counts at
+    which `w`'s plain tensor multiplies faster than its packed one: after the builds,
+    TIMING_ROUNDS interleaved rounds, best of each; plain wins under PLAIN_MARGIN of packed's
+    best (a machine that drifts or a busy neighbour hits both alike, and a near-tie keeps
+    the packed default). `seconds_of` times one call (tests give their own)."""
+    time_call = seconds_of or _seconds_of
+    faster = set()
+    for rows in row_counts:
+        width = w.packed.shape[1] if w.plain is None else w.plain.shape[1]
+        x = torch.zeros(rows, width, dtype=torch.bfloat16)
+        calls = [functools.partial(linear, x, w.packed, bias)]
+        if w.plain is not None:
+            calls.append(functools.partial(F.linear, x, w.plain, bias))
+        for call in calls:
+            call()  # the build: not timed
+        if len(calls) == 1:
+            continue
+        best = [float("inf"), float("inf")]
+        for _ in range(TIMING_ROUNDS):
+            best = [min(b, time_call(call)) for b, call in zip(best, calls)]
+        if best[1] < PLAIN_MARGIN * best[0]:
+            faster.add(rows)
+    return frozenset(faster)
+
+
+def _seconds_of(call: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor:

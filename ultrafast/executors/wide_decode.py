@@ -208,15 +208,15 @@ def step_logits(
     x = fw.embed[torch.tensor(ids, dtype=torch.long)].float()
     cos, sin = fw.cos[pos], fw.sin[pos]
     splits = [rows, len(ids) - rows] if len(parts) == 2 else [len(ids)]
-    for i, layer in enumerate(fw.layers):
-        h = fw.qkv_proj(x, layer)
+
+    def attend(i: int, h: torch.Tensor) -> torch.Tensor:
         attended = [
             part.attend(i, *rows)
             for part, rows in zip(parts, zip(h.split(splits), cos.split(splits), sin.split(splits)))
         ]
-        a = attended[0] if len(attended) == 1 else torch.cat(attended)
-        x.add_(linear(a, layer.o))  # in place: no float copy of the product
-        x.add_(fw.mlp(x, layer))
+        return attended[0] if len(attended) == 1 else torch.cat(attended)
+
+    fw.run_layers(x, attend)
     for part in parts:
         part.done()
     chunks = [] if prefill is None else prefill[2]

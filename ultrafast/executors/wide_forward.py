@@ -18,6 +18,7 @@ its K/V: nothing reads its output. Keys come out in llama.cpp's layout
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ultrafast.executors import fused_ops, prefill_attention
-from ultrafast.executors.packed_linear import linear, pack
+from ultrafast.executors.packed_linear import Weight, linear, pack, warm, weight
 from ultrafast.model.config import ModelConfig
 from ultrafast.model.gguf_meta import read_gguf_metadata
 from ultrafast.model.gguf_weights import GGUF_ARCHITECTURES, gguf_model_config, gguf_tensors
@@ -36,13 +37,16 @@ BF16 = torch.bfloat16
 _F32_EMBEDDING_MAX_BYTES = 512 << 20  # exact f32 rows (as llama.cpp's get_rows) below this
 
 
+GEMM_KINDS = ("qkv", "o", "gate_up", "down")  # a layer's matrices, by their field names
+
+
 @dataclass
 class Layer:
-    qkv: torch.Tensor
+    qkv: Weight
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    o: Weight
+    gate_up: Weight
+    down: Weight
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
     q_norm: torch.Tensor | None
@@ -129,25 +133,43 @@ class WideForward:
         self.prefill_kernel, self.prefill_status = prefill_attention.choose(
             self.heads, self.kv_heads, self.head_dim
         )
+        # per matrix kind, the row counts run on the plain weight (warm_gemms measures them)
+        self.plain_rows: dict[str, frozenset[int]] = {}
 
     @torch.inference_mode()
     def warm_gemms(self, row_counts: list[int]) -> None:
-        """Run one layer's GEMMs once at each row count: oneDNN builds a primitive per row
-        count (~0.3 ms a GEMM at 16 rows, ~4 ms at 528, AMX Xeon) and keeps it for every
-        layer and thread, so a served step never pays one (a new count had cost a step
-        10-20 ms). ~0.4 s for a 512-token budget, at load, off the engine thread."""
-        layer = self.layers[0]
-        gemms = ((layer.qkv, layer.qkv_bias), (layer.o, None), (layer.gate_up, None))
-        for rows in row_counts:
-            x = torch.zeros(rows, self.config.hidden_size, dtype=BF16)
-            for weight, bias in gemms:
-                linear(x, weight, bias)
-            linear(torch.zeros(rows, self.config.intermediate_size, dtype=BF16), layer.down)
+        """Build one layer's GEMMs at each row count: oneDNN builds a primitive per row count
+        (~0.3 ms a GEMM at 16 rows, ~4 ms at 528, AMX Xeon) and keeps it for every layer and
+        thread, so a served step never pays one (a new count had cost a step 10-20 ms). And
+        per matrix kind, the row counts whose product runs faster on the plain weight's
+        kernel (packed_linear.warm, timed on the first layer: each kind has one shape in
+        every layer); the plain copies no count needs are freed. ~1 s for a 512-token
+        budget, at load, off the engine thread."""
+        first = self.layers[0]
+        bias = {"qkv": first.qkv_bias}
+        plain_rows = {
+            kind: warm(getattr(first, kind), row_counts, bias.get(kind)) for kind in GEMM_KINDS
+        }
+        for layer in self.layers:
+            for kind, rows in plain_rows.items():
+                getattr(layer, kind).keep_plain_for(rows)
+        self.plain_rows = {kind: rows for kind, rows in plain_rows.items() if rows}
 
     @property
     def kernels_status(self) -> str:
         """Which native kernels the passes use, and why: the status line's clauses."""
-        return f"{self.fused_status}; {self.prefill_status}"
+        return f"{self.fused_status}; {self.prefill_status}; {self.gemm_status}"
+
+    @property
+    def gemm_status(self) -> str:
+        """Where the GEMMs leave oneDNN's packed weights for the plain ones (warm_gemms)."""
+        if not self.plain_rows:
+            return "GEMMs: packed weights at every row count"
+        kinds = ", ".join(
+            f"{kind} at {len(rows)} ({min(rows)}-{max(rows)})"
+            for kind, rows in self.plain_rows.items()
+        )
+        return f"GEMMs: plain weights measured faster for {kinds} row counts"
 
     @property
     def num_layers(self) -> int:
@@ -162,9 +184,35 @@ class WideForward:
             return fused_ops.norm_bf16(self.fused, x, weight, self.eps)
         return self._norm(x, weight).to(BF16)
 
-    def mlp(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
-        """The MLP's output for float32 rows x (before the residual add)."""
-        h = linear(self.norm_bf16(x, layer.ffn_norm), layer.gate_up)
+    def add_norm_bf16(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor):
+        """x += y in place (the residual stream and a branch's bf16 output), then the bf16
+        RMS norm of the sum: one fused pass where the add and the norm each read x."""
+        if self.fused is not None:
+            return fused_ops.add_norm_bf16(self.fused, x, y, weight, self.eps)
+        return self.norm_bf16(x.add_(y), weight)
+
+    def run_layers(
+        self, x: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor | None]
+    ) -> None:
+        """Every decoder layer over float32 rows x, in place. `attend(i, h)` takes layer i's
+        q|k|v projection h (bf16 [T, (heads + 2 kv_heads) * d]) to the attention's bf16
+        output [T, heads * d], or None to stop there (nothing reads the rest). Each residual
+        add runs fused with the norm that reads the sum (`add_norm_bf16`)."""
+        xn = self.norm_bf16(x, self.layers[0].attn_norm)
+        for i, layer in enumerate(self.layers):
+            attended = attend(i, linear(xn, layer.qkv, layer.qkv_bias))
+            if attended is None:
+                return
+            xn = self.add_norm_bf16(x, linear(attended, layer.o), layer.ffn_norm)
+            out = self.mlp(xn, layer)
+            if i + 1 < len(self.layers):
+                xn = self.add_norm_bf16(x, out, self.layers[i + 1].attn_norm)
+            else:
+                x.add_(out)
+
+    def mlp(self, xn: torch.Tensor, layer: Layer) -> torch.Tensor:
+        """The MLP's output (before the residual add) for its normed bf16 input rows xn."""
+        h = linear(xn, layer.gate_up)
         if self.fused is not None:
             act = fused_ops.silu_mul(self.fused, h)
         else:
@@ -195,30 +243,20 @@ class WideForward:
         cos, sin = self.cos[positions], self.sin[positions]
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            qk, v = self._qkv(x, layer, cos, sin)
+
+        def attend(i: int, h: torch.Tensor) -> torch.Tensor | None:
+            qk, v = self.rope_qk(h, self.layers[i], cos, sin)
             keys.append(self._to_gguf_keys(qk[:, self.heads :]))
             values.append(v.float().reshape(v.shape[0], -1))
-            if i == last:  # the last token's pass in llama.cpp reads nothing more from here
-                break
+            if i == len(self.layers) - 1:  # the last token's pass in llama.cpp reads no more
+                return None
             qk = qk.to(BF16)
-            attended = self._attend(i, qk[:, : self.heads], qk[:, self.heads :], v, seqs)
-            x.add_(linear(attended, layer.o))  # in place: no float copy of the product
-            x.add_(self.mlp(x, layer))
+            return self._attend(i, qk[:, : self.heads], qk[:, self.heads :], v, seqs)
+
+        self.run_layers(x, attend)
         if extra:
             return [k[:rows] for k in keys], [v[:rows] for v in values]
         return keys, values
-
-    def _qkv(self, x: torch.Tensor, layer: Layer, cos: torch.Tensor, sin: torch.Tensor):
-        """The query and key heads after RoPE as one float32 [T, heads + kv_heads, d] (queries
-        first), and the values bf16 [T, kv_heads, d]."""
-        return self.rope_qk(self.qkv_proj(x, layer), layer, cos, sin)
-
-    def qkv_proj(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
-        """The attention's input projection of float32 rows x: bf16 [T, (heads + 2 kv_heads)
-        * d], the q, k and v heads in that order."""
-        return linear(self.norm_bf16(x, layer.attn_norm), layer.qkv, layer.qkv_bias)
 
     def stores_rope(self, layer: Layer) -> bool:
         """Can fused_ops.rope_store take this layer's projection straight to bf16 queries and
@@ -226,8 +264,10 @@ class WideForward:
         return self.fused is not None and layer.q_norm is None
 
     def rope_qk(self, h: torch.Tensor, layer: Layer, cos: torch.Tensor, sin: torch.Tensor):
-        """`_qkv` from the projection h. One RoPE over q and k together: a decode step is a
-        thousand small ops, each a parallel region a busy core can stall."""
+        """The query and key heads after RoPE as one float32 [T, heads + kv_heads, d] (queries
+        first), and the values bf16 [T, kv_heads, d], from the projection h. One RoPE over q
+        and k together: a decode step is a thousand small ops, each a parallel region a busy
+        core can stall."""
         num_tokens, d, heads = h.shape[0], self.head_dim, self.heads
         k_end = (heads + self.kv_heads) * d
         v = h[:, k_end:].view(num_tokens, self.kv_heads, d)
@@ -302,11 +342,11 @@ def _layer(tensors: dict[str, torch.Tensor], i: int) -> Layer:
         bias = torch.cat([b for b in biases if b is not None]).to(BF16)
     gate_up = torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]).contiguous()
     return Layer(  # the matrices packed for oneDNN where that works (packed_linear.py)
-        qkv=pack(qkv),
+        qkv=weight(qkv),
         qkv_bias=bias,
-        o=pack(take("self_attn.o_proj.weight")),
-        gate_up=pack(gate_up),
-        down=pack(take("mlp.down_proj.weight")),
+        o=weight(take("self_attn.o_proj.weight").contiguous()),
+        gate_up=weight(gate_up),
+        down=weight(take("mlp.down_proj.weight").contiguous()),
         attn_norm=take("input_layernorm.weight").float(),
         ffn_norm=take("post_attention_layernorm.weight").float(),
         q_norm=maybe("self_attn.q_norm.weight"),

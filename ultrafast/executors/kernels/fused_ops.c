@@ -3,6 +3,8 @@
  * dtype copies):
  *
  *   rms_norm_bf16  out = bf16(x * rsqrt(mean(x^2) + eps) * w)       x float32, w float32
+ *   add_rms_norm_bf16  x += y (bf16 rows, the residual's next branch), then rms_norm_bf16
+ *                  of the sum: the same numbers as torch's add_ then the norm, one pass
  *   rope_f32       q|k heads of a bf16 projection, RoPE'd, as float32 (HF "halves" layout:
  *                  x_i pairs with x_{i + d/2}; cos/sin rows [rows, d], their halves equal)
  *   silu_mul_bf16  out = bf16(silu(gate) * up)                       gate|up bf16 [rows, 2n]
@@ -56,10 +58,15 @@ static inline __mmask16 tail(int64_t n, int64_t i) {
     return n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
 }
 
-/* silu(g) = g * sigmoid(g), sigmoid from e = e^-|g| <= 1: 1/(1+e) for g >= 0, e/(1+e) below */
+/* silu(g) = g * sigmoid(g), sigmoid from e = e^-|g| <= 1: 1/(1+e) for g >= 0, e/(1+e) below.
+ * 1/(1+e) as the 14-bit reciprocal refined by one Newton step (to float rounding, as exact as
+ * the division for a bf16 result, so its rounding stays correct at near-ties): a 512 x 1,536
+ * call 0.27 -> 0.165 ms (2 threads, AMX Xeon), ~2.5% of a 512-token prefill pass. */
 static inline __m512 silu16(__m512 g) {
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(e, _mm512_set1_ps(1.f)));
+    const __m512 e = exp2_poly(_mm512_mul_ps(_mm512_abs_ps(g), _mm512_set1_ps(-1.44269504f)), 7);
+    const __m512 d = _mm512_add_ps(e, _mm512_set1_ps(1.f));
+    const __m512 r = _mm512_rcp14_ps(d);
+    const __m512 inv = _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.f)), r);
     const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
     const __m512 sig = _mm512_mask_mul_ps(inv, neg, inv, e);
     return _mm512_mul_ps(g, sig);
@@ -78,6 +85,16 @@ static void norm_row(const float *x, const float *w, uint16_t *out, int64_t dim,
         const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), s);
         store_bf16x16(out + i, k, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(k, w + i)));
     }
+}
+
+static void add_norm_row(float *x, const uint16_t *y, const float *w, uint16_t *out, int64_t dim,
+                         float eps) {
+    for (int64_t i = 0; i < dim; i += 16) {
+        const __mmask16 k = tail(dim, i);
+        const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(k, x + i), load_bf16x16(y + i, k));
+        _mm512_mask_storeu_ps(x + i, k, v);
+    }
+    norm_row(x, w, out, dim, eps); /* the row is in L1 now */
 }
 
 static void silu_mul_row(const uint16_t *h, uint16_t *out, int64_t n) {
@@ -121,6 +138,12 @@ static void norm_row(const float *x, const float *w, uint16_t *out, int64_t dim,
     for (int64_t i = 0; i < dim; i++) out[i] = float_to_bf16(x[i] * scale * w[i]);
 }
 
+static void add_norm_row(float *x, const uint16_t *y, const float *w, uint16_t *out, int64_t dim,
+                         float eps) {
+    for (int64_t i = 0; i < dim; i++) x[i] += bf16_to_float(y[i]);
+    norm_row(x, w, out, dim, eps);
+}
+
 static void silu_mul_row(const uint16_t *h, uint16_t *out, int64_t n) {
     for (int64_t i = 0; i < n; i++)
         out[i] = float_to_bf16(silu(bf16_to_float(h[i])) * bf16_to_float(h[n + i]));
@@ -152,6 +175,15 @@ int rms_norm_bf16(const float *x, int64_t x_stride, const float *w, uint16_t *ou
                   int64_t dim, float eps, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim >= GRAIN)
     for (int64_t r = 0; r < rows; r++) norm_row(x + r * x_stride, w, out + r * dim, dim, eps);
+    return 0;
+}
+
+int add_rms_norm_bf16(float *x, int64_t x_stride, const uint16_t *y, int64_t y_stride,
+                      const float *w, uint16_t *out, int64_t rows, int64_t dim, float eps,
+                      int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim >= GRAIN)
+    for (int64_t r = 0; r < rows; r++)
+        add_norm_row(x + r * x_stride, y + r * y_stride, w, out + r * dim, dim, eps);
     return 0;
 }
 
