@@ -169,11 +169,11 @@ class EngineConfig:
         },
     )
     max_num_batched_tokens: int = field(  # token budget per step
-        default=512,
+        default=1024,
         metadata=flag(
             "--max-num-batched-tokens",
             "engine",
-            "tokens one step may hold, prompt chunks and decodes together (default 512); a "
+            "tokens one step may hold, prompt chunks and decodes together (default 1024); a "
             "larger budget prefills long prompts in fewer, wider passes, a smaller one keeps "
             "running streams' token gaps short",
             type=int,

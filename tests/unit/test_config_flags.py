@@ -130,7 +130,7 @@ def test_the_step_budget_has_a_flag_and_the_prefill_chunk_follows_it():
     def config(*argv: str) -> EngineConfig:
         return EngineConfig(model="m", **read_config(EngineConfig, parser.parse_args(list(argv))))
 
-    assert config().max_num_batched_tokens == config().prefill_chunk_tokens == 512
+    assert config().max_num_batched_tokens == config().prefill_chunk_tokens == 1024
     wide = config("--max-num-batched-tokens", "2048")
     assert (wide.max_num_batched_tokens, wide.prefill_chunk_tokens) == (2048, 2048)
     with pytest.raises(ValueError, match="--max-num-batched-tokens 8"):

@@ -57,7 +57,7 @@ def test_by_default_long_prompts_prefill_one_after_another():
     config = SchedulerConfig()
     assert config.max_prefill_chunk_tokens == config.max_num_batched_tokens
     served = EngineConfig(model="m")  # the server's engine: the same defaults
-    assert served.prefill_chunk_tokens == served.max_num_batched_tokens == 512
+    assert served.prefill_chunk_tokens == served.max_num_batched_tokens == 1024
     wider = EngineConfig(model="m", max_num_batched_tokens=2048)  # the chunk follows the budget
     assert wider.prefill_chunk_tokens == 2048
     executor = FakeExecutor(num_slots=4, max_model_len=2048)

@@ -65,8 +65,8 @@ def _order_key(request: Request) -> tuple[int, float]:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 8  # requests running at once (<= KV slots)
-    max_num_batched_tokens: int = 512  # token budget of one step
-    max_prefill_chunk_tokens: int = 512  # largest prefill chunk one request gets per step
+    max_num_batched_tokens: int = 1024  # token budget of one step (EngineConfig's default)
+    max_prefill_chunk_tokens: int = 1024  # largest prefill chunk one request gets per step
     max_model_len: int = 2048  # positions per KV slot
     max_waiting: int = 256  # queued requests over all tiers
     max_admissions_per_step: int = 0  # default/flex requests newly started per step; 0 = no cap
