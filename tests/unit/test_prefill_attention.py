@@ -114,6 +114,27 @@ def test_the_wide_passes_layouts():
     assert_close(got, reference(q, own_k, own_v.transpose(0, 1)))
 
 
+def test_written_into_a_passs_rows_and_nowhere_else():
+    """With `out` (a row slice of the pass's [T, heads * d] output) the kernel writes those
+    rows in place, the same values as a call with no `out`, and leaves the rest alone; an
+    output of another shape, dtype or layout is refused."""
+    kernel = kernel_or_skip()
+    q, keys, values = problem(40, 90, seed=5)
+    passed = torch.full((100, 9 * 64), 7.0, dtype=BF16)
+    rows = passed[30:70]
+    assert pa.attend(kernel, q, keys, values, rows) is rows
+    assert torch.equal(rows, pa.attend(kernel, q, keys, values))
+    assert (passed[:30] == 7).all() and (passed[70:] == 7).all()
+    for wrong in (
+        passed[30:69],
+        passed[30:70].float(),
+        passed[30:70, : 8 * 64],
+        passed.t()[:, :40],
+    ):
+        with pytest.raises(ValueError):
+            pa.attend(kernel, q, keys, values, wrong)
+
+
 def test_the_same_as_sdpa_where_sdpa_is_the_fallback():
     kernel = kernel_or_skip()
     q, keys, values = problem(200, 700, seed=4)

@@ -65,10 +65,17 @@ def build(extra_flags: tuple[str, ...] = ()) -> Kernel | str:
     return Kernel(lib, lib.kernel_kind().decode())
 
 
-def attend(kernel: Kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+def attend(
+    kernel: Kernel,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    out: torch.Tensor | None = None,
+):
     """One sequence's T queries (bf16 [T, heads, d], each row's heads contiguous) over its
     keys and values (bf16 [kv_heads, total, d], each row's dims contiguous; the last T are
-    the queries' own, causal): bf16 [T, heads * d], as `sdpa` computes it."""
+    the queries' own, causal): bf16 [T, heads * d], as `sdpa` computes it, written into
+    `out` where given (contiguous: a pass's rows, with no copy of a result into them)."""
     t, heads, dim = q.shape
     kv_heads, total, _ = keys.shape
     # the checks that keep a wrong call from reading outside the tensors
@@ -81,7 +88,10 @@ def attend(kernel: Kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         raise ValueError(f"{t} queries over {total} keys, {heads} heads over {kv_heads}")
     if any(x.data_ptr() % 4 or any(s % 2 for s in x.stride()[:-1]) for x in (q, keys, values)):
         raise ValueError("the kernel reads dim pairs: tensors must be 4-byte aligned")
-    out = torch.empty(t, heads * dim, dtype=BF16)
+    if out is None:
+        out = torch.empty(t, heads * dim, dtype=BF16)
+    elif out.dtype != BF16 or out.shape != (t, heads * dim) or not out.is_contiguous():
+        raise ValueError("the output must be bf16 [T, heads * d], contiguous")
     status = kernel.lib.prefill_attention(
         q.data_ptr(), q.stride(0),
         keys.data_ptr(), keys.stride(0), keys.stride(1),

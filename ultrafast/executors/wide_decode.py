@@ -136,6 +136,7 @@ class PrefillRows:
 
     def __init__(self, fw: WideForward, mirror: KVMirror, slots: list[int], chunks: list):
         self.fw, self.mirror, self.slots, self.chunks = fw, mirror, slots, chunks
+        self.end = max(c.start + c.num_tokens for c in chunks)  # the chunks' rows: [0, end)
         self.masks = [  # SDPA's masks; the AMX kernel needs none
             causal_mask(c.num_tokens, c.end) if c.position and fw.prefill_kernel is None else None
             for c in chunks
@@ -150,7 +151,8 @@ class PrefillRows:
         if not store:
             qk, v = fw.rope_qk(h, fw.layers[layer], cos, sin)
             qk = qk.to(BF16)
-        out = torch.zeros(h.shape[0], heads * fw.head_dim, dtype=BF16)  # padding rows: 0
+        out = torch.empty(h.shape[0], heads * fw.head_dim, dtype=BF16)  # each chunk's rows
+        out[self.end :] = 0  # the padding rows
         for slot, c, mask in zip(self.slots, self.chunks, self.masks):
             rows = slice(c.start, c.start + c.num_tokens)
             keys = self.mirror.keys[layer][slot, :, : c.end]
@@ -165,7 +167,7 @@ class PrefillRows:
                 keys[:, c.position :] = qk[rows, heads:].transpose(0, 1)
                 values[:, c.position :] = v[rows].transpose(0, 1)
                 q = qk[rows, :heads]
-            out[rows] = fw._causal_attention(q, keys, values, mask)
+            fw._causal_attention(q, keys, values, mask, out[rows])
         return out
 
     def done(self) -> None:

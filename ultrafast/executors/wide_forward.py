@@ -309,16 +309,23 @@ class WideForward:
         return out
 
     def _causal_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ):
         """One sequence's T queries [T, heads, d] over its P + T keys and values
         [kv_heads, P + T, d] (the last T its own, causal): [T, heads * d] bf16. The AMX kernel
         where it was chosen, else torch's fused SDPA (`mask`: causal_mask(T, P + T), built
         once per pass by the caller, or here): both without a [T, P + T] score matrix in
-        memory, both grouping query heads instead of expanding K/V."""
+        memory, both grouping query heads instead of expanding K/V. Written into `out` (the
+        pass's rows) where given, and returned."""
         if self.prefill_kernel is not None:
-            return prefill_attention.attend(self.prefill_kernel, q, k, v)
-        return prefill_attention.sdpa(q, k, v, mask)
+            return prefill_attention.attend(self.prefill_kernel, q, k, v, out)
+        attended = prefill_attention.sdpa(q, k, v, mask)
+        return attended if out is None else out.copy_(attended)
 
 
 def _weights(meta, config: ModelConfig):
