@@ -160,6 +160,26 @@ def test_a_cached_decision_skips_the_timing(monkeypatch):
         assert ex.decode_router.on_width == 6 and ex.mirror is not None  # cached as well
 
 
+def test_the_gemms_are_timed_on_the_idle_engine_after_the_load():
+    """The background load only builds the GEMMs (timed beside serving passes, the choice of
+    packed or plain weights scattered between starts); the idle engine times them, giving
+    way to a request, and then wants no more time."""
+    from ultrafast.executors import cost_cache
+
+    with by_need() as ex:
+        decision = {"wide_min_tokens": 40, "decode_on_width": 6, "status": "x"}
+        cost_cache.write_cache(ex.wide_lazy.identity(), decision)
+    with by_need() as ex:
+        step(ex, [long_prompts(ex.vocab_size)[0][:40]] * 7)  # the load; the path turns on
+        assert ex.wide_lazy.state == "on" and ex.wide.gemms_untimed
+        assert ex.wide_lazy.wants_time()
+        assert ex.wide_lazy.time_now([], lambda: True)  # a request came: nothing timed
+        assert ex.wide.gemms_untimed and ex.wide_lazy.wants_time()
+        assert ex.wide_lazy.time_now([], lambda: False)
+        assert not ex.wide.gemms_untimed and not ex.wide_lazy.wants_time()
+        assert "timed when the engine is next idle" not in ex.wide.gemm_status
+
+
 def test_a_slow_load_leaves_the_needing_pass_on_llama_cpp(monkeypatch):
     """With a cached decision the needing pass waits at most LOAD_WAIT_S for the weights;
     a load that takes longer goes on in the background while passes run on llama.cpp."""

@@ -326,10 +326,11 @@ def test_wide_weights_are_packed_for_onednn_where_supported():
     assert all(w.packed.is_mkldnn for w in matrices) and fw.lm_head.is_mkldnn
 
 
-def test_warm_gemms_keeps_plain_weights_only_for_the_row_counts_measured_faster(monkeypatch):
-    """warm_gemms times each matrix kind on the first layer (packed_linear.warm) and gives
-    every layer that kind's choice; the plain copies of the other kinds are freed. A pass at
-    a chosen row count runs the plain GEMM and computes the same KV."""
+def test_timed_gemms_keep_plain_weights_only_for_the_row_counts_measured_faster(monkeypatch):
+    """warm_gemms builds; time_gemms times each matrix kind on the first layer at the built
+    counts (packed_linear.plain_is_faster), giving way when asked and going on from there,
+    then gives every layer its kind's choice and frees the plain copies of the other kinds.
+    A pass at a chosen row count runs the plain GEMM and computes the same KV."""
     import torch
 
     from ultrafast.executors import wide_forward as wf
@@ -339,10 +340,20 @@ def test_warm_gemms_keeps_plain_weights_only_for_the_row_counts_measured_faster(
         pytest.skip(f"no packed bf16 weights here: {_bf16_unavailable() or pack_support()}")
     fw = wf.WideForward(DEMO_GGUF, 64)
     first_o = fw.layers[0].o
-    monkeypatch.setattr(
-        wf, "warm", lambda w, rows, bias=None: frozenset({48}) if w is first_o else frozenset()
-    )
+    timed = []
+
+    def plain_is_faster(w, rows, bias=None):
+        timed.append(rows)
+        return w is first_o and rows == 48
+
+    monkeypatch.setattr(wf, "plain_is_faster", plain_is_faster)
     fw.warm_gemms([16, 48])
+    assert "timed when the engine is next idle" in fw.gemm_status
+    asked = iter([False, True])  # a request arrives after the first count
+    assert not fw.time_gemms(lambda: next(asked, False))
+    assert timed == [16] * 4 and fw.layers[0].o.plain is not None  # nothing decided yet
+    assert fw.time_gemms()
+    assert timed == [16] * 4 + [48] * 4
     assert all(layer.o.plain_rows == {48} and layer.o.plain is not None for layer in fw.layers)
     others = [getattr(layer, kind) for layer in fw.layers for kind in ("qkv", "gate_up", "down")]
     assert all(w.plain is None and not w.plain_rows for w in others)

@@ -76,7 +76,7 @@ def test_a_weight_multiplies_its_plain_row_counts_on_the_plain_tensor(monkeypatc
 
 
 def _fake_clock(plain_share: dict[int, float]):
-    """A timer for `warm`: the packed call takes 1 s, the plain one plain_share[rows] s."""
+    """A timer for `plain_is_faster`: packed calls take 1 s, plain ones plain_share[rows] s."""
 
     def seconds_of(call) -> float:
         rows = call.args[0].shape[0]
@@ -85,22 +85,30 @@ def _fake_clock(plain_share: dict[int, float]):
     return seconds_of
 
 
-def test_warm_keeps_the_plain_tensor_only_where_it_wins_by_the_margin():
+def test_the_plain_tensor_is_kept_only_where_it_wins_by_the_margin():
     w = packed_linear.Weight(_bf16(32, 16, seed=10), _bf16(32, 16, seed=10))
     shares = {16: 1.2, 48: 0.5, 64: 0.9}  # slower; clearly faster; a near-tie
-    faster = packed_linear.warm(w, shares, seconds_of=_fake_clock(shares))
+    clock = _fake_clock(shares)
+    faster = {rows for rows in shares if packed_linear.plain_is_faster(w, rows, seconds_of=clock)}
     assert faster == {48}
-    w.keep_plain_for(faster)
+    w.keep_plain_for(frozenset(faster))
     assert w.plain is not None and w.plain_rows == {48}
     w.keep_plain_for(frozenset())  # no row count needs it: its memory goes
     assert w.plain is None and w.plain_rows == frozenset()
 
 
-def test_warm_without_a_plain_copy_only_builds():
+def test_build_runs_both_products_at_every_row_count(monkeypatch):
+    w = packed_linear.Weight(_bf16(32, 16, seed=12), _bf16(32, 16, seed=12))
+    seen = []
+    monkeypatch.setattr(packed_linear, "linear", lambda x, *a: seen.append(("packed", len(x))))
+    monkeypatch.setattr(packed_linear.F, "linear", lambda x, *a: seen.append(("plain", len(x))))
+    packed_linear.build(w, [1, 48])
+    assert seen == [("packed", 1), ("plain", 1), ("packed", 48), ("plain", 48)]
+
+
+def test_without_a_plain_copy_nothing_is_timed():
     """Where packing is unsupported the weight is plain already: nothing to choose."""
     w = packed_linear.Weight(_bf16(32, 16, seed=11))
     timed = []
-    assert (
-        packed_linear.warm(w, [1, 16], seconds_of=lambda call: timed.append(call) or 0.0) == set()
-    )
+    assert not packed_linear.plain_is_faster(w, 16, seconds_of=lambda c: timed.append(c) or 0.0)
     assert timed == []

@@ -15,8 +15,8 @@ The packed kernel is not the faster one at every row count: on the AMX Xeon the 
 kernel ran a prefill step's 512-row products with 576 outputs (attention output, MLP down)
 ~1.4x faster (o 0.30 vs 0.45 us a row, down 0.83 vs 1.2), and twice slower at 496 and 528
 rows, while the packed one won every shape at 16-256 rows. So a `Weight` keeps both where a
-measurement at load (`faster_plain_rows`, interleaved, best of several) found row counts the
-plain kernel wins by a clear margin, and `linear` picks by the row count.
+measurement (`plain_is_faster`, interleaved, best of several, on an idle engine) found row
+counts the plain kernel wins by a clear margin, and `linear` picks by the row count.
 """
 
 from __future__ import annotations
@@ -98,36 +98,43 @@ PLAIN_MARGIN = 0.85  # the plain kernel must take under this share of the packed
 TIMING_ROUNDS = 5
 
 
-def warm(
+def _calls(w: Weight, rows: int, bias: torch.Tensor | None) -> list[Callable[[], object]]:
+    """The packed product at `rows` rows, then the plain one where `w` keeps it."""
+    x = torch.zeros(rows, w.packed.shape[1], dtype=torch.bfloat16)
+    calls: list[Callable[[], object]] = [functools.partial(linear, x, w.packed, bias)]
+    if w.plain is not None:
+        calls.append(functools.partial(F.linear, x, w.plain, bias))
+    return calls
+
+
+def build(w: Weight, row_counts: Iterable[int], bias: torch.Tensor | None = None) -> None:
+    """Run `w`'s products once at every row count: oneDNN builds a primitive per row count
+    (~0.3 ms a GEMM at 16 rows, ~4 ms at 528 on the AMX Xeon), which a served step must not
+    pay; the plain tensor's too, where kept."""
+    for rows in row_counts:
+        for call in _calls(w, rows, bias):
+            call()
+
+
+def plain_is_faster(
     w: Weight,
-    row_counts: Iterable[int],
+    rows: int,
     bias: torch.Tensor | None = None,
     seconds_of: Callable[[Callable[[], object]], float] | None = None,
-) -> frozenset[int]:
-    """Build oneDNN's primitive for `w` at every row count (~0.3 ms a GEMM at 16 rows, ~4 ms
-    at 528 on the AMX Xeon: a served step must not pay one) and return the row counts at
-    which `w`'s plain tensor multiplies faster than its packed one: after the builds,
-    TIMING_ROUNDS interleaved rounds, best of each; plain wins under PLAIN_MARGIN of packed's
-    best (a machine that drifts or a busy neighbour hits both alike, and a near-tie keeps
-    the packed default). `seconds_of` times one call (tests give their own)."""
+) -> bool:
+    """Does `w`'s plain tensor multiply `rows` rows faster than its packed one? TIMING_ROUNDS
+    interleaved rounds (after `build`), best of each; plain wins under PLAIN_MARGIN of
+    packed's best (drift hits both alike, and a near-tie keeps the packed default). Run it on
+    an idle machine: beside busy threads the verdicts scatter. `seconds_of` times one call
+    (tests give their own)."""
+    if w.plain is None:
+        return False
     time_call = seconds_of or _seconds_of
-    faster = set()
-    for rows in row_counts:
-        width = w.packed.shape[1] if w.plain is None else w.plain.shape[1]
-        x = torch.zeros(rows, width, dtype=torch.bfloat16)
-        calls = [functools.partial(linear, x, w.packed, bias)]
-        if w.plain is not None:
-            calls.append(functools.partial(F.linear, x, w.plain, bias))
-        for call in calls:
-            call()  # the build: not timed
-        if len(calls) == 1:
-            continue
-        best = [float("inf"), float("inf")]
-        for _ in range(TIMING_ROUNDS):
-            best = [min(b, time_call(call)) for b, call in zip(best, calls)]
-        if best[1] < PLAIN_MARGIN * best[0]:
-            faster.add(rows)
-    return frozenset(faster)
+    calls = _calls(w, rows, bias)
+    best = [float("inf"), float("inf")]
+    for _ in range(TIMING_ROUNDS):
+        best = [min(b, time_call(call)) for b, call in zip(best, calls)]
+    return best[1] < PLAIN_MARGIN * best[0]
 
 
 def _seconds_of(call: Callable[[], object]) -> float:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ultrafast.executors import fused_ops, prefill_attention
-from ultrafast.executors.packed_linear import Weight, linear, pack, warm, weight
+from ultrafast.executors.packed_linear import Weight, build, linear, pack, plain_is_faster, weight
 from ultrafast.model.config import ModelConfig
 from ultrafast.model.gguf_meta import read_gguf_metadata
 from ultrafast.model.gguf_weights import GGUF_ARCHITECTURES, gguf_model_config, gguf_tensors
@@ -133,27 +133,45 @@ class WideForward:
         self.prefill_kernel, self.prefill_status = prefill_attention.choose(
             self.heads, self.kv_heads, self.head_dim
         )
-        # per matrix kind, the row counts run on the plain weight (warm_gemms measures them)
+        # per matrix kind, the row counts run on the plain weight (time_gemms measures them)
         self.plain_rows: dict[str, frozenset[int]] = {}
+        self.gemms_untimed: list[int] = []  # row counts built, not timed yet
+        self._plain_found: dict[str, set[int]] = {}
 
     @torch.inference_mode()
     def warm_gemms(self, row_counts: list[int]) -> None:
-        """Build one layer's GEMMs at each row count: oneDNN builds a primitive per row count
-        (~0.3 ms a GEMM at 16 rows, ~4 ms at 528, AMX Xeon) and keeps it for every layer and
-        thread, so a served step never pays one (a new count had cost a step 10-20 ms). And
-        per matrix kind, the row counts whose product runs faster on the plain weight's
-        kernel (packed_linear.warm, timed on the first layer: each kind has one shape in
-        every layer); the plain copies no count needs are freed. ~1 s for a 512-token
-        budget, at load, off the engine thread."""
+        """Build one layer's GEMMs at each row count, packed and plain: oneDNN builds a
+        primitive per row count (~0.3 ms a GEMM at 16 rows, ~4 ms at 528, AMX Xeon) and keeps
+        it for every layer and thread, so a served step never pays one (a new count had cost
+        a step 10-20 ms). Which of the two runs each count is timed later, on an idle engine
+        (`time_gemms`): the load runs beside serving passes, and timed there the choice came
+        out different on every start. ~1 s for a 1,024-token budget, off the engine thread."""
         first = self.layers[0]
-        bias = {"qkv": first.qkv_bias}
-        plain_rows = {
-            kind: warm(getattr(first, kind), row_counts, bias.get(kind)) for kind in GEMM_KINDS
-        }
+        for kind in GEMM_KINDS:
+            build(getattr(first, kind), row_counts, first.qkv_bias if kind == "qkv" else None)
+        self.gemms_untimed = list(row_counts)
+
+    @torch.inference_mode()
+    def time_gemms(self, should_stop: Callable[[], bool] = lambda: False) -> bool:
+        """Per matrix kind, the row counts whose product runs faster on the plain weight's
+        kernel (packed_linear.plain_is_faster, on the first layer: a kind has one shape in
+        every layer), for the counts `warm_gemms` built; True once all are timed, the choice
+        given to every layer and the plain copies no count needs freed. Gives way (False)
+        when `should_stop()`: timed on from where it stopped at the next call."""
+        first = self.layers[0]
+        while self.gemms_untimed:
+            if should_stop():
+                return False
+            rows = self.gemms_untimed.pop(0)  # one count: ~1-30 ms
+            for kind in GEMM_KINDS:
+                bias = first.qkv_bias if kind == "qkv" else None
+                if plain_is_faster(getattr(first, kind), rows, bias):
+                    self._plain_found.setdefault(kind, set()).add(rows)
         for layer in self.layers:
-            for kind, rows in plain_rows.items():
-                getattr(layer, kind).keep_plain_for(rows)
-        self.plain_rows = {kind: rows for kind, rows in plain_rows.items() if rows}
+            for kind in GEMM_KINDS:
+                getattr(layer, kind).keep_plain_for(frozenset(self._plain_found.get(kind, ())))
+        self.plain_rows = {kind: frozenset(rows) for kind, rows in self._plain_found.items()}
+        return True
 
     @property
     def kernels_status(self) -> str:
@@ -163,6 +181,8 @@ class WideForward:
     @property
     def gemm_status(self) -> str:
         """Where the GEMMs leave oneDNN's packed weights for the plain ones (warm_gemms)."""
+        if self.gemms_untimed:
+            return "GEMMs: packed weights (plain ones timed when the engine is next idle)"
         if not self.plain_rows:
             return "GEMMs: packed weights at every row count"
         kinds = ", ".join(

@@ -215,12 +215,21 @@ class WideLazy:
 
     def wants_time(self) -> bool:
         self.poll()
-        return self.state == "untimed"
+        return self.state == "untimed" or self._gemms_untimed()
+
+    def _gemms_untimed(self) -> bool:
+        return self.state == "on" and bool(getattr(self.ex.wide, "gemms_untimed", None))
 
     def time_now(self, free_slots: list[int], should_stop: Callable[[], bool]) -> bool:
         """Time both paths in one of `free_slots` (the pool's: no owner, no cached prefix) and
         decide; False when there is none. An arriving request interrupts it
-        (CalibrationInterrupted, raised): it is timed again later."""
+        (CalibrationInterrupted, raised): it is timed again later. With the path on, time
+        its GEMMs' packed and plain weights instead (WideForward.time_gemms), giving way to
+        requests in the same way."""
+        if self._gemms_untimed():
+            if self.ex.wide.time_gemms(should_stop):
+                log.info("wide passes: %s", self.ex.wide.gemm_status)
+            return True
         if not free_slots:  # (their stale KV, if any, is the pool's to overwrite)
             return False
         slot = free_slots[-1]  # the last: the pool hands out the first ones first
@@ -254,9 +263,15 @@ class WideLazy:
         decision is cached or `use_cache` is False; a cached decision still loads by need."""
         if self.state != "by need" or (use_cache and self.min_tokens is not None):
             return
+        from ultrafast.executors.wide_forward import gemm_row_counts
+
         self.status = plan_wide_path(self.ex, self.mode)
         self.state = "on" if self.ex.wide is not None else "off"
         if self.ex.wide is not None:
+            self.ex.wide.warm_gemms(
+                gemm_row_counts(self.ex.max_num_batched_tokens, self.ex.num_slots)
+            )
+            self.ex.wide.time_gemms()  # nothing serves beside it yet
             self.min_tokens = self.ex.wide_min_tokens
             self.status += "; " + self.ex.start_wide_decode()
         min_tokens = self.min_tokens if self.ex.wide is not None else None
