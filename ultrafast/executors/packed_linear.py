@@ -129,18 +129,32 @@ def plain_is_faster(
     (tests give their own)."""
     if w.plain is None:
         return False
-    time_call = seconds_of or _seconds_of
     calls = _calls(w, rows, bias)
+    time_call = seconds_of or _timer(calls[0])
     best = [float("inf"), float("inf")]
     for _ in range(TIMING_ROUNDS):
         best = [min(b, time_call(call)) for b, call in zip(best, calls)]
     return best[1] < PLAIN_MARGIN * best[0]
 
 
-def _seconds_of(call: Callable[[], object]) -> float:
+MIN_SAMPLE_S = 2e-4  # a timed sample repeats a call this long at least: a 1-row product
+# takes ~10 us, where a single call's jitter picked plain weights at random row counts
+
+
+def _timer(probe: Callable[[], object]) -> Callable[[Callable[[], object]], float]:
+    """Seconds of one call, each sample repeating it to last MIN_SAMPLE_S (from `probe`)."""
     started = time.perf_counter()
-    call()
-    return time.perf_counter() - started
+    probe()
+    once = max(time.perf_counter() - started, 1e-7)
+    repeats = max(1, min(100, round(MIN_SAMPLE_S / once)))
+
+    def seconds_of(call: Callable[[], object]) -> float:
+        started = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        return (time.perf_counter() - started) / repeats
+
+    return seconds_of
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
