@@ -328,9 +328,10 @@ def test_wide_weights_are_packed_for_onednn_where_supported():
 
 def test_timed_gemms_keep_plain_weights_only_for_the_row_counts_measured_faster(monkeypatch):
     """warm_gemms builds; time_gemms times each matrix kind on the first layer at the built
-    counts (packed_linear.plain_is_faster), giving way when asked and going on from there,
-    then gives every layer its kind's choice and frees the plain copies of the other kinds.
-    A pass at a chosen row count runs the plain GEMM and computes the same KV."""
+    counts (packed_linear.plain_is_faster), giving way when asked, dropping what it timed on
+    a busy machine and trying again later, then gives every layer its kind's choice and
+    frees the plain copies of the other kinds. A pass at a chosen row count runs the plain
+    GEMM and computes the same KV."""
     import torch
 
     from ultrafast.executors import wide_forward as wf
@@ -352,7 +353,19 @@ def test_timed_gemms_keep_plain_weights_only_for_the_row_counts_measured_faster(
     asked = iter([False, True])  # a request arrives after the first count
     assert not fw.time_gemms(lambda: next(asked, False))
     assert timed == [16] * 4 and fw.layers[0].o.plain is not None  # nothing decided yet
-    assert fw.time_gemms()
+    assert fw.gemms_untimed == [16, 48] and fw.gemms_due()  # the cut group: timed again
+
+    class Busy:  # another process kept a core busy meanwhile: the verdicts are noise
+        def others_busy_cores(self):
+            return 1.0
+
+    monkeypatch.setattr(wf, "BusyWindow", Busy)
+    assert not fw.time_gemms()
+    assert fw.gemms_untimed == [16, 48] and not fw.gemms_due()  # tried again later
+    fw._gemms_retry_at = 0.0  # later
+    monkeypatch.setattr(wf, "BusyWindow", type("Quiet", (), {"others_busy_cores": lambda s: 0}))
+    timed.clear()
+    assert fw.gemms_due() and fw.time_gemms()
     assert timed == [16] * 4 + [48] * 4
     assert all(layer.o.plain_rows == {48} and layer.o.plain is not None for layer in fw.layers)
     others = [getattr(layer, kind) for layer in fw.layers for kind in ("qkv", "gate_up", "down")]

@@ -1,4 +1,4 @@
-"""engine/cpu_contention.py: other processes' busy cores, from the kernel's accounting less
+"""cpu_contention.py: other processes' busy cores, from the kernel's accounting less
 this process's own time."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ultrafast.engine import cpu_contention
+from ultrafast import cpu_contention
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

@@ -44,6 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "ultrafast/server_config.py",
         "ultrafast/weight_format.py",
         "ultrafast/cpu_info.py",
+        "ultrafast/cpu_contention.py",
         "ultrafast/chat_templates.py",
         "ultrafast/model_defaults.py",
         "ultrafast/redis_conn.py",

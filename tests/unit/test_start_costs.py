@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ultrafast.engine import cpu_contention, start_costs
+from ultrafast import cpu_contention
+from ultrafast.engine import start_costs
 from ultrafast.engine.idle_speed import IdleSpeed
 from ultrafast.engine.start_costs import StartCosts
 from ultrafast.executors import cost_cache
@@ -66,7 +67,7 @@ class FakeCore:
 
 
 class QuietMachine:
-    busy: float | None = 0.0  # other processes' busy cores (engine/cpu_contention.py)
+    busy: float | None = 0.0  # other processes' busy cores (cpu_contention.py)
 
     def others_busy_cores(self):
         return self.busy

@@ -35,8 +35,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, cast
 
+from ultrafast import cpu_contention
 from ultrafast.cpu_info import cpu_identity
-from ultrafast.engine import cpu_contention
 from ultrafast.engine.idle_speed import CoreView, IdleSpeed, measure_idle_speed
 from ultrafast.executors.base import ThreadCalibration
 from ultrafast.executors.cost_cache import read_cache, write_cache
@@ -74,7 +74,7 @@ def unmeasured_plan(cores: int, others_busy: float | None) -> ThreadPlan:
     against the event loop) on every core but one. Any wider pass, a prompt's prefill first
     of all, on every core (llama.cpp's own default, and the fastest on an idle machine: a cold
     start's first 37-token prompt took 300 ms on one of two cores) unless other processes kept
-    `others_busy` cores busy meanwhile (engine/cpu_contention.py): then on every core but one."""
+    `others_busy` cores busy meanwhile (cpu_contention.py): then on every core but one."""
     if others_busy is not None and others_busy >= BUSY_NEIGHBOURS_CORES:
         return ThreadPlan((1,), (safe_threads(cores),))
     return ThreadPlan((1, 2), (safe_threads(cores), cores))

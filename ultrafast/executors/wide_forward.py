@@ -18,6 +18,7 @@ its K/V: nothing reads its output. Keys come out in llama.cpp's layout
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ultrafast.cpu_contention import BusyWindow
 from ultrafast.executors import fused_ops, prefill_attention
 from ultrafast.executors.packed_linear import Weight, build, linear, pack, plain_is_faster, weight
 from ultrafast.model.config import ModelConfig
@@ -78,6 +80,9 @@ def padded_rows(rows: int) -> int:
     return rows if rows <= 32 else -(-rows // 16) * 16
 
 
+GEMM_GROUP_S = 0.3  # GEMM row counts timed together, then checked for a quiet machine
+QUIET_BUSY_CORES = 0.25  # other processes' cores busy above which a group's timings are noise
+GEMM_RETRY_S = 5.0
 WARM_ROWS_MAX = 2048  # row counts built at load at most: a longer pass pays a few % once
 
 
@@ -137,6 +142,7 @@ class WideForward:
         self.plain_rows: dict[str, frozenset[int]] = {}
         self.gemms_untimed: list[int] = []  # row counts built, not timed yet
         self._plain_found: dict[str, set[int]] = {}
+        self._gemms_retry_at = 0.0  # after a group timed on a busy machine: not before
 
     @torch.inference_mode()
     def warm_gemms(self, row_counts: list[int]) -> None:
@@ -151,22 +157,41 @@ class WideForward:
             build(getattr(first, kind), row_counts, first.qkv_bias if kind == "qkv" else None)
         self.gemms_untimed = list(row_counts)
 
+    def gemms_due(self) -> bool:
+        """Are GEMM row counts left to time, and is it time to try (time_gemms)?"""
+        return bool(self.gemms_untimed) and time.monotonic() >= self._gemms_retry_at
+
     @torch.inference_mode()
     def time_gemms(self, should_stop: Callable[[], bool] = lambda: False) -> bool:
         """Per matrix kind, the row counts whose product runs faster on the plain weight's
         kernel (packed_linear.plain_is_faster, on the first layer: a kind has one shape in
         every layer), for the counts `warm_gemms` built; True once all are timed, the choice
         given to every layer and the plain copies no count needs freed. Gives way (False)
-        when `should_stop()`: timed on from where it stopped at the next call."""
+        when `should_stop()`, timed on from where it stopped at the next call. Counts are
+        timed in groups of ~GEMM_GROUP_S; a group during which other processes kept more
+        than QUIET_BUSY_CORES busy is dropped and tried again GEMM_RETRY_S later: beside a
+        peer's start the verdicts scattered (down plain at 64-128 rows, not at 224-544)."""
         first = self.layers[0]
         while self.gemms_untimed:
-            if should_stop():
+            window, started, group = BusyWindow(), time.monotonic(), list[int]()
+            found: dict[str, set[int]] = {}
+            while self.gemms_untimed and time.monotonic() - started < GEMM_GROUP_S:
+                if should_stop():
+                    self.gemms_untimed[:0] = group
+                    return False
+                rows = self.gemms_untimed.pop(0)  # one count: ~1-30 ms
+                group.append(rows)
+                for kind in GEMM_KINDS:
+                    bias = first.qkv_bias if kind == "qkv" else None
+                    if plain_is_faster(getattr(first, kind), rows, bias):
+                        found.setdefault(kind, set()).add(rows)
+            busy = window.others_busy_cores()
+            if busy is not None and busy > QUIET_BUSY_CORES:
+                self.gemms_untimed[:0] = group
+                self._gemms_retry_at = time.monotonic() + GEMM_RETRY_S
                 return False
-            rows = self.gemms_untimed.pop(0)  # one count: ~1-30 ms
-            for kind in GEMM_KINDS:
-                bias = first.qkv_bias if kind == "qkv" else None
-                if plain_is_faster(getattr(first, kind), rows, bias):
-                    self._plain_found.setdefault(kind, set()).add(rows)
+            for kind, rows_won in found.items():
+                self._plain_found.setdefault(kind, set()).update(rows_won)
         for layer in self.layers:
             for kind in GEMM_KINDS:
                 getattr(layer, kind).keep_plain_for(frozenset(self._plain_found.get(kind, ())))

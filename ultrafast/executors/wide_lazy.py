@@ -218,7 +218,7 @@ class WideLazy:
         return self.state == "untimed" or self._gemms_untimed()
 
     def _gemms_untimed(self) -> bool:
-        return self.state == "on" and bool(getattr(self.ex.wide, "gemms_untimed", None))
+        return self.state == "on" and self.ex.wide is not None and self.ex.wide.gemms_due()
 
     def time_now(self, free_slots: list[int], should_stop: Callable[[], bool]) -> bool:
         """Time both paths in one of `free_slots` (the pool's: no owner, no cached prefix) and
@@ -227,7 +227,9 @@ class WideLazy:
         its GEMMs' packed and plain weights instead (WideForward.time_gemms), giving way to
         requests in the same way."""
         if self._gemms_untimed():
-            if self.ex.wide.time_gemms(should_stop):
+            untimed = self.ex.wide.gemm_status
+            if self.ex.wide.time_gemms(should_stop):  # the status says the choice from now
+                self.status = self.status.replace(untimed, self.ex.wide.gemm_status)
                 log.info("wide passes: %s", self.ex.wide.gemm_status)
             return True
         if not free_slots:  # (their stale KV, if any, is the pool's to overwrite)
