@@ -61,8 +61,9 @@ def test_a_weight_multiplies_its_plain_row_counts_on_the_plain_tensor(monkeypatc
     and the packed one at every other; both give F.linear's products."""
     matrix = _bf16(96, 64, seed=9)
     w = packed_linear.weight(matrix)
-    assert w.packed.is_mkldnn and w.plain is matrix
+    assert w.packed.is_mkldnn and w.plain is None  # no second copy at load
     w.keep_plain_for(frozenset({3}))
+    assert w.plain is not None and torch.equal(w.plain, matrix)  # unpacked: the same numbers
     packed_calls = []
     real = packed_linear._packed_linear
     monkeypatch.setattr(

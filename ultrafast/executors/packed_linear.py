@@ -64,23 +64,30 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 class Weight:
     """One matrix [out, in]: `packed` (oneDNN's layout where pack_support(), else the plain
     tensor) and, while `plain_rows` names row counts whose product runs faster on the plain
-    tensor's kernel, `plain` (None once no row count needs it: its memory freed)."""
+    tensor's kernel, `plain`: unpacked from `packed` (an exact copy) only where a row count
+    needs it, so the load holds no second copy of every matrix."""
 
     packed: torch.Tensor
     plain: torch.Tensor | None = None
     plain_rows: frozenset[int] = frozenset()
 
+    def unpack(self) -> None:
+        """Hold the plain tensor too (to time it, or where a row count needs it)."""
+        if self.plain is None and self.packed.is_mkldnn:
+            self.plain = self.packed.to_dense()
+
     def keep_plain_for(self, rows: frozenset[int]) -> None:
-        """Use the plain tensor at these row counts only; drop it when there are none."""
+        """Use the plain tensor at these row counts only; without any, free it."""
+        if rows:
+            self.unpack()
         self.plain_rows = rows if self.plain is not None else frozenset()
         if not self.plain_rows:
             self.plain = None
 
 
 def weight(matrix: torch.Tensor) -> Weight:
-    """`matrix` packed, its plain tensor kept until `Weight.keep_plain_for` decides."""
-    packed = pack(matrix)
-    return Weight(packed, matrix if packed is not matrix else None)
+    """`matrix` packed (no plain copy kept: `Weight.unpack` makes one by need)."""
+    return Weight(pack(matrix))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Weight, bias: torch.Tensor | None = None):

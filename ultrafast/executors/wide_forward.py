@@ -154,6 +154,7 @@ class WideForward:
         out different on every start. ~1 s for a 1,024-token budget, off the engine thread."""
         first = self.layers[0]
         for kind in GEMM_KINDS:
+            getattr(first, kind).unpack()  # the first layer's plain copy: built and timed
             build(getattr(first, kind), row_counts, first.qkv_bias if kind == "qkv" else None)
         self.gemms_untimed = list(row_counts)
 
@@ -166,7 +167,8 @@ class WideForward:
         """Per matrix kind, the row counts whose product runs faster on the plain weight's
         kernel (packed_linear.plain_is_faster, on the first layer: a kind has one shape in
         every layer), for the counts `warm_gemms` built; True once all are timed, the choice
-        given to every layer and the plain copies no count needs freed. Gives way (False)
+        given to every layer (a plain copy unpacked where a count needs it, the first layer's
+        freed where none does). Gives way (False)
         when `should_stop()`, timed on from where it stopped at the next call. Counts are
         timed in groups of ~GEMM_GROUP_S; a group during which other processes kept more
         than QUIET_BUSY_CORES busy is dropped and tried again GEMM_RETRY_S later: beside a
