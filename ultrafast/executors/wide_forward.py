@@ -168,11 +168,11 @@ class WideForward:
         kernel (packed_linear.plain_is_faster, on the first layer: a kind has one shape in
         every layer), for the counts `warm_gemms` built; True once all are timed, the choice
         given to every layer (a plain copy unpacked where a count needs it, the first layer's
-        freed where none does). Gives way (False)
-        when `should_stop()`, timed on from where it stopped at the next call. Counts are
-        timed in groups of ~GEMM_GROUP_S; a group during which other processes kept more
-        than QUIET_BUSY_CORES busy is dropped and tried again GEMM_RETRY_S later: beside a
-        peer's start the verdicts scattered (down plain at 64-128 rows, not at 224-544)."""
+        freed where none does). Gives way (False) when `should_stop()`, timed on from where it
+        stopped at the next call. Counts are timed in groups of ~GEMM_GROUP_S; a group during
+        which other processes kept more than QUIET_BUSY_CORES busy is dropped and tried again
+        GEMM_RETRY_S later: beside a peer's start the verdicts scattered (down plain at 64-128
+        rows, not at 224-544). A last group shorter than BusyWindow's window is kept as is."""
         first = self.layers[0]
         while self.gemms_untimed:
             window, started, group = BusyWindow(), time.monotonic(), list[int]()
