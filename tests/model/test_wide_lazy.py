@@ -310,7 +310,7 @@ def test_the_load_builds_every_gemm_row_count_a_step_can_have(monkeypatch):
         built.append((x.shape[0], weight))
         return real(x, weight, bias)
 
-    monkeypatch.setattr(packed_linear, "linear", spy)  # the one warm() calls
+    monkeypatch.setattr(packed_linear, "linear", spy)  # the one packed_linear.build() calls
     with by_need() as ex:
         batch = long_prompts(ex.vocab_size)
         step(ex, batch)  # needs the wide path: the load starts

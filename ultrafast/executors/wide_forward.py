@@ -138,9 +138,8 @@ class WideForward:
         self.prefill_kernel, self.prefill_status = prefill_attention.choose(
             self.heads, self.kv_heads, self.head_dim
         )
-        # per matrix kind, the row counts run on the plain weight (time_gemms measures them)
-        self.plain_rows: dict[str, frozenset[int]] = {}
         self.gemms_untimed: list[int] = []  # row counts built, not timed yet
+        # per matrix kind, the row counts measured faster on the plain weight (time_gemms)
         self._plain_found: dict[str, set[int]] = {}
         self._gemms_retry_at = 0.0  # after a group timed on a busy machine: not before
 
@@ -197,7 +196,6 @@ class WideForward:
         for layer in self.layers:
             for kind in GEMM_KINDS:
                 getattr(layer, kind).keep_plain_for(frozenset(self._plain_found.get(kind, ())))
-        self.plain_rows = {kind: frozenset(rows) for kind, rows in self._plain_found.items()}
         return True
 
     @property
@@ -210,11 +208,11 @@ class WideForward:
         """Where the GEMMs leave oneDNN's packed weights for the plain ones (warm_gemms)."""
         if self.gemms_untimed:
             return "GEMMs: packed weights (plain ones timed when the engine is next idle)"
-        if not self.plain_rows:
+        if not self._plain_found:
             return "GEMMs: packed weights at every row count"
         kinds = ", ".join(
             f"{kind} at {len(rows)} ({min(rows)}-{max(rows)})"
-            for kind, rows in self.plain_rows.items()
+            for kind, rows in self._plain_found.items()
         )
         return f"GEMMs: plain weights measured faster for {kinds} row counts"
 
