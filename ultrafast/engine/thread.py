@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from ultrafast.core.types import RequestOutput
 from ultrafast.engine.core import EngineCore, StepStats
+from ultrafast.engine.idle_trim import IdleTrim
 from ultrafast.engine.read_api import (
     AbortRequest,
     AddRequest,
@@ -40,8 +41,11 @@ class EngineThread:
         core: EngineCore,
         on_stats: Callable[[StepStats], None] | None = None,
         shaper_window_s: float = 0.0,
+        idle_trim: IdleTrim | None = None,
     ):
         self.core = core
+        # freed memory back to the kernel after an idle stretch (engine/idle_trim.py)
+        self.idle_trim = IdleTrim() if idle_trim is None else idle_trim
         # Request shaper: default/flex arrivals wait up to this long so a burst joins one step;
         # a priority arrival ends the wait at once.
         self.shaper_window_s = shaper_window_s
@@ -174,9 +178,12 @@ class EngineThread:
                     elif start_costs.wants_tick():
                         start_costs.tick(self._work_waiting)
                         self.read.publish(force=True)
+                    elif self.idle_trim.due():
+                        self.idle_trim.run()
                     continue
                 self._coalesce()
                 outputs = self.core.step()
+                self.idle_trim.busy()
                 self.read.publish(force=not self.core.has_work())
                 for output in outputs:
                     callback = self._callbacks.get(output.request_id)
