@@ -326,12 +326,12 @@ def test_wide_weights_are_packed_for_onednn_where_supported():
     assert all(w.packed.is_mkldnn for w in matrices) and fw.lm_head.is_mkldnn
 
 
-def test_timed_gemms_keep_plain_weights_only_for_the_row_counts_measured_faster(monkeypatch):
+def test_timed_gemms_keep_other_kernels_only_for_the_row_counts_measured_faster(monkeypatch):
     """warm_gemms builds; time_gemms times each matrix kind on the first layer at the built
-    counts (packed_linear.plain_is_faster), giving way when asked, dropping what it timed on
+    counts (packed_linear.fastest_kernel), giving way when asked, dropping what it timed on
     a busy machine and trying again later, then gives every layer its kind's choice and
-    frees the plain copies of the other kinds. A pass at a chosen row count runs the plain
-    GEMM and computes the same KV."""
+    frees the plain copies of the kinds that need none. A pass at the chosen row count runs
+    the plain o and the down in halves and computes the same KV."""
     import torch
 
     from ultrafast.executors import wide_forward as wf
@@ -343,11 +343,15 @@ def test_timed_gemms_keep_plain_weights_only_for_the_row_counts_measured_faster(
     first_o = fw.layers[0].o
     timed = []
 
-    def plain_is_faster(w, rows, bias=None):
-        timed.append(rows)
-        return w is first_o and rows == 48
+    first_down = fw.layers[0].down
 
-    monkeypatch.setattr(wf, "plain_is_faster", plain_is_faster)
+    def fastest_kernel(w, rows, bias=None):
+        timed.append(rows)
+        if rows == 48:
+            return {id(first_o): "plain", id(first_down): "halves"}.get(id(w), "packed")
+        return "packed"
+
+    monkeypatch.setattr(wf, "fastest_kernel", fastest_kernel)
     fw.warm_gemms([16, 48])
     assert "timed when the engine is next idle" in fw.gemm_status
     asked = iter([False, True])  # a request arrives after the first count
@@ -368,13 +372,15 @@ def test_timed_gemms_keep_plain_weights_only_for_the_row_counts_measured_faster(
     assert fw.gemms_due() and fw.time_gemms()
     assert timed == [16] * 4 + [48] * 4
     assert all(layer.o.plain_rows == {48} and layer.o.plain is not None for layer in fw.layers)
+    assert all(layer.down.split_rows == {48} for layer in fw.layers)
     others = [getattr(layer, kind) for layer in fw.layers for kind in ("qkv", "gate_up", "down")]
     assert all(w.plain is None and not w.plain_rows for w in others)
-    assert "o at 1 (48-48)" in fw.gemm_status
+    assert "plain for o at 1 (48-48); halves for down at 1 (48-48)" in fw.gemm_status
     ids, positions = torch.arange(5, 53), torch.arange(48)
     plain_keys, plain_values = fw.kv(ids, positions, [wf.SeqChunk(0, 48, 0)])
     for layer in fw.layers:
-        layer.o.keep_plain_for(frozenset())
+        layer.o.choose({})
+        layer.down.choose({})
     keys, values = fw.kv(ids, positions, [wf.SeqChunk(0, 48, 0)])
     for got, want in zip(plain_keys + plain_values, keys + values):
         assert torch.allclose(got, want, rtol=0, atol=0.02 * float(want.abs().max()))

@@ -76,26 +76,70 @@ def test_a_weight_multiplies_its_plain_row_counts_on_the_plain_tensor(monkeypatc
         torch.testing.assert_close(got.float(), F.linear(x, matrix).float(), rtol=1e-2, atol=1e-2)
 
 
-def _fake_clock(plain_share: dict[int, float]):
-    """A timer for `plain_is_faster`: packed calls take 1 s, plain ones plain_share[rows] s."""
+def _fake_clock(plain_share: dict[int, float], halves_share: dict[int, float] | None = None):
+    """A timer for `fastest_kernel`: packed calls take 1 s, plain ones plain_share[rows] s,
+    halves halves_share[rows] s (1 s where not given)."""
 
     def seconds_of(call) -> float:
         rows = call.args[0].shape[0]
-        return plain_share[rows] if call.func is F.linear else 1.0
+        if call.func is F.linear:
+            return plain_share[rows]
+        if call.func is packed_linear.halves:
+            return (halves_share or {}).get(rows, 1.0)
+        return 1.0
 
     return seconds_of
 
 
-def test_the_plain_tensor_is_kept_only_where_it_wins_by_the_margin():
+def test_another_kernel_wins_only_by_the_margin():
     w = packed_linear.Weight(_bf16(32, 16, seed=10), _bf16(32, 16, seed=10))
-    shares = {16: 1.2, 48: 0.5, 64: 0.9}  # slower; clearly faster; a near-tie
-    clock = _fake_clock(shares)
-    faster = {rows for rows in shares if packed_linear.plain_is_faster(w, rows, seconds_of=clock)}
-    assert faster == {48}
-    w.keep_plain_for(frozenset(faster))
-    assert w.plain is not None and w.plain_rows == {48}
-    w.keep_plain_for(frozenset())  # no row count needs it: its memory goes
-    assert w.plain is None and w.plain_rows == frozenset()
+    shares = {16: 1.2, 48: 0.5, 64: 0.9, 256: 0.8}  # slower; clearly faster; near-ties
+    halves = {256: 0.6}  # under the margin, and faster than plain there
+    clock = _fake_clock(shares, halves)
+    kernels = {rows: packed_linear.fastest_kernel(w, rows, seconds_of=clock) for rows in shares}
+    assert kernels == {16: "packed", 48: "plain", 64: "packed", 256: "halves"}
+    w.choose(kernels)
+    assert w.plain is not None and w.plain_rows == {48} and w.split_rows == {256}
+    w.choose({256: "halves"})  # no row count needs the plain tensor: its memory goes
+    assert w.plain is None and w.plain_rows == frozenset() and w.split_rows == {256}
+
+
+def test_halves_are_not_timed_under_the_split_minimum():
+    w = packed_linear.Weight(_bf16(32, 16, seed=10), _bf16(32, 16, seed=10))
+    timed = []
+    clock = _fake_clock({64: 0.5, 128: 0.5})
+    for rows in (64, 128):
+        packed_linear.fastest_kernel(w, rows, seconds_of=lambda c: timed.append(c) or clock(c))
+    kinds = {(c.args[0].shape[0], c.func.__name__) for c in timed}
+    assert (64, "halves") not in kinds and (128, "halves") in kinds
+
+
+@needs_packing
+def test_a_product_in_halves_is_its_two_halves_by_their_own_choices(monkeypatch):
+    """`linear` at a split row count makes two calls, the first of half the rows rounded up to
+    16, each by its own count's kernel (plain at 64 here, packed at 48); the rows come back
+    in order, the products F.linear's."""
+    matrix = _bf16(96, 64, seed=13)
+    w = packed_linear.weight(matrix)
+    w.choose({112: "halves", 64: "plain"})
+    seen = []
+    real_packed, real_plain = packed_linear._packed_linear, packed_linear.F.linear
+    monkeypatch.setattr(
+        packed_linear,
+        "_packed_linear",
+        lambda x, *a: seen.append(("packed", x.shape[0])) or real_packed(x, *a),
+    )
+    monkeypatch.setattr(
+        packed_linear.F,
+        "linear",
+        lambda x, *a: seen.append(("plain", x.shape[0])) or real_plain(x, *a),
+    )
+    x = _bf16(112, 64, seed=14)
+    got = linear(x, w)
+    assert seen == [("plain", 64), ("packed", 48)]
+    assert torch.equal(got[:64], real_plain(x[:64], matrix))
+    torch.testing.assert_close(got.float(), real_plain(x, matrix).float(), rtol=1e-2, atol=1e-2)
+    assert packed_linear.half_rows(112) == 64 and packed_linear.half_rows(1024) == 512
 
 
 def test_build_runs_both_products_at_every_row_count(monkeypatch):
@@ -111,5 +155,5 @@ def test_without_a_plain_copy_nothing_is_timed():
     """Where packing is unsupported the weight is plain already: nothing to choose."""
     w = packed_linear.Weight(_bf16(32, 16, seed=11))
     timed = []
-    assert not packed_linear.plain_is_faster(w, 16, seconds_of=lambda c: timed.append(c) or 0.0)
-    assert timed == []
+    kernel = packed_linear.fastest_kernel(w, 16, seconds_of=lambda c: timed.append(c) or 0.0)
+    assert kernel == "packed" and timed == []

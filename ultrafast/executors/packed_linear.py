@@ -15,8 +15,14 @@ The packed kernel is not the faster one at every row count: on the AMX Xeon the 
 kernel ran a prefill step's 512-row products with 576 outputs (attention output, MLP down)
 ~1.4x faster (o 0.30 vs 0.45 us a row, down 0.83 vs 1.2), and twice slower at 496 and 528
 rows, while the packed one won every shape at 16-256 rows. So a `Weight` keeps both where a
-measurement (`plain_is_faster`, interleaved, best of several, on an idle engine) found row
+measurement (`fastest_kernel`, interleaved, best of several, on an idle engine) found row
 counts the plain kernel wins by a clear margin, and `linear` picks by the row count.
+
+Some shapes neither kernel splits between the cores: on the same Xeon with 2 threads both ran
+MLP down [576 x 1,536] at 576-1,024 rows on one thread (1.31 ms at 1,024 rows, the same as with
+one thread, while the other core waited) and packed q/k/v at 768-1,024. Two calls of half the
+rows each, each by its own row count's choice, are a third candidate ("halves": down 1.31 ->
+0.89 ms at 1,024, 0.78 -> 0.61 at 576).
 """
 
 from __future__ import annotations
@@ -65,11 +71,13 @@ class Weight:
     """One matrix [out, in]: `packed` (oneDNN's layout where pack_support(), else the plain
     tensor) and, while `plain_rows` names row counts whose product runs faster on the plain
     tensor's kernel, `plain`: unpacked from `packed` (an exact copy) only where a row count
-    needs it, so the load holds no second copy of every matrix."""
+    needs it, so the load holds no second copy of every matrix. `split_rows`: the row counts
+    multiplied in two halves (`halves`)."""
 
     packed: torch.Tensor
     plain: torch.Tensor | None = None
     plain_rows: frozenset[int] = frozenset()
+    split_rows: frozenset[int] = frozenset()
 
     def unpack(self) -> None:
         """Hold the plain tensor too (to time it, or where a row count needs it)."""
@@ -84,6 +92,11 @@ class Weight:
         if not self.plain_rows:
             self.plain = None
 
+    def choose(self, kernels: dict[int, str]) -> None:
+        """Each row count's kernel (`fastest_kernel`'s names; counts not named: packed)."""
+        self.split_rows = frozenset(r for r, k in kernels.items() if k == HALVES)
+        self.keep_plain_for(frozenset(r for r, k in kernels.items() if k == PLAIN))
+
 
 def weight(matrix: torch.Tensor) -> Weight:
     """`matrix` packed (no plain copy kept: `Weight.unpack` makes one by need)."""
@@ -93,7 +106,10 @@ def weight(matrix: torch.Tensor) -> Weight:
 def linear(x: torch.Tensor, weight: torch.Tensor | Weight, bias: torch.Tensor | None = None):
     """x @ weight.T + bias for a packed or a plain weight, or a `Weight` by x's row count."""
     if isinstance(weight, Weight):
-        if weight.plain is not None and x.numel() // x.shape[-1] in weight.plain_rows:
+        rows = x.numel() // x.shape[-1]
+        if rows in weight.split_rows:
+            return halves(x, weight, bias)
+        if weight.plain is not None and rows in weight.plain_rows:
             return F.linear(x, weight.plain, bias)
         weight = weight.packed
     if weight.is_mkldnn:
@@ -101,47 +117,71 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Weight, bias: torch.Tensor | 
     return F.linear(x, weight, bias)
 
 
-PLAIN_MARGIN = 0.85  # the plain kernel must take under this share of the packed one's time
+def half_rows(rows: int) -> int:
+    """The first half's rows: half of `rows` rounded up to a multiple of 16 (a row count the
+    wide passes also run whole, so its own choice and oneDNN primitive exist)."""
+    return -(-rows // 32) * 16
+
+
+def halves(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T + bias in two calls of about half the rows each, each by its own row count's
+    choice (`linear`); the same numbers as those two calls."""
+    flat = x.reshape(-1, x.shape[-1])
+    split = half_rows(flat.shape[0])
+    out = torch.cat((linear(flat[:split], w, bias), linear(flat[split:], w, bias)))
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+PACKED, PLAIN, HALVES = "packed", "plain", "halves"
+PLAIN_MARGIN = 0.85  # another kernel must take under this share of the packed one's time
 TIMING_ROUNDS = 5
+SPLIT_MIN_ROWS = 128  # fewer rows are not timed in halves (each half would be under 64)
 
 
-def _calls(w: Weight, rows: int, bias: torch.Tensor | None) -> list[Callable[[], object]]:
-    """The packed product at `rows` rows, then the plain one where `w` keeps it."""
+def _calls(
+    w: Weight, rows: int, bias: torch.Tensor | None, split: bool = False
+) -> dict[str, Callable[[], object]]:
+    """The packed product at `rows` rows, the plain one where `w` keeps it, and (`split`,
+    at SPLIT_MIN_ROWS rows or more) the product in halves."""
     x = torch.zeros(rows, w.packed.shape[1], dtype=torch.bfloat16)
-    calls: list[Callable[[], object]] = [functools.partial(linear, x, w.packed, bias)]
+    calls: dict[str, Callable[[], object]] = {PACKED: functools.partial(linear, x, w.packed, bias)}
     if w.plain is not None:
-        calls.append(functools.partial(F.linear, x, w.plain, bias))
+        calls[PLAIN] = functools.partial(F.linear, x, w.plain, bias)
+    if split and rows >= SPLIT_MIN_ROWS:
+        calls[HALVES] = functools.partial(halves, x, w, bias)
     return calls
 
 
 def build(w: Weight, row_counts: Iterable[int], bias: torch.Tensor | None = None) -> None:
     """Run `w`'s products once at every row count: oneDNN builds a primitive per row count
     (~0.3 ms a GEMM at 16 rows, ~4 ms at 528 on the AMX Xeon), which a served step must not
-    pay; the plain tensor's too, where kept."""
+    pay; the plain tensor's too, where kept. (Halves run counts built here.)"""
     for rows in row_counts:
-        for call in _calls(w, rows, bias):
+        for call in _calls(w, rows, bias).values():
             call()
 
 
-def plain_is_faster(
+def fastest_kernel(
     w: Weight,
     rows: int,
     bias: torch.Tensor | None = None,
     seconds_of: Callable[[Callable[[], object]], float] | None = None,
-) -> bool:
-    """Does `w`'s plain tensor multiply `rows` rows faster than its packed one? TIMING_ROUNDS
-    interleaved rounds (after `build`), best of each; plain wins under PLAIN_MARGIN of
-    packed's best (drift hits both alike, and a near-tie keeps the packed default). Run it on
-    an idle machine: beside busy threads the verdicts scatter. `seconds_of` times one call
-    (tests give their own)."""
-    if w.plain is None:
-        return False
-    calls = _calls(w, rows, bias)
-    time_call = seconds_of or _timer(calls[0])
-    best = [float("inf"), float("inf")]
+) -> str:
+    """Which kernel multiplies `rows` rows by `w` fastest: PACKED (the default), PLAIN (`w`'s
+    plain tensor, where kept) or HALVES (two calls by `w`'s current choices at the halves'
+    counts: time the smaller counts first). TIMING_ROUNDS interleaved rounds (after `build`),
+    best of each; another kernel wins under PLAIN_MARGIN of packed's best (drift hits all
+    alike, and a near-tie keeps the default). Run it on an idle machine: beside busy threads
+    the verdicts scatter. `seconds_of` times one call (tests give their own)."""
+    calls = _calls(w, rows, bias, split=True)
+    if len(calls) == 1:
+        return PACKED
+    time_call = seconds_of or _timer(calls[PACKED])
+    best = dict.fromkeys(calls, float("inf"))
     for _ in range(TIMING_ROUNDS):
-        best = [min(b, time_call(call)) for b, call in zip(best, calls)]
-    return best[1] < PLAIN_MARGIN * best[0]
+        best = {name: min(best[name], time_call(call)) for name, call in calls.items()}
+    rival = min((name for name in best if name != PACKED), key=best.__getitem__)
+    return rival if best[rival] < PLAIN_MARGIN * best[PACKED] else PACKED
 
 
 MIN_SAMPLE_S = 2e-4  # a timed sample repeats a call this long at least: a 1-row product

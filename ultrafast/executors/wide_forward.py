@@ -29,7 +29,17 @@ import torch.nn.functional as F
 
 from ultrafast.cpu_contention import BusyWindow
 from ultrafast.executors import fused_ops, prefill_attention
-from ultrafast.executors.packed_linear import Weight, build, linear, pack, plain_is_faster, weight
+from ultrafast.executors.packed_linear import (
+    HALVES,
+    PACKED,
+    PLAIN,
+    Weight,
+    build,
+    fastest_kernel,
+    linear,
+    pack,
+    weight,
+)
 from ultrafast.model.config import ModelConfig
 from ultrafast.model.gguf_meta import read_gguf_metadata
 from ultrafast.model.gguf_weights import GGUF_ARCHITECTURES, gguf_model_config, gguf_tensors
@@ -139,8 +149,9 @@ class WideForward:
             self.heads, self.kv_heads, self.head_dim
         )
         self.gemms_untimed: list[int] = []  # row counts built, not timed yet
-        # per matrix kind, the row counts measured faster on the plain weight (time_gemms)
-        self._plain_found: dict[str, set[int]] = {}
+        # per matrix kind, the row counts measured faster on another kernel than the packed
+        # weight's, and that kernel (packed_linear.fastest_kernel: plain or halves; time_gemms)
+        self._kernels: dict[str, dict[int, str]] = {}
         self._gemms_retry_at = 0.0  # after a group timed on a busy machine: not before
 
     @torch.inference_mode()
@@ -163,40 +174,55 @@ class WideForward:
 
     @torch.inference_mode()
     def time_gemms(self, should_stop: Callable[[], bool] = lambda: False) -> bool:
-        """Per matrix kind, the row counts whose product runs faster on the plain weight's
-        kernel (packed_linear.plain_is_faster, on the first layer: a kind has one shape in
-        every layer), for the counts `warm_gemms` built; True once all are timed, the choice
-        given to every layer (a plain copy unpacked where a count needs it, the first layer's
-        freed where none does). Gives way (False) when `should_stop()`, timed on from where it
-        stopped at the next call. Counts are timed in groups of ~GEMM_GROUP_S; a group during
-        which other processes kept more than QUIET_BUSY_CORES busy is dropped and tried again
-        GEMM_RETRY_S later: beside a peer's start the verdicts scattered (down plain at 64-128
-        rows, not at 224-544). A last group shorter than BusyWindow's window is kept as is."""
+        """Per matrix kind, the row counts whose product runs faster on another kernel than
+        the packed weight's (packed_linear.fastest_kernel: the plain weight's, or in halves;
+        on the first layer: a kind has one shape in every layer), for the counts `warm_gemms`
+        built, smallest first (halves run the smaller counts' choices); True once all are
+        timed, the choice given to every layer (a plain copy unpacked where a count needs it,
+        the first layer's freed where none does). Gives way (False) when `should_stop()`,
+        timed on from where it stopped at the next call. Counts are timed in groups of
+        ~GEMM_GROUP_S; a group during which other processes kept more than QUIET_BUSY_CORES
+        busy is dropped and tried again GEMM_RETRY_S later: beside a peer's start the verdicts
+        scattered (down plain at 64-128 rows, not at 224-544). A last group shorter than
+        BusyWindow's window is kept as is."""
         first = self.layers[0]
         while self.gemms_untimed:
             window, started, group = BusyWindow(), time.monotonic(), list[int]()
-            found: dict[str, set[int]] = {}
+            found: dict[str, dict[int, str]] = {}
             while self.gemms_untimed and time.monotonic() - started < GEMM_GROUP_S:
                 if should_stop():
                     self.gemms_untimed[:0] = group
+                    self._choose(first, keep_plain=True)
                     return False
                 rows = self.gemms_untimed.pop(0)  # one count: ~1-30 ms
                 group.append(rows)
                 for kind in GEMM_KINDS:
-                    bias = first.qkv_bias if kind == "qkv" else None
-                    if plain_is_faster(getattr(first, kind), rows, bias):
-                        found.setdefault(kind, set()).add(rows)
+                    w, bias = getattr(first, kind), first.qkv_bias if kind == "qkv" else None
+                    kernel = fastest_kernel(w, rows, bias)
+                    if kernel != PACKED:
+                        found.setdefault(kind, {})[rows] = kernel
+                        w.choose({**self._kernels.get(kind, {}), **found[kind]})
+                        w.unpack()  # still timed at the next counts
             busy = window.others_busy_cores()
             if busy is not None and busy > QUIET_BUSY_CORES:
                 self.gemms_untimed[:0] = group
+                self._choose(first, keep_plain=True)
                 self._gemms_retry_at = time.monotonic() + GEMM_RETRY_S
                 return False
-            for kind, rows_won in found.items():
-                self._plain_found.setdefault(kind, set()).update(rows_won)
+            for kind, kernels in found.items():
+                self._kernels.setdefault(kind, {}).update(kernels)
         for layer in self.layers:
-            for kind in GEMM_KINDS:
-                getattr(layer, kind).keep_plain_for(frozenset(self._plain_found.get(kind, ())))
+            self._choose(layer)
         return True
+
+    def _choose(self, layer: Layer, keep_plain: bool = False) -> None:
+        """`layer`'s weights take the kinds' accepted choices (`keep_plain`: the first
+        layer's plain copies stay for the counts still to time)."""
+        for kind in GEMM_KINDS:
+            w = getattr(layer, kind)
+            w.choose(self._kernels.get(kind, {}))
+            if keep_plain:
+                w.unpack()
 
     @property
     def kernels_status(self) -> str:
@@ -205,16 +231,21 @@ class WideForward:
 
     @property
     def gemm_status(self) -> str:
-        """Where the GEMMs leave oneDNN's packed weights for the plain ones (warm_gemms)."""
+        """Where the GEMMs leave oneDNN's packed weights for another kernel (warm_gemms)."""
         if self.gemms_untimed:
-            return "GEMMs: packed weights (plain ones timed when the engine is next idle)"
-        if not self._plain_found:
+            return "GEMMs: packed weights (other kernels timed when the engine is next idle)"
+        parts = []
+        for kernel in (PLAIN, HALVES):
+            kinds = [
+                f"{kind} at {len(rows)} ({min(rows)}-{max(rows)})"
+                for kind, kernels in self._kernels.items()
+                if (rows := [r for r, k in kernels.items() if k == kernel])
+            ]
+            if kinds:
+                parts.append(f"{kernel} for {', '.join(kinds)}")
+        if not parts:
             return "GEMMs: packed weights at every row count"
-        kinds = ", ".join(
-            f"{kind} at {len(rows)} ({min(rows)}-{max(rows)})"
-            for kind, rows in self._plain_found.items()
-        )
-        return f"GEMMs: plain weights measured faster for {kinds} row counts"
+        return f"GEMMs: measured faster than packed weights: {'; '.join(parts)} row counts"
 
     @property
     def num_layers(self) -> int:
