@@ -94,6 +94,26 @@ def test_large_scores_keep_the_softmax_finite():
     assert_close(got, reference(q, keys, values))
 
 
+def test_scores_rising_block_by_block_move_the_max_lazily_and_stay_exact():
+    """Keys whose scores climb from one 64-key block to the next, by less than the kernel's
+    lazy-max step (2^8) in some blocks and by far more in others: the accumulator is
+    rescaled only where a row's max moved, and the result is the reference's."""
+    kernel = kernel_or_skip()
+    gen = torch.Generator().manual_seed(3)
+    direction = torch.nn.functional.normalize(torch.randn(64, generator=gen), dim=0)
+    t, total = 48, 640
+    q = (direction * 4).expand(t, 9, 64).contiguous().to(BF16)
+    rises = [0.0, 5.5, 5.5, 17.0, 5.5, 17.0, 2.0, 30.0, 5.5, 0.0]  # a block's score step x 2
+    level = torch.tensor(rises).cumsum(0).repeat_interleave(64)
+    ramp = level + torch.rand(total, generator=gen) * 4  # and a spread inside each block
+    noise = torch.randn(3, total, 64, generator=gen) * 0.1
+    keys = (ramp[None, :, None] * direction + noise).to(BF16)
+    values = torch.randn(3, total, 64, generator=gen).to(BF16)
+    got = pa.attend(kernel, q, keys, values)
+    assert torch.isfinite(got.float()).all()
+    assert_close(got, reference(q, keys, values))
+
+
 def test_the_wide_passes_layouts():
     """Queries as a slice of the fused q|k rows, keys and values a view of the mirror's
     [kv_heads, capacity, d] with rows past the sequence holding garbage it must not read."""
