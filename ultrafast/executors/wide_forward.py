@@ -159,9 +159,10 @@ class WideForward:
         """Build one layer's GEMMs at each row count, packed and plain: oneDNN builds a
         primitive per row count (~0.3 ms a GEMM at 16 rows, ~4 ms at 528, AMX Xeon) and keeps
         it for every layer and thread, so a served step never pays one (a new count had cost
-        a step 10-20 ms). Which of the two runs each count is timed later, on an idle engine
-        (`time_gemms`): the load runs beside serving passes, and timed there the choice came
-        out different on every start. ~1 s for a 1,024-token budget, off the engine thread."""
+        a step 10-20 ms; halves run counts built here). Which kernel runs each count is timed
+        later, on an idle engine (`time_gemms`): the load runs beside serving passes, and
+        timed there the choice came out different on every start. ~1 s for a 1,024-token
+        budget, off the engine thread."""
         first = self.layers[0]
         for kind in GEMM_KINDS:
             getattr(first, kind).unpack()  # the first layer's plain copy: built and timed

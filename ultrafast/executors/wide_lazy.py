@@ -224,8 +224,8 @@ class WideLazy:
         """Time both paths in one of `free_slots` (the pool's: no owner, no cached prefix) and
         decide; False when there is none. An arriving request interrupts it
         (CalibrationInterrupted, raised): it is timed again later. With the path on, time
-        its GEMMs' packed and plain weights instead (WideForward.time_gemms), giving way to
-        requests in the same way."""
+        its GEMMs' kernels instead (WideForward.time_gemms), giving way to requests in the
+        same way."""
         if self._gemms_untimed():
             untimed = self.ex.wide.gemm_status
             if self.ex.wide.time_gemms(should_stop):  # the status says the choice from now
