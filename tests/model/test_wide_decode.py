@@ -229,8 +229,9 @@ def test_a_narrow_prefill_runs_wholly_in_torch(monkeypatch):
 
 def test_few_decodes_ride_along_a_prefill_pass(monkeypatch):
     """Two decodes (under the on width of 8) beside a prefill chunk join its torch pass: no
-    llama.cpp pass and no push in that step; the same two alone run on llama.cpp, after one
-    push per slot; the tokens equal llama.cpp's or diverge at a near-tie."""
+    llama.cpp pass and no push in that step, which says it ran as one pass; the same two
+    alone run on llama.cpp, after one push per slot; the tokens equal llama.cpp's or diverge
+    at a near-tie."""
     from ultrafast.executors.ggml_exec import GgmlExecutor
 
     batch = text_prompts(DEMO_GGUF)[:3]
@@ -252,12 +253,14 @@ def test_few_decodes_ride_along_a_prefill_pass(monkeypatch):
         result = ex.execute(StepPlan(plan))  # 2 decodes + a prefill: one torch pass
         if moves is not None:
             assert ggml_passes == [] and moves == {"pull": 0, "push": 0}, (ggml_passes, moves)
+            assert result.num_passes == 1  # mixed lengths in one pass: the step costs learn it
         for s in plan:
             out[s.slot_id] += result.sampled_token_ids[s.request_id]
         plan = [seq(i, out[i][-1:], len(batch[i]) + 1) for i in (0, 1)]
         result = ex.execute(StepPlan(plan))  # the 2 decodes alone: narrow, on llama.cpp
         if moves is not None:
             assert ggml_passes == [[0, 1]] and moves["push"] == 2, (ggml_passes, moves)
+            assert result.num_passes is None  # llama.cpp's pass: its caps tell
         for s in plan:
             out[s.slot_id] += result.sampled_token_ids[s.request_id]
         return out

@@ -119,3 +119,39 @@ def test_decode_only_steps_keep_a_prompt_token_at_its_measured_cost():
     wide_decode = costs.base_s + 15 * costs.per_seq_s + 16 * costs.per_token_s
     assert wide_decode == pytest.approx(0.010 + 0.0021 * 15 + 0.0002 * 16, rel=0.05)
     assert 16_000 * costs.per_token_s < 4.0  # 16 x 1,000 prompt tokens: ~3.2 s, not ~37 s
+
+
+class PassCountingExecutor(DeclaringExecutor):
+    """Runs every step as `passes` forward passes, and says so (None: says nothing)."""
+
+    def __init__(self, passes: int | None):
+        super().__init__(ExecutorCaps(one_pass_per_length=True), num_slots=2)
+        self.passes = passes
+
+    def execute(self, plan):
+        result = super().execute(plan)
+        result.num_passes = self.passes
+        return result
+
+
+@pytest.mark.parametrize("passes, mixed_observed", [(None, False), (2, False), (1, True)])
+def test_a_step_of_mixed_lengths_teaches_the_costs_only_when_it_was_one_pass(
+    passes, mixed_observed
+):
+    """An executor that runs each length as its own pass leaves a mixed step out of the
+    step-cost line (one base per pass: no line fits it); one that says it ran the step as one
+    pass (the wide path's torch pass: prefill chunks and decodes together) has it learned:
+    without it a cold server had learned decode steps only and refused queued prompts."""
+    core = EngineCore(
+        PassCountingExecutor(passes), SchedulerConfig(max_num_seqs=2, max_model_len=128)
+    )
+    observed: list[tuple[int, int]] = []
+    real = core.costs.observe
+    core.costs.observe = lambda s, t, *a: observed.append((s, t)) or real(s, t, *a)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    core.add_request(Request("a", [1, 2, 3], greedy))
+    core.step()  # a's prefill: one length
+    core.add_request(Request("b", list(range(1, 9)), greedy))
+    core.step()  # a's decode beside b's 8-token prefill: two lengths
+    assert observed[0] == (1, 3) if passes != 2 else observed == []
+    assert ((2, 9) in observed) == mixed_observed

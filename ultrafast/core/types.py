@@ -122,6 +122,9 @@ class StepResult:
     kept_logits: dict[str, Any] = field(default_factory=dict)
     execute_time_s: float = 0.0  # forward pass
     sample_time_s: float = 0.0  # sampling on the logits
+    # forward passes the step ran as, where the executor knows (None: ExecutorCaps'
+    # one_pass_per_length tells); a one-pass step teaches the step-cost line
+    num_passes: int | None = None
 
 
 @dataclass

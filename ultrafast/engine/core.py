@@ -302,7 +302,8 @@ class EngineCore:
             num_drafts += seq.num_logits - 1 if seq.num_logits > 1 else 0
         # a pass beside a compile (or on a core fewer for it) times the contention, not the
         # model: the costs that size steps and decide spare cores learn from the others only
-        if seqs and self._one_pass(plan) and not (compiling or self.grammar_stage.compiles_now()):
+        one_pass = self._one_pass(plan) if result.num_passes is None else result.num_passes == 1
+        if seqs and one_pass and not (compiling or self.grammar_stage.compiles_now()):
             pass_s = result.execute_time_s + result.sample_time_s
             self.costs.observe(len(seqs), num_tokens, pass_s + t0 - tp, pass_s)
         if seqs:

@@ -170,7 +170,8 @@ class WideGgmlExecutor(GgmlExecutor):
         for copy in plan.kv_copies:  # the wide pass reads the slots' earlier KV
             self._copy_prefix(copy.src_slot_id, copy.dst_slot_id, copy.num_tokens)
         tails: list[ScheduledSeq] = []
-        if self._over_mirror():  # wide decode on: one torch pass over the mirror
+        over_mirror = self._over_mirror()
+        if over_mirror:  # wide decode on: one torch pass over the mirror
             decodes = decodes if in_torch else []
             done = self._torch_step(routed, decodes, plan.spare_threads)
         else:  # the chunks' KV into llama.cpp, their last tokens in its pass below
@@ -183,6 +184,12 @@ class WideGgmlExecutor(GgmlExecutor):
         result = super().execute(replace(plan, seqs=rest, kv_copies=[])) if rest else StepResult()
         _merge(result, done)
         result.execute_time_s += wide_s
+        if over_mirror and not rest:
+            # the whole step was one torch pass, mixed lengths and all: its cost fits the
+            # step-cost line (admission prices queued prompts from it; left out as several
+            # passes, a cold server knew only decode steps and priced 16 queued 1,000-token
+            # prompts at ~32 s, refusing one with 429, where their prefill took ~4.5 s)
+            result.num_passes = 1
         return result
 
     # ---- wide decode steps (wide_decode.py) and the KV moves they need ----
