@@ -1,12 +1,13 @@
 """The wide passes' GEMM kernels side by side, per matrix kind and row count: oneDNN's packed
-weight, the plain weight, and the product in two row halves (executors/packed_linear.py), each
-on 1 and 2 threads, interleaved, best of --rounds. A kernel whose 2-thread time equals its
-1-thread time runs the shape on one core while the other waits: where halves pay.
+weight, the plain weight, the weight packed for a one-row batch, and the product in two row
+halves (executors/packed_linear.py), each on 1 and 2 threads, interleaved, best of --rounds. A
+kernel whose 2-thread time equals its 1-thread time runs the shape on one core while the other
+waits.
 
     .venv/bin/python scripts/gemm_kernels.py [--model GGUF] [--rows 512,768,1024] [--rounds 5]
 
-The halves here run packed or plain per half, whichever this run timed faster at the half's
-row count on 2 threads (the server's own choice is timed on its idle engine: its status line).
+The halves here run each half on whichever kernel this run timed fastest at the half's row
+count on 2 threads (the server's own choice is timed on its idle engine: its status line).
 """
 
 from __future__ import annotations
@@ -53,12 +54,11 @@ def main() -> None:
                 {pl.half_rows(r) for r in rows_list} | {r - pl.half_rows(r) for r in rows_list}
             )
             pl.build(w, sorted(set(rows_list) | set(halves)), bias)
-            plain = {
-                r
-                for r in halves
-                if (t := best_ms(pl._calls(w, r, bias), 2, args.rounds))[pl.PLAIN] < t[pl.PACKED]
-            }
-            w.choose(dict.fromkeys(plain, pl.PLAIN))
+            fastest = {}
+            for r in halves:
+                t = best_ms(pl._calls(w, r, bias), 2, args.rounds)
+                fastest[r] = min(t, key=t.__getitem__)
+            w.choose(fastest)
             w.unpack()
             for rows in rows_list:
                 calls = pl._calls(w, rows, bias, split=True)

@@ -246,12 +246,12 @@ def _rss() -> int:
 
 
 def _tensors(layer):
-    """A layer's tensors, a matrix's packed and (where kept) plain copies both."""
+    """A layer's tensors, a matrix's packed one and the other copies it keeps."""
     from ultrafast.executors.packed_linear import Weight
 
     for value in vars(layer).values():
         if isinstance(value, Weight):
-            yield from (t for t in (value.packed, value.plain) if t is not None)
+            yield from (value.packed, *value.copies.values())
         elif value is not None:
             yield value
 

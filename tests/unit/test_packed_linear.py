@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ultrafast.executors import packed_linear
-from ultrafast.executors.packed_linear import linear, pack, pack_support
+from ultrafast.executors.packed_linear import PACKED_ONE_ROW, PLAIN, linear, pack, pack_support
 
 needs_packing = pytest.mark.skipif(
     pack_support() is not None, reason=f"packed weights unavailable here: {pack_support()}"
@@ -56,58 +56,99 @@ def test_unsupported_packing_keeps_plain_weights(monkeypatch):
 
 
 @needs_packing
-def test_a_weight_multiplies_its_plain_row_counts_on_the_plain_tensor(monkeypatch):
-    """`linear` on a `Weight` takes the plain tensor at the row counts measured faster there
-    and the packed one at every other; both give F.linear's products."""
+@pytest.mark.parametrize("kernel", [PLAIN, PACKED_ONE_ROW])
+def test_a_weight_multiplies_a_kernels_row_counts_on_that_kernels_copy(monkeypatch, kernel):
+    """`linear` on a `Weight` takes the copy of the kernel chosen for a row count (the plain
+    tensor, or oneDNN's packing for a one-row batch) and the packed one at every other; all
+    give F.linear's products."""
     matrix = _bf16(96, 64, seed=9)
     w = packed_linear.weight(matrix)
-    assert w.packed.is_mkldnn and w.plain is None  # no second copy at load
-    w.keep_plain_for(frozenset({3}))
-    assert w.plain is not None and torch.equal(w.plain, matrix)  # unpacked: the same numbers
-    packed_calls = []
+    assert w.packed.is_mkldnn and w.copies == {}  # no second copy at load
+    w.choose({3: kernel})
+    assert list(w.copies) == [kernel] and w.kernel_at(3) == kernel and w.kernel_at(4) == "packed"
+    if kernel == PLAIN:
+        assert torch.equal(w.plain, matrix)  # unpacked: the same numbers
+    else:
+        assert w.copies[kernel].is_mkldnn  # a second packing, not the plain tensor
+    used = []
     real = packed_linear._packed_linear
     monkeypatch.setattr(
-        packed_linear, "_packed_linear", lambda *a: packed_calls.append(1) or real(*a)
+        packed_linear, "_packed_linear", lambda x, t, b: used.append(t) or real(x, t, b)
     )
-    for rows, on_packed in ((3, 0), (4, 1)):
+    for rows, want_tensor in ((3, w.copies[kernel]), (4, w.packed)):
         x = _bf16(rows, 64, seed=rows)
         got = linear(x, w)
-        assert len(packed_calls) == on_packed
+        assert used[-1:] == ([want_tensor] if want_tensor.is_mkldnn else [])
         torch.testing.assert_close(got.float(), F.linear(x, matrix).float(), rtol=1e-2, atol=1e-2)
 
 
-def _fake_clock(plain_share: dict[int, float], halves_share: dict[int, float] | None = None):
-    """A timer for `fastest_kernel`: packed calls take 1 s, plain ones plain_share[rows] s,
-    halves halves_share[rows] s (1 s where not given)."""
+@needs_packing
+def test_the_one_row_packing_gives_f_linears_products_at_every_row_count():
+    matrix, bias = _bf16(192, 96, seed=15), _bf16(192, seed=16)
+    w = packed_linear.weight(matrix)
+    w.copy_for(PACKED_ONE_ROW)
+    for rows in (1, 16, 100, 1024):
+        x = _bf16(rows, 96, seed=rows)
+        got = linear(x, w.copies[PACKED_ONE_ROW], bias)
+        want = F.linear(x, matrix, bias)
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_support_checks_both_packings(monkeypatch):
+    """A build whose one-row packing fails is reported unsupported, not found mid-serve."""
+    real = packed_linear._reorder
+
+    def reorder(weight, rows_hint=packed_linear.ROWS_HINT):
+        if rows_hint == 1:
+            raise RuntimeError("no such layout (test)")
+        return real(weight, rows_hint)
+
+    if pack_support() is not None:
+        pytest.skip(f"packed weights unavailable here: {pack_support()}")
+    monkeypatch.setattr(packed_linear, "_reorder", reorder)
+    assert "no such layout" in packed_linear.pack_support.__wrapped__()
+
+
+def _weight_with_copies(seed: int = 10) -> packed_linear.Weight:
+    """A Weight holding a plain and a 'one-row' copy (plain tensors: the clock is fake)."""
+    copies = {PLAIN: _bf16(32, 16, seed=seed), PACKED_ONE_ROW: _bf16(32, 16, seed=seed)}
+    return packed_linear.Weight(_bf16(32, 16, seed=seed), copies)
+
+
+def _fake_clock(w, shares: dict[str, dict[int, float]]):
+    """A timer for `fastest_kernel`: packed calls take 1 s, another kernel's at `rows` rows
+    shares[kernel][rows] s (1 s where not given)."""
 
     def seconds_of(call) -> float:
         rows = call.args[0].shape[0]
-        if call.func is F.linear:
-            return plain_share[rows]
         if call.func is packed_linear.halves:
-            return (halves_share or {}).get(rows, 1.0)
-        return 1.0
+            kernel = "halves"
+        else:
+            kernel = next((k for k, t in w.copies.items() if call.args[1] is t), "packed")
+        return shares.get(kernel, {}).get(rows, 1.0)
 
     return seconds_of
 
 
 def test_another_kernel_wins_only_by_the_margin():
-    w = packed_linear.Weight(_bf16(32, 16, seed=10), _bf16(32, 16, seed=10))
-    shares = {16: 1.2, 48: 0.5, 64: 0.9, 256: 0.8}  # slower; clearly faster; near-ties
+    w = _weight_with_copies()
+    plain = {16: 1.2, 48: 0.5, 64: 0.9, 256: 0.8, 512: 0.7}  # slower; clearly faster; near-ties
+    one_row = {48: 0.6, 512: 0.4}  # slower than plain at 48; the fastest at 512
     halves = {256: 0.6}  # under the margin, and faster than plain there
-    clock = _fake_clock(shares, halves)
-    kernels = {rows: packed_linear.fastest_kernel(w, rows, seconds_of=clock) for rows in shares}
-    assert kernels == {16: "packed", 48: "plain", 64: "packed", 256: "halves"}
+    clock = _fake_clock(w, {PLAIN: plain, PACKED_ONE_ROW: one_row, "halves": halves})
+    kernels = {rows: packed_linear.fastest_kernel(w, rows, seconds_of=clock) for rows in plain}
+    assert kernels == {16: "packed", 48: "plain", 64: "packed", 256: "halves", 512: PACKED_ONE_ROW}
     w.choose(kernels)
     assert w.plain is not None and w.plain_rows == {48} and w.split_rows == {256}
-    w.choose({256: "halves"})  # no row count needs the plain tensor: its memory goes
-    assert w.plain is None and w.plain_rows == frozenset() and w.split_rows == {256}
+    assert w.kernel_rows[PACKED_ONE_ROW] == {512}
+    w.choose({256: "halves"})  # no row count needs the copies: their memory goes
+    assert w.copies == {} and w.plain_rows == frozenset() and w.split_rows == {256}
 
 
 def test_halves_are_not_timed_under_the_split_minimum():
-    w = packed_linear.Weight(_bf16(32, 16, seed=10), _bf16(32, 16, seed=10))
+    w = _weight_with_copies()
     timed = []
-    clock = _fake_clock({64: 0.5, 128: 0.5})
+    clock = _fake_clock(w, {PLAIN: {64: 0.5, 128: 0.5}})
     for rows in (64, 128):
         packed_linear.fastest_kernel(w, rows, seconds_of=lambda c: timed.append(c) or clock(c))
     kinds = {(c.args[0].shape[0], c.func.__name__) for c in timed}
@@ -142,13 +183,16 @@ def test_a_product_in_halves_is_its_two_halves_by_their_own_choices(monkeypatch)
     assert packed_linear.half_rows(112) == 64 and packed_linear.half_rows(1024) == 512
 
 
-def test_build_runs_both_products_at_every_row_count(monkeypatch):
-    w = packed_linear.Weight(_bf16(32, 16, seed=12), _bf16(32, 16, seed=12))
+def test_build_runs_every_kernels_product_at_every_row_count(monkeypatch):
+    w = _weight_with_copies(seed=12)
+    names = {id(w.packed): "packed", **{id(t): k for k, t in w.copies.items()}}
     seen = []
-    monkeypatch.setattr(packed_linear, "linear", lambda x, *a: seen.append(("packed", len(x))))
-    monkeypatch.setattr(packed_linear.F, "linear", lambda x, *a: seen.append(("plain", len(x))))
+    monkeypatch.setattr(
+        packed_linear, "linear", lambda x, t, b=None: seen.append((names[id(t)], len(x)))
+    )
     packed_linear.build(w, [1, 48])
-    assert seen == [("packed", 1), ("plain", 1), ("packed", 48), ("plain", 48)]
+    kernels = ["packed", PLAIN, PACKED_ONE_ROW]
+    assert seen == [(k, 1) for k in kernels] + [(k, 48) for k in kernels]
 
 
 def test_without_a_plain_copy_nothing_is_timed():

@@ -14,15 +14,18 @@ oneDNN without bf16 kernels on this CPU), weights stay plain tensors and `linear
 The packed kernel is not the faster one at every row count: on the AMX Xeon the plain weight's
 kernel ran a prefill step's 512-row products with 576 outputs (attention output, MLP down)
 ~1.4x faster (o 0.30 vs 0.45 us a row, down 0.83 vs 1.2), and twice slower at 496 and 528
-rows, while the packed one won every shape at 16-256 rows. So a `Weight` keeps both where a
-measurement (`fastest_kernel`, interleaved, best of several, on an idle engine) found row
-counts the plain kernel wins by a clear margin, and `linear` picks by the row count.
+rows, while the packed one won every shape at 16-256 rows. So a `Weight` keeps other copies
+where a measurement (`fastest_kernel`, interleaved, best of several, on an idle engine) found
+row counts another kernel wins by a clear margin, and `linear` picks by the row count.
 
-Some shapes neither kernel splits between the cores: on the same Xeon with 2 threads both ran
-MLP down [576 x 1,536] at 576-1,024 rows on one thread (1.31 ms at 1,024 rows, the same as with
-one thread, while the other core waited) and packed q/k/v at 768-1,024. Two calls of half the
-rows each, each by its own row count's choice, are a third candidate ("halves": down 1.31 ->
-0.89 ms at 1,024, 0.78 -> 0.61 at 576).
+Some shapes oneDNN does not split between the cores: on the same Xeon with 2 threads the
+weight packed for ROWS_HINT rows (32-column blocks) ran MLP down [576 x 1,536] at 512-1,024
+rows on one thread (1.49 ms at 1,024 rows, the same as with one thread, while the other core
+waited), q/k/v [960 x 576] at 768-1,024 and o at 512-768. The same matrix packed for a
+one-row batch (oneDNN picks 64-column blocks) runs those on both cores: down 1.58 -> 0.91 ms
+at 1,024 rows, q/k/v 0.88 -> 0.50, o at 512 0.33 -> 0.17; slower at others (gate/up at
+384-1,024, down at 64-128). That packing is a third kernel (PACKED_ONE_ROW), and two calls of
+half the rows each, each by its own row count's choice, a fourth ("halves").
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -49,13 +52,14 @@ def pack_support() -> str | None:
     bias = torch.randn(96, generator=gen).to(torch.bfloat16)
     for rows in (1, 16, 40):
         x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
-        try:
-            got = _packed_linear(x, _reorder(weight), bias)
-        except RuntimeError as exc:  # an op this build lacks
-            return f"packing failed ({exc})"
         want = F.linear(x, weight, bias)
-        if not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
-            return "packed products differ from F.linear's"
+        for rows_hint in (ROWS_HINT, 1):  # both packings a Weight may hold
+            try:
+                got = _packed_linear(x, _reorder(weight, rows_hint), bias)
+            except RuntimeError as exc:  # an op this build lacks
+                return f"packing failed ({exc})"
+            if not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
+                return "packed products differ from F.linear's"
     return None
 
 
@@ -66,52 +70,82 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return _reorder(weight.contiguous())
 
 
+PACKED, PLAIN, PACKED_ONE_ROW, HALVES = "packed", "plain", "packed-one-row", "halves"
+COPIED = (PLAIN, PACKED_ONE_ROW)  # the kernels that multiply by a copy of their own
+
+
 @dataclass(eq=False)
 class Weight:
-    """One matrix [out, in]: `packed` (oneDNN's layout where pack_support(), else the plain
-    tensor) and, while `plain_rows` names row counts whose product runs faster on the plain
-    tensor's kernel, `plain`: unpacked from `packed` (an exact copy) only where a row count
-    needs it, so the load holds no second copy of every matrix. `split_rows`: the row counts
-    multiplied in two halves (`halves`)."""
+    """One matrix [out, in]: `packed` (oneDNN's layout for ROWS_HINT rows where
+    pack_support(), else the plain tensor) and, in `copies`, the matrix as the other kernels
+    take it: PLAIN (unpacked from `packed`, an exact copy) and PACKED_ONE_ROW (oneDNN's layout
+    for a one-row batch: 64-column blocks where ROWS_HINT's are 32 on the AMX Xeon), each held
+    only while `kernel_rows` names row counts that run on it, so the load holds no second copy
+    of every matrix. `kernel_rows[HALVES]`: the row counts multiplied in two halves."""
 
     packed: torch.Tensor
-    plain: torch.Tensor | None = None
-    plain_rows: frozenset[int] = frozenset()
-    split_rows: frozenset[int] = frozenset()
+    copies: dict[str, torch.Tensor] = field(default_factory=dict)
+    kernel_rows: dict[str, frozenset[int]] = field(default_factory=dict)
+
+    @property
+    def plain(self) -> torch.Tensor | None:
+        return self.copies.get(PLAIN)
+
+    @property
+    def plain_rows(self) -> frozenset[int]:
+        return self.kernel_rows.get(PLAIN, frozenset())
+
+    @property
+    def split_rows(self) -> frozenset[int]:
+        return self.kernel_rows.get(HALVES, frozenset())
+
+    def kernel_at(self, rows: int) -> str:
+        """The kernel that multiplies `rows` rows (PACKED where none was chosen)."""
+        return next((k for k, counts in self.kernel_rows.items() if rows in counts), PACKED)
+
+    def copy_for(self, kernel: str) -> None:
+        """Hold `kernel`'s copy (to time it, or where a row count needs it); none where the
+        weight is not packed (then every kernel is the plain product)."""
+        if kernel in self.copies or not self.packed.is_mkldnn:
+            return
+        plain = self.copies.get(PLAIN)
+        if plain is None:
+            plain = self.packed.to_dense()
+        self.copies[kernel] = plain if kernel == PLAIN else _reorder(plain, 1)
 
     def unpack(self) -> None:
-        """Hold the plain tensor too (to time it, or where a row count needs it)."""
-        if self.plain is None and self.packed.is_mkldnn:
-            self.plain = self.packed.to_dense()
-
-    def keep_plain_for(self, rows: frozenset[int]) -> None:
-        """Use the plain tensor at these row counts only; without any, free it."""
-        if rows:
-            self.unpack()
-        self.plain_rows = rows if self.plain is not None else frozenset()
-        if not self.plain_rows:
-            self.plain = None
+        """Hold every other kernel's copy (to build and time them)."""
+        for kernel in COPIED:
+            self.copy_for(kernel)
 
     def choose(self, kernels: dict[int, str]) -> None:
-        """Each row count's kernel (`fastest_kernel`'s names; counts not named: packed)."""
-        self.split_rows = frozenset(r for r, k in kernels.items() if k == HALVES)
-        self.keep_plain_for(frozenset(r for r, k in kernels.items() if k == PLAIN))
+        """Each row count's kernel (`fastest_kernel`'s names; counts not named: packed); the
+        copies no chosen count needs are freed."""
+        self.kernel_rows = {
+            kernel: rows
+            for kernel in (*COPIED, HALVES)
+            if (rows := frozenset(r for r, k in kernels.items() if k == kernel))
+        }
+        for kernel in COPIED:
+            if kernel in self.kernel_rows:
+                self.copy_for(kernel)
+            if kernel not in self.kernel_rows or kernel not in self.copies:
+                self.kernel_rows.pop(kernel, None)
+                self.copies.pop(kernel, None)
 
 
 def weight(matrix: torch.Tensor) -> Weight:
-    """`matrix` packed (no plain copy kept: `Weight.unpack` makes one by need)."""
+    """`matrix` packed (no other copy kept: `Weight.copy_for` makes one by need)."""
     return Weight(pack(matrix))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Weight, bias: torch.Tensor | None = None):
     """x @ weight.T + bias for a packed or a plain weight, or a `Weight` by x's row count."""
     if isinstance(weight, Weight):
-        rows = x.numel() // x.shape[-1]
-        if rows in weight.split_rows:
+        kernel = weight.kernel_at(x.numel() // x.shape[-1])
+        if kernel == HALVES:
             return halves(x, weight, bias)
-        if weight.plain is not None and rows in weight.plain_rows:
-            return F.linear(x, weight.plain, bias)
-        weight = weight.packed
+        weight = weight.copies[kernel] if kernel in COPIED else weight.packed
     if weight.is_mkldnn:
         return _packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -132,8 +166,7 @@ def halves(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-PACKED, PLAIN, HALVES = "packed", "plain", "halves"
-PLAIN_MARGIN = 0.85  # another kernel must take under this share of the packed one's time
+RIVAL_MARGIN = 0.85  # another kernel must take under this share of the packed one's time
 TIMING_ROUNDS = 5
 SPLIT_MIN_ROWS = 128  # fewer rows are not timed in halves (each half would be under 64)
 
@@ -141,12 +174,12 @@ SPLIT_MIN_ROWS = 128  # fewer rows are not timed in halves (each half would be u
 def _calls(
     w: Weight, rows: int, bias: torch.Tensor | None, split: bool = False
 ) -> dict[str, Callable[[], object]]:
-    """The packed product at `rows` rows, the plain one where `w` keeps it, and (`split`,
-    at SPLIT_MIN_ROWS rows or more) the product in halves."""
+    """The packed product at `rows` rows, each other kernel's where `w` holds its copy, and
+    (`split`, at SPLIT_MIN_ROWS rows or more) the product in halves."""
     x = torch.zeros(rows, w.packed.shape[1], dtype=torch.bfloat16)
     calls: dict[str, Callable[[], object]] = {PACKED: functools.partial(linear, x, w.packed, bias)}
-    if w.plain is not None:
-        calls[PLAIN] = functools.partial(F.linear, x, w.plain, bias)
+    for kernel, copy in w.copies.items():
+        calls[kernel] = functools.partial(linear, x, copy, bias)
     if split and rows >= SPLIT_MIN_ROWS:
         calls[HALVES] = functools.partial(halves, x, w, bias)
     return calls
@@ -155,7 +188,7 @@ def _calls(
 def build(w: Weight, row_counts: Iterable[int], bias: torch.Tensor | None = None) -> None:
     """Run `w`'s products once at every row count: oneDNN builds a primitive per row count
     (~0.3 ms a GEMM at 16 rows, ~4 ms at 528 on the AMX Xeon), which a served step must not
-    pay; the plain tensor's too, where kept. (Halves run counts built here.)"""
+    pay; the copies' too, where held. (Halves run counts built here.)"""
     for rows in row_counts:
         for call in _calls(w, rows, bias).values():
             call()
@@ -167,12 +200,13 @@ def fastest_kernel(
     bias: torch.Tensor | None = None,
     seconds_of: Callable[[Callable[[], object]], float] | None = None,
 ) -> str:
-    """Which kernel multiplies `rows` rows by `w` fastest: PACKED (the default), PLAIN (`w`'s
-    plain tensor, where kept) or HALVES (two calls by `w`'s current choices at the halves'
-    counts: time the smaller counts first). TIMING_ROUNDS interleaved rounds (after `build`),
-    best of each; another kernel wins under PLAIN_MARGIN of packed's best (drift hits all
-    alike, and a near-tie keeps the default). Run it on an idle machine: beside busy threads
-    the verdicts scatter. `seconds_of` times one call (tests give their own)."""
+    """Which kernel multiplies `rows` rows by `w` fastest: PACKED (the default), PLAIN or
+    PACKED_ONE_ROW (on `w`'s copies, where held) or HALVES (two calls by `w`'s current choices
+    at the halves' counts: time the smaller counts first). TIMING_ROUNDS interleaved rounds
+    (after `build`), best of each; another kernel wins under RIVAL_MARGIN of packed's best
+    (drift hits all alike, and a near-tie keeps the default). Run it on an idle machine:
+    beside busy threads the verdicts scatter. `seconds_of` times one call (tests give their
+    own)."""
     calls = _calls(w, rows, bias, split=True)
     if len(calls) == 1:
         return PACKED
@@ -181,7 +215,7 @@ def fastest_kernel(
     for _ in range(TIMING_ROUNDS):
         best = {name: min(best[name], time_call(call)) for name, call in calls.items()}
     rival = min((name for name in best if name != PACKED), key=best.__getitem__)
-    return rival if best[rival] < PLAIN_MARGIN * best[PACKED] else PACKED
+    return rival if best[rival] < RIVAL_MARGIN * best[PACKED] else PACKED
 
 
 MIN_SAMPLE_S = 2e-4  # a timed sample repeats a call this long at least: a 1-row product
@@ -204,8 +238,8 @@ def _timer(probe: Callable[[], object]) -> Callable[[Callable[[], object]], floa
     return seconds_of
 
 
-def _reorder(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)
+def _reorder(weight: torch.Tensor, rows_hint: int = ROWS_HINT) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
 
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):

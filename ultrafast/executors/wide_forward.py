@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from ultrafast.cpu_contention import BusyWindow
 from ultrafast.executors import fused_ops, prefill_attention
 from ultrafast.executors.packed_linear import (
+    COPIED,
     HALVES,
     PACKED,
-    PLAIN,
     Weight,
     build,
     fastest_kernel,
@@ -150,13 +150,14 @@ class WideForward:
         )
         self.gemms_untimed: list[int] = []  # row counts built, not timed yet
         # per matrix kind, the row counts measured faster on another kernel than the packed
-        # weight's, and that kernel (packed_linear.fastest_kernel: plain or halves; time_gemms)
+        # weight's, and that kernel (packed_linear.fastest_kernel: a copy's or halves;
+        # time_gemms)
         self._kernels: dict[str, dict[int, str]] = {}
         self._gemms_retry_at = 0.0  # after a group timed on a busy machine: not before
 
     @torch.inference_mode()
     def warm_gemms(self, row_counts: list[int]) -> None:
-        """Build one layer's GEMMs at each row count, packed and plain: oneDNN builds a
+        """Build one layer's GEMMs at each row count, on every kernel: oneDNN builds a
         primitive per row count (~0.3 ms a GEMM at 16 rows, ~4 ms at 528, AMX Xeon) and keeps
         it for every layer and thread, so a served step never pays one (a new count had cost
         a step 10-20 ms; halves run counts built here). Which kernel runs each count is timed
@@ -165,7 +166,7 @@ class WideForward:
         budget, off the engine thread."""
         first = self.layers[0]
         for kind in GEMM_KINDS:
-            getattr(first, kind).unpack()  # the first layer's plain copy: built and timed
+            getattr(first, kind).unpack()  # the first layer's other copies: built and timed
             build(getattr(first, kind), row_counts, first.qkv_bias if kind == "qkv" else None)
         self.gemms_untimed = list(row_counts)
 
@@ -176,16 +177,16 @@ class WideForward:
     @torch.inference_mode()
     def time_gemms(self, should_stop: Callable[[], bool] = lambda: False) -> bool:
         """Per matrix kind, the row counts whose product runs faster on another kernel than
-        the packed weight's (packed_linear.fastest_kernel: the plain weight's, or in halves;
-        on the first layer: a kind has one shape in every layer), for the counts `warm_gemms`
-        built, smallest first (halves run the smaller counts' choices); True once all are
-        timed, the choice given to every layer (a plain copy unpacked where a count needs it,
-        the first layer's freed where none does). Gives way (False) when `should_stop()`,
-        timed on from where it stopped at the next call. Counts are timed in groups of
-        ~GEMM_GROUP_S; a group during which other processes kept more than QUIET_BUSY_CORES
-        busy is dropped and tried again GEMM_RETRY_S later: beside a peer's start the verdicts
-        scattered (down plain at 64-128 rows, not at 224-544). A last group shorter than
-        BusyWindow's window is kept as is."""
+        the packed weight's (packed_linear.fastest_kernel: the plain weight's, the one-row
+        packing's, or in halves; on the first layer: a kind has one shape in every layer), for
+        the counts `warm_gemms` built, smallest first (halves run the smaller counts'
+        choices); True once all are timed, the choice given to every layer (a copy made where
+        a count needs it, the first layer's freed where none does). Gives way (False) when
+        `should_stop()`, timed on from where it stopped at the next call. Counts are timed in
+        groups of ~GEMM_GROUP_S; a group during which other processes kept more than
+        QUIET_BUSY_CORES busy is dropped and tried again GEMM_RETRY_S later: beside a peer's
+        start the verdicts scattered (down plain at 64-128 rows, not at 224-544). A last group
+        shorter than BusyWindow's window is kept as is."""
         first = self.layers[0]
         while self.gemms_untimed:
             window, started, group = BusyWindow(), time.monotonic(), list[int]()
@@ -193,7 +194,7 @@ class WideForward:
             while self.gemms_untimed and time.monotonic() - started < GEMM_GROUP_S:
                 if should_stop():
                     self.gemms_untimed[:0] = group
-                    self._choose(first, keep_plain=True)
+                    self._choose(first, keep_copies=True)
                     return False
                 rows = self.gemms_untimed.pop(0)  # one count: ~1-30 ms
                 group.append(rows)
@@ -207,7 +208,7 @@ class WideForward:
             busy = window.others_busy_cores()
             if busy is not None and busy > QUIET_BUSY_CORES:
                 self.gemms_untimed[:0] = group
-                self._choose(first, keep_plain=True)
+                self._choose(first, keep_copies=True)
                 self._gemms_retry_at = time.monotonic() + GEMM_RETRY_S
                 return False
             for kind, kernels in found.items():
@@ -216,13 +217,13 @@ class WideForward:
             self._choose(layer)
         return True
 
-    def _choose(self, layer: Layer, keep_plain: bool = False) -> None:
-        """`layer`'s weights take the kinds' accepted choices (`keep_plain`: the first
-        layer's plain copies stay for the counts still to time)."""
+    def _choose(self, layer: Layer, keep_copies: bool = False) -> None:
+        """`layer`'s weights take the kinds' accepted choices (`keep_copies`: the first
+        layer's other copies stay for the counts still to time)."""
         for kind in GEMM_KINDS:
             w = getattr(layer, kind)
             w.choose(self._kernels.get(kind, {}))
-            if keep_plain:
+            if keep_copies:
                 w.unpack()
 
     @property
@@ -236,7 +237,7 @@ class WideForward:
         if self.gemms_untimed:
             return "GEMMs: packed weights (other kernels timed when the engine is next idle)"
         parts = []
-        for kernel in (PLAIN, HALVES):
+        for kernel in (*COPIED, HALVES):
             kinds = [
                 f"{kind} at {len(rows)} ({min(rows)}-{max(rows)})"
                 for kind, kernels in self._kernels.items()
