@@ -145,6 +145,17 @@ def test_another_kernel_wins_only_by_the_margin():
     assert w.copies == {} and w.plain_rows == frozenset() and w.split_rows == {256}
 
 
+def test_a_near_tie_of_the_two_copies_goes_to_the_one_row_packing():
+    """Plain faster by under COPY_TIE keeps the one-row packing (one copy a kind, not two);
+    plain clearly faster, or the one-row packing not under the margin, keeps plain."""
+    w = _weight_with_copies()
+    plain = {48: 0.50, 64: 0.50, 80: 0.80}
+    one_row = {48: 0.54, 64: 0.60, 80: 0.86}  # near tie; plain clearly faster; over margin
+    clock = _fake_clock(w, {PLAIN: plain, PACKED_ONE_ROW: one_row})
+    kernels = {rows: packed_linear.fastest_kernel(w, rows, seconds_of=clock) for rows in plain}
+    assert kernels == {48: PACKED_ONE_ROW, 64: PLAIN, 80: PLAIN}
+
+
 def test_halves_are_not_timed_under_the_split_minimum():
     w = _weight_with_copies()
     timed = []
