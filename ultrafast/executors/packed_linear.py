@@ -86,6 +86,7 @@ class Weight:
     packed: torch.Tensor
     copies: dict[str, torch.Tensor] = field(default_factory=dict)
     kernel_rows: dict[str, frozenset[int]] = field(default_factory=dict)
+    _kernel_of: dict[int, str] = field(default_factory=dict, repr=False)  # rows -> kernel
 
     @property
     def plain(self) -> torch.Tensor | None:
@@ -101,7 +102,7 @@ class Weight:
 
     def kernel_at(self, rows: int) -> str:
         """The kernel that multiplies `rows` rows (PACKED where none was chosen)."""
-        return next((k for k, counts in self.kernel_rows.items() if rows in counts), PACKED)
+        return self._kernel_of.get(rows, PACKED)  # a dict: `linear` asks on every call
 
     def copy_for(self, kernel: str) -> None:
         """Hold `kernel`'s copy (to time it, or where a row count needs it); none where the
@@ -132,6 +133,7 @@ class Weight:
             if kernel not in self.kernel_rows or kernel not in self.copies:
                 self.kernel_rows.pop(kernel, None)
                 self.copies.pop(kernel, None)
+        self._kernel_of = {r: k for k, rows in self.kernel_rows.items() for r in rows}
 
 
 def weight(matrix: torch.Tensor) -> Weight:
