@@ -129,7 +129,26 @@ def test_seeded_sampling_batched_equals_alone(executor):
     assert generate(executor, PROMPTS, 8, params=params) == alone
 
 
-def test_kv_copy_prefix_reuse(executor):
+@pytest.mark.parametrize("path", ["cells", "seq_cp"])
+def test_kv_copy_prefix_reuse(executor, monkeypatch, path):
+    """A prefix copied across slots gives the tokens computing it would: through the state
+    API, only the prefix's cells (llama.cpp's seq_cp copies the whole stream buffer), or,
+    where that path cannot read the KV (a layout it does not know), through seq_cp."""
+    import llama_cpp
+
+    from ultrafast.executors import ggml_kv_rows
+
+    copied_streams = []
+    real_cp = llama_cpp.llama_memory_seq_cp
+    monkeypatch.setattr(
+        llama_cpp, "llama_memory_seq_cp", lambda *a: copied_streams.append(a[1:3]) or real_cp(*a)
+    )
+    if path == "seq_cp":
+
+        def unreadable(chunk):
+            raise ggml_kv_rows.KVLayoutError("a layout this reader does not know (test)")
+
+        monkeypatch.setattr(ggml_kv_rows, "parse_chunk", unreadable)
     prefix, suffix = PROMPTS["c"][:30], [8, 9, 10, 11]
     expected = generate(executor, {"full": prefix + suffix}, 10, slots={"full": 3})["full"]
     generate(executor, {"owner": prefix + [1, 2, 3]}, 4, slots={"owner": 0})  # slot 0 caches it
@@ -143,6 +162,7 @@ def test_kv_copy_prefix_reuse(executor):
         step = _seq("reuse", 1, outputs[-1:], len(prefix) + len(suffix) + i, num_output=i + 1)
         outputs += executor.execute(StepPlan([step])).sampled_token_ids["reuse"]
     assert outputs == expected
+    assert copied_streams == ([] if path == "cells" else [(0, 1)])
 
 
 def test_kv_copy_leaves_source_intact(executor):

@@ -131,3 +131,15 @@ def concat(prior: SlotRows, new: SlotRows) -> SlotRows:
         [np.concatenate([a, b]) for a, b in zip(prior.v, new.v)],
         prior.v_trans,
     )
+
+
+def prefix(rows: SlotRows, n: int) -> SlotRows:
+    """rows' cells at positions [0, n), in position order; KVLayoutError where they are not
+    exactly those positions."""
+    keep = np.flatnonzero(rows.positions < n)
+    keep = keep[np.argsort(rows.positions[keep], kind="stable")]
+    if not np.array_equal(rows.positions[keep], np.arange(n)):
+        raise KVLayoutError(f"the slot's KV does not hold positions [0, {n}) once each")
+    return SlotRows(
+        rows.positions[keep], [k[keep] for k in rows.k], [v[keep] for v in rows.v], rows.v_trans
+    )
