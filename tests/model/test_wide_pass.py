@@ -371,10 +371,12 @@ def test_timed_gemms_keep_other_kernels_only_for_the_row_counts_measured_faster(
     timed.clear()
     assert fw.gemms_due() and fw.time_gemms()
     assert timed == [16] * 4 + [48] * 4
-    assert all(layer.o.plain_rows == {48} and layer.o.plain is not None for layer in fw.layers)
-    assert all(layer.down.split_rows == {48} for layer in fw.layers)
+    assert all(
+        layer.o.rows_of("plain") == {48} and layer.o.plain is not None for layer in fw.layers
+    )
+    assert all(layer.down.rows_of("halves") == {48} for layer in fw.layers)
     others = [getattr(layer, kind) for layer in fw.layers for kind in ("qkv", "gate_up", "down")]
-    assert all(w.plain is None and not w.plain_rows for w in others)
+    assert all(w.plain is None and not w.rows_of("plain") for w in others)
     assert "plain for o at 1 (48-48); halves for down at 1 (48-48)" in fw.gemm_status
     ids, positions = torch.arange(5, 53), torch.arange(48)
     plain_keys, plain_values = fw.kv(ids, positions, [wf.SeqChunk(0, 48, 0)])

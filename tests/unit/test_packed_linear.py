@@ -139,10 +139,10 @@ def test_another_kernel_wins_only_by_the_margin():
     kernels = {rows: packed_linear.fastest_kernel(w, rows, seconds_of=clock) for rows in plain}
     assert kernels == {16: "packed", 48: "plain", 64: "packed", 256: "halves", 512: PACKED_ONE_ROW}
     w.choose(kernels)
-    assert w.plain is not None and w.plain_rows == {48} and w.split_rows == {256}
-    assert w.kernel_rows[PACKED_ONE_ROW] == {512}
+    assert w.plain is not None and w.rows_of("plain") == {48} and w.rows_of("halves") == {256}
+    assert w.rows_of(PACKED_ONE_ROW) == {512}
     w.choose({256: "halves"})  # no row count needs the copies: their memory goes
-    assert w.copies == {} and w.plain_rows == frozenset() and w.split_rows == {256}
+    assert w.copies == {} and w.rows_of("plain") == frozenset() and w.rows_of("halves") == {256}
 
 
 def test_a_near_tie_of_the_two_copies_goes_to_the_one_row_packing():

@@ -298,6 +298,8 @@ class GgmlExecutor:
                 ggml_state.export_slot(self._ctx, src_slot_id, self.num_slots)
             )
             chunk = ggml_kv_rows.build_chunk(ggml_kv_rows.prefix(rows, num_tokens))
+            # llama.cpp's own import: a subclass's (wide_exec) also moves its mirror, which
+            # its _copy_prefix does itself around this one
             GgmlExecutor.import_slot(self, dst_slot_id, chunk, num_tokens)
         except (ValueError, RuntimeError):  # a layout this reader does not know: seq_cp
             llama_cpp.llama_memory_seq_rm(self._memory, dst_slot_id, -1, -1)

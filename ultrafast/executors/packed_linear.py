@@ -80,29 +80,24 @@ class Weight:
     pack_support(), else the plain tensor) and, in `copies`, the matrix as the other kernels
     take it: PLAIN (unpacked from `packed`, an exact copy) and PACKED_ONE_ROW (oneDNN's layout
     for a one-row batch: 64-column blocks where ROWS_HINT's are 32 on the AMX Xeon), each held
-    only while `kernel_rows` names row counts that run on it, so the load holds no second copy
-    of every matrix. `kernel_rows[HALVES]`: the row counts multiplied in two halves."""
+    only while `kernels` names row counts that run on it, so the load holds no second copy of
+    every matrix (`kernels` HALVES: the row counts multiplied in two halves)."""
 
     packed: torch.Tensor
     copies: dict[str, torch.Tensor] = field(default_factory=dict)
-    kernel_rows: dict[str, frozenset[int]] = field(default_factory=dict)
-    _kernel_of: dict[int, str] = field(default_factory=dict, repr=False)  # rows -> kernel
+    kernels: dict[int, str] = field(default_factory=dict)  # rows -> kernel (absent: PACKED)
 
     @property
     def plain(self) -> torch.Tensor | None:
         return self.copies.get(PLAIN)
 
-    @property
-    def plain_rows(self) -> frozenset[int]:
-        return self.kernel_rows.get(PLAIN, frozenset())
-
-    @property
-    def split_rows(self) -> frozenset[int]:
-        return self.kernel_rows.get(HALVES, frozenset())
+    def rows_of(self, kernel: str) -> frozenset[int]:
+        """The row counts `kernel` multiplies."""
+        return frozenset(r for r, k in self.kernels.items() if k == kernel)
 
     def kernel_at(self, rows: int) -> str:
         """The kernel that multiplies `rows` rows (PACKED where none was chosen)."""
-        return self._kernel_of.get(rows, PACKED)  # a dict: `linear` asks on every call
+        return self.kernels.get(rows, PACKED)  # a dict: `linear` asks on every call
 
     def copy_for(self, kernel: str) -> None:
         """Hold `kernel`'s copy (to time it, or where a row count needs it); none where the
@@ -121,19 +116,13 @@ class Weight:
 
     def choose(self, kernels: dict[int, str]) -> None:
         """Each row count's kernel (`fastest_kernel`'s names; counts not named: packed); the
-        copies no chosen count needs are freed."""
-        self.kernel_rows = {
-            kernel: rows
-            for kernel in (*COPIED, HALVES)
-            if (rows := frozenset(r for r, k in kernels.items() if k == kernel))
-        }
+        copies no chosen count needs are freed (a count whose copy cannot be made: packed)."""
         for kernel in COPIED:
-            if kernel in self.kernel_rows:
+            if kernel in kernels.values():
                 self.copy_for(kernel)
-            if kernel not in self.kernel_rows or kernel not in self.copies:
-                self.kernel_rows.pop(kernel, None)
+            else:
                 self.copies.pop(kernel, None)
-        self._kernel_of = {r: k for k, rows in self.kernel_rows.items() for r in rows}
+        self.kernels = {r: k for r, k in kernels.items() if k == HALVES or k in self.copies}
 
 
 def weight(matrix: torch.Tensor) -> Weight:

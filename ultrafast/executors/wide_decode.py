@@ -247,16 +247,12 @@ def pull(executor, slot: int, end: int) -> str | None:
     """Copy llama.cpp's rows [mirror length, end) of `slot` into the mirror; an error or None."""
     fw, mirror = executor.wide, executor.mirror
     start = mirror.length(slot)
-    try:
-        rows = ggml_kv_rows.parse_chunk(executor.ggml_export(slot, end))
+    try:  # cells [0, end) in position order, or KVLayoutError (a ValueError)
+        rows = ggml_kv_rows.prefix(ggml_kv_rows.parse_chunk(executor.ggml_export(slot, end)), end)
     except ValueError as exc:
         return f"wide decode: the slot's KV cannot be read: {exc}"
-    order = np.argsort(rows.positions, kind="stable")  # cells in position order
-    if len(order) < end or not np.array_equal(rows.positions[order[:end]], np.arange(end)):
-        return "wide decode: the slot's KV is not positions [0, end)"
-    cells = order[start:end]
-    keys = [fw.from_gguf_keys(k[cells]) for k in rows.k]
-    values = [fw.from_gguf_values(v[cells]) for v in rows.v]
+    keys = [fw.from_gguf_keys(k[start:end]) for k in rows.k]
+    values = [fw.from_gguf_values(v[start:end]) for v in rows.v]
     mirror.put_rows(slot, start, keys, values)
     return None
 
