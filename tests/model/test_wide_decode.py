@@ -309,6 +309,54 @@ def test_a_prefix_held_only_by_the_mirror_is_copied_there(monkeypatch):
     assert want == got  # the demo model decides these tokens by wide margins
 
 
+def test_a_prefix_both_sides_hold_is_copied_in_the_mirror_alone(monkeypatch):
+    """A prefix-cache hit whose source slot both the mirror and llama.cpp hold (prefilled in
+    torch, then decoded on llama.cpp) copies it within the mirror only while torch passes run
+    over the mirror: llama.cpp's copy (a state export and import) is skipped, and llama.cpp
+    gets the rows by one push when it next runs the slot. Tokens equal llama.cpp's."""
+    from ultrafast.core.types import KVCopy
+    from ultrafast.executors.ggml_exec import GgmlExecutor
+
+    first, second = text_prompts(DEMO_GGUF)[:2]
+    shared = 12
+    other = first[:shared] + second[shared:]
+    ggml_copies = []
+    real_copy = GgmlExecutor._copy_prefix
+
+    def counted_copy(self, *args):
+        ggml_copies.append(args)
+        return real_copy(self, *args)
+
+    def schedule(ex, moves=None):
+        out0 = ex.execute(StepPlan([seq(0, first, 0)])).sampled_token_ids["r0"]
+        for _ in range(2):  # narrow decodes on llama.cpp: slot 0 is pushed, both hold it
+            step = [seq(0, out0[-1:], len(first) + len(out0) - 1)]
+            out0 += ex.execute(StepPlan(step)).sampled_token_ids["r0"]
+        if moves is not None:
+            assert ex._slot_lens[0] >= shared and ex.mirror.length(0) >= shared
+            moves.update(pull=0, push=0)
+            monkeypatch.setattr(GgmlExecutor, "_copy_prefix", counted_copy)
+        copy = KVCopy(src_slot_id=0, dst_slot_id=1, num_tokens=shared)
+        plan = StepPlan([seq(1, other[shared:], shared)], kv_copies=[copy])
+        out = ex.execute(plan).sampled_token_ids["r1"]
+        if moves is not None:
+            assert ggml_copies == [] and moves == {"pull": 0, "push": 0}, (ggml_copies, moves)
+            assert ex.mirror.length(1) == len(other) and ex._slot_lens[1] == 0
+        for _ in range(3):  # narrow decodes on llama.cpp: slot 1's rows pushed once
+            step = [seq(1, out[-1:], len(other) + len(out) - 1)]
+            out += ex.execute(StepPlan(step)).sampled_token_ids["r1"]
+        return out0, out
+
+    kwargs = dict(KWARGS, num_slots=2)
+    with plain(DEMO_GGUF, **kwargs) as ref:
+        want = schedule(ref)
+    moves = counting_moves(monkeypatch)
+    with wide_decoder(DEMO_GGUF, **kwargs) as ex:
+        got = schedule(ex, moves)
+        assert moves["push"] == 1 and ex._slot_lens[1] == len(other) + 3
+    assert want == got  # the demo model decides these tokens by wide margins
+
+
 def test_a_prefix_only_llama_cpp_holds_is_pulled_once_for_every_copy(monkeypatch):
     """Copies of a prefix that only llama.cpp's slot holds (a slot it filled: a shared system
     prompt) pull it into the source slot's mirror once; every later copy is a mirror copy,
