@@ -145,6 +145,16 @@ class ServerConfig:
             type=float,
         ),
     )
+    gil_switch_ms: float = field(
+        default=0.5,
+        metadata=flag(
+            "--gil-switch-ms",
+            "service tiers",
+            "longest a thread running Python keeps the interpreter lock from the event loop"
+            " (Python's own default: 5)",
+            type=float,
+        ),
+    )
     drain_timeout_s: float = field(
         default=10.0,
         metadata=flag(
@@ -472,6 +482,10 @@ class ServerConfig:
             **switch_off(),
         ),
     )
+
+    def __post_init__(self) -> None:
+        if not self.gil_switch_ms > 0:  # NaN too
+            raise ValueError(f"--gil-switch-ms must be > 0, got {self.gil_switch_ms}")
 
     @property
     def auth_on(self) -> bool:

@@ -135,3 +135,23 @@ def test_the_step_budget_has_a_flag_and_the_prefill_chunk_follows_it():
     assert (wide.max_num_batched_tokens, wide.prefill_chunk_tokens) == (2048, 2048)
     with pytest.raises(ValueError, match="--max-num-batched-tokens 8"):
         config("--max-num-batched-tokens", "8")
+
+
+def test_the_gil_switch_flag_sets_the_interpreters_switch_interval():
+    import sys
+
+    from ultrafast.server.build import set_gil_switch
+
+    args = _serve_parser().parse_args(["model.gguf", "--gil-switch-ms", "0.25"])
+    config = ServerConfig(**read_config(ServerConfig, args))
+    before = sys.getswitchinterval()
+    try:
+        set_gil_switch(config)
+        assert sys.getswitchinterval() == pytest.approx(0.00025)
+        set_gil_switch(ServerConfig())
+        assert sys.getswitchinterval() == pytest.approx(0.0005)  # the default
+    finally:
+        sys.setswitchinterval(before)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="--gil-switch-ms"):
+            ServerConfig(gil_switch_ms=bad)

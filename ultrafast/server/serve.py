@@ -222,7 +222,7 @@ def _load(
     stops the server and is raised by `serve` on the main thread."""
     try:
         from ultrafast.server.app import build_app
-        from ultrafast.server.build import build_state, freeze_startup_heap
+        from ultrafast.server.build import build_state, freeze_startup_heap, set_gil_switch
         from ultrafast.server.unread_body import CloseOnUnreadBody
 
         try:
@@ -232,6 +232,7 @@ def _load(
         real_app = CloseOnUnreadBody(build_app(state))  # an early 413 closes, no draining
         loaded["unwatch_gc"] = state.metrics.watch_gc()
         freeze_startup_heap()
+        set_gil_switch(config)
         server.loop_ready.wait()
         if server.should_exit or server._loop is None:
             return
