@@ -345,8 +345,11 @@ def test_timed_gemms_keep_other_kernels_only_for_the_row_counts_measured_faster(
 
     first_down = fw.layers[0].down
 
-    def fastest_kernel(w, rows, bias=None):
+    streams = []
+
+    def fastest_kernel(w, rows, bias=None, stream=()):
         timed.append(rows)
+        streams.append((rows, bias is None, [id(m) for m in stream]))
         if rows == 48:
             return {id(first_o): "plain", id(first_down): "halves"}.get(id(w), "packed")
         return "packed"
@@ -371,6 +374,12 @@ def test_timed_gemms_keep_other_kernels_only_for_the_row_counts_measured_faster(
     timed.clear()
     assert fw.gemms_due() and fw.time_gemms()
     assert timed == [16] * 4 + [48] * 4
+    # up to tile_gemm's rows (no bias) a kind is timed over every layer's matrix: a decode
+    # step streams them all
+    kinds = ("qkv", "o", "gate_up", "down")
+    for (rows, no_bias, stream), kind in zip(streams[-8:], kinds * 2):
+        every = [id(getattr(layer, kind)) for layer in fw.layers]
+        assert stream == (every if rows == 16 and no_bias else []), (rows, kind)
     assert all(
         layer.o.rows_of("plain") == {48} and layer.o.plain is not None for layer in fw.layers
     )
@@ -443,3 +452,38 @@ def test_prefill_rows_are_padded_to_few_gemm_shapes(monkeypatch):
     exact_keys, exact_values = fw.kv(ids, positions, chunks)
     for got, want in zip(keys + values, exact_keys + exact_values):
         assert torch.allclose(got, want, rtol=0, atol=0.02 * float(want.abs().max()))
+
+
+def test_a_decode_step_on_the_tile_kernel_computes_onednns_logits():
+    """SmolLM2's matrices are read by tile_gemm where oneDNN packed them; a 16-row decode
+    step with every kind on TILES gives the logits of the step on oneDNN's products."""
+    import torch
+
+    from ultrafast.executors import tile_gemm, wide_decode
+    from ultrafast.executors.packed_linear import TILES
+    from ultrafast.executors.wide_forward import GEMM_KINDS, SeqChunk, WideForward
+
+    if isinstance(tile_gemm.load(), str) or _bf16_unavailable():
+        pytest.skip(f"no AMX tile kernel here: {tile_gemm.load()}")
+    fw = WideForward(smollm2_q4_1(), 256)
+    weights = [getattr(layer, kind) for layer in fw.layers for kind in GEMM_KINDS]
+    assert all(w.tile_block in (32, 64) for w in weights)  # every layout recognized
+    mirror = wide_decode.new_mirror(fw, 256, 16)
+    prompt = list(range(100, 140))
+    for slot in range(16):  # 16 slots holding the same 40 positions
+        chunk = (prompt, list(range(40)), [SeqChunk(0, 40, 0)], [slot])
+        wide_decode.step_logits(fw, mirror, chunk, None)
+
+    def step(kernels: dict[int, str]) -> torch.Tensor:
+        for w in weights:
+            w.choose(kernels)
+        for slot in range(16):
+            mirror.lens[slot] = 40
+        tokens = list(range(200, 216))
+        return wide_decode.step_logits(fw, mirror, None, (tokens, list(range(16)), [40] * 16))
+
+    want = step({})
+    got = step({16: TILES})
+    assert all(w.kernel_at(16) == TILES for w in weights)
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * float(want.abs().max()))
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

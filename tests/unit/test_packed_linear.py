@@ -212,3 +212,55 @@ def test_without_a_plain_copy_nothing_is_timed():
     timed = []
     kernel = packed_linear.fastest_kernel(w, 16, seconds_of=lambda c: timed.append(c) or 0.0)
     assert kernel == "packed" and timed == []
+
+
+def _tiled_weight(monkeypatch, seed: int = 13) -> packed_linear.Weight:
+    """A Weight TILES can multiply (the kernel faked present: the clock is fake too)."""
+    monkeypatch.setattr(packed_linear.tile_gemm, "load", lambda: object())
+    return packed_linear.Weight(_bf16(64, 32, seed=seed), tile_block=32)
+
+
+def test_tiles_win_by_their_own_margin_and_only_at_their_row_counts(monkeypatch):
+    """TILES hold no copy: under TILES_MARGIN of packed's time is enough; above MAX_ROWS
+    they are not timed."""
+    w = _tiled_weight(monkeypatch)
+    timed = []
+
+    def clock(call) -> float:
+        timed.append((call.func.__name__, call.args[0].shape[0]))
+        return {4: 0.90, 8: 0.97}[call.args[0].shape[0]] if call.func.__name__ == "tiles" else 1.0
+
+    assert packed_linear.TILES_MARGIN > packed_linear.RIVAL_MARGIN
+    assert packed_linear.fastest_kernel(w, 4, seconds_of=clock) == packed_linear.TILES
+    assert packed_linear.fastest_kernel(w, 8, seconds_of=clock) == packed_linear.PACKED
+    rows = packed_linear.tile_gemm.MAX_ROWS + 1
+    assert packed_linear.fastest_kernel(w, rows, seconds_of=lambda c: 1.0) == "packed"
+    assert ("tiles", rows) not in timed and ("tiles", 4) in timed
+
+
+def test_a_streamed_timing_runs_every_layers_matrix_and_no_copy(monkeypatch):
+    layers = [_tiled_weight(monkeypatch, seed=s) for s in (14, 15, 16)]
+    layers[0].copies[PLAIN] = _bf16(64, 32, seed=14)
+    calls = packed_linear._calls(layers[0], 8, None, split=True, stream=layers)
+    assert set(calls) == {packed_linear.PACKED, packed_linear.TILES}
+    assert calls[packed_linear.PACKED].args[2] == [w.packed for w in layers]
+    assert calls[packed_linear.TILES].args[2] == layers
+    layers[2].tile_block = None  # one layer TILES cannot read: not offered
+    assert set(packed_linear._calls(layers[0], 8, None, stream=layers)) == {"packed"}
+
+
+def test_a_weight_multiplies_its_tiles_row_counts_on_the_tile_kernel(monkeypatch):
+    w = _tiled_weight(monkeypatch)
+    seen = []
+    monkeypatch.setattr(
+        packed_linear.tile_gemm,
+        "product",
+        lambda kernel, x, packed, block: seen.append((len(x), block)) or F.linear(x, packed),
+    )
+    w.choose({4: packed_linear.TILES})
+    x4, x5 = _bf16(4, 32, seed=17), _bf16(5, 32, seed=18)
+    torch.testing.assert_close(linear(x4, w), F.linear(x4, w.packed))
+    linear(x5, w)  # packed: its count has no choice
+    bias = _bf16(64, seed=19)
+    torch.testing.assert_close(linear(x4, w, bias), F.linear(x4, w.packed, bias))  # no bias
+    assert seen == [(4, 32)]

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from ultrafast.executors import tile_gemm
 
 ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; every row count works
 
@@ -71,6 +73,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 PACKED, PLAIN, PACKED_ONE_ROW, HALVES = "packed", "plain", "packed-one-row", "halves"
+TILES = "amx-tiles"  # tile_gemm.py's kernel over the packed weight itself (a few rows)
 COPIED = (PLAIN, PACKED_ONE_ROW)  # the kernels that multiply by a copy of their own
 
 
@@ -86,6 +89,8 @@ class Weight:
     packed: torch.Tensor
     copies: dict[str, torch.Tensor] = field(default_factory=dict)
     kernels: dict[int, str] = field(default_factory=dict)  # rows -> kernel (absent: PACKED)
+    # the output block of `packed`'s layout where TILES can read it (tile_gemm.layout_of)
+    tile_block: int | None = None
 
     @property
     def plain(self) -> torch.Tensor | None:
@@ -122,12 +127,24 @@ class Weight:
                 self.copy_for(kernel)
             else:
                 self.copies.pop(kernel, None)
-        self.kernels = {r: k for r, k in kernels.items() if k == HALVES or k in self.copies}
+        self.kernels = {r: k for r, k in kernels.items() if self._runs(k)}
+
+    def _runs(self, kernel: str) -> bool:
+        return kernel == HALVES or kernel in self.copies or (kernel == TILES and self.tiles)
+
+    @property
+    def tiles(self) -> bool:
+        """Whether TILES can multiply by this weight (its layout checked, the kernel built)."""
+        return self.tile_block is not None and not isinstance(tile_gemm.load(), str)
 
 
 def weight(matrix: torch.Tensor) -> Weight:
-    """`matrix` packed (no other copy kept: `Weight.copy_for` makes one by need)."""
-    return Weight(pack(matrix))
+    """`matrix` packed (no other copy kept: `Weight.copy_for` makes one by need), with the
+    layout TILES reads checked where this CPU has the kernel."""
+    w = Weight(pack(matrix))
+    if not isinstance(tile_gemm.load(), str):
+        w.tile_block = tile_gemm.layout_of(w.packed, matrix.to(torch.bfloat16))
+    return w
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Weight, bias: torch.Tensor | None = None):
@@ -136,10 +153,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Weight, bias: torch.Tensor | 
         kernel = weight.kernel_at(x.numel() // x.shape[-1])
         if kernel == HALVES:
             return halves(x, weight, bias)
+        if kernel == TILES and bias is None:
+            return tiles(x, weight)
         weight = weight.copies[kernel] if kernel in COPIED else weight.packed
     if weight.is_mkldnn:
         return _packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def tiles(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x @ w.T on AMX tiles from the packed weight itself (tile_gemm.py; `w.tiles`)."""
+    kernel = tile_gemm.load()
+    assert not isinstance(kernel, str) and w.tile_block is not None
+    return tile_gemm.product(kernel, x, w.packed, w.tile_block)
 
 
 def half_rows(rows: int) -> int:
@@ -158,6 +184,10 @@ def halves(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
 
 
 RIVAL_MARGIN = 0.85  # another kernel must take under this share of the packed one's time
+# ... TILES under this one: it holds no copy, so a smaller gain pays; timed alone its weight
+# sits in the cache, while a decode step streams the weights where it gains more (16 rows,
+# gate/up: 0.85x alone, the whole step's GEMMs ~0.75x, 2-core AMX Xeon)
+TILES_MARGIN = 0.95
 # the one-row packing wins a count where it takes at most this times the plain kernel's time:
 # it was the faster of the two at every shape measured on the AMX Xeon (plain's timed wins
 # were near-ties), and a kind that needs one copy, not both, holds ~3.5 MB a layer less
@@ -167,17 +197,36 @@ SPLIT_MIN_ROWS = 128  # fewer rows are not timed in halves (each half would be u
 
 
 def _calls(
-    w: Weight, rows: int, bias: torch.Tensor | None, split: bool = False
+    w: Weight,
+    rows: int,
+    bias: torch.Tensor | None,
+    split: bool = False,
+    stream: Sequence[Weight] = (),
 ) -> dict[str, Callable[[], object]]:
     """The packed product at `rows` rows, each other kernel's where `w` holds its copy, and
-    (`split`, at SPLIT_MIN_ROWS rows or more) the product in halves."""
+    (`split`, at SPLIT_MIN_ROWS rows or more) the product in halves. With `stream` (the
+    kind's matrix of every layer): the packed and TILES products over all of them in turn,
+    as a step streams them (copies are the first layer's alone: not timed then)."""
     x = torch.zeros(rows, w.packed.shape[1], dtype=torch.bfloat16)
-    calls: dict[str, Callable[[], object]] = {PACKED: functools.partial(linear, x, w.packed, bias)}
+    calls: dict[str, Callable[[], object]]
+    if stream:
+        calls = {PACKED: functools.partial(_each, linear, x, [s.packed for s in stream])}
+        if all(s.tiles for s in stream) and rows <= tile_gemm.MAX_ROWS:
+            calls[TILES] = functools.partial(_each, tiles, x, stream)
+        return calls
+    calls = {PACKED: functools.partial(linear, x, w.packed, bias)}
     for kernel, copy in w.copies.items():
         calls[kernel] = functools.partial(linear, x, copy, bias)
+    if w.tiles and bias is None and rows <= tile_gemm.MAX_ROWS:
+        calls[TILES] = functools.partial(tiles, x, w)
     if split and rows >= SPLIT_MIN_ROWS:
         calls[HALVES] = functools.partial(halves, x, w, bias)
     return calls
+
+
+def _each(product: Callable, x: torch.Tensor, weights: Sequence) -> None:
+    for w in weights:
+        product(x, w)
 
 
 def build(w: Weight, row_counts: Iterable[int], bias: torch.Tensor | None = None) -> None:
@@ -194,23 +243,25 @@ def fastest_kernel(
     rows: int,
     bias: torch.Tensor | None = None,
     seconds_of: Callable[[Callable[[], object]], float] | None = None,
+    stream: Sequence[Weight] = (),
 ) -> str:
     """Which kernel multiplies `rows` rows by `w` fastest: PACKED (the default), PLAIN or
     PACKED_ONE_ROW (on `w`'s copies, where held) or HALVES (two calls by `w`'s current choices
     at the halves' counts: time the smaller counts first). TIMING_ROUNDS interleaved rounds
     (after `build`), best of each; another kernel wins under RIVAL_MARGIN of packed's best
     (drift hits all alike, and a near-tie keeps the default; between the two copies,
-    COPY_TIE). Run it on an idle machine:
+    COPY_TIE; TILES, TILES_MARGIN). Run it on an idle machine:
     beside busy threads the verdicts scatter. `seconds_of` times one call (tests give their
-    own)."""
-    calls = _calls(w, rows, bias, split=True)
+    own). `stream`: time over every layer's matrix of the kind (`_calls`)."""
+    calls = _calls(w, rows, bias, split=True, stream=stream)
     if len(calls) == 1:
         return PACKED
     time_call = seconds_of or _timer(calls[PACKED])
     best = dict.fromkeys(calls, float("inf"))
     for _ in range(TIMING_ROUNDS):
         best = {name: min(best[name], time_call(call)) for name, call in calls.items()}
-    rivals = [name for name in best if best[name] < RIVAL_MARGIN * best[PACKED]]
+    margins = {TILES: TILES_MARGIN}
+    rivals = [n for n in best if best[n] < margins.get(n, RIVAL_MARGIN) * best[PACKED]]
     if not rivals:
         return PACKED
     rival = min(rivals, key=best.__getitem__)

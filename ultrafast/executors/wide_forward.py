@@ -33,6 +33,7 @@ from ultrafast.executors.packed_linear import (
     COPIED,
     HALVES,
     PACKED,
+    TILES,
     Weight,
     build,
     fastest_kernel,
@@ -40,6 +41,7 @@ from ultrafast.executors.packed_linear import (
     pack,
     weight,
 )
+from ultrafast.executors.tile_gemm import MAX_ROWS as TILE_ROWS
 from ultrafast.model.config import ModelConfig
 from ultrafast.model.gguf_meta import read_gguf_metadata
 from ultrafast.model.gguf_weights import GGUF_ARCHITECTURES, gguf_model_config, gguf_tensors
@@ -200,7 +202,7 @@ class WideForward:
                 group.append(rows)
                 for kind in GEMM_KINDS:
                     w, bias = getattr(first, kind), first.qkv_bias if kind == "qkv" else None
-                    kernel = fastest_kernel(w, rows, bias)
+                    kernel = fastest_kernel(w, rows, bias, stream=self._stream(kind, rows, bias))
                     if kernel != PACKED:
                         found.setdefault(kind, {})[rows] = kernel
                         w.choose({**self._kernels.get(kind, {}), **found[kind]})
@@ -216,6 +218,15 @@ class WideForward:
         for layer in self.layers:
             self._choose(layer)
         return True
+
+    def _stream(self, kind: str, rows: int, bias: torch.Tensor | None) -> list[Weight]:
+        """Where TILES may take `rows` rows: the kind's matrix of every layer, timed in turn
+        (packed_linear._calls). Timed on the first layer alone, its weight sat in the cache
+        and TILES won 0-16 of the 16 counts by kind; a decode step streams every layer's (16
+        rows: the step's GEMMs 0.75x with TILES, 2-core AMX Xeon)."""
+        if bias is not None or rows > TILE_ROWS:
+            return []
+        return [getattr(layer, kind) for layer in self.layers]
 
     def _choose(self, layer: Layer, keep_copies: bool = False) -> None:
         """`layer`'s weights take the kinds' accepted choices (`keep_copies`: the first
@@ -237,7 +248,7 @@ class WideForward:
         if self.gemms_untimed:
             return "GEMMs: packed weights (other kernels timed when the engine is next idle)"
         parts = []
-        for kernel in (*COPIED, HALVES):
+        for kernel in (*COPIED, HALVES, TILES):
             kinds = [
                 f"{kind} at {len(rows)} ({min(rows)}-{max(rows)})"
                 for kind, kernels in self._kernels.items()
