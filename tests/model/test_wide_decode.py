@@ -724,5 +724,5 @@ def test_a_mixed_pass_pads_its_whole_row_count(monkeypatch):
     monkeypatch.setattr(wide_decode, "padded_rows", lambda n: n)
     exact = mixed_pass()
     assert {r for r, _ in seen} == {43}
-    assert padded.shape == exact.shape == (4, fw.lm_head.shape[0])
+    assert padded.shape == exact.shape == (4, fw.lm_head.packed.shape[0])
     assert torch.allclose(padded, exact, rtol=0, atol=0.02 * float(exact.abs().max()))

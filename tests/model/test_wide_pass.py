@@ -323,7 +323,7 @@ def test_wide_weights_are_packed_for_onednn_where_supported():
     fw = WideForward(DEMO_GGUF, 64)
     layer = fw.layers[0]
     matrices = (layer.qkv, layer.o, layer.gate_up, layer.down)
-    assert all(w.packed.is_mkldnn for w in matrices) and fw.lm_head.is_mkldnn
+    assert all(w.packed.is_mkldnn for w in matrices) and fw.lm_head.packed.is_mkldnn
 
 
 def test_timed_gemms_keep_other_kernels_only_for_the_row_counts_measured_faster(monkeypatch):
@@ -345,9 +345,12 @@ def test_timed_gemms_keep_other_kernels_only_for_the_row_counts_measured_faster(
 
     first_down = fw.layers[0].down
 
-    streams = []
+    streams, head_timed = [], []
 
     def fastest_kernel(w, rows, bias=None, stream=()):
+        if w is fw.lm_head:  # timed at decode steps' counts (<= tile_gemm's rows) only
+            head_timed.append(rows)
+            return "packed"
         timed.append(rows)
         streams.append((rows, bias is None, [id(m) for m in stream]))
         if rows == 48:
@@ -373,7 +376,7 @@ def test_timed_gemms_keep_other_kernels_only_for_the_row_counts_measured_faster(
     monkeypatch.setattr(wf, "BusyWindow", type("Quiet", (), {"others_busy_cores": lambda s: 0}))
     timed.clear()
     assert fw.gemms_due() and fw.time_gemms()
-    assert timed == [16] * 4 + [48] * 4
+    assert timed == [16] * 4 + [48] * 4 and head_timed[-1:] == [16]
     # up to tile_gemm's rows (no bias) a kind is timed over every layer's matrix: a decode
     # step streams them all
     kinds = ("qkv", "o", "gate_up", "down")

@@ -38,7 +38,6 @@ from ultrafast.executors.packed_linear import (
     build,
     fastest_kernel,
     linear,
-    pack,
     weight,
 )
 from ultrafast.executors.tile_gemm import MAX_ROWS as TILE_ROWS
@@ -92,6 +91,7 @@ def padded_rows(rows: int) -> int:
     return rows if rows <= 32 else -(-rows // 16) * 16
 
 
+HEAD = "head"  # the lm_head's row counts in `_kernels` (timed up to TILE_ROWS: decode steps)
 GEMM_GROUP_S = 0.3  # GEMM row counts timed together, then checked for a quiet machine
 QUIET_BUSY_CORES = 0.25  # other processes' cores busy above which a group's timings are noise
 GEMM_RETRY_S = 5.0
@@ -136,7 +136,7 @@ class WideForward:
         # than the packing saves time
         tied_bf16 = lm_head is None and self.embed.dtype == BF16
         head = embed if lm_head is None else lm_head
-        self.lm_head = self.embed if tied_bf16 else pack(head.to(BF16))
+        self.lm_head = self.embed if tied_bf16 else weight(head.to(BF16))
         cos, sin = rope_tables(config, max_positions)
         self.cos, self.sin = cos, sin  # float32 [positions, head_dim]
         self.eps = config.rms_norm_eps
@@ -207,6 +207,11 @@ class WideForward:
                         found.setdefault(kind, {})[rows] = kernel
                         w.choose({**self._kernels.get(kind, {}), **found[kind]})
                         w.unpack()  # still timed at the next counts
+                head = self.lm_head
+                if isinstance(head, Weight) and rows <= TILE_ROWS:  # a decode step's head
+                    kernel = fastest_kernel(head, rows)
+                    if kernel != PACKED:
+                        found.setdefault(HEAD, {})[rows] = kernel
             busy = window.others_busy_cores()
             if busy is not None and busy > QUIET_BUSY_CORES:
                 self.gemms_untimed[:0] = group
@@ -217,6 +222,8 @@ class WideForward:
                 self._kernels.setdefault(kind, {}).update(kernels)
         for layer in self.layers:
             self._choose(layer)
+        if isinstance(self.lm_head, Weight):
+            self.lm_head.choose(self._kernels.get(HEAD, {}))
         return True
 
     def _stream(self, kind: str, rows: int, bias: torch.Tensor | None) -> list[Weight]:
