@@ -79,3 +79,15 @@ def test_without_the_kernel_a_weight_offers_no_tiles(monkeypatch):
     assert w.tile_block is None and not w.tiles
     w.choose({4: packed_linear.TILES})
     assert w.kernel_at(4) == packed_linear.PACKED  # a choice it cannot run is dropped
+
+
+@needs_tiles
+def test_a_torch_without_the_mkldnn_ops_keeps_onednn(monkeypatch):
+    matrix = _bf16(192, 96, seed=8)
+    packed = packed_linear._reorder(matrix)
+
+    def missing(*args):
+        raise RuntimeError("No such operator mkldnn::_nbytes")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_nbytes", missing, raising=False)
+    assert tile_gemm.layout_of(packed, matrix) is None

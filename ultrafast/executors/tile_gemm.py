@@ -65,9 +65,12 @@ def layout_of(packed: torch.Tensor, plain: torch.Tensor) -> int | None:
     if not packed.is_mkldnn or plain.dtype != BF16 or plain.dim() != 2:
         return None
     n, k = plain.shape
-    if torch.ops.mkldnn._nbytes(packed) != n * k * 2 or k % KB:
+    try:  # ops of torch's mkldnn build: absent from another build, which keeps oneDNN
+        if torch.ops.mkldnn._nbytes(packed) != n * k * 2 or k % KB:
+            return None
+        raw = _packed_view(packed, n * k)
+    except (AttributeError, RuntimeError):
         return None
-    raw = _packed_view(packed, n * k)
     for nb in (32, 64):
         if n % nb == 0 and torch.equal(raw, blocked(plain, nb)):
             return nb
