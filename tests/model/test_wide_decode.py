@@ -274,6 +274,28 @@ def test_few_decodes_ride_along_a_prefill_pass(monkeypatch):
     assert want == got  # the demo model decides these tokens by wide margins
 
 
+def narrow_decodes(ex, slot: int, out: list[int], prompt_len: int, steps: int) -> list[int]:
+    """`steps` 1-token decodes of `slot` (request r<slot>) after its prompt and `out`, each
+    a step of its own (narrow: on llama.cpp): `out` and the new tokens."""
+    for _ in range(steps):
+        step = [seq(slot, out[-1:], prompt_len + len(out) - 1)]
+        out = out + ex.execute(StepPlan(step)).sampled_token_ids[f"r{slot}"]
+    return out
+
+
+def assert_copy_continues_as_on_llama_cpp(monkeypatch, schedule, slot_1_len: int) -> None:
+    """`schedule` (given a second argument, the move counts, on the wide decoder) gives
+    llama.cpp's tokens on a wide decoder, which pushed slot 1's rows to llama.cpp once."""
+    kwargs = dict(KWARGS, num_slots=2)
+    with plain(DEMO_GGUF, **kwargs) as ref:
+        want = schedule(ref)
+    moves = counting_moves(monkeypatch)
+    with wide_decoder(DEMO_GGUF, **kwargs) as ex:
+        got = schedule(ex, moves)
+        assert moves["push"] == 1 and ex._slot_lens[1] == slot_1_len
+    assert want == got  # the demo model decides these tokens by wide margins
+
+
 def test_a_prefix_held_only_by_the_mirror_is_copied_there(monkeypatch):
     """A prefix-cache hit whose source slot was prefilled in torch copies the prefix within
     the mirror (no push of the source slot to llama.cpp); the continuation's tokens equal
@@ -294,19 +316,9 @@ def test_a_prefix_held_only_by_the_mirror_is_copied_there(monkeypatch):
         if moves is not None:
             assert moves == {"pull": 0, "push": 0}, moves
             assert ex.mirror.length(1) == len(other) and ex._slot_lens[1] == 0
-        for _ in range(3):  # narrow decodes on llama.cpp: slot 1's rows pushed once
-            step = [seq(1, out[-1:], len(other) + len(out) - 1)]
-            out += ex.execute(StepPlan(step)).sampled_token_ids["r1"]
-        return out
+        return narrow_decodes(ex, 1, out, len(other), 3)  # slot 1's rows pushed once
 
-    kwargs = dict(KWARGS, num_slots=2)
-    with plain(DEMO_GGUF, **kwargs) as ref:
-        want = schedule(ref)
-    moves = counting_moves(monkeypatch)
-    with wide_decoder(DEMO_GGUF, **kwargs) as ex:
-        got = schedule(ex, moves)
-        assert moves["push"] == 1 and ex._slot_lens[1] == len(other) + 3
-    assert want == got  # the demo model decides these tokens by wide margins
+    assert_copy_continues_as_on_llama_cpp(monkeypatch, schedule, len(other) + 3)
 
 
 def test_a_prefix_both_sides_hold_is_copied_in_the_mirror_alone(monkeypatch):
@@ -329,9 +341,7 @@ def test_a_prefix_both_sides_hold_is_copied_in_the_mirror_alone(monkeypatch):
 
     def schedule(ex, moves=None):
         out0 = ex.execute(StepPlan([seq(0, first, 0)])).sampled_token_ids["r0"]
-        for _ in range(2):  # narrow decodes on llama.cpp: slot 0 is pushed, both hold it
-            step = [seq(0, out0[-1:], len(first) + len(out0) - 1)]
-            out0 += ex.execute(StepPlan(step)).sampled_token_ids["r0"]
+        out0 = narrow_decodes(ex, 0, out0, len(first), 2)  # slot 0 pushed: both hold it
         if moves is not None:
             assert ex._slot_lens[0] >= shared and ex.mirror.length(0) >= shared
             moves.update(pull=0, push=0)
@@ -342,19 +352,9 @@ def test_a_prefix_both_sides_hold_is_copied_in_the_mirror_alone(monkeypatch):
         if moves is not None:
             assert ggml_copies == [] and moves == {"pull": 0, "push": 0}, (ggml_copies, moves)
             assert ex.mirror.length(1) == len(other) and ex._slot_lens[1] == 0
-        for _ in range(3):  # narrow decodes on llama.cpp: slot 1's rows pushed once
-            step = [seq(1, out[-1:], len(other) + len(out) - 1)]
-            out += ex.execute(StepPlan(step)).sampled_token_ids["r1"]
-        return out0, out
+        return out0, narrow_decodes(ex, 1, out, len(other), 3)  # slot 1's rows pushed once
 
-    kwargs = dict(KWARGS, num_slots=2)
-    with plain(DEMO_GGUF, **kwargs) as ref:
-        want = schedule(ref)
-    moves = counting_moves(monkeypatch)
-    with wide_decoder(DEMO_GGUF, **kwargs) as ex:
-        got = schedule(ex, moves)
-        assert moves["push"] == 1 and ex._slot_lens[1] == len(other) + 3
-    assert want == got  # the demo model decides these tokens by wide margins
+    assert_copy_continues_as_on_llama_cpp(monkeypatch, schedule, len(other) + 3)
 
 
 def test_a_prefix_only_llama_cpp_holds_is_pulled_once_for_every_copy(monkeypatch):

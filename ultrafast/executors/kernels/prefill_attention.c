@@ -32,25 +32,11 @@
 #define KBLOCK 64  /* keys per softmax block: four 16-key score tiles */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx_tiles.h"
 
 const char *kernel_kind(void) { return "amx"; }
 
-/* The tile state is off for a process until it asks (Linux 5.16+): 0 once granted. */
-int prefill_attention_ready(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -3;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
+int prefill_attention_ready(void) { return amx_granted(); }
 
 /* eight tiles of 16 rows x 64 bytes: 0-3 results, 4-5 the A operand, 6-7 the B operand */
 static void configure_tiles(void) {

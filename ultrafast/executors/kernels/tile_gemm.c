@@ -24,24 +24,11 @@
 #define AHEAD 4     /* weight blocks prefetched ahead of the one multiplied (2-16 timed: 4) */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx_tiles.h"
 
 const char *kernel_kind(void) { return "amx"; }
 
-int tile_gemm_ready(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -3;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
+int tile_gemm_ready(void) { return amx_granted(); }
 
 /* tile 0: A (m rows); 1-2: B (16 rows); 4-7: results (m rows); every row 64 bytes */
 static void configure(int m) {
