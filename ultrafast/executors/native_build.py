@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from ultrafast.config import cache_dir
@@ -45,6 +46,29 @@ def build_library(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL |
         return ctypes.CDLL(str(path))
     except OSError as exc:
         return f"the built kernel does not load: {exc}"
+
+
+AMX_REASONS = {  # the AMX kernels' ready() statuses (kernels/amx_tiles.h)
+    -1: "this CPU's build has no AMX tiles",
+    -3: "the OS does not grant this process the AMX tile state",
+}
+
+
+@dataclass
+class Kernel:
+    """A kernel library built for this CPU, and what it was built for ("amx", ...)."""
+
+    lib: ctypes.CDLL
+    kind: str
+
+
+def ready_kernel(lib: ctypes.CDLL, ready: str, reasons: dict[int, str]) -> Kernel | str:
+    """`lib` as a Kernel once its `ready()` returns 0, else the reason for its status."""
+    lib.kernel_kind.restype = ctypes.c_char_p
+    status = getattr(lib, ready)()
+    if status != 0:
+        return reasons.get(status, f"status {status}")
+    return Kernel(lib, lib.kernel_kind().decode())
 
 
 def _sources_bytes(source: Path) -> bytes:

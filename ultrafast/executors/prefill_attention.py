@@ -15,27 +15,15 @@ from __future__ import annotations
 import ctypes
 import functools
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ultrafast.executors.native_build import build_library
+from ultrafast.executors.native_build import AMX_REASONS, Kernel, build_library, ready_kernel
 
 BF16 = torch.bfloat16
 HEAD_DIM = 64  # the kernel's head size (DIM in the C file); others keep SDPA
-_REASONS = {
-    -1: "this CPU's build has no AMX tiles",
-    -2: "a head size other than 64",
-    -3: "the OS does not grant this process the AMX tile state",
-    -4: "out of memory",
-}
-
-
-@dataclass
-class Kernel:
-    lib: ctypes.CDLL
-    kind: str  # "amx"
+_REASONS = {**AMX_REASONS, -2: "a head size other than 64", -4: "out of memory"}
 
 
 @functools.cache
@@ -58,11 +46,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> Kernel | str:
         ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ctypes.c_float, ctypes.c_int, ctypes.c_void_p,
     ]  # fmt: skip
-    lib.kernel_kind.restype = ctypes.c_char_p
-    status = lib.prefill_attention_ready()
-    if status != 0:
-        return _REASONS.get(status, f"status {status}")
-    return Kernel(lib, lib.kernel_kind().decode())
+    return ready_kernel(lib, "prefill_attention_ready", _REASONS)
 
 
 def attend(

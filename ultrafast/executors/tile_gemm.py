@@ -15,25 +15,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
 
 import torch
 
-from ultrafast.executors.native_build import build_library
+from ultrafast.executors.native_build import AMX_REASONS, Kernel, build_library, ready_kernel
 
 BF16 = torch.bfloat16
 MAX_ROWS = 16  # rows of x one call takes (one A tile)
 KB = 32  # the weight's input block
-_REASONS = {
-    -1: "this CPU's build has no AMX tiles",
-    -3: "the OS does not grant this process the AMX tile state",
-}
-
-
-@dataclass
-class Kernel:
-    lib: ctypes.CDLL
-    kind: str  # "amx"
 
 
 @functools.cache
@@ -51,11 +40,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> Kernel | str:
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
         ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
     ]  # fmt: skip
-    lib.kernel_kind.restype = ctypes.c_char_p
-    status = lib.tile_gemm_ready()
-    if status != 0:
-        return _REASONS.get(status, f"status {status}")
-    return Kernel(lib, lib.kernel_kind().decode())
+    return ready_kernel(lib, "tile_gemm_ready", AMX_REASONS)
 
 
 def layout_of(packed: torch.Tensor, plain: torch.Tensor) -> int | None:
