@@ -91,3 +91,22 @@ def test_a_torch_without_the_mkldnn_ops_keeps_onednn(monkeypatch):
 
     monkeypatch.setattr(torch.ops.mkldnn, "_nbytes", missing, raising=False)
     assert tile_gemm.layout_of(packed, matrix) is None
+
+
+@needs_tiles
+def test_onednns_products_are_unchanged_after_the_kernel_ran():
+    """Both configure the threads' tiles: oneDNN's products at every width, and ours, are the
+    same before and after the other ran on those threads."""
+    matrix = _bf16(576, 1536, seed=9)
+    packed = packed_linear._reorder(matrix)
+    block = tile_gemm.layout_of(packed, matrix)
+    inputs = {rows: _bf16(rows, 1536, seed=rows) for rows in (1, 16, 64, 300, 1024)}
+
+    def onednn():
+        return {rows: packed_linear._packed_linear(x, packed, None) for rows, x in inputs.items()}
+
+    before = onednn()
+    ours = tile_gemm.product(KERNEL, inputs[16], packed, block)
+    after = onednn()
+    assert all(torch.equal(before[rows], after[rows]) for rows in inputs)
+    assert torch.equal(tile_gemm.product(KERNEL, inputs[16], packed, block), ours)
