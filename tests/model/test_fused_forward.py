@@ -17,7 +17,7 @@ from tests.model.test_wide_pass import (
     DEMO_GGUF,
     NEAR_TIE,
     NEW_TOKENS,
-    _bf16_unavailable,
+    _wide_unavailable,
     smollm2_bf16,
     text_prompts,
 )
@@ -78,8 +78,8 @@ def assert_equal_or_near_ties(got_tokens, want_tokens, margins, reference: str) 
 
 @pytest.mark.parametrize("model", ["demo", "smollm2"])
 def test_fused_ops_keep_the_greedy_tokens(model):
-    if _bf16_unavailable():
-        pytest.skip(f"wide pass not available: {_bf16_unavailable()}")
+    if _wide_unavailable():
+        pytest.skip(f"wide pass not available: {_wide_unavailable()}")
     gguf = DEMO_GGUF if model == "demo" else smollm2_bf16()
     fw = WideForward(gguf, 256)
     if fw.fused is None:
@@ -100,8 +100,8 @@ def test_fused_ops_keep_the_greedy_tokens(model):
 
 @pytest.mark.parametrize("model", ["demo", "smollm2"])
 def test_the_amx_prefill_attention_keeps_the_greedy_tokens(model):
-    if _bf16_unavailable():
-        pytest.skip(f"wide pass not available: {_bf16_unavailable()}")
+    if _wide_unavailable():
+        pytest.skip(f"wide pass not available: {_wide_unavailable()}")
     gguf = DEMO_GGUF if model == "demo" else smollm2_bf16()
     fw = WideForward(gguf, 256)
     if fw.prefill_kernel is None:

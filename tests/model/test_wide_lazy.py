@@ -14,7 +14,7 @@ pytest.importorskip("llama_cpp")
 from tests.model.fresh_process import child_only, run_in_fresh_process  # noqa: E402
 from tests.model.test_wide_pass import (  # noqa: E402
     DEMO_GGUF,
-    _bf16_unavailable,
+    _wide_unavailable,
     generate,
     plain,
     prompts,
@@ -27,7 +27,7 @@ KWARGS = dict(num_slots=8, max_model_len=256, flash_attn=True, n_threads=1)
 
 @pytest.fixture(autouse=True)
 def _own_cache(tmp_path, monkeypatch):
-    why = _bf16_unavailable()
+    why = _wide_unavailable()
     if why:
         pytest.skip(f"wide pass not available: {why}")
     monkeypatch.setenv("ULTRAFAST_CACHE_DIR", str(tmp_path))
@@ -84,7 +84,7 @@ def test_start_loads_nothing_and_a_pass_before_ready_is_exact(monkeypatch):
         want, _ = generate(ref, batch)
     with by_need() as ex:
         assert ex.wide is None and ex.wide_lazy.state == "by need"
-        assert ex.wide_status.startswith("by need: bf16 weights load at the first")
+        assert ex.wide_status.startswith("by need: weights load at the first")
         wide_passes = count_wide_passes(ex, monkeypatch)
         got, _ = generate(ex, batch, margins_of=False)  # the first pass starts the load
         assert got == want and not wide_passes
@@ -288,7 +288,7 @@ def test_weights_that_fail_to_load_leave_every_pass_on_llama_cpp(monkeypatch):
         ex.wide_lazy.wait_loaded(120)
         step(ex, batch, first_slot=2)  # takes the outcome: off, and this pass on llama.cpp
         assert ex.wide is None and not ex.wide_lazy.wants_time()
-        assert ex.wide_status == "off (the bf16 weights did not load: OSError: the GGUF went away)"
+        assert ex.wide_status == "off (the weights did not load: OSError: the GGUF went away)"
 
 
 def test_the_load_builds_every_gemm_row_count_a_step_can_have(monkeypatch):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from ultrafast.config import DEMO_MODEL_DIR, REPO_ROOT
 from ultrafast.core.types import ScheduledSeq, StepPlan
@@ -32,18 +33,16 @@ NEAR_TIE = 0.5  # logit margin under which bf16 rounding may flip the greedy cho
 NUM_PROMPTS, NEW_TOKENS = 10, 32
 
 
-def _bf16_unavailable() -> str | None:
+def _wide_unavailable() -> str | None:
     import torch
 
     if not torch.backends.mkldnn.is_available():
         return "this PyTorch has no oneDNN"
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "oneDNN has no bf16 kernels on this CPU"
-    return None
+    return None  # without oneDNN bf16 kernels the passes multiply in float32 (gemm_dtype)
 
 
 def wide(gguf, **kwargs):
-    why = _bf16_unavailable()
+    why = _wide_unavailable()
     if why:
         pytest.skip(f"wide pass not available: {why}")
     from ultrafast.executors.wide_exec import WideGgmlExecutor
@@ -256,8 +255,8 @@ def test_crossover_from_two_measured_lengths():
 def test_feature_detection_says_why_and_on_refuses():
     """A q8_0 KV cache has no float rows to write: auto stays on llama.cpp saying why, on
     refuses to start."""
-    if _bf16_unavailable():
-        pytest.skip(f"wide pass not available: {_bf16_unavailable()}")
+    if _wide_unavailable():
+        pytest.skip(f"wide pass not available: {_wide_unavailable()}")
     from ultrafast.executors.wide_exec import WideGgmlExecutor
 
     kwargs = dict(num_slots=1, max_model_len=64, kv_cache_dtype="q8_0", flash_attn=True)
@@ -270,8 +269,8 @@ def test_feature_detection_says_why_and_on_refuses():
 
 
 def test_auto_routes_by_its_measurement():
-    if _bf16_unavailable():
-        pytest.skip(f"wide pass not available: {_bf16_unavailable()}")
+    if _wide_unavailable():
+        pytest.skip(f"wide pass not available: {_wide_unavailable()}")
     from ultrafast.executors.wide_exec import WideGgmlExecutor
 
     kwargs = dict(num_slots=2, max_model_len=300, flash_attn=True, n_threads=1)
@@ -318,8 +317,8 @@ def test_wide_weights_are_packed_for_onednn_where_supported():
     from ultrafast.executors.packed_linear import pack_support
     from ultrafast.executors.wide_forward import WideForward
 
-    if _bf16_unavailable() or pack_support():
-        pytest.skip(f"no packed bf16 weights here: {_bf16_unavailable() or pack_support()}")
+    if _wide_unavailable() or pack_support():
+        pytest.skip(f"no packed bf16 weights here: {_wide_unavailable() or pack_support()}")
     fw = WideForward(DEMO_GGUF, 64)
     layer = fw.layers[0]
     matrices = (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -337,8 +336,8 @@ def test_timed_gemms_keep_other_kernels_only_for_the_row_counts_measured_faster(
     from ultrafast.executors import wide_forward as wf
     from ultrafast.executors.packed_linear import pack_support
 
-    if _bf16_unavailable() or pack_support():
-        pytest.skip(f"no packed bf16 weights here: {_bf16_unavailable() or pack_support()}")
+    if _wide_unavailable() or pack_support():
+        pytest.skip(f"no packed bf16 weights here: {_wide_unavailable() or pack_support()}")
     fw = wf.WideForward(DEMO_GGUF, 64)
     first_o = fw.layers[0].o
     timed = []
@@ -405,14 +404,38 @@ def test_a_tied_bf16_head_shares_the_embedding(monkeypatch):
     the copy would cost a second embedding's memory."""
     from ultrafast.executors import wide_forward
 
-    if _bf16_unavailable():
-        pytest.skip(f"wide pass not available: {_bf16_unavailable()}")
+    if _wide_unavailable():
+        pytest.skip(f"wide pass not available: {_wide_unavailable()}")
     monkeypatch.setattr(wide_forward, "_F32_EMBEDDING_MAX_BYTES", 0)  # embed kept bf16
+    monkeypatch.setattr(wide_forward, "gemm_dtype", lambda: (torch.bfloat16, "bf16 (test)"))
     fw = wide_forward.WideForward(DEMO_GGUF, 64)
     tied = "output.weight" not in {t.name for t in _gguf_tensor_infos(DEMO_GGUF)}
     if not tied:
         pytest.skip("the demo model has its own lm_head")
     assert fw.lm_head is fw.embed
+
+
+def test_float32_gemms_multiply_by_the_heads_bf16_values(monkeypatch):
+    """Where the GEMMs run in float32 (no fast bf16 product here), the weights are float32
+    copies of the bf16-rounded matrices, the head too (not the exact float32 embedding): the
+    same numbers as the bf16 path's, whichever product this CPU runs."""
+    from ultrafast.executors import packed_linear, wide_forward
+    from ultrafast.executors.packed_linear import Weight, linear
+
+    f32 = lambda: (torch.float32, "float32 (test)")  # noqa: E731
+    monkeypatch.setattr(wide_forward, "gemm_dtype", f32)
+    monkeypatch.setattr(packed_linear, "gemm_dtype", f32)
+    fw = wide_forward.WideForward(DEMO_GGUF, 64)
+    assert fw.embed.dtype == torch.float32
+    head = fw.lm_head
+    assert isinstance(head, Weight) and head.packed.dtype == torch.float32
+    layer = fw.layers[0]
+    assert layer.gate_up.packed.dtype == torch.float32 and not layer.gate_up.packed.is_mkldnn
+    if "output.weight" not in {t.name for t in _gguf_tensor_infos(DEMO_GGUF)}:  # tied
+        assert torch.equal(head.packed, fw.embed.to(torch.bfloat16).float())
+    x = torch.randn(3, head.packed.shape[1]).to(torch.bfloat16)
+    want = (x.float() @ head.packed.T).to(torch.bfloat16)
+    torch.testing.assert_close(linear(x, head), want)
 
 
 def _gguf_tensor_infos(path):
@@ -466,7 +489,7 @@ def test_a_decode_step_on_the_tile_kernel_computes_onednns_logits():
     from ultrafast.executors.packed_linear import TILES
     from ultrafast.executors.wide_forward import GEMM_KINDS, SeqChunk, WideForward
 
-    if isinstance(tile_gemm.load(), str) or _bf16_unavailable():
+    if isinstance(tile_gemm.load(), str) or _wide_unavailable():
         pytest.skip(f"no AMX tile kernel here: {tile_gemm.load()}")
     fw = WideForward(smollm2_q4_1(), 256)
     weights = [getattr(layer, kind) for layer in fw.layers for kind in GEMM_KINDS]
@@ -490,3 +513,24 @@ def test_a_decode_step_on_the_tile_kernel_computes_onednns_logits():
     assert all(w.kernel_at(16) == TILES for w in weights)
     torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * float(want.abs().max()))
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_memory_check_counts_the_weights_in_the_gemm_dtype(monkeypatch, dtype):
+    """The wide path is refused where its weights, at the measured GEMM dtype's size, would
+    take more than a quarter of the free memory; float32 weights count twice bf16's."""
+    from types import SimpleNamespace
+
+    from ultrafast.executors import wide_route
+    from ultrafast.model.gguf_meta import read_gguf_metadata
+
+    params = sum(math.prod(t.shape) for t in read_gguf_metadata(DEMO_GGUF).tensors)
+    weight_bytes = dtype.itemsize * params
+    monkeypatch.setattr(wide_route, "gemm_dtype", lambda: (dtype, "test"))
+    ex = SimpleNamespace(gguf_path=DEMO_GGUF, kv_cache_dtype="f16")
+    monkeypatch.setattr(wide_route, "available_memory_bytes", lambda: 4 * weight_bytes + 8)
+    assert wide_route.unavailable(ex) is None
+    monkeypatch.setattr(wide_route, "available_memory_bytes", lambda: 4 * weight_bytes - 8)
+    why = wide_route.unavailable(ex)
+    name = "bf16" if dtype == torch.bfloat16 else "float32"
+    assert why is not None and f"its {name} weights" in why and "would exceed 25%" in why

@@ -264,3 +264,29 @@ def test_a_weight_multiplies_its_tiles_row_counts_on_the_tile_kernel(monkeypatch
     bias = _bf16(64, seed=19)
     torch.testing.assert_close(linear(x4, w, bias), F.linear(x4, w.packed, bias))  # no bias
     assert seen == [(4, 32)]
+
+
+def test_gemm_dtype_is_float32_without_bf16_packing_and_measured_with_it():
+    """Without oneDNN's bf16 kernels the wide passes multiply in float32, saying why; with
+    them the dtype is the one whose product measured faster, both timings in the status."""
+    from ultrafast.executors.packed_linear import gemm_dtype
+
+    dtype, status = gemm_dtype()
+    if pack_support() is not None:
+        assert dtype == torch.float32 and pack_support() in status
+    else:
+        assert dtype in (torch.bfloat16, torch.float32)
+        assert "bf16" in status and "float32" in status and " ms" in status
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_weights_multiply_bf16_rows_in_float32(with_bias):
+    """A float32 weight (float32 GEMMs) takes bf16 rows: the float32 product, rounded once
+    to bf16 as the bf16 product's output is."""
+    weight = _bf16(40, 24, seed=9).float()
+    x = _bf16(5, 24, seed=10)
+    bias = _bf16(40, seed=11) if with_bias else None
+    got = linear(x, weight, bias)
+    want = F.linear(x.float(), weight, None if bias is None else bias.float())
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want.to(torch.bfloat16))

@@ -9,7 +9,9 @@ freezes weights); the packed tensor is the same size and its products are the sa
 
 Where the op is missing or its products differ from `F.linear`'s (a build without mkldnn, a
 oneDNN without bf16 kernels on this CPU), weights stay plain tensors and `linear` is `F.linear`:
-`pack_support()` says which, once, for the wide path's start-up line.
+`pack_support()` says which, once, for the wide path's start-up line. Where bf16 products are
+not the faster (`gemm_dtype`: no bf16 instructions, as on an AVX2-only CPU), the weights are
+float32 and `linear` multiplies the bf16 rows in float32.
 
 The packed kernel is not the faster one at every row count: on the AMX Xeon the plain weight's
 kernel ran a prefill step's 512-row products with 576 outputs (attention output, MLP down)
@@ -70,6 +72,45 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype != torch.bfloat16 or pack_support() is not None:
         return weight
     return _reorder(weight.contiguous())
+
+
+GEMM_PROBE = (256, 1536, 576)  # rows, out, in: a prefill chunk's MLP-sized product
+
+
+@functools.cache
+def gemm_dtype() -> tuple[torch.dtype, str]:
+    """The dtype the wide passes' weights are multiplied in, and the measurement behind it:
+    bf16 where oneDNN's bf16 product is the faster, else float32 (bf16 activations widened
+    per product; the weights hold a bf16 GGUF's values exactly either way). Measured, not
+    read off the CPU's features: on a 2-core AVX2 EPYC (no bf16 instructions) torch's bf16
+    product ran ~9 GFLOP/s against ~80 in float32, on the AMX Xeon ~10x the other way."""
+    if pack_support() is not None:
+        return torch.float32, f"float32 ({pack_support()})"
+    rows, out, inner = GEMM_PROBE
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(out, inner, generator=gen)
+    x = torch.randn(rows, inner, generator=gen).to(torch.bfloat16)
+    w_bf16 = pack(w.to(torch.bfloat16))
+    calls = {
+        torch.bfloat16: functools.partial(linear, x, w_bf16),
+        torch.float32: functools.partial(linear, x, w),
+    }
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(3):
+        for dtype, call in calls.items():
+            started = time.perf_counter()
+            call()
+            best[dtype] = min(best[dtype], time.perf_counter() - started)
+    chosen = min(best, key=best.__getitem__)
+    shown = " vs ".join(f"{dtype_name(d)} {s * 1e3:.2f} ms" for d, s in best.items())
+    return chosen, f"{dtype_name(chosen)} (a {rows}-row product: {shown})"
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "float32"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype))
 
 
 PACKED, PLAIN, PACKED_ONE_ROW, HALVES = "packed", "plain", "packed-one-row", "halves"
@@ -141,6 +182,8 @@ class Weight:
 def weight(matrix: torch.Tensor) -> Weight:
     """`matrix` packed (no other copy kept: `Weight.copy_for` makes one by need), with the
     layout TILES reads checked where this CPU has the kernel."""
+    if gemm_dtype()[0] == torch.float32:
+        return Weight(matrix.float().contiguous())
     w = Weight(pack(matrix))
     if not isinstance(tile_gemm.load(), str):
         w.tile_block = tile_gemm.layout_of(w.packed, matrix.to(torch.bfloat16))
@@ -156,6 +199,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Weight, bias: torch.Tensor | 
         if kernel == TILES and bias is None:
             return tiles(x, weight)
         weight = weight.copies[kernel] if kernel in COPIED else weight.packed
+    if weight.dtype == torch.float32 and x.dtype != torch.float32:  # float32 GEMM weights
+        bias = None if bias is None else bias.float()
+        return linear(x.float(), weight, bias).to(x.dtype)
     if weight.is_mkldnn:
         return _packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -117,7 +117,7 @@ class WideLazy:
             else "routing timed when the engine is idle"
         )
         return (
-            f"by need: bf16 weights load at the first pass with >= {NEED_TOKENS} prompt tokens "
+            f"by need: weights load at the first pass with >= {NEED_TOKENS} prompt tokens "
             f"in chunks of >= {self.threshold} ({routing}); until then every pass runs on "
             "llama.cpp"
         )
@@ -147,7 +147,7 @@ class WideLazy:
 
     def _start_loading(self, tokens: int) -> None:
         self.state = "loading"
-        self.status = "loading bf16 weights in the background; passes run on llama.cpp meanwhile"
+        self.status = "loading the weights in the background; passes run on llama.cpp meanwhile"
         log.info("wide passes: a pass of %d prompt tokens needs them: %s", tokens, self.status)
         self._loader = threading.Thread(target=self._load, name="wide-weights", daemon=True)
         self._loader.start()
@@ -173,19 +173,22 @@ class WideLazy:
         except Exception as exc:  # noqa: BLE001
             log.warning("wide passes: GEMM row counts not built ahead (%s)", exc)
         self._loaded = forward
-        from ultrafast.executors.packed_linear import pack_support
+        from ultrafast.executors.packed_linear import gemm_dtype, pack_support
 
         why_plain = pack_support()
         layout = "packed for oneDNN" if why_plain is None else f"plain: {why_plain}"
         log.info(
-            "wide passes: bf16 weights built in %.1f s (%s)", time.monotonic() - started, layout
+            "wide passes: weights built in %.1f s (%s GEMMs; %s)",
+            time.monotonic() - started,
+            gemm_dtype()[1],
+            layout,
         )
 
     def _take_loaded(self) -> None:
         self._loader = None
         if self._loaded is None:
             self.state = "off"
-            self.status = f"off (the bf16 weights did not load: {self._load_error})"
+            self.status = f"off (the weights did not load: {self._load_error})"
             log.warning("wide passes: %s: every pass runs on llama.cpp", self.status)
             return
         if self.min_tokens is not None:  # decided before: no timing
@@ -198,7 +201,7 @@ class WideLazy:
     def _cached_on_status(self) -> str:
         return (
             f"on ({self.mode}, routing cached): prefill chunks of >= {self.min_tokens} tokens "
-            "run as bf16 PyTorch/oneDNN passes, the rest on llama.cpp"
+            "run as PyTorch passes, the rest on llama.cpp"
         )
 
     def _turn_on(self, forward: Any, min_tokens: int, status: str, timed: bool = False) -> None:

@@ -1,11 +1,11 @@
 """Whether, and from how many tokens, prefill chunks take the wide path: decided by measuring.
 
 Never by CPU name: feature detection says whether the path can run at all (oneDNN present,
-bf16 supported, a float KV cache, a model the wide forward implements, memory for its bf16
-weights), then both paths time one prefill chunk of a short and of a long length on this
-machine, and the crossover between the two lines is the routing threshold. Where the wide path
-is not faster even on the long chunk (an AVX2-only CPU, say) it stays off; the returned status
-is the one startup log line that says which path runs and why.
+a float KV cache, a model the wide forward implements, memory for its weights in the measured
+GEMM dtype, packed_linear.gemm_dtype), then both paths time one prefill chunk of a short and
+of a long length on this machine, and the crossover between the two lines is the routing
+threshold. Where the wide path is not faster even on the long chunk it stays off; the
+returned status is the one startup log line that says which path runs and why.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from ultrafast.core.types import ScheduledSeq, StepPlan
 from ultrafast.executors.ggml_threads import CalibrationInterrupted
+from ultrafast.executors.packed_linear import dtype_name, gemm_dtype
 from ultrafast.executors.wide_forward import unsupported
 from ultrafast.model.config import ModelLoadError
 from ultrafast.model.gguf_meta import read_gguf_metadata
@@ -37,8 +38,6 @@ def unavailable(executor) -> str | None:
     """Why the wide path cannot run beside this executor, or None (no timing here)."""
     if not torch.backends.mkldnn.is_available():
         return "this PyTorch has no oneDNN"
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "oneDNN has no bf16 kernels for this CPU"
     if executor.kv_cache_dtype not in ("f16", "f32"):
         return f"the KV cache is {executor.kv_cache_dtype} (the wide path writes f16/f32 rows)"
     meta = read_gguf_metadata(executor.gguf_path)
@@ -48,11 +47,12 @@ def unavailable(executor) -> str | None:
         why = str(exc)
     if why:
         return f"the wide forward cannot run this model: {why}"
-    bf16_bytes = 2 * sum(math.prod(t.shape) for t in meta.tensors)
+    dtype = gemm_dtype()[0]
+    weight_bytes = dtype.itemsize * sum(math.prod(t.shape) for t in meta.tensors)
     available = available_memory_bytes()
-    if available is not None and bf16_bytes > available * _MEMORY_SHARE:
+    if available is not None and weight_bytes > available * _MEMORY_SHARE:
         return (
-            f"its bf16 weights ({bf16_bytes / 2**20:.0f} MiB) would exceed "
+            f"its {dtype_name(dtype)} weights ({weight_bytes / 2**20:.0f} MiB) would exceed "
             f"{_MEMORY_SHARE:.0%} of the available memory"
         )
     return None
@@ -104,8 +104,8 @@ def time_wide_path(
         return None, f"off (measured not faster: {shown}): every pass runs on llama.cpp"
     min_tokens = crossover or _ON_MIN_TOKENS
     return min_tokens, (
-        f"on ({mode}): prefill chunks of >= {min_tokens} tokens run as bf16 "
-        f"PyTorch/oneDNN passes, the rest on llama.cpp (measured: {shown})"
+        f"on ({mode}): prefill chunks of >= {min_tokens} tokens run as PyTorch passes "
+        f"with {gemm_dtype()[1]} GEMMs, the rest on llama.cpp (measured: {shown})"
     )
 
 
