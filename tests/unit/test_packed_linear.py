@@ -1,6 +1,8 @@
 """Packed oneDNN weights (executors/packed_linear.py): same products as F.linear, any row count,
 with and without bias; plain weights where packing is not supported."""
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -266,17 +268,31 @@ def test_a_weight_multiplies_its_tiles_row_counts_on_the_tile_kernel(monkeypatch
     assert seen == [(4, 32)]
 
 
-def test_gemm_dtype_is_float32_without_bf16_packing_and_measured_with_it():
-    """Without oneDNN's bf16 kernels the wide passes multiply in float32, saying why; with
-    them the dtype is the one whose product measured faster, both timings in the status."""
+def test_gemm_dtype_is_the_measured_faster_one(monkeypatch):
+    """The wide passes' GEMM dtype is whichever product measured faster, both timings in its
+    status: bf16 where the float32 product is made slow, float32 where the bf16 one is."""
     from ultrafast.executors.packed_linear import gemm_dtype
 
-    dtype, status = gemm_dtype()
-    if pack_support() is not None:
-        assert dtype == torch.float32 and pack_support() in status
-    else:
-        assert dtype in (torch.bfloat16, torch.float32)
-        assert "bf16" in status and "float32" in status and " ms" in status
+    real = packed_linear.linear
+
+    def slowed(dtype):
+        def linear_(x, w, bias=None):
+            if w.dtype == dtype:
+                time.sleep(0.02)
+            return real(x, w, bias)
+
+        return linear_
+
+    try:
+        for slow, want in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)):
+            gemm_dtype.cache_clear()
+            monkeypatch.setattr(packed_linear, "linear", slowed(slow))
+            dtype, status = gemm_dtype()
+            assert dtype == want
+            assert status.startswith({torch.bfloat16: "bf16", torch.float32: "float32"}[want])
+            assert "bf16" in status and "float32" in status and " ms" in status
+    finally:
+        gemm_dtype.cache_clear()  # the tests after this one measure for real
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

@@ -74,29 +74,27 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return _reorder(weight.contiguous())
 
 
-GEMM_PROBE = (256, 1536, 576)  # rows, out, in: a prefill chunk's MLP-sized product
+GEMM_PROBE = (64, 1536, 576)  # rows, out, in: an MLP-sized product (~1-25 ms a call)
 
 
 @functools.cache
 def gemm_dtype() -> tuple[torch.dtype, str]:
     """The dtype the wide passes' weights are multiplied in, and the measurement behind it:
-    bf16 where oneDNN's bf16 product is the faster, else float32 (bf16 activations widened
-    per product; the weights hold a bf16 GGUF's values exactly either way). Measured, not
-    read off the CPU's features: on a 2-core AVX2 EPYC (no bf16 instructions) torch's bf16
-    product ran ~9 GFLOP/s against ~80 in float32, on the AMX Xeon ~10x the other way."""
-    if pack_support() is not None:
-        return torch.float32, f"float32 ({pack_support()})"
+    bf16 where its product (packed where pack_support()) is the faster, else float32 (bf16
+    rows widened per product; the weights hold a bf16 GGUF's values exactly either way).
+    Measured, not read off the CPU's features: on a 2-core AVX2 EPYC (no bf16 instructions)
+    torch's bf16 product ran ~20 GFLOP/s against 130-170 in float32; on the AMX Xeon bf16 is
+    the faster several times over. Best of 3 interleaved calls each (the first builds)."""
     rows, out, inner = GEMM_PROBE
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(out, inner, generator=gen)
     x = torch.randn(rows, inner, generator=gen).to(torch.bfloat16)
-    w_bf16 = pack(w.to(torch.bfloat16))
     calls = {
-        torch.bfloat16: functools.partial(linear, x, w_bf16),
+        torch.bfloat16: functools.partial(linear, x, pack(w.to(torch.bfloat16))),
         torch.float32: functools.partial(linear, x, w),
     }
     best = dict.fromkeys(calls, float("inf"))
-    for _ in range(3):
+    for _ in range(4):
         for dtype, call in calls.items():
             started = time.perf_counter()
             call()
