@@ -160,11 +160,16 @@ def test_a_cached_decision_skips_the_timing(monkeypatch):
         assert ex.decode_router.on_width == 6 and ex.mirror is not None  # cached as well
 
 
-def test_the_gemms_are_timed_on_the_idle_engine_after_the_load():
+def test_the_gemms_are_timed_on_the_idle_engine_after_the_load(monkeypatch):
     """The background load only builds the GEMMs (timed beside serving passes, the choice of
     packed or plain weights scattered between starts); the idle engine times them, giving
-    way to a request, and then wants no more time."""
+    way to a request, and then wants no more time. The machine is made to read quiet: timed
+    beside another busy process the groups are dropped by design (time_gemms), and that
+    made this test fail wherever something else ran."""
+    from ultrafast.cpu_contention import BusyWindow
     from ultrafast.executors import cost_cache
+
+    monkeypatch.setattr(BusyWindow, "others_busy_cores", lambda self: 0.0)
 
     with by_need() as ex:
         decision = {"wide_min_tokens": 40, "decode_on_width": 6, "status": "x"}
