@@ -84,7 +84,7 @@ def gemm_dtype() -> tuple[torch.dtype, str]:
     rows widened per product; the weights hold a bf16 GGUF's values exactly either way).
     Measured, not read off the CPU's features: on a 2-core AVX2 EPYC (no bf16 instructions)
     torch's bf16 product ran ~20 GFLOP/s against 130-170 in float32; on the AMX Xeon bf16 is
-    the faster several times over. Best of 3 interleaved calls each (the first builds)."""
+    the faster several times over. Best of 4 interleaved calls each (the first builds)."""
     rows, out, inner = GEMM_PROBE
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(out, inner, generator=gen)
