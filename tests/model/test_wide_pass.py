@@ -532,5 +532,5 @@ def test_the_memory_check_counts_the_weights_in_the_gemm_dtype(monkeypatch, dtyp
     assert wide_route.unavailable(ex) is None
     monkeypatch.setattr(wide_route, "available_memory_bytes", lambda: 4 * weight_bytes - 8)
     why = wide_route.unavailable(ex)
-    name = "bf16" if dtype == torch.bfloat16 else "float32"
+    name = "bf16" if dtype == torch.bfloat16 else "f32"
     assert why is not None and f"its {name} weights" in why and "would exceed 25%" in why

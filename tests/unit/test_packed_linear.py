@@ -289,8 +289,8 @@ def test_gemm_dtype_is_the_measured_faster_one(monkeypatch):
             monkeypatch.setattr(packed_linear, "linear", slowed(slow))
             dtype, status = gemm_dtype()
             assert dtype == want
-            assert status.startswith({torch.bfloat16: "bf16", torch.float32: "float32"}[want])
-            assert "bf16" in status and "float32" in status and " ms" in status
+            assert status.startswith({torch.bfloat16: "bf16", torch.float32: "f32"}[want])
+            assert "bf16" in status and "f32" in status and " ms" in status
     finally:
         gemm_dtype.cache_clear()  # the tests after this one measure for real
 

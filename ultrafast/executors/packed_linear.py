@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ultrafast.executors import tile_gemm
+from ultrafast.executors.torch_embed import DTYPE_NAMES
 
 ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; every row count works
 
@@ -100,15 +101,8 @@ def gemm_dtype() -> tuple[torch.dtype, str]:
             call()
             best[dtype] = min(best[dtype], time.perf_counter() - started)
     chosen = min(best, key=best.__getitem__)
-    shown = " vs ".join(f"{dtype_name(d)} {s * 1e3:.2f} ms" for d, s in best.items())
-    return chosen, f"{dtype_name(chosen)} (a {rows}-row product: {shown})"
-
-
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "float32"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype))
+    shown = " vs ".join(f"{DTYPE_NAMES[d]} {s * 1e3:.2f} ms" for d, s in best.items())
+    return chosen, f"{DTYPE_NAMES[chosen]} (a {rows}-row product: {shown})"
 
 
 PACKED, PLAIN, PACKED_ONE_ROW, HALVES = "packed", "plain", "packed-one-row", "halves"
@@ -197,11 +191,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Weight, bias: torch.Tensor | 
         if kernel == TILES and bias is None:
             return tiles(x, weight)
         weight = weight.copies[kernel] if kernel in COPIED else weight.packed
+    if weight.is_mkldnn:  # bf16 packed (float32 weights stay plain)
+        return _packed_linear(x, weight, bias)
     if weight.dtype == torch.float32 and x.dtype != torch.float32:  # float32 GEMM weights
         bias = None if bias is None else bias.float()
-        return linear(x.float(), weight, bias).to(x.dtype)
-    if weight.is_mkldnn:
-        return _packed_linear(x, weight, bias)
+        return F.linear(x.float(), weight, bias).to(x.dtype)
     return F.linear(x, weight, bias)
 
 

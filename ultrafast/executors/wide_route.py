@@ -18,7 +18,8 @@ import torch
 
 from ultrafast.core.types import ScheduledSeq, StepPlan
 from ultrafast.executors.ggml_threads import CalibrationInterrupted
-from ultrafast.executors.packed_linear import dtype_name, gemm_dtype
+from ultrafast.executors.packed_linear import gemm_dtype
+from ultrafast.executors.torch_embed import DTYPE_NAMES
 from ultrafast.executors.wide_forward import unsupported
 from ultrafast.model.config import ModelLoadError
 from ultrafast.model.gguf_meta import read_gguf_metadata
@@ -52,7 +53,7 @@ def unavailable(executor) -> str | None:
     available = available_memory_bytes()
     if available is not None and weight_bytes > available * _MEMORY_SHARE:
         return (
-            f"its {dtype_name(dtype)} weights ({weight_bytes / 2**20:.0f} MiB) would exceed "
+            f"its {DTYPE_NAMES[dtype]} weights ({weight_bytes / 2**20:.0f} MiB) would exceed "
             f"{_MEMORY_SHARE:.0%} of the available memory"
         )
     return None
