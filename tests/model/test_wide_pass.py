@@ -417,25 +417,46 @@ def test_a_tied_bf16_head_shares_the_embedding(monkeypatch):
 
 def test_float32_gemms_multiply_by_the_heads_bf16_values(monkeypatch):
     """Where the GEMMs run in float32 (no fast bf16 product here), the weights are float32
-    copies of the bf16-rounded matrices, the head too (not the exact float32 embedding): the
-    same numbers as the bf16 path's, whichever product this CPU runs."""
+    copies of the bf16-rounded matrices (packed for oneDNN where it packs float32), the head
+    too (not the exact float32 embedding), and a pass's activations reach them in float32
+    (no bf16 round trip): the bf16 path's weights, whichever product this CPU runs."""
     from ultrafast.executors import packed_linear, wide_forward
-    from ultrafast.executors.packed_linear import Weight, linear
+    from ultrafast.executors.packed_linear import Weight, linear, pack_support
 
     f32 = lambda: (torch.float32, "float32 (test)")  # noqa: E731
     monkeypatch.setattr(wide_forward, "gemm_dtype", f32)
     monkeypatch.setattr(packed_linear, "gemm_dtype", f32)
     fw = wide_forward.WideForward(DEMO_GGUF, 64)
-    assert fw.embed.dtype == torch.float32
+    assert fw.embed.dtype == torch.float32 and fw.act == torch.float32
     head = fw.lm_head
     assert isinstance(head, Weight) and head.packed.dtype == torch.float32
     layer = fw.layers[0]
-    assert layer.gate_up.packed.dtype == torch.float32 and not layer.gate_up.packed.is_mkldnn
+    assert layer.gate_up.packed.dtype == torch.float32
+    assert layer.gate_up.packed.is_mkldnn == (pack_support(torch.float32) is None)
+    dense = head.packed.to_dense() if head.packed.is_mkldnn else head.packed
     if "output.weight" not in {t.name for t in _gguf_tensor_infos(DEMO_GGUF)}:  # tied
-        assert torch.equal(head.packed, fw.embed.to(torch.bfloat16).float())
-    x = torch.randn(3, head.packed.shape[1]).to(torch.bfloat16)
-    want = (x.float() @ head.packed.T).to(torch.bfloat16)
+        assert torch.equal(dense, fw.embed.to(torch.bfloat16).float())
+    x = torch.randn(3, dense.shape[1]).to(torch.bfloat16)
+    want = (x.float() @ dense.T).to(torch.bfloat16)
     torch.testing.assert_close(linear(x, head), want)
+    fw.fused = None  # torch's elementwise ops (the fused ones write bf16)
+    seen = []
+    real = wide_forward.linear
+    monkeypatch.setattr(
+        wide_forward, "linear", lambda x, w, b=None: seen.append(x.dtype) or real(x, w, b)
+    )
+    tokens = torch.arange(5)
+    fw.kv(tokens, tokens, [wide_forward.SeqChunk(0, 5, 0)])
+    assert seen and set(seen) == {torch.float32}
+    # a pass that samples (wide decode) rounds its GEMM inputs to bf16: the bf16 path's numbers
+    from ultrafast.executors import wide_decode
+
+    seen.clear()
+    monkeypatch.setattr(wide_decode, "linear", wide_forward.linear)  # the head's too
+    mirror = wide_decode.new_mirror(fw, 64, 2)
+    chunk = [wide_forward.SeqChunk(0, 5, 0)]
+    wide_decode.step_logits(fw, mirror, (list(range(5)), list(range(5)), chunk, [0]), None, [0])
+    assert seen and set(seen) == {torch.bfloat16}
 
 
 def _gguf_tensor_infos(path):

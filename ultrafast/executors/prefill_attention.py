@@ -95,17 +95,18 @@ def sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask=None) -
     if total == t:  # no earlier KV: the plain causal triangle
         out = F.scaled_dot_product_attention(queries, k, v, is_causal=True, enable_gqa=True)
     else:  # query i (position total - t + i) sees keys [0, total - t + i]
-        mask = causal_mask(t, total) if mask is None else mask
+        mask = causal_mask(t, total, q.dtype) if mask is None else mask
         out = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(t, -1)
 
 
-def causal_mask(t: int, total: int) -> torch.Tensor:
-    """The additive bf16 mask [t, total] of t queries at positions [total - t, total): 0 where
-    query i sees key j <= total - t + i, else -inf. Additive rather than bool: SDPA turns a
-    bool mask into this on every call (per layer), 13% of a 512-query attention at 1,000 keys."""
+def causal_mask(t: int, total: int, dtype: torch.dtype = BF16) -> torch.Tensor:
+    """The additive mask [t, total] in the queries' dtype of t queries at positions
+    [total - t, total): 0 where query i sees key j <= total - t + i, else -inf. Additive
+    rather than bool: SDPA turns a bool mask into this on every call (per layer), 13% of a
+    512-query attention at 1,000 keys."""
     hidden = torch.arange(total)[None, :] > torch.arange(total - t, total)[:, None]
-    return torch.zeros(t, total, dtype=BF16).masked_fill_(hidden, float("-inf"))
+    return torch.zeros(t, total, dtype=dtype).masked_fill_(hidden, float("-inf"))
 
 
 @functools.cache

@@ -103,10 +103,11 @@ class DecodeRows:
         self.mask = mask[:, None, None, :]
 
     def attend(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """[D, heads * d] bf16 from the rows' projection h (bf16 q|k|v heads) and RoPE rows."""
+        """[D, heads * d] bf16 from the rows' projection h (q|k|v heads in the GEMMs' dtype)
+        and RoPE rows; the mirror holds bf16."""
         fw, mirror, n = self.fw, self.mirror, len(self.slots)
         qk, v = fw.rope_qk(h, fw.layers[layer], cos, sin)
-        mirror.write_step(layer, self.slot_t, self.pos, qk[:, fw.heads :].to(BF16), v)
+        mirror.write_step(layer, self.slot_t, self.pos, qk[:, fw.heads :].to(BF16), v.to(BF16))
         if self.kernel is not None:
             keys, values = mirror.keys[layer], mirror.values[layer]
             a = decode_attention.attend(self.kernel, qk[:, : fw.heads], keys, values, self.rows)
@@ -224,7 +225,7 @@ def step_logits(
     chunks = [] if prefill is None else prefill[2]
     wanted = [chunks[j].start + chunks[j].num_tokens - 1 for j in logits_of]
     wanted += range(rows, len(ids))
-    return linear(fw.norm_bf16(x[wanted], fw.norm), fw.lm_head).float()
+    return linear(fw.norm_for_gemm(x[wanted], fw.norm), fw.lm_head).float()
 
 
 def _room(prefill, decodes) -> list[tuple[int, int]]:

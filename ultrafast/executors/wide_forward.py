@@ -1,4 +1,4 @@
-"""The wide pass: a bf16 PyTorch forward of a GGUF's weights that computes prefill chunks' KV.
+"""The wide pass: a PyTorch forward of a GGUF's weights that computes prefill chunks' KV.
 
 Why: on CPUs with bf16 matrix units (AMX, AVX512-BF16) oneDNN's bf16 GEMM runs a many-row
 pass several times faster than llama.cpp's kernels (docs/ARCHITECTURE.md "Wide passes"). This
@@ -6,12 +6,14 @@ module's `kv` only produces KV: the chunk's last token then runs in llama.cpp ov
 (wide_exec.py), so a prefill's logits stay llama.cpp's; wide decode steps (wide_decode.py) use
 the same weights plus the final norm and lm_head kept here.
 
-Layout: the residual stream is float32, each linear layer takes bf16 activations against bf16
-weights (q/k/v and gate/up fused: one GEMM each; packed once into oneDNN's layout where that
-works, packed_linear.py), norms and RoPE run in float32 (fused C kernels where they win,
-fused_ops.py), attention runs per sequence and layer over the slot's earlier KV (from
+Layout: the residual stream is float32; each linear layer takes its input in the GEMMs' dtype
+(bf16 against bf16 weights where that product is the faster, else float32 against float32
+copies: packed_linear.gemm_dtype; a pass that samples rounds its inputs to bf16 either way,
+`run_layers`) (q/k/v and gate/up fused: one GEMM each; packed once into oneDNN's layout where
+that works, packed_linear.py); norms and RoPE run in float32 (fused C kernels where they win,
+fused_ops.py); attention runs per sequence and layer over the slot's earlier KV (from
 llama.cpp or the torch mirror) plus the chunk (`_causal_attention`): on AMX tiles where that
-kernel wins (prefill_attention.py), else torch's fused bf16 SDPA. The last layer stops after
+kernel wins (prefill_attention.py), else torch's fused SDPA. The last layer stops after
 its K/V: nothing reads its output. Keys come out in llama.cpp's layout
 (interleaved RoPE pairs for the "llama" arch, whose q/k rows converters permute).
 """
@@ -141,6 +143,12 @@ class WideForward:
         tied_bf16 = lm_head is None and self.embed.dtype == BF16 == gemm_dtype()[0]
         head = embed if lm_head is None else lm_head
         self.lm_head = self.embed if tied_bf16 else weight(head.to(BF16))
+        # the activations of KV passes (`kv`): float32 where the GEMMs are, without a bf16
+        # round trip a product (on the AVX2 EPYC the copies were 4% of a 1,024-token pass,
+        # bf16 SDPA 15% slower). Passes that sample (wide decode) round to bf16 whatever the
+        # GEMM dtype: float32 activations moved SmolLM2 Q4_1's decode perplexity 0.54% from
+        # llama.cpp's (0.40% rounded: llama.cpp's own activations are 8-bit there)
+        self.act = gemm_dtype()[0]
         cos, sin = rope_tables(config, max_positions)
         self.cos, self.sin = cos, sin  # float32 [positions, head_dim]
         self.eps = config.rms_norm_eps
@@ -150,9 +158,12 @@ class WideForward:
         self.fused, self.fused_status = fused_ops.choice(
             config.hidden_size, config.intermediate_size, self.heads + self.kv_heads, self.head_dim
         )
-        # the AMX prefill attention kernel (prefill_attention.py) where it wins; None: SDPA
-        self.prefill_kernel, self.prefill_status = prefill_attention.choose(
-            self.heads, self.kv_heads, self.head_dim
+        # the AMX prefill attention kernel (prefill_attention.py) where it wins (it takes bf16
+        # rows); None: SDPA
+        self.prefill_kernel, self.prefill_status = (
+            prefill_attention.choose(self.heads, self.kv_heads, self.head_dim)
+            if self.act == BF16
+            else (None, "prefill attention: torch SDPA (float32 activations)")
         )
         self.gemms_untimed: list[int] = []  # row counts built, not timed yet
         # per matrix kind, the row counts measured faster on another kernel than the packed
@@ -278,35 +289,42 @@ class WideForward:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)  # one fused op, same numbers
 
-    def norm_bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The RMS norm of float32 rows as the bf16 input of the next GEMM."""
+    def norm_for_gemm(self, x: torch.Tensor, weight: torch.Tensor, act=BF16) -> torch.Tensor:
+        """The RMS norm of float32 rows as the input of the next GEMM: bf16 from the fused
+        ops, else in `act` (bf16, or float32 where a pass keeps float32 activations)."""
         if self.fused is not None:
             return fused_ops.norm_bf16(self.fused, x, weight, self.eps)
-        return self._norm(x, weight).to(BF16)
+        return self._norm(x, weight).to(act)
 
-    def add_norm_bf16(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor):
-        """x += y in place (the residual stream and a branch's bf16 output), then the bf16
-        RMS norm of the sum: one fused pass where the add and the norm each read x."""
-        if self.fused is not None:
+    def add_norm_for_gemm(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, act=BF16):
+        """x += y in place (the residual stream and a branch's output), then the RMS norm of
+        the sum as the next GEMM's input: one fused pass where the add and the norm each
+        read x."""
+        if self.fused is not None and y.dtype == BF16:
             return fused_ops.add_norm_bf16(self.fused, x, y, weight, self.eps)
-        return self.norm_bf16(x.add_(y), weight)
+        return self.norm_for_gemm(x.add_(y), weight, act)
 
     def run_layers(
-        self, x: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor | None]
+        self,
+        x: torch.Tensor,
+        attend: Callable[[int, torch.Tensor], torch.Tensor | None],
+        act: torch.dtype = BF16,
     ) -> None:
-        """Every decoder layer over float32 rows x, in place. `attend(i, h)` takes layer i's
-        q|k|v projection h (bf16 [T, (heads + 2 kv_heads) * d]) to the attention's bf16
-        output [T, heads * d], or None to stop there (nothing reads the rest). Each residual
-        add runs fused with the norm that reads the sum (`add_norm_bf16`)."""
-        xn = self.norm_bf16(x, self.layers[0].attn_norm)
+        """Every decoder layer over float32 rows x, in place, the GEMMs' inputs in `act`
+        (bf16: the bf16 path's numbers whatever the GEMM dtype; float32 where the GEMMs are
+        float32 and nothing samples from the pass, `kv`). `attend(i, h)` takes layer i's
+        q|k|v projection h ([T, (heads + 2 kv_heads) * d]) to the attention's output
+        [T, heads * d], or None to stop there (nothing reads the rest). Each residual add
+        runs fused with the norm that reads the sum (`add_norm_for_gemm`)."""
+        xn = self.norm_for_gemm(x, self.layers[0].attn_norm, act)
         for i, layer in enumerate(self.layers):
             attended = attend(i, linear(xn, layer.qkv, layer.qkv_bias))
             if attended is None:
                 return
-            xn = self.add_norm_bf16(x, linear(attended, layer.o), layer.ffn_norm)
+            xn = self.add_norm_for_gemm(x, linear(attended, layer.o), layer.ffn_norm, act)
             out = self.mlp(xn, layer)
             if i + 1 < len(self.layers):
-                xn = self.add_norm_bf16(x, out, self.layers[i + 1].attn_norm)
+                xn = self.add_norm_for_gemm(x, out, self.layers[i + 1].attn_norm, act)
             else:
                 x.add_(out)
 
@@ -350,10 +368,10 @@ class WideForward:
             values.append(v.float().reshape(v.shape[0], -1))
             if i == len(self.layers) - 1:  # the last token's pass in llama.cpp reads no more
                 return None
-            qk = qk.to(BF16)
-            return self._attend(i, qk[:, : self.heads], qk[:, self.heads :], v, seqs)
+            qk = qk.to(self.act)
+            return self._attend(i, qk[:, : self.heads], qk[:, self.heads :], v.to(self.act), seqs)
 
-        self.run_layers(x, attend)
+        self.run_layers(x, attend, self.act)
         if extra:
             return [k[:rows] for k in keys], [v[:rows] for v in values]
         return keys, values
@@ -385,20 +403,22 @@ class WideForward:
         return k.reshape(k.shape[0], -1)
 
     def from_gguf_keys(self, k: np.ndarray) -> torch.Tensor:
-        """llama.cpp's K rows [P, kv_heads * head_dim] -> bf16 [kv_heads, P, head_dim] (HF)."""
+        """llama.cpp's K rows [P, kv_heads * head_dim] -> [kv_heads, P, head_dim] (HF) in the
+        attention's dtype (`act`)."""
         t = torch.from_numpy(np.array(k)).view(-1, self.kv_heads, self.head_dim)  # a writable copy
         if self.interleaved:
             t = t.view(-1, self.kv_heads, self.head_dim // 2, 2).transpose(-1, -2)
             t = t.reshape(-1, self.kv_heads, self.head_dim)
-        return t.to(BF16).transpose(0, 1).contiguous()
+        return t.to(self.act).transpose(0, 1).contiguous()
 
     def from_gguf_values(self, v: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.array(v)).view(-1, self.kv_heads, self.head_dim)
-        return t.to(BF16).transpose(0, 1).contiguous()
+        return t.to(self.act).transpose(0, 1).contiguous()
 
     def _attend(self, layer: int, q, k, v, seqs: list[SeqChunk]) -> torch.Tensor:
-        """[T, heads * head_dim] bf16: each sequence's queries over its earlier KV + its own."""
-        out = torch.zeros(q.shape[0], self.heads * self.head_dim, dtype=BF16)  # padding: 0
+        """[T, heads * head_dim] in q's dtype: each sequence's queries over its earlier KV + its
+        own."""
+        out = torch.zeros(q.shape[0], self.heads * self.head_dim, dtype=q.dtype)  # padding: 0
         for s in seqs:
             rows = slice(s.start, s.start + s.num_tokens)
             ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)

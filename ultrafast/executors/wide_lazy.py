@@ -60,9 +60,10 @@ NEED_TOKENS = LONG_CHUNK  # routable prefill tokens in one pass that make the pa
 
 # raised when a change moves the wide path's speed (2: packed oneDNN weights, grouped decode
 # attention; 3: prefill attention as bf16 GEMMs; 4: the C decode attention kernel, prefill and
-# decodes in one pass; 5: the fused elementwise C ops; 6: the AMX prefill attention kernel):
-# routing decisions cached by an earlier revision are timed again
-WIDE_PATH_REVISION = 6
+# decodes in one pass; 5: the fused elementwise C ops; 6: the AMX prefill attention kernel;
+# 7: float32 GEMMs packed, float32 activations where the GEMMs are float32): routing
+# decisions cached by an earlier revision are timed again
+WIDE_PATH_REVISION = 7
 
 
 class WideLazy:
@@ -175,7 +176,7 @@ class WideLazy:
         self._loaded = forward
         from ultrafast.executors.packed_linear import gemm_dtype, pack_support
 
-        why_plain = pack_support()
+        why_plain = pack_support(gemm_dtype()[0])
         layout = "packed for oneDNN" if why_plain is None else f"plain: {why_plain}"
         log.info(
             "wide passes: weights built in %.1f s (%s GEMMs; %s)",
