@@ -340,3 +340,33 @@ def test_a_failed_gemm_build_still_loads_the_wide_path(monkeypatch):
         step(ex, long_prompts(ex.vocab_size))
         ready(ex)
         assert ex.wide is not None and ex.wide_lazy.state == "on"
+
+
+def test_the_loads_and_the_timings_freed_pages_go_back(monkeypatch):
+    """glibc keeps freed heap pages (heap_trim.py): the wide path trims after building its
+    weights, after building the GEMMs (the process stayed at that transient's peak: SmolLM2
+    float32, 2.5 GiB steady where 1.6 sufficed) and after timing the GEMMs, each in order."""
+    from ultrafast.cpu_contention import BusyWindow
+    from ultrafast.executors import cost_cache, wide_lazy
+    from ultrafast.executors import wide_forward as wf
+
+    monkeypatch.setattr(BusyWindow, "others_busy_cores", lambda self: 0.0)
+    events: list[str] = []
+    monkeypatch.setattr(wide_lazy, "glibc_trim", lambda: events.append("trim") or True)
+    for name in ("warm_gemms", "time_gemms"):
+        real = getattr(wf.WideForward, name)
+
+        def spied(self, *args, _real=real, _name=name, **kwargs):
+            events.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(wf.WideForward, name, spied)
+    with by_need() as ex:
+        decision = {"wide_min_tokens": 40, "decode_on_width": 0, "status": "x"}
+        cost_cache.write_cache(ex.wide_lazy.identity(), decision)
+    with by_need() as ex:
+        step(ex, [long_prompts(ex.vocab_size)[0][:40]] * 7)  # the load; the path turns on
+        ex.wide_lazy.wait_loaded(120)
+        assert events == ["trim", "warm_gemms", "trim"]
+        assert ex.wide_lazy.time_now([], lambda: False)
+        assert events[3:] == ["time_gemms", "trim"]

@@ -52,7 +52,7 @@ def _is_glibc():
 
 FRAGMENTED_HEAP = """
 import ctypes, sys
-from ultrafast.engine.idle_trim import glibc_trim
+from ultrafast.heap_trim import glibc_trim
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]

@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "ultrafast/weight_format.py",
         "ultrafast/cpu_info.py",
         "ultrafast/cpu_contention.py",
+        "ultrafast/heap_trim.py",
         "ultrafast/chat_templates.py",
         "ultrafast/model_defaults.py",
         "ultrafast/redis_conn.py",

@@ -10,23 +10,15 @@ steady stream of requests should not pay. Other C libraries: nothing to do.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from collections.abc import Callable
 
+from ultrafast.heap_trim import glibc_trim
+
 log = logging.getLogger(__name__)
 
 IDLE_S = 10.0  # seconds without a step before the freed pages go back
-
-
-def glibc_trim() -> bool:
-    """glibc's malloc_trim(0); True if it gave pages back (False: none, or not glibc)."""
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    return bool(malloc_trim(0))
 
 
 class IdleTrim:

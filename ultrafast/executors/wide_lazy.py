@@ -50,6 +50,7 @@ from ultrafast.executors.wide_route import (
     time_wide_path,
     unavailable,
 )
+from ultrafast.heap_trim import glibc_trim
 
 log = logging.getLogger("ultrafast.executors.wide_exec")
 
@@ -169,10 +170,12 @@ class WideLazy:
         # the decode attention kernel built and timed here too, off the engine thread, and
         # oneDNN's primitives for every row count a step can have
         attention_choice(forward.heads, forward.kv_heads, forward.head_dim)
+        glibc_trim()  # the load's transients (heap_trim.py: SmolLM2 f32, steady 2.5 -> 1.6 GiB)
         try:  # a speed-up only: the passes build what they meet if this fails
             forward.warm_gemms(gemm_row_counts(self.ex.max_num_batched_tokens, self.ex.num_slots))
         except Exception as exc:  # noqa: BLE001
             log.warning("wide passes: GEMM row counts not built ahead (%s)", exc)
+        glibc_trim()
         self._loaded = forward
         from ultrafast.executors.packed_linear import gemm_dtype, pack_support
 
@@ -235,6 +238,7 @@ class WideLazy:
             if self.ex.wide.time_gemms(should_stop):  # the status says the choice from now
                 self.status = self.status.replace(untimed, self.ex.wide.gemm_status)
                 log.info("wide passes: %s", self.ex.wide.gemm_status)
+                glibc_trim()  # the freed copies and the timing's products
             return True
         if not free_slots:  # (their stale KV, if any, is the pool's to overwrite)
             return False
@@ -278,6 +282,7 @@ class WideLazy:
                 gemm_row_counts(self.ex.max_num_batched_tokens, self.ex.num_slots)
             )
             self.ex.wide.time_gemms()  # nothing serves beside it yet
+            glibc_trim()
             self.min_tokens = self.ex.wide_min_tokens
             self.status += "; " + self.ex.start_wide_decode()
         min_tokens = self.min_tokens if self.ex.wide is not None else None
