@@ -279,6 +279,19 @@ class EngineConfig:
             choices=("auto", "on", "off"),
         ),
     )
+    # ggml executor: a bf16 GGUF served from an exact float16 copy where llama.cpp's f16
+    # kernels measure faster (executors/f16_twin.py); off = the file as stored
+    f16_twin: str = field(
+        default="auto",
+        metadata=flag(
+            "--f16-twin",
+            "engine",
+            "ggml executor: a bf16 GGUF runs from an exact float16 copy (checked equal, its "
+            "matmul inputs bounded within float16) where that measures faster at the first "
+            "start (auto), or as stored (off)",
+            choices=("auto", "off"),
+        ),
+    )
     fake_step_s: float = field(  # executor "fake" (load/fault tests only): time per step
         default=0.02,
         metadata=flag("--fake-step-ms", "engine", "", type=float, hidden=True, **scaled(1000)),
@@ -413,6 +426,8 @@ class EngineConfig:
             raise ValueError("kv_store must be a redis://, rediss:// or unix:// URL")
         if self.wide_pass not in ("auto", "on", "off"):
             raise ValueError("wide_pass must be one of auto, on, off")
+        if self.f16_twin not in ("auto", "off"):
+            raise ValueError("f16_twin must be auto or off")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}")
         if self.speculation not in SPECULATION_METHODS:

@@ -64,6 +64,7 @@ def _register_open(config: EngineConfig, files: ModelFiles):
         args["n_threads_batch"],
         args["max_num_batched_tokens"],
         flash_attn=args["flash_attn"],
+        weights_path=args["weights_path"],
     )
     return ggml_open.register_early(params)
 

@@ -82,6 +82,17 @@ def sized(config: EngineConfig) -> tuple[EngineConfig, ModelFiles]:
     return with_capacity(config, files), files
 
 
+def llama_weights(config: EngineConfig, gguf_path: Path) -> Path:
+    """The file llama.cpp loads: a bf16 GGUF's exact float16 copy where that is checked and
+    measured faster here (executors/f16_twin.py), else the file itself."""
+    from ultrafast.executors.f16_twin import choose_weights
+    from ultrafast.executors.ggml_open import physical_cores
+
+    threads = config.n_threads_batch or config.n_threads or physical_cores()
+    width = min(config.num_slots, 16)
+    return choose_weights(gguf_path, width, threads, config.flash_attn, config.f16_twin).weights
+
+
 def ggml_executor_args(config: EngineConfig, files: ModelFiles) -> tuple[Path, dict[str, Any]]:
     """The GGUF file and `GgmlExecutor`'s keyword arguments for a sized config; a KV cache that
     cannot fit is a clear error here, before llama.cpp's."""
@@ -90,6 +101,7 @@ def ggml_executor_args(config: EngineConfig, files: ModelFiles) -> tuple[Path, d
         gguf_path, None, config.num_slots, config.max_model_len, files.max_position_embeddings
     )
     return gguf_path, {
+        "weights_path": llama_weights(config, gguf_path),
         "num_slots": config.num_slots,
         "max_model_len": config.max_model_len,
         "n_threads": config.n_threads,

@@ -38,6 +38,7 @@ class CalibratedExecutor(Protocol):
     """What the calibration uses of the ggml executor (a Protocol: no import back)."""
 
     gguf_path: Path
+    weights_path: Path
     kv_cache_dtype: str
     flash_attn: bool
     max_model_len: int
@@ -64,6 +65,7 @@ def cost_identity(ex: CalibratedExecutor) -> dict:
         "flash_attn": ex.flash_attn,
         "kv_cache_dtype": ex.kv_cache_dtype,
         "llama_cpp": getattr(llama_cpp, "__version__", "?"),
+        "weights": ex.weights_path.name,  # the file llama.cpp runs (f16_twin.py)
     }
 
 

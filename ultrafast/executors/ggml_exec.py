@@ -67,8 +67,11 @@ class GgmlExecutor:
         max_num_batched_tokens: int = 512,
         kv_cache_dtype: str = "f16",
         flash_attn: bool = False,
+        weights_path: str | Path | None = None,
         verbose: bool = False,
     ) -> None:
+        """`weights_path`: the file llama.cpp loads when not `gguf_path` itself (an exact
+        float16 copy of a bf16 file: f16_twin.py); `gguf_path` stays the model's identity."""
         self._ctx = self._model = None  # close() / __del__ work however far __init__ gets
         self._opened: LlamaOpen | None = None
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -81,6 +84,7 @@ class GgmlExecutor:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.gguf_path = Path(gguf_path)
+        self.weights_path = Path(weights_path) if weights_path else self.gguf_path
         self.kv_cache_dtype, self.flash_attn = kv_cache_dtype, flash_attn
         self.n_threads = n_threads or physical_cores()
         self.n_threads_batch = n_threads_batch or self.n_threads
@@ -98,6 +102,7 @@ class GgmlExecutor:
             max_num_batched_tokens,
             kv_cache_dtype,
             flash_attn,
+            weights_path,
         )
         # opened early by `serve` (ultrafast/early_open.py) with exactly these parameters, or now
         self._opened = ggml_open.adopt(params) or open_llama(params, verbose)

@@ -135,6 +135,7 @@ class OpenParams:
     max_num_batched_tokens: int
     kv_cache_dtype: str = "f16"
     flash_attn: bool = False
+    weights_path: str = ""  # the file llama.cpp loads, when not gguf_path (f16_twin.py)
 
     @classmethod
     def of(
@@ -147,6 +148,7 @@ class OpenParams:
         max_num_batched_tokens: int = 512,
         kv_cache_dtype: str = "f16",
         flash_attn: bool = False,
+        weights_path: str | Path | None = None,
     ) -> OpenParams:
         """The executor's constructor arguments, its thread defaults applied."""
         threads = n_threads or physical_cores()
@@ -159,6 +161,7 @@ class OpenParams:
             max_num_batched_tokens,
             kv_cache_dtype,
             flash_attn,
+            str(weights_path) if weights_path and Path(weights_path) != Path(gguf_path) else "",
         )
 
     def context_params(self):
@@ -226,7 +229,8 @@ def open_llama(params: OpenParams, verbose: bool = False) -> LlamaOpen:
 
 
 def _load_model(opened: LlamaOpen) -> None:
-    params, path = opened.params, opened.params.gguf_path
+    params = opened.params
+    path = params.weights_path or params.gguf_path
     model_params = llama_model_params()
     model_params.n_gpu_layers = 0
     opened.model = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
