@@ -270,3 +270,17 @@ def test_the_engine_loads_the_copy_it_chose_and_off_loads_the_file(exact_bf16, m
         executor.close()
     off = replace(config, f16_twin="off")
     assert ggml_executor_args(off, files)[1]["weights_path"] == exact_bf16
+
+
+def test_a_failure_keeps_the_file_and_is_tried_again_next_start(exact_bf16, monkeypatch):
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    write_twin = f16_twin.write_twin
+    monkeypatch.setattr(f16_twin, "write_twin", full_disk)
+    choice = f16_twin.choose_weights(exact_bf16, 4, 1, True)
+    assert choice.weights == exact_bf16 and "No space left on device" in choice.why
+    f16_twin._chosen.clear()  # next start: the failure was not cached
+    monkeypatch.setattr(f16_twin, "write_twin", write_twin)
+    monkeypatch.setattr(f16_twin, "time_files", lambda *a, **k: _timed(80.0, 45.0))
+    assert f16_twin.choose_weights(exact_bf16, 4, 1, True).weights == f16_twin.twin_path(exact_bf16)

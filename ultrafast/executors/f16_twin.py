@@ -358,15 +358,17 @@ def _stamp(path: Path) -> list[int]:
 
 
 def _decide(identity: dict, source: Path, width: int, threads: int, flash_attn: bool) -> TwinChoice:
+    """Check, time and cache; a failure (disk full, a read-only cache, a copy llama.cpp will
+    not load) keeps the file, uncached, so the next start tries again."""
     try:
         twin, checks = checked_twin(source, threads)
-    except (OSError, RuntimeError, ValueError) as exc:
-        twin, checks = None, f"no float16 copy ({exc})"
-    if twin is None:
-        why = f"bf16 matrices as stored: {checks}"
-        write_cache(identity, {"use_twin": False, "why": why})
-        return TwinChoice(source, why)
-    timed = time_files(source, twin, width, threads, flash_attn)
+        if twin is None:
+            why = f"bf16 matrices as stored: {checks}"
+            write_cache(identity, {"use_twin": False, "why": why})
+            return TwinChoice(source, why)
+        timed = time_files(source, twin, width, threads, flash_attn)
+    except Exception as exc:  # anything at all: the file as stored still serves
+        return TwinChoice(source, f"bf16 matrices as stored: no float16 copy ({exc})")
     src, f16 = timed["source"], timed["twin"]
     figures = (
         f"prefill {PREFILL_TOKENS} tokens {f16['prefill_ms']:.0f} vs {src['prefill_ms']:.0f} ms, "
