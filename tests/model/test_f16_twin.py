@@ -252,6 +252,7 @@ def test_the_engine_loads_the_copy_it_chose_and_off_loads_the_file(exact_bf16, m
     from dataclasses import replace
 
     from ultrafast.config import EngineConfig
+    from ultrafast.engine.read_api import llama_weights
     from ultrafast.engine_sizing import ggml_executor_args, sized
     from ultrafast.llm import build_executor
 
@@ -266,6 +267,8 @@ def test_the_engine_loads_the_copy_it_chose_and_off_loads_the_file(exact_bf16, m
     try:
         assert executor.weights_path == twin and executor.gguf_path == exact_bf16
         assert executor.cost_identity()["weights"] == twin.name  # its own measured costs
+        shown = llama_weights(executor)  # /ready's llama_weights
+        assert shown == f"{twin.name}: the exact float16 copy of {exact_bf16.name}"
     finally:
         executor.close()
     off = replace(config, f16_twin="off")

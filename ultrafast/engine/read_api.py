@@ -73,6 +73,7 @@ class EngineSnapshot:
     idle_speed: IdleSpeed | None = None  # a typical prompt timed at start (None: not measured)
     start_costs: str = "not measured"  # cached | measuring ... | measured | contended
     wide_pass: str | None = None  # the wide path's state (executors/wide_lazy.py); None: none
+    llama_weights: str | None = None  # the file llama.cpp runs (executors/f16_twin.py)
 
     @property
     def num_running(self) -> int:
@@ -124,7 +125,19 @@ def build_snapshot(core: EngineCore, device_kind: str) -> EngineSnapshot:
         idle_speed=core.idle_speed,
         start_costs=core.start_costs.status,
         wide_pass=core.start_costs.wide_status,
+        llama_weights=llama_weights(core.executor),
     )
+
+
+def llama_weights(executor) -> str | None:
+    """The file llama.cpp loaded, saying when it is a bf16 file's float16 copy; None for
+    executors without llama.cpp."""
+    weights, source = getattr(executor, "weights_path", None), getattr(executor, "gguf_path", None)
+    if weights is None or source is None:
+        return None
+    if weights == source:
+        return f"{source.name} as stored"
+    return f"{weights.name}: the exact float16 copy of {source.name}"
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -185,7 +186,7 @@ def write_twin(source: Path, out: Path, threads: int) -> Path:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.nthread = 1, threads  # LLAMA_FTYPE_MOSTLY_F16
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".partial")
+    tmp = out.with_suffix(f".{os.getpid()}.partial")  # two servers starting at once
     rc = llama_cpp.llama_model_quantize(
         str(source).encode(), str(tmp).encode(), ctypes.byref(params)
     )

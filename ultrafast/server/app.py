@@ -105,6 +105,8 @@ def _service_routes(state: ServerState) -> list[Route]:
                 "start_costs": snap.start_costs,
                 # the wide prefill path: by need, loading, untimed, on or off (and why)
                 "wide_pass": snap.wide_pass,
+                # the file llama.cpp runs: the model's, or its bf16 file's float16 copy
+                "llama_weights": snap.llama_weights,
                 "session_store": None
                 if state.sessions is None
                 else "ok"

@@ -245,6 +245,8 @@ async def warm_up(server: RunningServer, model: BenchModel, args) -> None:
     if server.spec.name == "ours":
         status = await asyncio.to_thread(wait_wide_pass, server.url)
         print(f"bench serve: ours' wide path: {status}", flush=True)
+        ready = (await asyncio.to_thread(httpx.get, server.url + "/ready", timeout=5)).json()
+        print(f"bench serve: ours' llama.cpp weights: {ready.get('llama_weights')}", flush=True)
 
 
 async def run_level(server: RunningServer, level: Level, r: int, args, model: BenchModel) -> dict:
