@@ -214,6 +214,29 @@ def test_a_slow_load_leaves_the_needing_pass_on_llama_cpp(monkeypatch):
         assert wide_passes == [1] and ex.wide_lazy.state == "on"
 
 
+def test_closing_waits_for_a_load_in_its_thread(monkeypatch):
+    """A load still running when the executor closes ends before close returns: a daemon
+    thread left inside torch at the interpreter's exit aborted the process."""
+    import threading
+
+    from ultrafast.executors import wide_forward
+
+    release, real = threading.Event(), wide_forward.WideForward
+
+    def slow(*args, **kwargs):
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wide_forward, "WideForward", slow)
+    ex = by_need()
+    step(ex, long_prompts(ex.vocab_size))
+    loader = ex.wide_lazy._loader
+    assert ex.wide_lazy.state == "loading" and loader is not None and loader.is_alive()
+    threading.Timer(0.5, release.set).start()
+    ex.close()
+    assert not loader.is_alive()
+
+
 def test_a_cached_off_decision_never_loads_the_weights():
     from ultrafast.executors import cost_cache
 

@@ -40,6 +40,7 @@ from ultrafast.executors.wide_route import WIDE_PASS_MODES
 from ultrafast.sampling.sampler import sample_keeping_deferred
 
 log = logging.getLogger(__name__)
+CLOSE_WAIT_S = 120.0  # close waits this long for a weight load in its thread
 
 # A narrow decode step (under the router's width) whose slots hold at least this many rows in
 # the mirror alone stays in torch: pushing them costs ~0.1 ms a row (two slots of 1,123 rows:
@@ -82,6 +83,17 @@ class WideGgmlExecutor(GgmlExecutor):
     @property
     def wide_status(self) -> str:
         return self.wide_lazy.status
+
+    def close(self) -> None:
+        """A weight load still running in its thread ends first: left running, it met the
+        interpreter's exit inside torch, and the process aborted ("terminate called without
+        an active exception") after its work was done."""
+        lazy = getattr(self, "wide_lazy", None)  # absent when __init__ failed before it
+        if lazy is not None:
+            lazy.wait_loaded(CLOSE_WAIT_S)  # a load is seconds; a stuck one must not hang us
+            if lazy.loading():
+                log.warning("wide passes: the weight load still runs at close")
+        super().close()
 
     def start_wide_decode(
         self, slots: list[int] | None = None, should_stop: Callable[[], bool] = lambda: False

@@ -293,3 +293,7 @@ class WideLazy:
         """Block until a background load started by on_pass ends (tests, benchmarks)."""
         if self._loader is not None:
             self._loader.join(timeout_s)
+
+    def loading(self) -> bool:
+        """Whether a background load is running now."""
+        return self._loader is not None and self._loader.is_alive()
