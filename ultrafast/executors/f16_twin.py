@@ -259,22 +259,28 @@ def _time_round(ex, width: int, r: int) -> tuple[float, list[float]]:
     from ultrafast.request import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
-    prompt = [(i * 31 + 7 + r) % 1000 + 10 for i in range(PREFILL_TOKENS)]
+    vocab = ex.vocab_size
+
+    def run(seqs: list) -> None:
+        result = ex.execute(StepPlan(seqs))
+        if result.errors:  # a timing of nothing would decide wrongly
+            raise RuntimeError(f"timing the float16 copy failed: {result.errors}")
+
+    prompt = [(i * 31 + 7 + r) % vocab for i in range(PREFILL_TOKENS)]
     start = time.perf_counter()
-    ex.execute(StepPlan([ScheduledSeq(f"r{r}s0", 0, prompt, 0, 1, greedy, 0, 0)]))
+    run([ScheduledSeq(f"r{r}s0", 0, prompt, 0, 1, greedy, 0, 0)])
     prefill_ms = (time.perf_counter() - start) * 1e3
     if width > 1:
-        others = [
-            ScheduledSeq(f"r{r}s{s}", s, [s + 10], 0, 1, greedy, 0, 0) for s in range(1, width)
-        ]
-        ex.execute(StepPlan(others))
+        run(
+            [ScheduledSeq(f"r{r}s{s}", s, [s % vocab], 0, 1, greedy, 0, 0) for s in range(1, width)]
+        )
     decode_ms = []
     for step in range(DECODE_STEPS):
         seqs = [
             ScheduledSeq(
                 f"r{r}s{s}",
                 s,
-                [11 + step],
+                [(11 + step) % vocab],
                 (PREFILL_TOKENS if s == 0 else 1) + step,
                 1,
                 greedy,
@@ -284,7 +290,7 @@ def _time_round(ex, width: int, r: int) -> tuple[float, list[float]]:
             for s in range(width)
         ]
         start = time.perf_counter()
-        ex.execute(StepPlan(seqs))
+        run(seqs)
         decode_ms.append((time.perf_counter() - start) * 1e3)
     return prefill_ms, decode_ms
 
