@@ -40,7 +40,8 @@ import numpy as np
 from ultrafast.config import cache_dir
 from ultrafast.cpu_info import cpu_identity
 from ultrafast.executors.cost_cache import read_cache, write_cache
-from ultrafast.model.gguf_meta import TensorInfo, read_gguf_metadata, tensor_nbytes
+from ultrafast.model.gguf_meta import read_gguf_metadata
+from ultrafast.model.gguf_weights import gguf_tensor
 
 log = logging.getLogger("ultrafast")
 
@@ -65,43 +66,22 @@ class TwinChoice:
     why: str
 
 
-GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30  # ggml_type ids
+GGML_F16, GGML_BF16 = 1, 30  # ggml_type ids
 
 
 class _File:
-    """A GGUF's tensor table (our header reader) and its tensors' values, memory-mapped."""
+    """A GGUF's tensor table (our header reader) and its tensors as float32
+    (model/gguf_weights.py's reader, numpy's shape: a matrix is (output rows, input columns))."""
 
     def __init__(self, path: Path):
         self.meta = read_gguf_metadata(path)
         self.tensors = {t.name: t for t in self.meta.tensors}
 
-    def values(self, info: TensorInfo) -> np.ndarray | None:
-        """A tensor's values as float32 (bf16, f16, f32), or None (quantized types)."""
-        dtype = {GGML_BF16: np.uint16, GGML_F16: np.float16, GGML_F32: np.float32}.get(
-            info.ggml_type
-        )
-        if dtype is None:
-            return None
-        raw = self.raw(info).view(dtype)
-        if info.ggml_type == GGML_BF16:
-            return (raw.astype(np.uint32) << 16).view(np.float32)
-        return raw.astype(np.float32)
-
-    def raw(self, info: TensorInfo) -> np.ndarray:
-        start = self.meta.data_offset + info.offset
-        return np.memmap(self.meta.path, np.uint8, "r", start, (tensor_nbytes(info),))
-
     def matrix(self, name: str) -> np.ndarray:
-        """A 2-D weight as (output rows, input columns), float32."""
-        info = self.tensors[name]
-        values = self.values(info)
-        if values is None:
-            raise ValueError(f"{name} is quantized")
-        return values.reshape(info.shape[1], info.shape[0])
+        return gguf_tensor(self.meta, name)
 
     def vector(self, name: str) -> np.ndarray | None:
-        info = self.tensors.get(name)
-        return None if info is None else self.values(info)
+        return gguf_tensor(self.meta, name).reshape(-1) if name in self.tensors else None
 
 
 def has_bf16_matrices(path: Path) -> bool:
@@ -149,21 +129,14 @@ def _layer_bound(file: _File, prefix: str, root_d: float) -> float:
 
 
 def first_difference(source: Path, twin: Path) -> str | None:
-    """The first tensor `twin` does not hold exactly as `source` does (name, shape, values),
-    or None when it holds them all."""
+    """The first tensor `twin` does not hold exactly as `source` does (name, shape, float32
+    values), or None when it holds them all."""
     a, b = _File(source), _File(twin)
     if set(a.tensors) != set(b.tensors):
         return "the tensor table"
-    for ta in a.tensors.values():
-        tb = b.tensors[ta.name]
-        va, vb = a.values(ta), b.values(tb)
-        if ta.shape != tb.shape:
-            return ta.name
-        if va is None or vb is None:
-            if ta.ggml_type != tb.ggml_type or not np.array_equal(a.raw(ta), b.raw(tb)):
-                return ta.name
-        elif not np.array_equal(va, vb):
-            return ta.name
+    for name in a.tensors:
+        if not np.array_equal(a.matrix(name), b.matrix(name)):  # shapes too
+            return name
     return None
 
 
