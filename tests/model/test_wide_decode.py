@@ -34,8 +34,8 @@ from tests.model.test_wide_pass import (
     wide,
 )
 from ultrafast.core.types import StepPlan
-from ultrafast.executors import ggml_kv_rows, wide_decode
-from ultrafast.executors.wide_decode_route import DecodeRouter, on_width
+from ultrafast.executors import ggml_kv_rows, wide_decode, wide_decode_route
+from ultrafast.executors.wide_decode_route import DecodeRouter, from_positions, on_width
 
 KWARGS = dict(num_slots=NUM_PROMPTS, max_model_len=256, flash_attn=True, n_threads=1)
 
@@ -504,6 +504,74 @@ def test_router_hysteresis():
     assert not DecodeRouter(0).wide(64)
     forced = DecodeRouter(2)  # steps of 1-2 decodes stay on llama.cpp whatever was measured
     assert forced.off_width == 3 and [forced.wide(w) for w in (2, 3, 1)] == [0, 1, 0]
+
+
+def test_router_at_longer_contexts():
+    """Where torch wins only at longer contexts: a step goes wide from its width's measured
+    positions per slot (the widest measured width up to it), and stays wide down to
+    STAY_SHARE of them."""
+    router = DecodeRouter(0, {4: 300, 16: 100})
+    assert router.enabled and not DecodeRouter(0).enabled
+    assert router.positions_needed(3) is None and router.positions_needed(12) == 300
+    steps = [(4, 4 * 299), (4, 4 * 300), (4, 4 * 230), (4, 4 * 200), (8, 8 * 250), (16, 1600)]
+    assert [router.wide(w, p) for w, p in steps] == [0, 1, 1, 0, 0, 1]
+    assert not router.wide(2, 2 * 5000)  # 1-2 decodes stay on llama.cpp
+    both = DecodeRouter(16, {4: 300})  # wide from 16 at any context, from 4 at >= 300
+    assert both.wide(16, 16) and both.wide(4, 4 * 400) and not both.wide(8, 8 * 100)
+
+
+def test_positions_from_the_two_lines():
+    short = {4: (0.020, 0.030), 8: (0.030, 0.020), 16: (0.050, 0.060)}
+    # llama.cpp's step grows by 10 us a slot-position, torch's by 2: 4 wide cross 312.5
+    # positions past CONTEXT_TOKENS, 16 wide 78.1; 8 wide is torch's already
+    found = from_positions(short, (1e-5, 2e-6), 512)
+    assert found == {
+        4: wide_decode_route.CONTEXT_TOKENS + 313,
+        16: wide_decode_route.CONTEXT_TOKENS + 79,
+    }
+    assert from_positions(short, (2e-6, 2e-6), 512) == {}  # torch's slope not the smaller
+    assert from_positions(short, (1e-5, 2e-6), 64) == {16: wide_decode_route.CONTEXT_TOKENS + 79}
+
+
+def test_the_narrowest_width_is_timed_again_at_a_longer_context(monkeypatch):
+    """Torch slower at every width at CONTEXT_TOKENS, faster per position: the router goes
+    wide at longer contexts, and the status says from where."""
+    from types import SimpleNamespace
+
+    contexts = []
+
+    def measure(ex, slots, should_stop=lambda: False, context=wide_decode_route.CONTEXT_TOKENS):
+        contexts.append((len(slots), context))
+        extra = len(slots) * (context - wide_decode_route.CONTEXT_TOKENS)
+        return 0.01 * len(slots) + 1e-5 * extra, 0.012 * len(slots) + 2e-6 * extra
+
+    monkeypatch.setattr(wide_decode_route, "measure_decode", measure)
+    ex = SimpleNamespace(num_slots=16, max_model_len=2048, max_num_batched_tokens=256)
+    status = wide_decode_route.plan_wide_decode(ex, "auto")
+    assert contexts == [(4, 64), (8, 64), (16, 64), (4, wide_decode_route.LONG_CONTEXT)]
+    assert ex.decode_router.on_width == 0 and ex.decode_router.enabled
+    # (0.012 - 0.01) w / (8e-6 w) = 250 positions past 64, at every width
+    assert ex.decode_router.from_positions == {4: 314, 8: 314, 16: 314}
+    assert "4 wide from 314 positions a slot" in status
+    short = SimpleNamespace(num_slots=16, max_model_len=128, max_num_batched_tokens=256)
+    contexts.clear()
+    assert "decode steps on llama.cpp" in wide_decode_route.plan_wide_decode(short, "auto")
+    assert contexts == [(4, 64), (8, 64), (16, 64)]  # no room for a longer context
+
+
+def test_a_step_goes_wide_by_its_slots_positions(monkeypatch):
+    kwargs = dict(KWARGS, num_slots=4)
+    with wide_decoder(DEMO_GGUF, on=0, **kwargs) as ex:
+        batch = text_prompts(DEMO_GGUF)[:4]
+        ex.wide_min_tokens = 1 + max(len(p) for p in batch)  # no chunk routes on its own
+        # the slots' positions reach 4x this at the fourth decode step (step 3), not before
+        ex.decode_router = DecodeRouter(0, {4: (sum(len(p) for p in batch) + 12) // 4})
+        ex.execute(StepPlan([seq(i, p, 0) for i, p in enumerate(batch)]))
+        assert ex.mirror.length(0) == 0
+        for step in range(4):  # the first steps short of the positions: llama.cpp
+            ex.execute(StepPlan([seq(i, [5], len(p) + step) for i, p in enumerate(batch)]))
+            in_torch = ex.mirror.length(0) > 0
+            assert in_torch == (step >= 3), step
 
 
 def test_on_width_from_measurements():

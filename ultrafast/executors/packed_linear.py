@@ -29,6 +29,10 @@ one-row batch (oneDNN picks 64-column blocks) runs those on both cores: down 1.5
 at 1,024 rows, q/k/v 0.88 -> 0.50, o at 512 0.33 -> 0.17; slower at others (gate/up at
 384-1,024, down at 64-128). That packing is a third kernel (PACKED_ONE_ROW), and two calls of
 half the rows each, each by its own row count's choice, a fourth ("halves").
+
+Where the GEMMs are float32 (no bf16 instructions), a decode step's few rows stream every
+float32 weight; an exact float16 copy multiplied by a C kernel (half_gemm.py, HALF) halves the
+bytes: timed like TILES over every layer at the counts up to HALF_ROWS, kept where it wins.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ultrafast.executors import tile_gemm
+from ultrafast.executors import half_gemm, tile_gemm
 from ultrafast.executors.torch_embed import DTYPE_NAMES
 
 ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; every row count works
@@ -117,6 +121,8 @@ def gemm_dtype() -> tuple[torch.dtype, str]:
 
 PACKED, PLAIN, PACKED_ONE_ROW, HALVES = "packed", "plain", "packed-one-row", "halves"
 TILES = "amx-tiles"  # tile_gemm.py's kernel over the packed weight itself (a few rows)
+HALF = "half"  # half_gemm.py's kernel over an exact float16 copy (a few rows)
+HALF_ROWS = 32  # the row counts up to which HALF is timed (decode steps)
 COPIED = (PLAIN, PACKED_ONE_ROW)  # the kernels that multiply by a copy of their own
 
 
@@ -155,17 +161,22 @@ class Weight:
         plain = self.copies.get(PLAIN)
         if plain is None:
             plain = self.packed.to_dense()
+        if kernel == HALF:  # none where a value is not a float16 or there is no kernel
+            half = None if isinstance(half_gemm.load(), str) else half_gemm.pack(plain)
+            if half is not None:
+                self.copies[HALF] = half
+            return
         self.copies[kernel] = plain if kernel == PLAIN else _reorder(plain, 1)
 
     def unpack(self) -> None:
         """Hold every other kernel's copy (to build and time them)."""
-        for kernel in COPIED:
+        for kernel in (*COPIED, HALF):
             self.copy_for(kernel)
 
     def choose(self, kernels: dict[int, str]) -> None:
         """Each row count's kernel (`fastest_kernel`'s names; counts not named: packed); the
         copies no chosen count needs are freed (a count whose copy cannot be made: packed)."""
-        for kernel in COPIED:
+        for kernel in (*COPIED, HALF):
             if kernel in kernels.values():
                 self.copy_for(kernel)
             else:
@@ -200,6 +211,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Weight, bias: torch.Tensor | 
             return halves(x, weight, bias)
         if kernel == TILES and bias is None:
             return tiles(x, weight)
+        if kernel == HALF:
+            return half(x, weight.copies[HALF], bias)
         weight = weight.copies[kernel] if kernel in COPIED else weight.packed
     if x.dtype != weight.dtype:  # bf16 rows (the fused ops') against float32 GEMM weights
         bias = None if bias is None else bias.to(weight.dtype)
@@ -214,6 +227,13 @@ def tiles(x: torch.Tensor, w: Weight) -> torch.Tensor:
     kernel = tile_gemm.load()
     assert not isinstance(kernel, str) and w.tile_block is not None
     return tile_gemm.product(kernel, x, w.packed, w.tile_block)
+
+
+def half(x: torch.Tensor, copy: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T + bias from W's float16 copy (half_gemm.py), in x's dtype."""
+    kernel = half_gemm.load()
+    assert not isinstance(kernel, str)
+    return half_gemm.product(kernel, x, copy, bias).to(x.dtype)
 
 
 def half_rows(rows: int) -> int:
@@ -259,12 +279,15 @@ def _calls(
     calls: dict[str, Callable[[], object]]
     if stream:
         calls = {PACKED: functools.partial(_each, linear, x, [s.packed for s in stream])}
-        if all(s.tiles for s in stream) and rows <= tile_gemm.MAX_ROWS:
+        if bias is None and all(s.tiles for s in stream) and rows <= tile_gemm.MAX_ROWS:
             calls[TILES] = functools.partial(_each, tiles, x, stream)
+        if all(HALF in s.copies for s in stream) and rows <= HALF_ROWS:
+            calls[HALF] = functools.partial(_each, half, x, [s.copies[HALF] for s in stream])
         return calls
     calls = {PACKED: functools.partial(linear, x, w.packed, bias)}
     for kernel, copy in w.copies.items():
-        calls[kernel] = functools.partial(linear, x, copy, bias)
+        product = half if kernel == HALF else linear
+        calls[kernel] = functools.partial(product, x, copy, bias)
     if w.tiles and bias is None and rows <= tile_gemm.MAX_ROWS:
         calls[TILES] = functools.partial(tiles, x, w)
     if split and rows >= SPLIT_MIN_ROWS:

@@ -104,11 +104,12 @@ class WideGgmlExecutor(GgmlExecutor):
         self.mirror = wide_decode.new_mirror(self.wide, self.max_model_len, self.num_slots)
         return plan_wide_decode(self, self.wide_lazy.mode, slots, should_stop)
 
-    def use_wide_decode(self, on_width: int) -> None:
-        """A cached decision: the mirror, and decode steps from `on_width` in torch (0: none)."""
+    def use_wide_decode(self, on_width: int, from_positions: dict[int, int] | None = None) -> None:
+        """A cached decision: the mirror, and decode steps from `on_width` in torch (0: none)
+        or at longer contexts (DecodeRouter.from_positions)."""
         assert self.wide is not None
         self.mirror = wide_decode.new_mirror(self.wide, self.max_model_len, self.num_slots)
-        self.decode_router = DecodeRouter(on_width)
+        self.decode_router = DecodeRouter(on_width, dict(from_positions or {}))
 
     # ---- routing ----
 
@@ -139,8 +140,9 @@ class WideGgmlExecutor(GgmlExecutor):
         decodes = self._decodes(plan)
         wide = self.decode_force
         if wide is None:
-            tails = sum(1 for s in along if s.num_logits)
-            wide = self.decode_router.wide(len(decodes) + tails) or bool(routed)
+            tails = [s for s in along if s.num_logits]
+            positions = sum(s.start_position + len(s.token_ids) - 1 for s in decodes + tails)
+            wide = self.decode_router.wide(len(decodes) + len(tails), positions) or bool(routed)
             wide = wide or self._unpushed_rows(decodes) >= STAY_ROWS
         return (along, decodes, True) if wide else (routed, [], False)
 
@@ -156,7 +158,7 @@ class WideGgmlExecutor(GgmlExecutor):
         """Whether torch passes run over the KV mirror: wide decode on (a measured on width),
         or forced by a measurement (the decode width's own timing, wide_decode_route.py)."""
         forced = bool(self.decode_force)
-        return self.mirror is not None and (self.decode_router.on_width > 0 or forced)
+        return self.mirror is not None and (self.decode_router.enabled or forced)
 
     def _decodes(self, plan: StepPlan) -> list[ScheduledSeq]:
         """The step's 1-token decodes that can run in torch (none if two share a slot)."""

@@ -33,6 +33,8 @@ from ultrafast.cpu_contention import BusyWindow
 from ultrafast.executors import fused_ops, prefill_attention
 from ultrafast.executors.packed_linear import (
     COPIED,
+    HALF,
+    HALF_ROWS,
     HALVES,
     PACKED,
     TILES,
@@ -185,6 +187,13 @@ class WideForward:
         for kind in GEMM_KINDS:
             getattr(first, kind).unpack()  # the first layer's other copies: built and timed
             build(getattr(first, kind), row_counts, first.qkv_bias if kind == "qkv" else None)
+        if min(row_counts, default=HALF_ROWS + 1) <= HALF_ROWS:
+            # float16 copies of every layer's (and the head's) weights, timed as a decode step
+            # streams them (`_stream`); `time_gemms` frees those no row count chose
+            for w in [getattr(layer, kind) for layer in self.layers for kind in GEMM_KINDS]:
+                w.copy_for(HALF)
+            if isinstance(self.lm_head, Weight):
+                self.lm_head.copy_for(HALF)
         self.gemms_untimed = list(row_counts)
 
     def gemms_due(self) -> bool:
@@ -223,7 +232,7 @@ class WideForward:
                         w.choose({**self._kernels.get(kind, {}), **found[kind]})
                         w.unpack()  # still timed at the next counts
                 head = self.lm_head
-                if isinstance(head, Weight) and rows <= TILE_ROWS:  # a decode step's head
+                if isinstance(head, Weight) and rows <= max(TILE_ROWS, HALF_ROWS):  # decodes
                     kernel = fastest_kernel(head, rows)
                     if kernel != PACKED:
                         found.setdefault(HEAD, {})[rows] = kernel
@@ -242,11 +251,11 @@ class WideForward:
         return True
 
     def _stream(self, kind: str, rows: int, bias: torch.Tensor | None) -> list[Weight]:
-        """Where TILES may take `rows` rows: the kind's matrix of every layer, timed in turn
-        (packed_linear._calls). Timed on the first layer alone, its weight sat in the cache
-        and TILES won 0-16 of the 16 counts by kind; a decode step streams every layer's (16
-        rows: the step's GEMMs 14.5 -> 10.2 ms with TILES, 2-core AMX Xeon)."""
-        if bias is not None or rows > TILE_ROWS:
+        """Where TILES or HALF may take `rows` rows: the kind's matrix of every layer, timed
+        in turn (packed_linear._calls). Timed on the first layer alone, its weight sat in the
+        cache and TILES won 0-16 of the 16 counts by kind; a decode step streams every
+        layer's (16 rows: the step's GEMMs 14.5 -> 10.2 ms with TILES, 2-core AMX Xeon)."""
+        if rows > max(TILE_ROWS if bias is None else 0, HALF_ROWS):
             return []
         return [getattr(layer, kind) for layer in self.layers]
 
@@ -270,7 +279,7 @@ class WideForward:
         if self.gemms_untimed:
             return "GEMMs: packed weights (other kernels timed when the engine is next idle)"
         parts = []
-        for kernel in (*COPIED, HALVES, TILES):
+        for kernel in (*COPIED, HALVES, TILES, HALF):
             kinds = [
                 f"{kind} at {len(rows)} ({min(rows)}-{max(rows)})"
                 for kind, kernels in self._kernels.items()

@@ -43,12 +43,14 @@ from ultrafast.cpu_info import cpu_identity
 from ultrafast.executors.cost_cache import read_cache, write_cache
 from ultrafast.executors.wide_decode import attention_choice
 from ultrafast.executors.wide_route import (
+    DECODE_ONLY,
     LONG_CHUNK,
     OFF_STATUS,
     SHORT_CHUNK,
     plan_wide_path,
     time_wide_path,
     unavailable,
+    with_decode,
 )
 from ultrafast.heap_trim import glibc_trim
 
@@ -62,9 +64,10 @@ NEED_TOKENS = LONG_CHUNK  # routable prefill tokens in one pass that make the pa
 # raised when a change moves the wide path's speed (2: packed oneDNN weights, grouped decode
 # attention; 3: prefill attention as bf16 GEMMs; 4: the C decode attention kernel, prefill and
 # decodes in one pass; 5: the fused elementwise C ops; 6: the AMX prefill attention kernel;
-# 7: float32 GEMMs packed, float32 activations where the GEMMs are float32): routing
-# decisions cached by an earlier revision are timed again
-WIDE_PATH_REVISION = 7
+# 7: float32 GEMMs packed, float32 activations where the GEMMs are float32; 8: float16 weight
+# copies for few-row GEMMs, GEMMs timed before the paths, the path on for decode steps alone):
+# routing decisions cached by an earlier revision are timed again
+WIDE_PATH_REVISION = 8
 
 
 class WideLazy:
@@ -78,6 +81,7 @@ class WideLazy:
         self.armed = True  # False while the engine times its own start costs
         self.min_tokens: int | None = None  # the cached routing threshold, if any
         self.decode_width = 0  # the cached width from which decode steps run in torch
+        self.decode_from_positions: dict[int, int] = {}  # ... and at longer contexts
         self._loader: threading.Thread | None = None
         self._loaded: Any = None  # the WideForward, once built
         self._load_error: str | None = None
@@ -94,6 +98,8 @@ class WideLazy:
         if cached is not None and "wide_min_tokens" in cached:
             self.min_tokens = cached["wide_min_tokens"]
             self.decode_width = int(cached.get("decode_on_width") or 0)
+            longer = cached.get("decode_from_positions") or {}
+            self.decode_from_positions = {int(w): int(p) for w, p in longer.items()}
             if self.min_tokens is None:
                 self.state = "off"
                 self.status = f"{cached.get('status', 'off')} (cached)"
@@ -126,8 +132,11 @@ class WideLazy:
 
     @property
     def threshold(self) -> int:
-        """The chunk length from which a pass needs the wide path."""
-        return self.min_tokens if self.min_tokens is not None else SHORT_CHUNK
+        """The chunk length from which a pass needs the wide path (for its decode steps
+        alone, DECODE_ONLY: a pass of many prompts, whose decodes come next)."""
+        if self.min_tokens is None or self.min_tokens == DECODE_ONLY:
+            return SHORT_CHUNK
+        return self.min_tokens
 
     # ---- on the engine thread, before a pass on llama.cpp ----
 
@@ -203,6 +212,11 @@ class WideLazy:
             log.info("wide passes: %s", self.status)
 
     def _cached_on_status(self) -> str:
+        if self.min_tokens == DECODE_ONLY:
+            return (
+                f"decode only ({self.mode}, routing cached): prefill chunks run in torch only "
+                "within its decode steps"
+            )
         return (
             f"on ({self.mode}, routing cached): prefill chunks of >= {self.min_tokens} tokens "
             "run as PyTorch passes, the rest on llama.cpp"
@@ -211,9 +225,9 @@ class WideLazy:
     def _turn_on(self, forward: Any, min_tokens: int, status: str, timed: bool = False) -> None:
         self.ex.wide, self.ex.wide_min_tokens = forward, min_tokens
         if not timed:  # a cached decision: the decode width comes from the cache too
-            self.ex.use_wide_decode(self.decode_width)
+            self.ex.use_wide_decode(self.decode_width, self.decode_from_positions)
             status += "; " + forward.kernels_status  # (a timed status, as cached, says it)
-        if self.ex.decode_router.on_width > 0:
+        if self.ex.decode_router.enabled:
             status += "; " + attention_choice(forward.heads, forward.kv_heads, forward.head_dim)[1]
         self._loaded, self.state, self.status = None, "on", status
         log.info("wide passes: %s", status)
@@ -224,8 +238,13 @@ class WideLazy:
         self.poll()
         return self.state == "untimed" or self._gemms_untimed()
 
+    def _forward(self) -> Any:
+        """The weights being timed or served (None: off, by need or loading)."""
+        return {"on": self.ex.wide, "untimed": self._loaded}.get(self.state)
+
     def _gemms_untimed(self) -> bool:
-        return self.state == "on" and self.ex.wide is not None and self.ex.wide.gemms_due()
+        forward = self._forward()
+        return forward is not None and forward.gemms_due()
 
     def time_now(self, free_slots: list[int], should_stop: Callable[[], bool]) -> bool:
         """Time both paths in one of `free_slots` (the pool's: no owner, no cached prefix) and
@@ -233,11 +252,12 @@ class WideLazy:
         (CalibrationInterrupted, raised): it is timed again later. With the path on, time
         its GEMMs' kernels instead (WideForward.time_gemms), giving way to requests in the
         same way."""
-        if self._gemms_untimed():
-            untimed = self.ex.wide.gemm_status
-            if self.ex.wide.time_gemms(should_stop):  # the status says the choice from now
-                self.status = self.status.replace(untimed, self.ex.wide.gemm_status)
-                log.info("wide passes: %s", self.ex.wide.gemm_status)
+        if self._gemms_untimed():  # first: the decode timing depends on the kernels chosen
+            forward = self._forward()
+            untimed = forward.gemm_status
+            if forward.time_gemms(should_stop):  # the status says the choice from now
+                self.status = self.status.replace(untimed, forward.gemm_status)
+                log.info("wide passes: %s", forward.gemm_status)
                 glibc_trim()  # the freed copies and the timing's products
             return True
         if not free_slots:  # (their stale KV, if any, is the pool's to overwrite)
@@ -246,9 +266,9 @@ class WideLazy:
         self.ex.wide = self._loaded
         try:
             min_tokens, status = time_wide_path(self.ex, self.mode, slot, should_stop)
-            if min_tokens is not None:  # decode steps: timed in the free slots too
-                status += "; " + self.ex.start_wide_decode(free_slots, should_stop)
-                status += "; " + self._loaded.kernels_status
+            # decode steps: timed in the free slots too (the path may be on for them alone)
+            decode_status = self.ex.start_wide_decode(free_slots, should_stop)
+            min_tokens, status = with_decode(self.ex, min_tokens, status, decode_status)
         finally:
             self.ex.wide = None
         self._remember(min_tokens, status)
@@ -260,11 +280,17 @@ class WideLazy:
         return True
 
     def _remember(self, min_tokens: int | None, status: str) -> None:
-        self.decode_width = self.ex.decode_router.on_width if min_tokens is not None else 0
-        write_cache(
-            self.identity(),
-            {"wide_min_tokens": min_tokens, "decode_on_width": self.decode_width, "status": status},
-        )
+        router = self.ex.decode_router
+        on = min_tokens is not None
+        self.decode_width = router.on_width if on else 0
+        self.decode_from_positions = dict(router.from_positions) if on else {}
+        decision = {
+            "wide_min_tokens": min_tokens,
+            "decode_on_width": self.decode_width,
+            "decode_from_positions": {str(w): p for w, p in self.decode_from_positions.items()},
+            "status": status,
+        }
+        write_cache(self.identity(), decision)
 
     # ---- offline (no idle engine thread to time on) ----
 
@@ -273,18 +299,11 @@ class WideLazy:
         decision is cached or `use_cache` is False; a cached decision still loads by need."""
         if self.state != "by need" or (use_cache and self.min_tokens is not None):
             return
-        from ultrafast.executors.wide_forward import gemm_row_counts
-
         self.status = plan_wide_path(self.ex, self.mode)
         self.state = "on" if self.ex.wide is not None else "off"
+        glibc_trim()
         if self.ex.wide is not None:
-            self.ex.wide.warm_gemms(
-                gemm_row_counts(self.ex.max_num_batched_tokens, self.ex.num_slots)
-            )
-            self.ex.wide.time_gemms()  # nothing serves beside it yet
-            glibc_trim()
             self.min_tokens = self.ex.wide_min_tokens
-            self.status += "; " + self.ex.start_wide_decode()
         min_tokens = self.min_tokens if self.ex.wide is not None else None
         self._remember(min_tokens, self.status)
         log.info("wide passes: %s", self.status)

@@ -4,8 +4,11 @@ Never by CPU name: feature detection says whether the path can run at all (oneDN
 a float KV cache, a model the wide forward implements, memory for its weights in the measured
 GEMM dtype, packed_linear.gemm_dtype), then both paths time one prefill chunk of a short and
 of a long length on this machine, and the crossover between the two lines is the routing
-threshold. Where the wide path is not faster even on the long chunk it stays off; the
-returned status is the one startup log line that says which path runs and why.
+threshold. Where the wide path is not faster even on the long chunk, prefill chunks stay on
+llama.cpp; the path stays off unless its decode steps measured faster (wide_decode_route.py:
+on the AVX2 EPYC, float16 weight copies made torch's 16-wide decode step the faster while its
+prefill was not), in which case chunks run in torch only inside those steps (DECODE_ONLY).
+The returned status is the one startup log line that says which path runs and why.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ _REPEATS = 3
 _MEMORY_SHARE = 0.25  # bf16 weights may take at most this share of the available memory
 _ON_MIN_TOKENS = 16  # --wide-pass on where no crossover was measured
 OFF_STATUS = "off (--wide-pass off): every pass runs on llama.cpp"
+# the routing threshold where only decode steps measured faster: no chunk takes the wide path
+# alone (a chunk joins a torch decode step, wide_exec._torch_rows)
+DECODE_ONLY = 1 << 30
 
 
 def unavailable(executor) -> str | None:
@@ -66,7 +72,7 @@ def plan_wide_path(executor, mode: str) -> str:
         return OFF_STATUS
     why = unavailable(executor)
     if why is None:
-        from ultrafast.executors.wide_forward import WideForward
+        from ultrafast.executors.wide_forward import WideForward, gemm_row_counts
 
         try:
             executor.wide = WideForward(executor.gguf_path, executor.max_model_len)
@@ -76,13 +82,32 @@ def plan_wide_path(executor, mode: str) -> str:
         if mode == "on":
             raise ValueError(f"--wide-pass on: not available: {why}")
         return f"off (not available: {why}): every pass runs on llama.cpp"
+    # the GEMM kernels first: the decode timing below depends on them (float16 copies)
+    executor.wide.warm_gemms(gemm_row_counts(executor.max_num_batched_tokens, executor.num_slots))
+    executor.wide.time_gemms()  # nothing serves beside it yet
     min_tokens, status = time_wide_path(executor, mode)
+    min_tokens, status = with_decode(executor, min_tokens, status, executor.start_wide_decode())
     if min_tokens is None:
         executor.wide = None
     else:
         executor.wide_min_tokens = min_tokens
-        status += "; " + executor.wide.kernels_status
     return status
+
+
+def with_decode(
+    executor, min_tokens: int | None, status: str, decode_status: str
+) -> tuple[int | None, str]:
+    """The routing threshold and status line once the decode steps are timed too: the path
+    stays on for its decode steps alone (DECODE_ONLY) where prefill chunks were not faster
+    (`min_tokens` None) but decode steps were; off, its mirror and router are dropped."""
+    if min_tokens is None and executor.decode_router.enabled:
+        min_tokens = DECODE_ONLY
+        status = status.replace(": every pass runs on llama.cpp", "")
+        status = f"decode only: prefill chunks {status}, run in torch only within its decode steps"
+    if min_tokens is None:
+        executor.mirror, executor.decode_router = None, type(executor.decode_router)(0)
+        return None, f"{status}; {decode_status}"
+    return min_tokens, f"{status}; {decode_status}; {executor.wide.kernels_status}"
 
 
 def time_wide_path(
