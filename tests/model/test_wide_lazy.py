@@ -169,6 +169,37 @@ def test_a_cached_decision_skips_the_timing(monkeypatch):
         assert ex.decode_router.on_width == 6 and ex.mirror is not None  # cached as well
 
 
+def test_a_cached_decode_only_decision(monkeypatch):
+    """Prefill not faster, decode steps at longer contexts faster: the path loads at a pass
+    of many prompts (their decodes come next), routes no chunk alone, and the router takes
+    the cached positions."""
+    from ultrafast.executors import cost_cache, wide_lazy
+    from ultrafast.executors.wide_route import DECODE_ONLY
+
+    with by_need() as ex:
+        decision = {
+            "wide_min_tokens": DECODE_ONLY,
+            "decode_on_width": 0,
+            "decode_from_positions": {"4": 300},
+            "status": "x",
+        }
+        cost_cache.write_cache(ex.wide_lazy.identity(), decision)
+    with by_need() as ex:
+        assert "routing cached: decode steps only" in ex.wide_status
+
+        def no_timing(*args, **kwargs):
+            raise AssertionError("timed although the decision was cached")
+
+        monkeypatch.setattr(wide_lazy, "time_wide_path", no_timing)
+        wide_passes = count_wide_passes(ex, monkeypatch)
+        step(ex, [long_prompts(ex.vocab_size)[0][:40]] * 7)  # 280 tokens: the load starts
+        ex.wide_lazy.wait_loaded(120)
+        ex.wide_lazy.poll()
+        assert ex.wide_status.startswith("decode only (on, routing cached)")
+        assert ex.wide_min_tokens == DECODE_ONLY and wide_passes == []  # no chunk alone
+        assert ex.decode_router.from_positions == {4: 300} and ex.decode_router.enabled
+
+
 def test_the_gemms_are_timed_on_the_idle_engine_after_the_load(monkeypatch):
     """The background load only builds the GEMMs (timed beside serving passes, the choice of
     packed or plain weights scattered between starts); the idle engine times them, giving

@@ -131,17 +131,15 @@ def plan_wide_decode(
     if width is None and not longer and mode == "auto":
         executor.decode_router = DecodeRouter(0)
         return f"decode steps on llama.cpp (torch measured not faster: {shown}{long_shown})"
-    on = width or (0 if longer else ON_MIN_WIDTH)
+    on = width or (ON_MIN_WIDTH if mode == "on" else 0)  # auto: by context alone
     executor.decode_router = router = DecodeRouter(on, longer)
-    said = (
-        f"decode steps of >= {router.on_width} sequences in torch (until < {router.off_width})"
-        if on
-        else "decode steps in torch only at longer contexts"
-    )
+    parts = []
+    if on:
+        parts.append(f"decode steps of >= {on} sequences in torch (until < {router.off_width})")
     if longer:
-        said += ", at longer contexts " + ", ".join(
-            f"{w} wide from {p} positions a slot" for w, p in sorted(longer.items())
-        )
+        starts = ", ".join(f"{w} wide from {p} positions a slot" for w, p in sorted(longer.items()))
+        parts.append(f"at longer contexts {starts}")
+    said = ", ".join(parts) if on else f"decode steps in torch {parts[0]}"
     return f"{said}, the rest on llama.cpp (measured: {shown}{long_shown})"
 
 

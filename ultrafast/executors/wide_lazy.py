@@ -119,11 +119,13 @@ class WideLazy:
         }
 
     def _by_need_status(self, cached: bool) -> str:
-        routing = (
-            f"routing cached: chunks of >= {self.min_tokens} tokens"
-            if cached
-            else "routing timed when the engine is idle"
-        )
+        routing = "routing timed when the engine is idle"
+        if cached:
+            routing = (
+                "routing cached: decode steps only"
+                if self.min_tokens == DECODE_ONLY
+                else f"routing cached: chunks of >= {self.min_tokens} tokens"
+            )
         return (
             f"by need: weights load at the first pass with >= {NEED_TOKENS} prompt tokens "
             f"in chunks of >= {self.threshold} ({routing}); until then every pass runs on "

@@ -102,8 +102,11 @@ def with_decode(
     (`min_tokens` None) but decode steps were; off, its mirror and router are dropped."""
     if min_tokens is None and executor.decode_router.enabled:
         min_tokens = DECODE_ONLY
-        status = status.replace(": every pass runs on llama.cpp", "")
-        status = f"decode only: prefill chunks {status}, run in torch only within its decode steps"
+        why = status[status.find("(") + 1 : status.rfind(")")]  # "measured not faster: ..."
+        status = (
+            f"decode only: prefill chunks stay on llama.cpp ({why}) unless a torch decode step "
+            "carries them"
+        )
     if min_tokens is None:
         executor.mirror, executor.decode_router = None, type(executor.decode_router)(0)
         return None, f"{status}; {decode_status}"
