@@ -143,19 +143,25 @@ def test_decode_steps_are_timed_in_the_free_slots_with_the_routing():
         assert cached["decode_on_width"] == ex.decode_router.on_width
 
 
+def forbid_timing(monkeypatch) -> None:
+    """A cached decision must not time the paths again."""
+    from ultrafast.executors import wide_lazy
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("timed although the decision was cached")
+
+    monkeypatch.setattr(wide_lazy, "time_wide_path", no_timing)
+
+
 def test_a_cached_decision_skips_the_timing(monkeypatch):
-    from ultrafast.executors import cost_cache, wide_lazy
+    from ultrafast.executors import cost_cache
 
     with by_need() as ex:  # the decision another start made on this CPU, file and flags
         decision = {"wide_min_tokens": 40, "decode_on_width": 6, "status": "x"}
         cost_cache.write_cache(ex.wide_lazy.identity(), decision)
     with by_need() as ex:
         assert "routing cached: chunks of >= 40 tokens" in ex.wide_status
-
-        def no_timing(*args, **kwargs):
-            raise AssertionError("timed although the decision was cached")
-
-        monkeypatch.setattr(wide_lazy, "time_wide_path", no_timing)
+        forbid_timing(monkeypatch)
         batch = long_prompts(ex.vocab_size)
         step(ex, [batch[0][:39]] * 7)  # 273 tokens under the cached threshold: no need
         assert ex.wide_lazy.state == "by need"
@@ -173,7 +179,7 @@ def test_a_cached_decode_only_decision(monkeypatch):
     """Prefill not faster, decode steps at longer contexts faster: the path loads at a pass
     of many prompts (their decodes come next), routes no chunk alone, and the router takes
     the cached positions."""
-    from ultrafast.executors import cost_cache, wide_lazy
+    from ultrafast.executors import cost_cache
     from ultrafast.executors.wide_route import DECODE_ONLY
 
     with by_need() as ex:
@@ -186,11 +192,7 @@ def test_a_cached_decode_only_decision(monkeypatch):
         cost_cache.write_cache(ex.wide_lazy.identity(), decision)
     with by_need() as ex:
         assert "routing cached: decode steps only" in ex.wide_status
-
-        def no_timing(*args, **kwargs):
-            raise AssertionError("timed although the decision was cached")
-
-        monkeypatch.setattr(wide_lazy, "time_wide_path", no_timing)
+        forbid_timing(monkeypatch)
         wide_passes = count_wide_passes(ex, monkeypatch)
         step(ex, [long_prompts(ex.vocab_size)[0][:40]] * 7)  # 280 tokens: the load starts
         ex.wide_lazy.wait_loaded(120)
