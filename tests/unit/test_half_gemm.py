@@ -125,5 +125,6 @@ def test_half_is_timed_over_every_layer_up_to_its_row_limit():
 
     assert packed_linear.fastest_kernel(layers[0], 8, seconds_of=clock, stream=layers) == HALF
     assert set(packed_linear._calls(layers[0], HALF_ROWS + 1, None, stream=layers)) == {PACKED}
+    assert HALF not in packed_linear._calls(layers[0], 8, None)  # never on one layer alone
     del layers[1].copies[HALF]  # one layer without a copy: not offered
     assert set(packed_linear._calls(layers[0], 8, None, stream=layers)) == {PACKED}

@@ -32,7 +32,8 @@ half the rows each, each by its own row count's choice, a fourth ("halves").
 
 Where the GEMMs are float32 (no bf16 instructions), a decode step's few rows stream every
 float32 weight; an exact float16 copy multiplied by a C kernel (half_gemm.py, HALF) halves the
-bytes: timed like TILES over every layer at the counts up to HALF_ROWS, kept where it wins.
+bytes: timed like TILES over every layer at the counts up to HALF_ROWS only (timed at every
+count as well, it made a start's GEMM timing ~100 s on the AVX2 EPYC), kept where it wins.
 """
 
 from __future__ import annotations
@@ -286,8 +287,9 @@ def _calls(
         return calls
     calls = {PACKED: functools.partial(linear, x, w.packed, bias)}
     for kernel, copy in w.copies.items():
-        product = half if kernel == HALF else linear
-        calls[kernel] = functools.partial(product, x, copy, bias)
+        if kernel == HALF:  # timed streamed alone, at <= HALF_ROWS (~100 s per start else)
+            continue
+        calls[kernel] = functools.partial(linear, x, copy, bias)
     if w.tiles and bias is None and rows <= tile_gemm.MAX_ROWS:
         calls[TILES] = functools.partial(tiles, x, w)
     if split and rows >= SPLIT_MIN_ROWS:

@@ -233,7 +233,7 @@ class WideForward:
                         w.unpack()  # still timed at the next counts
                 head = self.lm_head
                 if isinstance(head, Weight) and rows <= max(TILE_ROWS, HALF_ROWS):  # decodes
-                    kernel = fastest_kernel(head, rows)
+                    kernel = fastest_kernel(head, rows, stream=[head])  # HALF too
                     if kernel != PACKED:
                         found.setdefault(HEAD, {})[rows] = kernel
             busy = window.others_busy_cores()
