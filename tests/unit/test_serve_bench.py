@@ -19,7 +19,7 @@ from ultrafast_harness.bench.serve_bench import (
     vllm_reference,
     write_outputs,
 )
-from ultrafast_harness.bench.serve_client import stream_chat
+from ultrafast_harness.bench.serve_client import retry_wait_s, stream_chat
 from ultrafast_harness.bench.serve_plan import Level, interleaved, levels_of
 from ultrafast_harness.bench.serve_servers import (
     PeakRss,
@@ -258,11 +258,22 @@ def test_a_paused_sampler_samples_nothing_until_resumed(monkeypatch):
         rss.stop()
 
 
+_REFUSALS_LEFT: dict[str, int] = {}  # a body's "user" -> 429s it still gets (_fake_peer)
+
+
 async def _fake_peer(reader, writer):
     request = await reader.readuntil(b"\r\n\r\n")
     length = int(request.split(b"content-length: ")[1].split(b"\r\n")[0])
     body = json.loads(await reader.readexactly(length))
-    if body["max_tokens"] > 100:
+    user = body.get("user", "")
+    if _REFUSALS_LEFT.get(user, 0) > 0:
+        _REFUSALS_LEFT[user] -= 1
+        payload = b'{"error": {"message": "wait over target", "code": "wait_over_target"}}'
+        writer.write(
+            b"HTTP/1.1 429 Too Many Requests\r\nretry-after: %s\r\n"
+            b"content-length: %d\r\n\r\n%s" % (body["retry_after"].encode(), len(payload), payload)
+        )
+    elif body["max_tokens"] > 100:
         payload = b'{"error": {"message": "the default queue is full", "code": 503}}'
         writer.write(
             b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
@@ -301,6 +312,60 @@ def test_client_stamps_crlf_events_and_keeps_a_refusals_status_and_message():
     assert ok.num_tokens == 3 and ok.prompt_tokens == 102 and ok.ttft_s > 0
     assert refused.error == "HTTP 503: the default queue is full"
     assert refused.token_times_s == [] and refused.max_tokens == 128
+
+
+def test_client_retries_an_overload_refusal_as_the_sdk_does_and_keeps_it():
+    _REFUSALS_LEFT.update({"twice": 2, "thrice": 3, "once": 1})
+
+    async def run():
+        server = await asyncio.start_server(_fake_peer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        fast = {"max_tokens": 3, "retry_after": "0.05"}
+        async with server:
+            served = await stream_chat("127.0.0.1", port, {**fast, "user": "twice"}, retries=2)
+            gave_up = await stream_chat("127.0.0.1", port, {**fast, "user": "thrice"}, retries=2)
+            no_retry = await stream_chat("127.0.0.1", port, {**fast, "user": "once"})
+            broken = await stream_chat("127.0.0.1", port, {"max_tokens": 128}, retries=2)
+        return served, gave_up, no_retry, broken
+
+    served, gave_up, no_retry, broken = asyncio.run(run())
+    assert served.error is None and served.num_tokens == 3
+    assert served.retried == ["HTTP 429: wait over target"] * 2
+    assert served.ttft_s >= 0.1  # counted from the first send, both waits in it
+    assert gave_up.error == "HTTP 429: wait over target" and len(gave_up.retried) == 2
+    assert no_retry.error == "HTTP 429: wait over target" and no_retry.retried == []
+    assert broken.error == "HTTP 503: the default queue is full"  # no Retry-After: backoff
+    assert len(broken.retried) == 2
+    s = summarize([served, gave_up, no_retry], wall_s=1.0)
+    assert s["errors"] == 2 and s["retried"] == 2
+    assert s["retry_messages"] == {"HTTP 429: wait over target": 4}
+
+
+def test_retry_waits_the_servers_retry_after_within_the_sdks_bound_else_backs_off():
+    assert retry_wait_s({"retry-after": "4"}, 0) == 4.0
+    assert retry_wait_s({"retry-after": "0.25"}, 1) == 0.25
+    assert retry_wait_s({"retry-after": "120"}, 0) == 0.5  # over 60 s: the SDK backs off
+    assert retry_wait_s({}, 1) == 1.0 and retry_wait_s({"retry-after": "soon"}, 2) == 2.0
+    assert retry_wait_s({}, 10) == 8.0
+
+
+def test_errors_cell_says_how_many_were_served_only_after_a_retry():
+    retried = stream(0.0, [0.5, 0.6])
+    retried.retried = ["HTTP 429: wait", "HTTP 429: wait"]
+    table = markdown(
+        {
+            **_report(),
+            "client_retries": 2,
+            "servers": {
+                "ours": {
+                    **_report()["servers"]["ours"],
+                    "levels": {"16": summarize([retried, stream(0.0, [0.1])], 1.0)},
+                }
+            },
+        }
+    )
+    assert "| 0, 1 retried (2x HTTP 429: wait) |" in table
+    assert "a 429/503 retried up to 2x as the OpenAI SDK does" in table
 
 
 def _fake_vllm_venv(tmp_path):

@@ -7,8 +7,10 @@ ignored), the same at 1,000-token prompts, the irregular burst (64 one-token req
 sixty-four-token ones sent at seeded random moments within 1 s), startup time, peak RSS and PSS
 of the server's process tree, the precision it runs; for ours also the priority tier's TTFT and
 ITL idle vs under a 16-stream default-tier load. The servers are interleaved per level
-(serve_plan.py), and every row records the CPU model and its matrix features. Writes JSON,
-Markdown beside it and a PNG of the latency distributions.
+(serve_plan.py), and every row records the CPU model and its matrix features. The client
+answers an overload refusal as the OpenAI SDK does (`--client-retries`, serve_client.py),
+and the report counts those retries. Writes JSON, Markdown beside it and a PNG of the latency
+distributions.
 """
 
 from __future__ import annotations
@@ -113,12 +115,20 @@ def request_body(spec: ServerSpec, prompt: str, max_tokens: int, tier: str | Non
     return body
 
 
-async def run_streams(server: RunningServer, prompts: list[str], max_tokens: int) -> dict:
-    """All prompts at once; aggregate tok/s over the time from the first send to the last end."""
+async def run_streams(
+    server: RunningServer, prompts: list[str], max_tokens: int, retries: int = 0
+) -> dict:
+    """All prompts at once; aggregate tok/s over the time from the first send to the last end
+    (an overload refusal retried up to `retries` times, as the OpenAI SDK does)."""
     start = time.perf_counter()
     results = await asyncio.gather(
         *(
-            stream_chat("127.0.0.1", server.port, request_body(server.spec, p, max_tokens))
+            stream_chat(
+                "127.0.0.1",
+                server.port,
+                request_body(server.spec, p, max_tokens),
+                retries=retries,
+            )
             for p in prompts
         )
     )
@@ -135,14 +145,18 @@ def burst_schedule(short: int, long: int, window_s: float, seed: int) -> list[tu
 
 
 async def run_burst(
-    server: RunningServer, prompts: list[str], schedule: list[tuple[float, bool]], long_tokens: int
+    server: RunningServer,
+    prompts: list[str],
+    schedule: list[tuple[float, bool]],
+    long_tokens: int,
+    retries: int = 0,
 ) -> dict:
     start = time.perf_counter()
 
     async def one(prompt: str, offset: float, is_long: bool) -> RequestResult:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
         body = request_body(server.spec, prompt, long_tokens if is_long else 1)
-        return await stream_chat("127.0.0.1", server.port, body)
+        return await stream_chat("127.0.0.1", server.port, body, retries=retries)
 
     results = await asyncio.gather(
         *(one(p, t, is_long) for p, (t, is_long) in zip(prompts, schedule))
@@ -253,9 +267,9 @@ async def run_level(server: RunningServer, level: Level, r: int, args, model: Be
     tags = [f"round {r} level {level.key} stream {i}" for i in range(level.streams)]
     prompts = make_prompts(model.gguf, level.prompt_tokens, tags)
     if level.kind != "burst":
-        return await run_streams(server, prompts, args.new_tokens)
+        return await run_streams(server, prompts, args.new_tokens, args.client_retries)
     schedule = burst_schedule(args.burst_short, args.burst_long, args.burst_window_s, seed=18)
-    return await run_burst(server, prompts, schedule, args.burst_long_tokens)
+    return await run_burst(server, prompts, schedule, args.burst_long_tokens, args.client_retries)
 
 
 async def priority_probe(server: RunningServer, args, model: BenchModel) -> dict:
@@ -319,6 +333,7 @@ def run_serve_bench(args) -> dict:
         "rounds": args.rounds,
         "streams": args.streams,
         "long_streams": args.long_streams,
+        "client_retries": args.client_retries,
         "order": "servers interleaved per level (bench/serve_plan.py)",
         "cpu": cpu,
         "cpu_count": cpu["cores"],
@@ -437,6 +452,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--burst-window-s", type=float, default=1.0, help="the burst's send window (default 1 s)"
+    )
+    p.add_argument(
+        "--client-retries",
+        type=int,
+        default=2,
+        help="an overload refusal (429, 503) is retried this many times as the OpenAI SDK "
+        "does (its default 2: Retry-After up to 60 s, else 0.5-8 s backoff), times counted "
+        "from the first send and every retry reported; 0: a refusal is an error (default 2)",
     )
     p.add_argument(
         "--priority-probes",

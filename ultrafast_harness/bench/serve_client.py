@@ -4,6 +4,13 @@ Built on sse_client's raw HTTP/1.1 reader (a client library's per-event cost wou
 the server for this machine's cores), made tolerant of what the peers send: sse-starlette's
 CRLF event separators, `data:` without a space, and error bodies with a content-length. A
 refusal keeps its status code and message, so the report can say who refused and why.
+
+`retries` makes it answer an overload refusal (429, 503) as the OpenAI SDK does by default
+(openai-python: 2 retries; a Retry-After up to 60 s is waited, else a 0.5 s backoff doubling
+up to 8 s; no jitter here, so runs repeat): a server that says "come back in 4 s" is then
+measured as a client that came back, its time to first token counted from the first send,
+and every retry kept in `RequestResult.retried`. Other errors are never retried: a bench must
+show them.
 """
 
 from __future__ import annotations
@@ -44,16 +51,40 @@ def _content(event: dict) -> str:
     return ""
 
 
+RETRIED_STATUSES = (429, 503)  # the overload answers; the SDK also retries 408, 409 and 5xx
+RETRY_AFTER_MAX_S = 60.0  # openai-python waits a server's Retry-After up to this
+BACKOFF_S, BACKOFF_MAX_S = 0.5, 8.0  # else its backoff: 0.5 s, doubling, at most 8 s
+
+
+def retry_wait_s(headers: dict[str, str], attempt: int) -> float:
+    """Seconds before retry number `attempt` + 1 (0-based): the server's Retry-After where it
+    gives one the SDK honours, else the SDK's backoff."""
+    try:
+        after = float(headers.get("retry-after", ""))
+    except ValueError:
+        after = 0.0
+    if 0 < after <= RETRY_AFTER_MAX_S:
+        return after
+    return min(BACKOFF_S * 2**attempt, BACKOFF_MAX_S)
+
+
 async def stream_chat(
-    host: str, port: int, body: dict, timeout_s: float = 900.0, start_s: float | None = None
+    host: str,
+    port: int,
+    body: dict,
+    timeout_s: float = 900.0,
+    start_s: float | None = None,
+    retries: int = 0,
 ) -> RequestResult:
-    """POST /v1/chat/completions with stream=true; never raises for a server's failure."""
+    """POST /v1/chat/completions with stream=true; never raises for a server's failure. An
+    overload refusal is retried up to `retries` times (the module's doc), all within
+    `timeout_s`."""
     result = RequestResult(
         start_s=time.perf_counter() if start_s is None else start_s,
         max_tokens=body.get("max_tokens", 0),
     )
     try:
-        await asyncio.wait_for(_stream(host, port, body, result), timeout_s)
+        await asyncio.wait_for(_attempts(host, port, body, result, retries), timeout_s)
     except asyncio.TimeoutError:
         result.error = f"no end of stream in {timeout_s:.0f} s"
     except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
@@ -64,7 +95,22 @@ async def stream_chat(
     return result
 
 
-async def _stream(host: str, port: int, body: dict, result: RequestResult) -> None:
+async def _attempts(host: str, port: int, body: dict, result: RequestResult, retries: int):
+    for attempt in range(retries + 1):
+        wait_s = await _stream(host, port, body, result, attempt)
+        if wait_s is None or attempt == retries:
+            return
+        assert result.error is not None
+        result.retried.append(result.error)
+        result.error = None
+        await asyncio.sleep(wait_s)
+
+
+async def _stream(
+    host: str, port: int, body: dict, result: RequestResult, attempt: int = 0
+) -> float | None:
+    """One attempt; the seconds to wait before retrying where the server refused it for
+    overload (RETRIED_STATUSES), else None."""
     reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
     try:
         payload = orjson.dumps({**body, "stream": True})
@@ -78,7 +124,7 @@ async def _stream(host: str, port: int, body: dict, result: RequestResult) -> No
         status, headers = await _read_head(reader)
         if status != 200:
             result.error = _error_message(status, await _read_body(reader, headers))
-            return
+            return retry_wait_s(headers, attempt) if status in RETRIED_STATUSES else None
         buffer = b""
         async for piece in _chunks(reader):
             now = time.perf_counter()
@@ -90,16 +136,17 @@ async def _stream(host: str, port: int, body: dict, result: RequestResult) -> No
                         continue  # comments, event names, keep-alives
                     data = line[5:].strip()
                     if data == b"[DONE]":
-                        return
+                        return None
                     parsed = orjson.loads(data)
                     if "error" in parsed:  # a failure after the 200: an error event
                         result.error = _error_message(200, data)
-                        return
+                        return None
                     if _content(parsed):
                         result.token_times_s.append(now)
                     usage = parsed.get("usage")
                     if usage and usage.get("completion_tokens"):
                         result.num_tokens = usage["completion_tokens"]
                         result.prompt_tokens = usage.get("prompt_tokens")
+        return None
     finally:
         writer.close()

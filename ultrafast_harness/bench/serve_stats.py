@@ -21,6 +21,9 @@ class RequestResult:
     error: str | None = None  # "HTTP 503: the default queue is full", "connection reset", ...
     max_tokens: int = 0  # what was asked (the burst mixes two sizes)
     prompt_tokens: int | None = None  # the server's usage count, when it sent one
+    # the overload refusals answered by retrying (serve_client.stream_chat's `retries`), in
+    # order; the request's times still count from its first send
+    retried: list[str] = field(default_factory=list)
 
     @property
     def ttft_s(self) -> float | None:
@@ -43,7 +46,8 @@ def _p(values_s: list[float], q: str) -> float | None:
 
 def summarize(results: list[RequestResult], wall_s: float) -> dict:
     """Aggregate tok/s over the phase's wall time, TTFT and inter-token latency percentiles,
-    and the errors grouped by message (status code included)."""
+    the errors grouped by message (status code included), and the requests that were refused
+    and retried (`retried`, their refusals by message)."""
     ok = [r for r in results if r.error is None]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     gaps = [g for r in ok for g in r.gaps_s]
@@ -53,6 +57,8 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
         "requests": len(results),
         "errors": len(results) - len(ok),
         "error_messages": dict(Counter(r.error for r in results if r.error is not None)),
+        "retried": sum(1 for r in results if r.retried),
+        "retry_messages": dict(Counter(m for r in results for m in r.retried)),
         "tokens": tokens,
         "wall_s": wall_s,
         "tok_s": tokens / wall_s if wall_s > 0 else 0.0,
@@ -73,8 +79,10 @@ def merge_rounds(rounds: list[dict]) -> dict:
     ttfts = [t / 1000 for r in rounds for t in r["samples"]["ttft_ms"]]
     gaps = [g / 1000 for r in rounds for g in r["samples"]["itl_ms"]]
     errors: Counter[str] = Counter()
+    refusals: Counter[str] = Counter()
     for r in rounds:
         errors.update(r["error_messages"])
+        refusals.update(r.get("retry_messages", {}))
     wall = sum(r["wall_s"] for r in rounds)
     tokens = sum(r["tokens"] for r in rounds)
     prompt_sizes = [r["prompt_tokens"] for r in rounds if r.get("prompt_tokens") is not None]
@@ -86,6 +94,8 @@ def merge_rounds(rounds: list[dict]) -> dict:
         "requests": sum(r["requests"] for r in rounds),
         "errors": sum(r["errors"] for r in rounds),
         "error_messages": dict(errors),
+        "retried": sum(r.get("retried", 0) for r in rounds),
+        "retry_messages": dict(refusals),
         "tokens": tokens,
         "wall_s": wall,
         "tok_s": tokens / wall if wall > 0 else 0.0,
@@ -111,6 +121,8 @@ def summarize_burst(results: list[RequestResult], wall_s: float, short_tokens: i
         "long_requests": len(long),
         "errors": both["errors"],
         "error_messages": both["error_messages"],
+        "retried": both["retried"],
+        "retry_messages": both["retry_messages"],
         "wall_s": wall_s,
         "tok_s": both["tok_s"],
         "short_latency_p50_ms": _p(short_lat, "p50"),
@@ -128,10 +140,17 @@ def _f(value: float | None, digits: int = 1) -> str:
 
 
 def _errors_cell(summary: dict) -> str:
-    if not summary["errors"]:
-        return "0"
-    kinds = "; ".join(f"{n}x {msg[:80]}" for msg, n in summary["error_messages"].items())
-    return f"{summary['errors']} ({kinds})"
+    """The errors by kind, then the requests served only after a retry (and their refusals):
+    "0, 6 retried (7x HTTP 429: ...)"."""
+    cell = "0"
+    if summary["errors"]:
+        kinds = "; ".join(f"{n}x {msg[:80]}" for msg, n in summary["error_messages"].items())
+        cell = f"{summary['errors']} ({kinds})"
+    if summary.get("retried"):
+        refusals = summary.get("retry_messages", {})
+        kinds = "; ".join(f"{n}x {msg[:80]}" for msg, n in refusals.items())
+        cell += f", {summary['retried']} retried ({kinds})"
+    return cell
 
 
 def cpu_cell(cpu: dict | None) -> str:
@@ -145,6 +164,15 @@ def cpu_cell(cpu: dict | None) -> str:
     )
 
 
+def _retries_said(retries: int) -> str:
+    if not retries:
+        return "a refusal is an error (no client retry)"
+    return (
+        f"a 429/503 retried up to {retries}x as the OpenAI SDK does (TTFT from the first send; "
+        "the errors column counts the retried)"
+    )
+
+
 def markdown(report: dict) -> str:
     """The report's tables: one row per server and level, the burst, startup and memory, and
     the priority probe of ours."""
@@ -153,7 +181,8 @@ def markdown(report: dict) -> str:
         f"model: {report['model']}; prompts ~{report['prompt_tokens']} tokens (chat), "
         f"{report['new_tokens']} new tokens per stream, EOS ignored; "
         f"{report['rounds']} round(s) per level; {report['cpu_count']} CPUs; "
-        f"{report.get('order', 'one server at a time')}",
+        f"{report.get('order', 'one server at a time')}; "
+        f"{_retries_said(report.get('client_retries', 0))}",
         f"CPU: {cpu_cell(report.get('cpu'))}; vLLM reference: "
         f"{report.get('vllm_reference') or '-'} (the better of its configurations)",
         "",
