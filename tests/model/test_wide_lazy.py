@@ -237,6 +237,85 @@ def test_the_gemms_are_timed_on_the_idle_engine_after_the_load(monkeypatch):
         assert "timed when the engine is next idle" not in ex.wide.gemm_status
 
 
+def forbid_gemm_timing(monkeypatch) -> None:
+    """Cached GEMM choices must not be timed again."""
+    from ultrafast.executors import wide_forward
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a GEMM timed although its choice was cached")
+
+    monkeypatch.setattr(wide_forward, "fastest_kernel", no_timing)
+
+
+def cache_routing_and_gemms(kernels: object) -> list[int]:
+    """A cached routing decision and GEMM choice record (`kernels`) as an earlier start on
+    this CPU, file and flags left them; the row counts a load builds."""
+    from ultrafast.executors import cost_cache
+    from ultrafast.executors.wide_forward import gemm_row_counts
+
+    with by_need() as ex:
+        decision = {"wide_min_tokens": 40, "decode_on_width": 6, "status": "x"}
+        cost_cache.write_cache(ex.wide_lazy.identity(), decision)
+        rows = gemm_row_counts(ex.max_num_batched_tokens, ex.num_slots)
+        cost_cache.write_cache(ex.wide_lazy.gemm_identity(rows), {"kernels": kernels})
+    return rows
+
+
+def test_the_gemm_choice_is_cached_and_a_later_start_takes_it(monkeypatch):
+    """Timed once (~60 s for SmolLM2 on two cores), the GEMM kernels' choice is cached with
+    the row counts; the next start's load takes it: every layer and the head chosen, the
+    copies no count needs freed, nothing left to time."""
+    from ultrafast.cpu_contention import BusyWindow
+    from ultrafast.executors import cost_cache
+    from ultrafast.executors.packed_linear import HALVES
+
+    monkeypatch.setattr(BusyWindow, "others_busy_cores", lambda self: 0.0)
+    rows = cache_routing_and_gemms(None)  # a record that is no choice: timed
+    with by_need() as ex:
+        step(ex, [long_prompts(ex.vocab_size)[0][:40]] * 7)
+        assert ex.wide.gemm_rows == rows and ex.wide.gemms_untimed  # not taken: timed
+        assert ex.wide_lazy.time_now([], lambda: False) and not ex.wide.gemms_untimed
+        cached = cost_cache.read_cache(ex.wide_lazy.gemm_identity(rows))
+        assert cached["kernels"] == ex.wide.kernel_choices()
+        assert "(cached)" not in ex.wide.gemm_status
+    wide_rows = max(r for r in rows if r >= 128)
+    choice = {"down": {str(wide_rows): HALVES}, "o": {"16": "packed"}}
+    cache_routing_and_gemms(choice)
+    forbid_gemm_timing(monkeypatch)
+    with by_need() as ex:
+        step(ex, [long_prompts(ex.vocab_size)[0][:40]] * 7)  # the load takes the choice
+        assert ex.wide_lazy.state == "on" and not ex.wide_lazy.wants_time()
+        assert not ex.wide.gemms_untimed and ex.wide.kernel_choices() == choice
+        assert all(layer.down.kernel_at(wide_rows) == HALVES for layer in ex.wide.layers)
+        assert all(not layer.qkv.copies for layer in ex.wide.layers)  # no count needs one
+        assert ex.wide.gemm_status.endswith("row counts (cached)")
+        assert "(cached)" in ex.wide_status
+
+
+@pytest.mark.parametrize(
+    "record", [{"down": {"16": "no-such-kernel"}}, {"lm": {"16": "plain"}}, {"o": {"x": "plain"}}]
+)
+def test_a_gemm_record_that_is_no_choice_is_timed_again(monkeypatch, record):
+    cache_routing_and_gemms(record)
+    with by_need() as ex:
+        step(ex, [long_prompts(ex.vocab_size)[0][:40]] * 7)
+        assert ex.wide_lazy.state == "on" and ex.wide.gemms_untimed
+        assert ex.wide_lazy.wants_time() and not ex.wide.gemms_cached
+
+
+def test_deciding_at_once_takes_the_cached_gemm_choice(monkeypatch):
+    """Offline (LLM, in-process benchmarks): the paths are timed, the GEMMs are not."""
+    from ultrafast.executors.packed_linear import HALVES
+
+    rows = cache_routing_and_gemms({"down": {"128": HALVES}})
+    assert 128 in rows
+    forbid_gemm_timing(monkeypatch)
+    with by_need() as ex:
+        ex.wide_lazy.decide_now(use_cache=False)
+        assert ex.wide is not None and ex.wide.gemms_cached
+        assert ex.wide.layers[0].down.kernel_at(128) == HALVES
+
+
 def test_a_slow_load_leaves_the_needing_pass_on_llama_cpp(monkeypatch):
     """With a cached decision the needing pass waits at most LOAD_WAIT_S for the weights;
     a load that takes longer goes on in the background while passes run on llama.cpp."""

@@ -168,6 +168,8 @@ class WideForward:
             else (None, "prefill attention: torch SDPA (float32 activations)")
         )
         self.gemms_untimed: list[int] = []  # row counts built, not timed yet
+        self.gemm_rows: list[int] = []  # the row counts warm_gemms built (timed or cached)
+        self.gemms_cached = False  # the kernels came from an earlier start's timing
         # per matrix kind, the row counts measured faster on another kernel than the packed
         # weight's, and that kernel (packed_linear.fastest_kernel: a copy's or halves;
         # time_gemms)
@@ -195,6 +197,7 @@ class WideForward:
             if isinstance(self.lm_head, Weight):
                 self.lm_head.copy_for(HALF)
         self.gemms_untimed = list(row_counts)
+        self.gemm_rows = list(row_counts)
 
     def gemms_due(self) -> bool:
         """Are GEMM row counts left to time, and is it time to try (time_gemms)?"""
@@ -250,6 +253,36 @@ class WideForward:
             self.lm_head.choose(self._kernels.get(HEAD, {}))
         return True
 
+    def kernel_choices(self) -> dict[str, dict[str, str]]:
+        """The timed choices as JSON keeps them (kind -> row count -> kernel), for the
+        start-cost cache (wide_lazy.py): a later start on this CPU, file and flags takes them
+        instead of ~60 s of timing (SmolLM2, 2-core AVX2 EPYC)."""
+        assert not self.gemms_untimed, "time_gemms first"
+        return {kind: {str(r): k for r, k in rows.items()} for kind, rows in self._kernels.items()}
+
+    def use_kernel_choices(self, choices: object) -> bool:
+        """Take an earlier start's `kernel_choices` for the counts warm_gemms built (every
+        layer and the head chosen, the copies no count needs freed, nothing left to time);
+        False, with nothing changed, where the record is not such a choice."""
+        kinds = {*GEMM_KINDS, HEAD}
+        known = {*COPIED, HALVES, TILES, HALF, PACKED}
+        if not isinstance(choices, dict) or not set(choices) <= kinds:
+            return False
+        kernels: dict[str, dict[int, str]] = {}
+        for kind, rows in choices.items():
+            if not isinstance(rows, dict) or not set(rows.values()) <= known:
+                return False
+            try:
+                kernels[kind] = {int(r): k for r, k in rows.items()}
+            except ValueError:
+                return False
+        self._kernels, self.gemms_untimed, self.gemms_cached = kernels, [], True
+        for layer in self.layers:
+            self._choose(layer)
+        if isinstance(self.lm_head, Weight):
+            self.lm_head.choose(self._kernels.get(HEAD, {}))
+        return True
+
     def _stream(self, kind: str, rows: int, bias: torch.Tensor | None) -> list[Weight]:
         """Where TILES or HALF may take `rows` rows: the kind's matrix of every layer, timed
         in turn (packed_linear._calls). Timed on the first layer alone, its weight sat in the
@@ -287,9 +320,10 @@ class WideForward:
             ]
             if kinds:
                 parts.append(f"{kernel} for {', '.join(kinds)}")
+        cached = " (cached)" if self.gemms_cached else ""
         if not parts:
-            return "GEMMs: packed weights at every row count"
-        return f"GEMMs: measured faster than packed weights: {'; '.join(parts)} row counts"
+            return f"GEMMs: packed weights at every row count{cached}"
+        return f"GEMMs: measured faster than packed weights: {'; '.join(parts)} row counts{cached}"
 
     @property
     def num_layers(self) -> int:

@@ -184,6 +184,7 @@ class WideLazy:
         glibc_trim()  # the load's transients (heap_trim.py: SmolLM2 f32, steady 2.5 -> 1.6 GiB)
         try:  # a speed-up only: the passes build what they meet if this fails
             forward.warm_gemms(gemm_row_counts(self.ex.max_num_batched_tokens, self.ex.num_slots))
+            self._reuse_gemms(forward)
         except Exception as exc:  # noqa: BLE001
             log.warning("wide passes: GEMM row counts not built ahead (%s)", exc)
         glibc_trim()
@@ -258,6 +259,7 @@ class WideLazy:
             forward = self._forward()
             untimed = forward.gemm_status
             if forward.time_gemms(should_stop):  # the status says the choice from now
+                self._cache_gemms(forward)
                 self.status = self.status.replace(untimed, forward.gemm_status)
                 log.info("wide passes: %s", forward.gemm_status)
                 glibc_trim()  # the freed copies and the timing's products
@@ -281,6 +283,29 @@ class WideLazy:
             self._turn_on(self._loaded, min_tokens, status, timed=True)
         return True
 
+    # ---- the GEMM kernels' choice, cached apart from the routing ----
+
+    def gemm_identity(self, row_counts: list[int]) -> dict:
+        """The cache key of the GEMM choices: the routing's, and the row counts timed."""
+        return {**self.identity(), "cache": "wide_gemms", "row_counts": list(row_counts)}
+
+    def _reuse_gemms(self, forward: Any) -> bool:
+        """An earlier start's GEMM choices for this CPU, file, flags and row counts, taken
+        instead of timing them (WideForward.use_kernel_choices); False where none is cached."""
+        cached = read_cache(self.gemm_identity(forward.gemm_rows))
+        if cached is None or not forward.use_kernel_choices(cached.get("kernels")):
+            return False
+        log.info("wide passes: %s", forward.gemm_status)
+        return True
+
+    def _cache_gemms(self, forward: Any) -> None:
+        write_cache(self.gemm_identity(forward.gemm_rows), {"kernels": forward.kernel_choices()})
+
+    def _time_or_reuse_gemms(self, forward: Any) -> None:
+        """plan_wide_path's GEMM step offline: the cached choices, else timed and cached."""
+        if not self._reuse_gemms(forward) and forward.time_gemms():
+            self._cache_gemms(forward)
+
     def _remember(self, min_tokens: int | None, status: str) -> None:
         router = self.ex.decode_router
         on = min_tokens is not None
@@ -301,7 +326,7 @@ class WideLazy:
         decision is cached or `use_cache` is False; a cached decision still loads by need."""
         if self.state != "by need" or (use_cache and self.min_tokens is not None):
             return
-        self.status = plan_wide_path(self.ex, self.mode)
+        self.status = plan_wide_path(self.ex, self.mode, self._time_or_reuse_gemms)
         self.state = "on" if self.ex.wide is not None else "off"
         glibc_trim()
         if self.ex.wide is not None:

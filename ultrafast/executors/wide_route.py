@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -65,9 +66,11 @@ def unavailable(executor) -> str | None:
     return None
 
 
-def plan_wide_path(executor, mode: str) -> str:
+def plan_wide_path(executor, mode: str, time_gemms: Callable[[Any], object] | None = None) -> str:
     """Set executor.wide / wide_min_tokens for `mode` at once (weights loaded, both paths
-    timed in slot 0); return the status line. Serving does this by need (wide_lazy.py)."""
+    timed in slot 0); return the status line. Serving does this by need (wide_lazy.py).
+    `time_gemms(wide)` chooses the GEMM kernels (default: timed here; wide_lazy's takes an
+    earlier start's choice from the cache)."""
     if mode == "off":
         return OFF_STATUS
     why = unavailable(executor)
@@ -84,7 +87,10 @@ def plan_wide_path(executor, mode: str) -> str:
         return f"off (not available: {why}): every pass runs on llama.cpp"
     # the GEMM kernels first: the decode timing below depends on them (float16 copies)
     executor.wide.warm_gemms(gemm_row_counts(executor.max_num_batched_tokens, executor.num_slots))
-    executor.wide.time_gemms()  # nothing serves beside it yet
+    if time_gemms is None:
+        executor.wide.time_gemms()  # nothing serves beside it yet
+    else:
+        time_gemms(executor.wide)
     min_tokens, status = time_wide_path(executor, mode)
     min_tokens, status = with_decode(executor, min_tokens, status, executor.start_wide_decode())
     if min_tokens is None:
