@@ -46,29 +46,14 @@ from ultrafast.executors.packed_linear import (
     weight,
 )
 from ultrafast.executors.tile_gemm import MAX_ROWS as TILE_ROWS
+from ultrafast.executors.wide_weights import GEMM_KINDS, Layer, layer_weights, model_weights
 from ultrafast.model.config import ModelConfig
 from ultrafast.model.gguf_meta import read_gguf_metadata
-from ultrafast.model.gguf_weights import GGUF_ARCHITECTURES, gguf_model_config, gguf_tensors
+from ultrafast.model.gguf_weights import GGUF_ARCHITECTURES, gguf_model_config
 from ultrafast.model.llama import rope_tables
 
 BF16 = torch.bfloat16
 _F32_EMBEDDING_MAX_BYTES = 512 << 20  # exact f32 rows (as llama.cpp's get_rows) below this
-
-
-GEMM_KINDS = ("qkv", "o", "gate_up", "down")  # a layer's matrices, by their field names
-
-
-@dataclass
-class Layer:
-    qkv: Weight
-    qkv_bias: torch.Tensor | None
-    o: Weight
-    gate_up: Weight
-    down: Weight
-    attn_norm: torch.Tensor
-    ffn_norm: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
 
 
 @dataclass
@@ -128,8 +113,8 @@ class WideForward:
         if why:
             raise ValueError(why)
         self.interleaved = GGUF_ARCHITECTURES[meta.architecture][1]
-        tensors = dict(_weights(meta, config))
-        self.layers = [_layer(tensors, i) for i in range(config.num_hidden_layers)]
+        tensors = dict(model_weights(meta, config))
+        self.layers = [layer_weights(tensors, i) for i in range(config.num_hidden_layers)]
         embed = tensors.pop("model.embed_tokens.weight")
         small = embed.numel() * 4 <= _F32_EMBEDDING_MAX_BYTES
         self.embed = embed.float() if small else embed.to(BF16)
@@ -489,36 +474,3 @@ class WideForward:
             return prefill_attention.attend(self.prefill_kernel, q, k, v, out)
         attended = prefill_attention.sdpa(q, k, v, mask)
         return attended if out is None else out.copy_(attended)
-
-
-def _weights(meta, config: ModelConfig):
-    """HF name -> tensor: matrices bf16, norm weights float32, one dequantized tensor at a time."""
-    for name, tensor in gguf_tensors(meta, config):
-        is_matrix = tensor.dim() == 2 and not name.endswith("embed_tokens.weight")
-        yield name, tensor.to(BF16) if is_matrix else tensor
-
-
-def _layer(tensors: dict[str, torch.Tensor], i: int) -> Layer:
-    def take(name: str) -> torch.Tensor:
-        return tensors.pop(f"model.layers.{i}.{name}")
-
-    def maybe(name: str) -> torch.Tensor | None:
-        return tensors.pop(f"model.layers.{i}.{name}", None)
-
-    qkv = torch.cat([take(f"self_attn.{p}_proj.weight") for p in "qkv"]).contiguous()
-    biases = [maybe(f"self_attn.{p}_proj.bias") for p in "qkv"]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat([b for b in biases if b is not None]).to(BF16)
-    gate_up = torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]).contiguous()
-    return Layer(  # the matrices packed for oneDNN where that works (packed_linear.py)
-        qkv=weight(qkv),
-        qkv_bias=bias,
-        o=weight(take("self_attn.o_proj.weight").contiguous()),
-        gate_up=weight(gate_up),
-        down=weight(take("mlp.down_proj.weight").contiguous()),
-        attn_norm=take("input_layernorm.weight").float(),
-        ffn_norm=take("post_attention_layernorm.weight").float(),
-        q_norm=maybe("self_attn.q_norm.weight"),
-        k_norm=maybe("self_attn.k_norm.weight"),
-    )
