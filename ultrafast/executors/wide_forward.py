@@ -46,13 +46,18 @@ from ultrafast.executors.packed_linear import (
     weight,
 )
 from ultrafast.executors.tile_gemm import MAX_ROWS as TILE_ROWS
-from ultrafast.executors.wide_weights import GEMM_KINDS, Layer, layer_weights, model_weights
+from ultrafast.executors.wide_weights import (
+    BF16,
+    GEMM_KINDS,
+    Layer,
+    layer_weights,
+    model_weights,
+)
 from ultrafast.model.config import ModelConfig
 from ultrafast.model.gguf_meta import read_gguf_metadata
 from ultrafast.model.gguf_weights import GGUF_ARCHITECTURES, gguf_model_config
 from ultrafast.model.llama import rope_tables
 
-BF16 = torch.bfloat16
 _F32_EMBEDDING_MAX_BYTES = 512 << 20  # exact f32 rows (as llama.cpp's get_rows) below this
 
 
@@ -232,10 +237,7 @@ class WideForward:
                 return False
             for kind, kernels in found.items():
                 self._kernels.setdefault(kind, {}).update(kernels)
-        for layer in self.layers:
-            self._choose(layer)
-        if isinstance(self.lm_head, Weight):
-            self.lm_head.choose(self._kernels.get(HEAD, {}))
+        self._choose_everywhere()
         return True
 
     def kernel_choices(self) -> dict[str, dict[str, str]]:
@@ -262,10 +264,7 @@ class WideForward:
             except ValueError:
                 return False
         self._kernels, self.gemms_untimed, self.gemms_cached = kernels, [], True
-        for layer in self.layers:
-            self._choose(layer)
-        if isinstance(self.lm_head, Weight):
-            self.lm_head.choose(self._kernels.get(HEAD, {}))
+        self._choose_everywhere()
         return True
 
     def _stream(self, kind: str, rows: int, bias: torch.Tensor | None) -> list[Weight]:
@@ -276,6 +275,13 @@ class WideForward:
         if rows > max(TILE_ROWS if bias is None else 0, HALF_ROWS):
             return []
         return [getattr(layer, kind) for layer in self.layers]
+
+    def _choose_everywhere(self) -> None:
+        """Every layer and the head take the kinds' choices (timed, or from the cache)."""
+        for layer in self.layers:
+            self._choose(layer)
+        if isinstance(self.lm_head, Weight):
+            self.lm_head.choose(self._kernels.get(HEAD, {}))
 
     def _choose(self, layer: Layer, keep_copies: bool = False) -> None:
         """`layer`'s weights take the kinds' accepted choices (`keep_copies`: the first
